@@ -1,0 +1,101 @@
+"""The `Communicator`: the only way the coordinator and the stage workers talk.
+
+Messages carry a kind (what the payload is), the step they belong to, the stage and microbatch
+they concern, and the payload. Stage workers and the coordinator only see `Endpoint`s, so the same
+engine code runs on every transport.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+COORDINATOR = -1
+
+
+class MessageKind:
+    """What a message carries."""
+
+    STEP = "step"  # coordinator -> rank: run a step (payload: StepPlan)
+    ACTIVATION = "activation"  # forward input of a stage
+    OUTPUT = "output"  # last stage -> coordinator
+    GRAD = "grad"  # gradient with respect to a stage's output
+    INPUT_GRAD = "input_grad"  # first stage -> coordinator: gradient of the pipeline's input
+    DONE = "done"  # rank -> coordinator: the step finished (payload: timing records)
+    ERROR = "error"  # rank -> coordinator: an action failed (payload: StageError)
+    ABORT = "abort"  # coordinator -> rank: drop the step
+    CALL = "call"  # coordinator -> rank: run a control method (payload: (name, args))
+    REPLY = "reply"  # rank -> coordinator: a control method's result
+    STOP = "stop"  # coordinator -> rank: leave the event loop
+
+
+@dataclass
+class Message:
+    kind: str
+    step: int = 0
+    stage: int = 0
+    microbatch: int = 0
+    payload: Any = None
+    source: int = COORDINATOR
+
+
+class Endpoint(ABC):
+    """One participant's view: its own inbox and a way to send to any rank or the coordinator."""
+
+    rank: int
+
+    @abstractmethod
+    def send(self, rank: int, message: Message) -> None:
+        """Deliver ``message`` to ``rank``'s inbox (``COORDINATOR`` for the coordinator)."""
+
+    @abstractmethod
+    def recv(self, timeout: float | None) -> Message | None:
+        """Next message of this inbox, or None after ``timeout`` seconds."""
+
+    def host(self, rank: int) -> str:
+        """Where ``rank`` runs, for error messages."""
+        return "local"
+
+
+class QueueInbox:
+    """A thread-safe inbox, woken by whoever delivers a message (the seed's I/O callback)."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[Message] = queue.SimpleQueue()
+
+    def put(self, message: Message) -> None:
+        self._queue.put(message)
+
+    def get(self, timeout: float | None) -> Message | None:
+        try:
+            return self._queue.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+
+class Communicator(ABC):
+    """Starts stage workers somewhere and connects them with the coordinator."""
+
+    name: str = "communicator"
+
+    @abstractmethod
+    def launch(self, specs: list[Any], worker_cls: Any) -> Endpoint:
+        """Start ``worker_cls(specs[i], endpoint).serve()`` for each rank ``i``; return the coordinator's endpoint."""
+
+    @abstractmethod
+    def shutdown(self, timeout: float) -> None:
+        """Stop every worker; returns within ``timeout`` seconds."""
+
+    def check_alive(self) -> None:
+        """Raise `TransportError` if a worker is known to be gone (called while waiting)."""
+
+
+def deadline(timeout: float) -> float:
+    return time.monotonic() + timeout
+
+
+def remaining(until: float) -> float:
+    return max(0.0, until - time.monotonic())

@@ -1,0 +1,71 @@
+"""The local communicator: one thread per rank in this process, inboxes are queues."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from lightning_pipe.comm.base import (
+    COORDINATOR,
+    Communicator,
+    Endpoint,
+    Message,
+    MessageKind,
+    QueueInbox,
+    deadline,
+    remaining,
+)
+from lightning_pipe.errors import TransportError
+
+
+class LocalEndpoint(Endpoint):
+    def __init__(self, rank: int, inboxes: dict[int, QueueInbox]) -> None:
+        self.rank = rank
+        self._inboxes = inboxes
+
+    def send(self, rank: int, message: Message) -> None:
+        message.source = self.rank
+        self._inboxes[rank].put(message)
+
+    def recv(self, timeout: float | None) -> Message | None:
+        return self._inboxes[self.rank].get(timeout)
+
+    def host(self, rank: int) -> str:
+        return f"thread {rank} of this process"
+
+
+class LocalCommunicator(Communicator):
+    """Stage workers are threads of the coordinator's process; messages are passed by reference."""
+
+    name = "local"
+
+    def __init__(self) -> None:
+        self._threads: list[threading.Thread] = []
+        self._inboxes: dict[int, QueueInbox] = {}
+
+    def launch(self, specs: list[Any], worker_cls: Any) -> Endpoint:
+        if self._threads:
+            raise TransportError("this communicator already runs stage workers; shut it down first")
+        self._inboxes = {COORDINATOR: QueueInbox()} | {rank: QueueInbox() for rank in range(len(specs))}
+        for rank, spec in enumerate(specs):
+            worker = worker_cls(spec, LocalEndpoint(rank, self._inboxes))
+            thread = threading.Thread(target=worker.serve, name=f"lightning_pipe-stage-{rank}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        return LocalEndpoint(COORDINATOR, self._inboxes)
+
+    def shutdown(self, timeout: float) -> None:
+        for rank in range(len(self._threads)):
+            self._inboxes[rank].put(Message(MessageKind.STOP))
+        until = deadline(timeout)
+        for thread in self._threads:
+            thread.join(remaining(until))
+        alive = [t.name for t in self._threads if t.is_alive()]
+        self._threads = []
+        if alive:
+            raise TransportError(f"stage threads did not stop within {timeout:.0f} s: {', '.join(alive)}")
+
+    def check_alive(self) -> None:
+        dead = [t.name for t in self._threads if not t.is_alive()]
+        if dead:
+            raise TransportError(f"stage worker thread ended unexpectedly: {', '.join(dead)}")

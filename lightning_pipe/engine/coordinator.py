@@ -1,0 +1,251 @@
+"""The `Coordinator`: feeds microbatches, computes losses, collects outputs and errors."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_pipe import tree
+from lightning_pipe.comm.base import COORDINATOR, Communicator, Endpoint, Message, MessageKind, deadline, remaining
+from lightning_pipe.engine.plan import EVAL, TRAIN, StageSpec, StepPlan
+from lightning_pipe.engine.stage import StageWorker
+from lightning_pipe.errors import PipeTimeoutError, StageError
+from lightning_pipe.schedule import Schedule
+
+Key = tuple[str, int, int]  # (kind, stage, microbatch)
+_POLL = 1.0  # seconds between liveness checks while waiting
+
+
+@dataclass
+class StepResult:
+    """What a step returns: per-microbatch losses (train) or outputs (eval), and each rank's timeline."""
+
+    losses: list[Any] = field(default_factory=list)
+    outputs: list[Any] = field(default_factory=list)
+    records: list[list[tuple[str, float, float]]] = field(default_factory=list)
+    schedule: Schedule | None = None
+
+
+class Coordinator:
+    """Drives the stage workers through a communicator, one step at a time.
+
+    The coordinator holds no layers: it sends microbatch inputs to the first stage, receives the
+    last stage's outputs, runs the loss (the `ForwardLossModule` of the last shard, with the
+    identity as its model) and sends the gradients back.
+    """
+
+    def __init__(
+        self,
+        communicator: Communicator,
+        specs: Sequence[StageSpec],
+        schedule: Callable[[int, int, int], Schedule],
+        timeout: float,
+        device: torch.device | None = None,
+        virtual_stages: int = 1,
+        worker_cls: type = StageWorker,
+    ) -> None:
+        self.communicator = communicator
+        self.specs = list(specs)
+        self.schedule_factory = schedule
+        self.timeout = timeout
+        self.device = device or torch.device("cpu")
+        self.virtual_stages = virtual_stages
+        self.num_ranks = len(self.specs)
+        self.num_stages = self.specs[0].num_stages
+        self.rank_of_stage = self.specs[0].rank_of_stage
+        last = [shard for spec in self.specs for shard in spec.shards if shard.index == self.num_stages - 1][0]
+        self.loss_module = last.forward_loss
+        self._head = nn.Identity()
+        self._worker_cls = worker_cls
+        self._endpoint: Endpoint | None = None
+        self._step = 0
+        self._pending: dict[Key, Message] = {}
+        self._schedules: dict[tuple[int, int], Schedule] = {}
+        self.last_result: StepResult | None = None
+
+    # lifetime
+    def start(self) -> Coordinator:
+        self._endpoint = self.communicator.launch(self.specs, self._worker_cls)
+        return self
+
+    def close(self) -> None:
+        if self._endpoint is not None:
+            self._endpoint = None
+            self.communicator.shutdown(self.timeout)
+
+    def __enter__(self) -> Coordinator:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def endpoint(self) -> Endpoint:
+        if self._endpoint is None:
+            raise RuntimeError("the pipeline is not started; call start() or use it as a context manager")
+        return self._endpoint
+
+    def schedule(self, num_microbatches: int) -> Schedule:
+        key = (self.num_ranks, num_microbatches)
+        if key not in self._schedules:
+            self._schedules[key] = self.schedule_factory(self.num_ranks, num_microbatches, self.virtual_stages)
+        return self._schedules[key]
+
+    # steps
+    def train_step(
+        self,
+        inputs: Sequence[Any],
+        labels: Sequence[Any],
+        criterion: Callable[[Any, Any], Any],
+        scaler: Any = None,
+        optimizer: Any = None,
+    ) -> StepResult:
+        """Forward and backward of every microbatch; parameter gradients stay on the stages."""
+        schedule = self.schedule(len(inputs))
+        step = self._begin(TRAIN, schedule.actions())
+        try:
+            self._feed(step, inputs)
+            if schedule.loss_after_all_forwards:
+                for m in range(len(inputs)):
+                    self._wait(step, MessageKind.OUTPUT, self.num_stages - 1, m, pop=False)
+            losses = []
+            for m in range(len(inputs)):
+                output = self._received_output(step, m)
+                scaler, grads, loss = self.loss_module.run(
+                    self._head, optimizer, output, labels[m], criterion, self.device, scaler
+                )
+                if grads is None:
+                    grads = [None] * len(tree.flatten(output)[0])
+                grads = [g.detach() if isinstance(g, torch.Tensor) else None for g in grads]
+                message = Message(MessageKind.GRAD, step, self.num_stages - 1, m, grads)
+                self.endpoint.send(self.rank_of_stage[-1], message)
+                losses.append(loss)
+            records = self._finish(step)
+            self._backward_inputs(step, inputs)
+        except BaseException:
+            self._abort(step)
+            raise
+        self.last_result = StepResult(losses=losses, records=records, schedule=schedule)
+        return self.last_result
+
+    def forward_step(self, inputs: Sequence[Any]) -> StepResult:
+        """Forward only (evaluation, prediction): returns the last stage's outputs in order."""
+        schedule = self.schedule(len(inputs))
+        step = self._begin(EVAL, schedule.forward_actions())
+        try:
+            self._feed(step, [tree.detach(x) for x in inputs])
+            outputs = [self._received_output(step, m, leaves=False) for m in range(len(inputs))]
+            records = self._finish(step)
+        except BaseException:
+            self._abort(step)
+            raise
+        self.last_result = StepResult(outputs=outputs, records=records, schedule=schedule)
+        return self.last_result
+
+    def call(self, name: str, *args: Any) -> list[Any]:
+        """Run ``StageWorker.call_<name>(*args)`` on every rank; returns their results in rank order."""
+        self._step += 1
+        step = self._step
+        for rank in range(self.num_ranks):
+            self.endpoint.send(rank, Message(MessageKind.CALL, step, payload=(name, args)))
+        results: list[Any] = [None] * self.num_ranks
+        for _ in range(self.num_ranks):
+            message = self._next(step, f"the reply to {name!r}")
+            while message.kind != MessageKind.REPLY:
+                message = self._next(step, f"the reply to {name!r}")
+            ok, value = message.payload
+            if not ok:
+                raise value
+            results[message.source] = value
+        return results
+
+    # internals
+    def _begin(self, mode: str, actions: list[list[Any]]) -> int:
+        self._step += 1
+        self._pending.clear()
+        for rank, rank_actions in enumerate(actions):
+            self.endpoint.send(rank, Message(MessageKind.STEP, self._step, payload=StepPlan(mode, rank_actions)))
+        return self._step
+
+    def _feed(self, step: int, inputs: Sequence[Any]) -> None:
+        for m, x in enumerate(inputs):
+            payload = (tree.detach(x), tree.grad_mask(x))
+            self.endpoint.send(self.rank_of_stage[0], Message(MessageKind.ACTIVATION, step, 0, m, payload))
+
+    def _received_output(self, step: int, m: int, leaves: bool = True) -> Any:
+        output, mask = self._wait(step, MessageKind.OUTPUT, self.num_stages - 1, m).payload
+        output = tree.map_tensors(lambda t: t.to(self.device) if t.device != self.device else t, output)
+        return tree.as_leaves(output, mask) if leaves else output
+
+    def _finish(self, step: int) -> list[list[tuple[str, float, float]]]:
+        records: list[Any] = [None] * self.num_ranks
+        for rank in range(self.num_ranks):
+            records[rank] = self._wait(step, MessageKind.DONE, -1, rank).payload
+        return records
+
+    def _backward_inputs(self, step: int, inputs: Sequence[Any]) -> None:
+        """Carry the first stage's input gradients into whatever produced the inputs."""
+        for m, x in enumerate(inputs):
+            if not any(tree.grad_mask(x)):
+                continue
+            grads = self._wait(step, MessageKind.INPUT_GRAD, 0, m).payload
+            pairs = [
+                (t, g.to(t.device))
+                for t, g in zip(tree.flatten(x)[0], grads, strict=True)
+                if isinstance(t, torch.Tensor) and t.requires_grad and g is not None
+            ]
+            if pairs:
+                torch.autograd.backward([p[0] for p in pairs], [p[1] for p in pairs])
+
+    def _wait(self, step: int, kind: str, stage: int, microbatch: int, pop: bool = True) -> Message:
+        key = (kind, stage, microbatch)
+        while key not in self._pending:
+            self._store(self._next(step, _describe(kind, stage, microbatch)))
+        return self._pending.pop(key) if pop else self._pending[key]
+
+    def _store(self, message: Message) -> None:
+        if message.kind == MessageKind.DONE:
+            self._pending[(message.kind, -1, message.source)] = message
+        else:
+            self._pending[(message.kind, message.stage, message.microbatch)] = message
+
+    def _next(self, step: int, what: str) -> Message:
+        """Next message of this step; raises a stage's error, or a timeout naming what was awaited."""
+        until = deadline(self.timeout)
+        while True:
+            message = self.endpoint.recv(min(_POLL, remaining(until)))
+            if message is None:
+                self.communicator.check_alive()
+                if remaining(until) <= 0:
+                    raise PipeTimeoutError(
+                        f"the coordinator waited {self.timeout:.1f} s for {what}; "
+                        "raise PipeStrategy(timeout=...) if a stage legitimately takes that long"
+                    )
+                continue
+            if message.step != step:
+                continue  # left over from an aborted step
+            if message.kind == MessageKind.ERROR:
+                error: StageError = message.payload
+                raise error
+            return message
+
+    def _abort(self, step: int) -> None:
+        if self._endpoint is None:
+            return
+        for rank in range(self.num_ranks):
+            self._endpoint.send(rank, Message(MessageKind.ABORT, step))
+        self._pending.clear()
+
+
+def _describe(kind: str, stage: int, microbatch: int) -> str:
+    if kind == MessageKind.DONE:
+        return f"rank {microbatch} to finish the step"
+    if kind == MessageKind.OUTPUT:
+        return f"the output of microbatch {microbatch} from the last stage ({stage})"
+    if kind == MessageKind.INPUT_GRAD:
+        return f"the input gradient of microbatch {microbatch} from stage 0"
+    return f"{kind} of microbatch {microbatch} from stage {stage}"

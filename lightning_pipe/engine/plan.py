@@ -1,0 +1,45 @@
+"""What the coordinator tells the stage workers: their build spec and each step's plan."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from lightning_pipe.schedule import Action
+
+TRAIN = "train"
+EVAL = "eval"
+
+
+@dataclass
+class AutocastSpec:
+    """Mixed precision each stage applies to its own thread (autocast is thread-local)."""
+
+    dtype: Any  # torch.dtype
+
+    def for_device(self, device_type: str) -> dict[str, Any]:
+        return {"device_type": device_type, "dtype": self.dtype}
+
+
+@dataclass
+class StageSpec:
+    """Everything a rank needs to build its stage worker: its shards and how to run them."""
+
+    rank: int
+    shards: list[Any]  # ShardedTask
+    num_stages: int
+    rank_of_stage: list[int]
+    checkpoint: list[bool]  # per stage index: recompute the forward in the backward
+    timeout: float
+    runtime: Any = None  # a BaseRuntime for every shard, or None: chosen by device type
+    autocast: AutocastSpec | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class StepPlan:
+    """One step for one rank: train or eval, and the rank's actions in order."""
+
+    mode: str
+    actions: list[Action]
+    trace: bool = True

@@ -1,0 +1,245 @@
+"""`StageWorker`: a rank's event loop. Runs its actions in order as their inputs arrive."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import traceback
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from lightning_pipe import tree
+from lightning_pipe.comm.base import COORDINATOR, Endpoint, Message, MessageKind, deadline, remaining
+from lightning_pipe.engine.plan import TRAIN, StageSpec, StepPlan
+from lightning_pipe.errors import PipeTimeoutError, StageError
+from lightning_pipe.executors import Activation
+from lightning_pipe.runtime import runtime_registry
+from lightning_pipe.schedule import Action, Kind
+
+_IDLE_POLL = 1.0  # seconds between checks while waiting for the next step
+Key = tuple[int, str, int, int]  # (step, kind, stage, microbatch)
+
+
+class _Abort(Exception):
+    """The coordinator dropped the current step."""
+
+
+class StageWorker:
+    """Holds one or more shards on a device, serves steps, control calls and stop requests."""
+
+    def __init__(self, spec: StageSpec, endpoint: Endpoint) -> None:
+        self.spec = spec
+        self.endpoint = endpoint
+        self.rank = spec.rank
+        self.shards = {shard.index: shard for shard in spec.shards}
+        self.runtimes = {
+            index: spec.runtime if spec.runtime is not None else runtime_registry.create(shard.device)
+            for index, shard in self.shards.items()
+        }
+        for index, shard in self.shards.items():
+            shard.module = self.runtimes[index].move_module(shard.module)
+            shard.module._pipe_runtime = self.runtimes[index]
+        self._pending: dict[Key, Message] = {}
+        self._saved: dict[tuple[int, int], Activation] = {}
+        self._stashed: list[tuple[torch.nn.Parameter, torch.Tensor | None]] = []
+        self._step_grads: list[tuple[torch.nn.Parameter, torch.Tensor | None]] = []
+        self._aborted = -1
+        self._stop = False
+
+    # event loop
+    def serve(self) -> None:
+        """Wait for messages until STOP; the seed's event loop over the stage's inbox."""
+        while not self._stop:
+            message = self.endpoint.recv(_IDLE_POLL)
+            if message is None:
+                continue
+            if message.kind == MessageKind.STOP:
+                return
+            if message.kind == MessageKind.STEP:
+                self._run_step(message.step, message.payload)
+            elif message.kind == MessageKind.CALL:
+                self._call(message)
+            elif message.kind == MessageKind.ABORT:
+                self._forget(message.step)
+            elif message.step > self._aborted:
+                self._pending[(message.step, message.kind, message.stage, message.microbatch)] = message
+
+    def _call(self, message: Message) -> None:
+        name, args = message.payload
+        try:
+            result: Any = getattr(self, f"call_{name}")(*args)
+            reply = Message(MessageKind.REPLY, message.step, payload=(True, result))
+        except Exception as exc:  # reported to the coordinator, which raises it
+            error = StageError(self.rank, None, name, repr(exc), traceback.format_exc(), self.endpoint.host(self.rank))
+            reply = Message(MessageKind.REPLY, message.step, payload=(False, error))
+        self.endpoint.send(COORDINATOR, reply)
+
+    # a step
+    def _run_step(self, step: int, plan: StepPlan) -> None:
+        records: list[tuple[str, float, float]] = []
+        action: Action | None = None
+        training = plan.mode == TRAIN
+        if training:
+            self._stash_grads()
+        try:
+            for action in plan.actions:
+                start = time.perf_counter()
+                if action.kind is Kind.FORWARD:
+                    self._forward(step, action, training)
+                else:
+                    self._backward(step, action)
+                records.append((str(action), start, time.perf_counter()))
+            for index, shard in self.shards.items():
+                self.runtimes[index].get_pending_result(shard.module, True)
+            self.endpoint.send(COORDINATOR, Message(MessageKind.DONE, step, payload=records))
+        except _Abort:
+            self._forget(step)
+        except Exception as exc:
+            error = StageError(
+                action.stage if action else self.rank,
+                action.microbatch if action else None,
+                str(action) if action else None,
+                f"{type(exc).__name__}: {exc}",
+                traceback.format_exc(),
+                self.endpoint.host(self.rank),
+            )
+            self.endpoint.send(COORDINATOR, Message(MessageKind.ERROR, step, payload=error))
+            self._forget(step)
+        finally:
+            if training:
+                self._unstash_grads()
+
+    def _forward(self, step: int, action: Action, training: bool) -> None:
+        s, m = action.stage, action.microbatch
+        shard, runtime = self.shards[s], self.runtimes[s]
+        inputs, mask = self._wait(step, MessageKind.ACTIVATION, s, m).payload
+        inputs = runtime.convert_batch(inputs)
+        device = runtime.torch_device
+        with self._autocast(device):
+            if not training:
+                with torch.no_grad():
+                    outputs = shard.forward.run(shard.module, inputs, device)
+                out_mask = [False] * len(tree.flatten(outputs)[0])
+            elif self.spec.checkpoint[s]:
+                leaves = tree.as_leaves(inputs, mask)
+                rng = torch.get_rng_state()
+                with torch.no_grad():
+                    outputs = shard.forward.run(shard.module, leaves, device)
+                self._saved[(s, m)] = Activation(leaves, None, rng)
+                out_mask = [isinstance(t, torch.Tensor) and t.is_floating_point() for t in tree.flatten(outputs)[0]]
+            else:
+                leaves = tree.as_leaves(inputs, mask)
+                with torch.enable_grad():
+                    outputs = shard.forward.run(shard.module, leaves, device)
+                self._saved[(s, m)] = Activation(leaves, outputs)
+                out_mask = tree.grad_mask(outputs)
+        payload = (tree.detach(outputs), out_mask)
+        if s + 1 < self.spec.num_stages:
+            message = Message(MessageKind.ACTIVATION, step, s + 1, m, payload)
+            self.endpoint.send(self.spec.rank_of_stage[s + 1], message)
+        else:
+            self.endpoint.send(COORDINATOR, Message(MessageKind.OUTPUT, step, s, m, payload))
+
+    def _backward(self, step: int, action: Action) -> None:
+        s, m = action.stage, action.microbatch
+        shard, runtime = self.shards[s], self.runtimes[s]
+        grads = self._wait(step, MessageKind.GRAD, s, m).payload
+        grads = [runtime.move_tensor(g) if isinstance(g, torch.Tensor) else None for g in grads]
+        saved = self._saved.pop((s, m))
+        with self._autocast(runtime.torch_device):
+            _, input_grads = shard.backward.run(shard.module, None, saved, runtime.torch_device, grads, None)
+        if input_grads is None or all(g is None for g in input_grads):
+            if s == 0:
+                return
+            input_grads = [None] * len(tree.flatten(saved.inputs)[0])
+        payload = [g.detach() if isinstance(g, torch.Tensor) else None for g in input_grads]
+        if s > 0:
+            self.endpoint.send(self.spec.rank_of_stage[s - 1], Message(MessageKind.GRAD, step, s - 1, m, payload))
+        else:
+            self.endpoint.send(COORDINATOR, Message(MessageKind.INPUT_GRAD, step, s, m, payload))
+
+    def _wait(self, step: int, kind: str, stage: int, microbatch: int) -> Message:
+        key = (step, kind, stage, microbatch)
+        until = deadline(self.spec.timeout)
+        while key not in self._pending:
+            message = self.endpoint.recv(remaining(until))
+            if message is None:
+                what = "activation" if kind == MessageKind.ACTIVATION else "gradient"
+                raise PipeTimeoutError(
+                    f"stage {stage} waited {self.spec.timeout:.1f} s for the {what} of microbatch {microbatch}; "
+                    "raise PipeStrategy(timeout=...) if a stage legitimately takes that long"
+                )
+            if message.kind == MessageKind.ABORT and message.step >= step:
+                raise _Abort
+            if message.kind == MessageKind.STOP:
+                self._stop = True
+                raise _Abort
+            if message.kind == MessageKind.CALL:
+                self._call(message)
+                continue
+            self._pending[(message.step, message.kind, message.stage, message.microbatch)] = message
+        return self._pending.pop(key)
+
+    def _forget(self, step: int) -> None:
+        self._aborted = max(self._aborted, step)
+        self._pending = {k: v for k, v in self._pending.items() if k[0] > step}
+        self._saved.clear()
+
+    @contextlib.contextmanager
+    def _autocast(self, device: torch.device) -> Iterator[None]:
+        if self.spec.autocast is None:
+            yield
+            return
+        with torch.autocast(**self.spec.autocast.for_device(device.type)):
+            yield
+
+    # gradients: a step's parameter gradients are set aside so that Lightning's zero_grad (which runs
+    # after training_step) does not wipe them; `call_apply_grads` adds them in the strategy's backward
+    def _parameters(self) -> list[torch.nn.Parameter]:
+        return [p for shard in self.shards.values() for p in shard.module.parameters() if p.requires_grad]
+
+    def _stash_grads(self) -> None:
+        self._stashed = [(p, p.grad) for p in self._parameters()]
+        for p, _ in self._stashed:
+            p.grad = None
+
+    def _unstash_grads(self) -> None:
+        self._step_grads = [(p, p.grad) for p, _ in self._stashed]
+        for p, grad in self._stashed:
+            p.grad = grad
+        self._stashed = []
+
+    # control calls (``call_<name>``), run on the worker between steps
+    def call_apply_grads(self, scale: float) -> None:
+        """Add the last step's gradients, times ``scale``, to ``p.grad``."""
+        for p, grad in self._step_grads:
+            if grad is None:
+                continue
+            grad = grad * scale if scale != 1.0 else grad
+            p.grad = grad if p.grad is None else p.grad + grad
+        self._step_grads = []
+
+    def call_discard_grads(self) -> None:
+        self._step_grads = []
+
+    def call_train(self, mode: bool) -> None:
+        for shard in self.shards.values():
+            shard.module.train(mode)
+
+    def call_runtime_hook(self, name: str, args: tuple[Any, ...]) -> None:
+        """Call ``runtime.<name>(module, *args)`` for each shard of this rank."""
+        for index, shard in self.shards.items():
+            hook = getattr(self.runtimes[index], name)
+            if name in ("train_epoch_begin", "train_validation_begin"):
+                hook(shard.module)
+            elif name == "get_pending_result":
+                hook(shard.module, *args)
+            elif name == "initialize_module":
+                hook(shard.module, *args)
+            else:  # pre/post step hooks: (trainer, module, batch_idx, batch[, outputs])
+                hook(args[0], shard.module, *args[1:])
+
+    def call_ping(self) -> int:
+        return self.rank

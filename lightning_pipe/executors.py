@@ -1,0 +1,131 @@
+"""Executor modules: what a shard runs for a forward, a forward with loss, and a backward.
+
+The argument and return order is the specification's (``seeds/executor-modules.md``); users may
+replace any of them by handing their own classes to the `Partitioner`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_pipe import tree
+
+Scaler = Any  # torch.amp.GradScaler or None
+
+
+def call_module(model: nn.Module, batch: Any) -> Any:
+    """Call ``model`` on a batch: a tuple is passed as positional arguments, anything else as one."""
+    if isinstance(batch, tuple) and not hasattr(batch, "_fields"):
+        return model(*batch)
+    return model(batch)
+
+
+@dataclass
+class Activation:
+    """What a stage keeps between a microbatch's forward and its backward.
+
+    ``inputs`` is the stage's input. Without activation checkpointing ``outputs`` holds the forward's
+    result with its autograd graph; with checkpointing it is ``None`` and the backward recomputes the
+    forward from ``inputs`` (with the random state of the original forward).
+    """
+
+    inputs: Any
+    outputs: Any = None
+    rng_state: torch.Tensor | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def checkpointed(self) -> bool:
+        return self.outputs is None
+
+
+class ForwardModule:
+    """Runs a shard's forward: ``run(model, batch, device) -> output``."""
+
+    type = "forward"
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+    def run(self, model: nn.Module, batch: Any, device: torch.device) -> Any:
+        return call_module(model, batch)
+
+
+class ForwardLossModule:
+    """Forward, loss and backward at the end of the pipeline.
+
+    ``run(model, optimizer, batch, labels, criterion, device, scaler=None)`` returns
+    ``(scaler, grads, loss)``: ``grads`` are the gradients with respect to ``batch`` (one per leaf,
+    None where none flows) that go back to the previous shard, and ``loss`` is detached.
+    """
+
+    type = "forward_loss"
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+    def run(
+        self,
+        model: nn.Module,
+        optimizer: Any,
+        batch: Any,
+        labels: Any,
+        criterion: Any,
+        device: torch.device,
+        scaler: Scaler = None,
+    ) -> tuple[Scaler, list[torch.Tensor | None] | None, torch.Tensor]:
+        output = call_module(model, batch)
+        loss = criterion(output, labels)
+        grads = None
+        if isinstance(loss, torch.Tensor) and loss.requires_grad:
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+            grads = tree.grads_of(batch)
+        loss = loss.detach() if isinstance(loss, torch.Tensor) else loss
+        return scaler, grads, loss
+
+
+class BackwardModule:
+    """Backward of a shard: ``run(model, optimizer, batch, device, grads, scaler=None)``.
+
+    ``batch`` is the shard's saved `Activation` (its checkpointed input); the forward is recomputed
+    when the activation holds no outputs. Parameter gradients accumulate into ``p.grad``. Returns
+    ``(scaler, grads)`` with ``grads`` the gradients with respect to the shard's input leaves.
+    """
+
+    type = "backward"
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+    def run(
+        self,
+        model: nn.Module,
+        optimizer: Any,
+        batch: Activation,
+        device: torch.device,
+        grads: list[torch.Tensor | None],
+        scaler: Scaler = None,
+    ) -> tuple[Scaler, list[torch.Tensor | None] | None]:
+        outputs = batch.outputs
+        if outputs is None:
+            outputs = recompute(model, batch)
+        pairs = [
+            (out, grad)
+            for out, grad in zip(tree.flatten(outputs)[0], grads, strict=True)
+            if isinstance(out, torch.Tensor) and out.requires_grad and grad is not None
+        ]
+        if pairs:
+            torch.autograd.backward([p[0] for p in pairs], [p[1] for p in pairs])
+        return scaler, tree.grads_of(batch.inputs)
+
+
+def recompute(model: nn.Module, activation: Activation) -> Any:
+    """Run the forward again from a checkpointed input, with the original random state."""
+    with torch.random.fork_rng(devices=[]), torch.enable_grad():
+        if activation.rng_state is not None:
+            torch.set_rng_state(activation.rng_state)
+        return call_module(model, activation.inputs)

@@ -1,0 +1,180 @@
+"""`Pipeline`: a model split into stages and run by a schedule, without Lightning.
+
+The strategy builds one of these; tests and benchmarks use it directly::
+
+    pipe = Pipeline(nn.Sequential(...), stages=2, schedule="1f1b")
+    with pipe:
+        losses = pipe.train_step(x, y, F.cross_entropy, microbatches=4)  # grads land on p.grad
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_pipe.comm import Communicator, LocalCommunicator
+from lightning_pipe.engine import AutocastSpec, Coordinator, StageSpec, StepResult
+from lightning_pipe.errors import ConfigurationError
+from lightning_pipe.microbatch import split
+from lightning_pipe.partition import Partitioner, ShardedTask
+from lightning_pipe.runtime import BaseRuntime, runtime_registry
+from lightning_pipe.schedule import get_schedule
+
+CHECKPOINT_MODES = ("always", "except_last", "never")
+TRANSPORTS: dict[str, Callable[..., Communicator]] = {"local": LocalCommunicator}
+
+
+def register_transport(name: str, factory: Callable[..., Communicator]) -> None:
+    """Make ``factory(**options)`` available as ``transport=name``."""
+    TRANSPORTS[name] = factory
+
+
+def checkpoint_flags(mode: str, num_stages: int) -> list[bool]:
+    """Which stages recompute their forward in the backward."""
+    if mode not in CHECKPOINT_MODES:
+        raise ConfigurationError(f"unknown checkpoint={mode!r}; available: {', '.join(CHECKPOINT_MODES)}")
+    if mode == "always":
+        return [True] * num_stages
+    if mode == "never":
+        return [False] * num_stages
+    return [True] * (num_stages - 1) + [False]
+
+
+def resolve_partitioner(partition: str | Sequence[int] | Partitioner) -> Partitioner:
+    return partition if isinstance(partition, Partitioner) else Partitioner(partition)
+
+
+def resolve_runtime(runtime: str | BaseRuntime | None, devices: Sequence[str]) -> list[BaseRuntime]:
+    """One runtime per stage: an instance is shared, a name picks the registered class."""
+    if isinstance(runtime, BaseRuntime):
+        return [runtime] * len(devices)
+    if runtime is None:
+        return [runtime_registry.create(d) for d in devices]
+    cls = runtime_registry.get_runtime_class(runtime)
+    return [cls(d) for d in devices]
+
+
+class Pipeline:
+    """Stages built from an ``nn.Sequential``, a schedule and a communicator."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        stages: int,
+        schedule: str = "1f1b",
+        partition: str | Sequence[int] | Partitioner = "params",
+        devices: Sequence[str] | None = None,
+        checkpoint: str = "except_last",
+        runtime: str | BaseRuntime | None = None,
+        timeout: float = 300.0,
+        transport: str | Communicator = "local",
+        autocast: AutocastSpec | None = None,
+        sample: Any = None,
+        coordinator_device: torch.device | None = None,
+    ) -> None:
+        self.devices = [str(d) for d in (devices or ["cpu"] * stages)]
+        if len(self.devices) != stages:
+            raise ConfigurationError(
+                f"devices has {len(self.devices)} entries but stages={stages}; give one device per stage"
+            )
+        self.module = module
+        self.schedule_factory = get_schedule(schedule) if isinstance(schedule, str) else schedule
+        self.partitioner = resolve_partitioner(partition)
+        self.checkpoint = checkpoint_flags(checkpoint, stages)
+        self.runtimes = resolve_runtime(runtime, self.devices)
+        self.timeout = float(timeout)
+        self.autocast = autocast
+        self.communicator = _communicator(transport)
+        self.shards: list[ShardedTask] = self.partitioner.partition(module, self.devices, sample)
+        self.coordinator_device = coordinator_device or self.runtimes[-1].torch_device
+        specs = [
+            StageSpec(
+                rank=i,
+                shards=[shard],
+                num_stages=stages,
+                rank_of_stage=list(range(stages)),
+                checkpoint=self.checkpoint,
+                timeout=self.timeout,
+                runtime=self.runtimes[i],
+                autocast=autocast,
+            )
+            for i, shard in enumerate(self.shards)
+        ]
+        self.coordinator = Coordinator(
+            self.communicator, specs, self.schedule_factory, self.timeout, self.coordinator_device
+        )
+        self._started = False
+
+    @property
+    def balance(self) -> list[int]:
+        return [len(shard.layers) for shard in self.shards]
+
+    def start(self) -> Pipeline:
+        if not self._started:
+            self.coordinator.start()
+            self._started = True
+        return self
+
+    def close(self) -> None:
+        if self._started:
+            self._started = False
+            self.coordinator.close()
+
+    def __enter__(self) -> Pipeline:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def parameters_of_stages(self) -> list[nn.Parameter]:
+        return [p for shard in self.shards for p in shard.module.parameters()]
+
+    def train_step(
+        self,
+        inputs: Any,
+        targets: Any,
+        criterion: Callable[[Any, Any], torch.Tensor],
+        microbatches: int = 4,
+        scaler: Any = None,
+    ) -> StepResult:
+        """One training step on a whole batch; gradients of the mean loss land on ``p.grad``.
+
+        Microbatch ``i``'s loss is weighted by its share of the rows, so the gradients equal those
+        of ``criterion(model(inputs), targets)`` for a mean-reduced criterion.
+        """
+        xs, ys = split(inputs, microbatches), split(targets, microbatches)
+        rows = sum(_rows(x) for x in xs)
+
+        def weighted(output: Any, label: tuple[int, Any]) -> torch.Tensor:
+            index, target = label
+            return criterion(output, target) * (_rows(xs[index]) / rows)
+
+        result = self.coordinator.train_step(xs, list(enumerate(ys)), weighted, scaler)
+        self.coordinator.call("apply_grads", 1.0)
+        return result
+
+    def forward(self, inputs: Any, microbatches: int = 1) -> Any:
+        """Forward only, no autograd; outputs are concatenated in batch order."""
+        from lightning_pipe.microbatch import gather
+
+        result = self.coordinator.forward_step(split(inputs, microbatches))
+        return gather(result.outputs)
+
+
+def _communicator(transport: str | Communicator) -> Communicator:
+    if isinstance(transport, Communicator):
+        return transport
+    try:
+        return TRANSPORTS[transport]()
+    except KeyError:
+        known = ", ".join(sorted(TRANSPORTS))
+        raise ConfigurationError(f"unknown transport {transport!r}; available: {known}") from None
+
+
+def _rows(batch: Any) -> int:
+    from lightning_pipe.microbatch import batch_size
+
+    return batch_size(batch)

@@ -1,0 +1,53 @@
+"""Helpers over nested containers of tensors (activations, gradients, batches)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+
+def flatten(tree: Any) -> tuple[list[Any], Any]:
+    return pytree.tree_flatten(tree)
+
+
+def unflatten(leaves: list[Any], spec: Any) -> Any:
+    return pytree.tree_unflatten(leaves, spec)
+
+
+def map_tensors(fn: Callable[[torch.Tensor], Any], tree: Any) -> Any:
+    """Apply ``fn`` to every tensor leaf of ``tree``; other leaves are kept."""
+    return pytree.tree_map(lambda x: fn(x) if isinstance(x, torch.Tensor) else x, tree)
+
+
+def tensors(tree: Any) -> list[torch.Tensor]:
+    return [x for x in flatten(tree)[0] if isinstance(x, torch.Tensor)]
+
+
+def grad_mask(tree: Any) -> list[bool]:
+    """For each leaf, whether a gradient flows back through it."""
+    return [isinstance(x, torch.Tensor) and x.requires_grad for x in flatten(tree)[0]]
+
+
+def detach(tree: Any) -> Any:
+    return map_tensors(lambda t: t.detach(), tree)
+
+
+def as_leaves(tree: Any, mask: list[bool]) -> Any:
+    """Detached copy of ``tree`` whose leaves marked in ``mask`` require grad (new autograd leaves)."""
+    leaves, spec = flatten(tree)
+    out = []
+    for leaf, wants_grad in zip(leaves, mask, strict=True):
+        if isinstance(leaf, torch.Tensor):
+            leaf = leaf.detach()
+            if wants_grad and (leaf.is_floating_point() or leaf.is_complex()):
+                leaf.requires_grad_(True)
+        out.append(leaf)
+    return unflatten(out, spec)
+
+
+def grads_of(tree: Any) -> list[torch.Tensor | None]:
+    """The ``.grad`` of every leaf (None where there is none)."""
+    return [x.grad if isinstance(x, torch.Tensor) and x.requires_grad else None for x in flatten(tree)[0]]
