@@ -47,6 +47,7 @@ class StageWorker:
         self._step_grads: list[tuple[torch.nn.Parameter, torch.Tensor | None]] = []
         self._aborted = -1
         self._stop = False
+        self._records: list[tuple[str, float, float]] = []  # this step's timeline (see lightning_pipe.trace)
 
     # event loop
     def serve(self) -> None:
@@ -79,6 +80,7 @@ class StageWorker:
     # a step
     def _run_step(self, step: int, plan: StepPlan) -> None:
         records: list[tuple[str, float, float]] = []
+        self._records = records
         action: Action | None = None
         training = plan.mode == TRAIN
         if training:
@@ -114,9 +116,12 @@ class StageWorker:
     def _forward(self, step: int, action: Action, training: bool) -> None:
         s, m = action.stage, action.microbatch
         shard, runtime = self.shards[s], self.runtimes[s]
+        t = time.perf_counter()
         inputs, mask = self._wait(step, MessageKind.ACTIVATION, s, m).payload
+        t = self._span(action, "idle", t)
         inputs = runtime.convert_batch(inputs)
         device = runtime.torch_device
+        t = self._span(action, "recv", t)
         with self._autocast(device):
             if not training:
                 with torch.no_grad():
@@ -135,21 +140,27 @@ class StageWorker:
                     outputs = shard.forward.run(shard.module, leaves, device)
                 self._saved[(s, m)] = Activation(leaves, outputs)
                 out_mask = tree.grad_mask(outputs)
+        t = self._span(action, "compute", t)
         payload = (tree.detach(outputs), out_mask)
         if s + 1 < self.spec.num_stages:
             message = Message(MessageKind.ACTIVATION, step, s + 1, m, payload)
             self.endpoint.send(self.spec.rank_of_stage[s + 1], message)
         else:
             self.endpoint.send(COORDINATOR, Message(MessageKind.OUTPUT, step, s, m, payload))
+        self._span(action, "send", t)
 
     def _backward(self, step: int, action: Action) -> None:
         s, m = action.stage, action.microbatch
         shard, runtime = self.shards[s], self.runtimes[s]
+        t = time.perf_counter()
         grads = self._wait(step, MessageKind.GRAD, s, m).payload
+        t = self._span(action, "idle", t)
         grads = [runtime.move_tensor(g) if isinstance(g, torch.Tensor) else None for g in grads]
         saved = self._saved.pop((s, m))
+        t = self._span(action, "recv", t)
         with self._autocast(runtime.torch_device):
             _, input_grads = shard.backward.run(shard.module, None, saved, runtime.torch_device, grads, None)
+        t = self._span(action, "compute", t)
         if input_grads is None or all(g is None for g in input_grads):
             if s == 0:
                 return
@@ -159,6 +170,13 @@ class StageWorker:
             self.endpoint.send(self.spec.rank_of_stage[s - 1], Message(MessageKind.GRAD, step, s - 1, m, payload))
         else:
             self.endpoint.send(COORDINATOR, Message(MessageKind.INPUT_GRAD, step, s, m, payload))
+        self._span(action, "send", t)
+
+    def _span(self, action: Action, part: str, start: float) -> float:
+        """Record ``part`` (idle, recv, compute or send) of ``action`` from ``start`` until now; returns now."""
+        now = time.perf_counter()
+        self._records.append((f"{action} {part}", start, now))
+        return now
 
     def _wait(self, step: int, kind: str, stage: int, microbatch: int) -> Message:
         key = (step, kind, stage, microbatch)
