@@ -9,6 +9,7 @@ The strategy builds one of these; tests and benchmarks use it directly::
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -47,6 +48,24 @@ def resolve_partitioner(partition: str | Sequence[int] | Partitioner) -> Partiti
     return partition if isinstance(partition, Partitioner) else Partitioner(partition)
 
 
+def stage_threads(threads: int | None, device_types: Sequence[str]) -> int | None:
+    """Intra-op threads each stage worker uses: ``threads``, or by default the cores shared among CPU stages.
+
+    Stage workers of the local transport are threads of one process and CPU stages compute at the
+    same time, so each takes its share of the cores instead of every stage starting a pool as large
+    as the machine (which oversubscribes the cores and makes OpenMP spin). None leaves torch's setting.
+    """
+    if threads is not None:
+        if threads < 1:
+            raise ConfigurationError(f"threads={threads}: pass a positive number of intra-op threads per stage")
+        return threads
+    cpu_stages = sum(t == "cpu" for t in device_types)
+    if cpu_stages == 0:
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(torch.get_num_threads(), cores // cpu_stages))
+
+
 def resolve_runtime(runtime: str | BaseRuntime | None, devices: Sequence[str]) -> list[BaseRuntime]:
     """One runtime per stage: an instance is shared, a name picks the registered class."""
     if isinstance(runtime, BaseRuntime):
@@ -74,6 +93,7 @@ class Pipeline:
         autocast: AutocastSpec | None = None,
         sample: Any = None,
         coordinator_device: torch.device | None = None,
+        threads: int | None = None,
     ) -> None:
         self.devices = [str(d) for d in (devices or ["cpu"] * stages)]
         if len(self.devices) != stages:
@@ -90,6 +110,7 @@ class Pipeline:
         self.communicator = _communicator(transport)
         self.shards: list[ShardedTask] = self.partitioner.partition(module, self.devices, sample)
         self.coordinator_device = coordinator_device or self.runtimes[-1].torch_device
+        num_threads = stage_threads(threads, [rt.torch_device.type for rt in self.runtimes])
         specs = [
             StageSpec(
                 rank=i,
@@ -100,6 +121,7 @@ class Pipeline:
                 timeout=self.timeout,
                 runtime=self.runtimes[i],
                 autocast=autocast,
+                options={"num_threads": num_threads},
             )
             for i, shard in enumerate(self.shards)
         ]

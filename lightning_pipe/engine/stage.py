@@ -52,6 +52,8 @@ class StageWorker:
     # event loop
     def serve(self) -> None:
         """Wait for messages until STOP; the seed's event loop over the stage's inbox."""
+        if self.spec.options.get("num_threads"):  # this thread's intra-op pool (it is per thread once set)
+            torch.set_num_threads(self.spec.options["num_threads"])
         while not self._stop:
             message = self.endpoint.recv(_IDLE_POLL)
             if message is None:

@@ -1,0 +1,660 @@
+"""lightning_pipe against torch.distributed.pipelining, side by side in one run.
+
+    python benchmarks/compare.py --workload mlp --stages 2 --microbatches 8 --schedule 1f1b
+
+Contenders, each in its own process(es), all with the same model, initialisation, data and
+threads per stage:
+
+- ``unsplit``: the whole model in one process (threads: stages x threads per stage, at most the cores);
+- ``torch``: torch.distributed.pipelining, `PipelineStage` + `ScheduleGPipe`/`Schedule1F1B`, one
+  process per stage, gloo on 127.0.0.1;
+- ``lightning_pipe``: a Lightning ``Trainer`` with ``PipeStrategy`` (local transport: stage threads
+  in one process), when the strategy is importable;
+- ``engine``: lightning_pipe's `Pipeline` without Lightning (local transport), the engine alone;
+- ``engine-rpc`` / ``lightning_pipe-rpc``: the same over ``transport="rpc"`` when that transport exists.
+
+After one checked step (all contenders must hold the same parameters), the contenders run in
+alternating rounds so machine drift hits all alike. Reported: training samples/s (median, min,
+max over the timed steps), the ratio to torch.distributed.pipelining, the efficiency against the
+pipeline bound ``batch / ((M + S - 1) * t_max)`` with ``t_max`` the slowest stage's measured
+forward+backward time per microbatch, peak RSS per process, and lightning_pipe's engine overhead
+(time per microbatch its stage workers spend outside compute and outside waiting).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+from benchmarks.workloads import WORKLOADS, build_model, loss_fn, make_batches, stage_module  # noqa: E402
+
+REPLY_TIMEOUT = 900.0  # seconds any worker may take to answer one command
+
+
+@dataclass
+class Config:
+    workload: str
+    stages: int
+    microbatches: int
+    schedule: str
+    threads: int  # intra-op threads per stage
+    unsplit_threads: int
+    lr: float
+    balance: list[int]
+    port: int = 0
+    trace_dir: str | None = None
+
+    @property
+    def batch(self) -> int:
+        return WORKLOADS[self.workload].batch
+
+
+# ---------------------------------------------------------------------------------------------
+# runners: one per worker process; `step()` runs one training step and returns its seconds
+# ---------------------------------------------------------------------------------------------
+class Runner:
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.batches = make_batches(cfg.workload)
+        self.loss = loss_fn(cfg.workload)
+        self.index = 0
+        self.info: list[dict[str, float]] = []
+
+    def batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = self.batches[self.index % len(self.batches)]
+        self.index += 1
+        return x, y
+
+    def step(self) -> float:
+        raise NotImplementedError
+
+    def params(self) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def run(self, steps: int) -> dict[str, Any]:
+        self.info = []
+        times = [self.step() for _ in range(steps)]
+        return {"times": times, "info": self.info}
+
+    def check(self) -> dict[str, Any]:
+        self.step()
+        return {"params": {k: v.detach().clone() for k, v in self.params().items()}}
+
+    def stop(self) -> dict[str, Any]:
+        return {}
+
+
+class UnsplitRunner(Runner):
+    """The whole model in one process; also measures each stage's forward+backward for the bound."""
+
+    def __init__(self, cfg: Config) -> None:
+        super().__init__(cfg)
+        torch.set_num_threads(cfg.unsplit_threads)
+        self.model = build_model(cfg.workload)
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=cfg.lr)
+
+    def step(self) -> float:
+        x, y = self.batch()
+        start = time.perf_counter()
+        self.optimizer.zero_grad()
+        self.loss(self.model(x), y).backward()
+        self.optimizer.step()
+        return time.perf_counter() - start
+
+    def params(self) -> dict[str, torch.Tensor]:
+        return dict(self.model.state_dict())
+
+    def profile(self, reps: int = 5) -> list[float]:
+        """Median forward+backward seconds of one microbatch on each stage, with a stage's threads."""
+        cfg = self.cfg
+        torch.set_num_threads(cfg.threads)
+        try:
+            x, y = self.batches[0]
+            rows = cfg.batch // cfg.microbatches
+            x, y = x[:rows], y[:rows]
+            stages = [stage_module(self.model, cfg.balance, s) for s in range(cfg.stages)]
+            inputs = []
+            with torch.no_grad():
+                h = x
+                for module in stages:
+                    inputs.append(h)
+                    h = module(h)
+            seconds = []
+            for s, module in enumerate(stages):
+                samples = []
+                for _ in range(reps + 2):
+                    h = inputs[s].detach().requires_grad_(inputs[s].is_floating_point())
+                    start = time.perf_counter()
+                    out = module(h)
+                    if s == cfg.stages - 1:
+                        self.loss(out, y).backward()
+                    else:
+                        out.backward(torch.ones_like(out))
+                    samples.append(time.perf_counter() - start)
+                seconds.append(statistics.median(samples[2:]))
+            self.model.zero_grad(set_to_none=True)
+            return seconds
+        finally:
+            torch.set_num_threads(cfg.unsplit_threads)
+
+
+class TorchPipeRunner(Runner):
+    """One stage of torch.distributed.pipelining (this process is rank ``rank`` of a gloo world)."""
+
+    def __init__(self, cfg: Config, rank: int) -> None:
+        super().__init__(cfg)
+        import torch.distributed as dist
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+        torch.set_num_threads(cfg.threads)
+        self.rank = rank
+        self.dist = dist
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{cfg.port}", rank=rank, world_size=cfg.stages)
+        self.module = stage_module(build_model(cfg.workload), cfg.balance, rank)
+        stage = PipelineStage(self.module, rank, cfg.stages, torch.device("cpu"))
+        schedule_cls = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[cfg.schedule]
+        self.schedule = schedule_cls(stage, n_microbatches=cfg.microbatches, loss_fn=self.loss)
+        self.optimizer = torch.optim.SGD(self.module.parameters(), lr=cfg.lr)
+
+    def step(self) -> float:
+        x, y = self.batch()
+        self.dist.barrier()
+        start = time.perf_counter()
+        self.optimizer.zero_grad()
+        if self.rank == 0:
+            self.schedule.step(x)
+        elif self.rank == self.cfg.stages - 1:
+            self.schedule.step(target=y, return_outputs=False)
+        else:
+            self.schedule.step()
+        self.optimizer.step()
+        return time.perf_counter() - start
+
+    def params(self) -> dict[str, torch.Tensor]:
+        return dict(self.module.state_dict())
+
+    def stop(self) -> dict[str, Any]:
+        self.dist.barrier()
+        self.dist.destroy_process_group()
+        return {}
+
+
+class EngineRunner(Runner):
+    """lightning_pipe's `Pipeline` (no Lightning): the engine alone, on ``transport``."""
+
+    def __init__(self, cfg: Config, transport: str) -> None:
+        super().__init__(cfg)
+        from lightning_pipe.pipeline import Pipeline
+
+        torch.set_num_threads(cfg.threads)
+        self.model = build_model(cfg.workload)
+        self.pipe = Pipeline(
+            self.model,
+            stages=cfg.stages,
+            schedule=cfg.schedule,
+            partition=cfg.balance,
+            checkpoint="never",
+            transport=transport,
+        ).start()
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=cfg.lr)
+
+    def step(self) -> float:
+        x, y = self.batch()
+        start = time.perf_counter()
+        self.optimizer.zero_grad()
+        result = self.pipe.train_step(x, y, self.loss, microbatches=self.cfg.microbatches)
+        self.optimizer.step()
+        seconds = time.perf_counter() - start
+        self.info.append(timeline_info(result, self.index))
+        return seconds
+
+    def params(self) -> dict[str, torch.Tensor]:
+        return dict(self.model.state_dict())
+
+    def stop(self) -> dict[str, Any]:
+        self.pipe.close()
+        return {}
+
+
+def timeline_info(result: Any, step: int) -> dict[str, float]:
+    """Bubble and engine overhead of one lightning_pipe step, from its stage timeline."""
+    from lightning_pipe.trace import StepTimeline
+
+    timeline = StepTimeline.from_result(result, step)
+    m = timeline.num_microbatches()
+    return {
+        "overhead_ms_per_microbatch": timeline.overhead_per_microbatch() * 1e3,
+        "compute_ms_per_microbatch": timeline.compute() / m * 1e3,
+        "bubble": timeline.measured_bubble(),
+        "idle": timeline.idle_fraction(),
+        "theoretical_bubble": timeline.theoretical_bubble() or 0.0,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# the Lightning Trainer contender: Lightning drives the loop, a callback answers the commands
+# ---------------------------------------------------------------------------------------------
+def serve_trainer(conn: Connection, cfg: Config, transport: str) -> None:
+    import lightning as L
+    from lightning_pipe.strategy import PipeStrategy
+
+    torch.set_num_threads(cfg.threads)
+    batches = make_batches(cfg.workload)
+    loss = loss_fn(cfg.workload)
+
+    class Net(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = build_model(cfg.workload)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            return loss(self.model(x), y)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=cfg.lr)
+
+    class Batches(torch.utils.data.IterableDataset):
+        def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+            i = 0
+            while True:
+                yield batches[i % len(batches)]
+                i += 1
+
+    class Driver(L.Callback):
+        """Times each step and, between rounds, waits for the orchestrator's next command."""
+
+        def __init__(self) -> None:
+            self.left = 0
+            self.times: list[float] = []
+            self.info: list[dict[str, float]] = []
+            self.start = 0.0
+            self.checking = True
+
+        def _command(self, trainer: Any, pl_module: Any) -> None:
+            while self.left == 0:
+                command = conn.recv()
+                if command[0] == "run":
+                    self.left, self.times, self.info = command[1], [], []
+                elif command[0] == "stop":
+                    trainer.should_stop = True
+                    self.stopping = True
+                    conn.send(("ok", {}))
+                    self.left = -1
+                else:
+                    conn.send(("error", f"unexpected command {command!r}"))
+
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+            if not self.checking:
+                self._command(trainer, pl_module)
+            self.start = time.perf_counter()
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            seconds = time.perf_counter() - self.start
+            if self.checking:
+                self.checking = False
+                params = {k: v.detach().clone() for k, v in pl_module.model.state_dict().items()}
+                command = conn.recv()
+                assert command[0] == "check", command
+                conn.send(("ok", {"params": params}))
+                return
+            if self.left <= 0:
+                return
+            self.times.append(seconds)
+            result = _last_result(trainer)
+            if result is not None:
+                self.info.append(timeline_info(result, batch_idx))
+            self.left -= 1
+            if self.left == 0:
+                conn.send(("ok", {"times": self.times, "info": self.info}))
+
+    strategy_kwargs: dict[str, Any] = dict(
+        stages=cfg.stages,
+        microbatches=cfg.microbatches,
+        schedule=cfg.schedule,
+        partition=cfg.balance,
+        checkpoint="never",
+    )
+    if transport != "local":
+        strategy_kwargs["transport"] = transport
+    trainer = L.Trainer(
+        accelerator="cpu",
+        strategy=PipeStrategy(**strategy_kwargs),
+        max_steps=10**9,
+        max_epochs=-1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    conn.send(("ready", os.getpid()))
+    loader = torch.utils.data.DataLoader(Batches(), batch_size=None)
+    trainer.fit(Net(), loader)
+
+
+def _last_result(trainer: Any) -> Any:
+    """The coordinator's last `StepResult`, wherever the strategy keeps its pipeline."""
+    strategy = trainer.strategy
+    for path in ("pipeline.coordinator", "_pipeline.coordinator", "coordinator", "_coordinator"):
+        obj: Any = strategy
+        for name in path.split("."):
+            obj = getattr(obj, name, None)
+        if obj is not None and getattr(obj, "last_result", None) is not None:
+            return obj.last_result
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# worker processes and the orchestrator
+# ---------------------------------------------------------------------------------------------
+def serve(conn: Connection, factory: Callable[..., Runner], args: tuple[Any, ...]) -> None:
+    """A worker process: build the runner, then answer commands until ``stop``."""
+    try:
+        runner = factory(*args)
+        conn.send(("ready", os.getpid()))
+        while True:
+            command = conn.recv()
+            if command[0] == "stop":
+                conn.send(("ok", runner.stop()))
+                return
+            method = getattr(runner, command[0])
+            conn.send(("ok", method(*command[1:])))
+    except Exception:
+        conn.send(("error", traceback.format_exc()))
+
+
+def serve_trainer_entry(conn: Connection, cfg: Config, transport: str) -> None:
+    try:
+        serve_trainer(conn, cfg, transport)
+    except Exception:
+        conn.send(("error", traceback.format_exc()))
+
+
+@dataclass
+class Contender:
+    """One library configuration: one or more worker processes."""
+
+    name: str
+    transport: str = "local"
+    workers: list[tuple[Any, Connection]] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)
+    info: list[dict[str, float]] = field(default_factory=list)
+    rss_mb: list[float] = field(default_factory=list)
+    params: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def ask(self, *command: Any) -> list[Any]:
+        for _, conn in self.workers:
+            conn.send(command)
+        return [reply(conn, self.name, command[0]) for _, conn in self.workers]
+
+
+def reply(conn: Connection, name: str, what: str) -> Any:
+    if not conn.poll(REPLY_TIMEOUT):
+        raise TimeoutError(f"{name} did not answer {what!r} within {REPLY_TIMEOUT:.0f} s")
+    status, value = conn.recv()
+    if status == "error":
+        raise RuntimeError(f"{name} failed during {what!r}:\n{value}")
+    return value
+
+
+def spawn(ctx: Any, contender: Contender, target: Callable[..., None], args: tuple[Any, ...]) -> None:
+    parent, child = ctx.Pipe()
+    process = ctx.Process(target=target, args=(child, *args), daemon=False)
+    process.start()
+    contender.workers.append((process, parent))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def peak_rss_mb(pid: int) -> float:
+    """Peak resident memory (VmHWM) of ``pid`` and its descendants, in MB."""
+    total = 0.0
+    pending = [pid]
+    while pending:
+        current = pending.pop()
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{current}/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    total += int(line.split()[1]) / 1024
+            for task in Path(f"/proc/{current}/task").iterdir():
+                children = (task / "children").read_text().split()
+                pending.extend(int(c) for c in children)
+    return total
+
+
+def available_transports() -> list[str]:
+    from lightning_pipe.pipeline import TRANSPORTS
+
+    with contextlib.suppress(ImportError):
+        import lightning_pipe.comm.rpc  # noqa: F401 - registers transport="rpc" where it exists
+    return sorted(TRANSPORTS)
+
+
+def has_strategy() -> bool:
+    try:
+        from lightning_pipe.strategy import PipeStrategy  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def start_contenders(cfg: Config, names: list[str]) -> list[Contender]:
+    ctx = mp.get_context("spawn")
+    contenders: list[Contender] = []
+    for name in names:
+        contender = Contender(name, transport="rpc" if name.endswith("-rpc") else "local")
+        if name == "unsplit":
+            spawn(ctx, contender, serve, (UnsplitRunner, (cfg,)))
+        elif name == "torch":
+            cfg.port = free_port()
+            for rank in range(cfg.stages):
+                spawn(ctx, contender, serve, (TorchPipeRunner, (cfg, rank)))
+        elif name.startswith("engine"):
+            spawn(ctx, contender, serve, (EngineRunner, (cfg, contender.transport)))
+        elif name.startswith("lightning_pipe"):
+            spawn(ctx, contender, serve_trainer_entry, (cfg, contender.transport))
+        else:
+            raise ValueError(f"unknown contender {name!r}")
+        for _, conn in contender.workers:
+            reply(conn, name, "start")
+        contenders.append(contender)
+    return contenders
+
+
+def compare_params(reference: dict[str, torch.Tensor], other: dict[str, torch.Tensor]) -> dict[str, Any]:
+    missing = sorted(set(reference) ^ set(other))
+    diffs = [(reference[k] - other[k]).abs().max().item() for k in reference if k in other]
+    scale = max(v.abs().max().item() for v in reference.values())
+    worst = max(diffs) if diffs else float("nan")
+    return {"max_abs_diff": worst, "same": not missing and worst <= 1e-5 * max(scale, 1.0), "missing": missing}
+
+
+def run(cfg: Config, names: list[str], warmup: int, rounds: int, steps: int) -> dict[str, Any]:
+    contenders = start_contenders(cfg, names)
+    by_name = {c.name: c for c in contenders}
+    try:
+        # one checked step from the same initial parameters
+        for contender in contenders:
+            for answer in contender.ask("check"):
+                contender.params.update(answer["params"])
+        reference = by_name["torch"].params if "torch" in by_name else contenders[0].params
+        checks = {c.name: compare_params(reference, c.params) for c in contenders}
+        for contender in contenders:
+            contender.ask("run", warmup)
+        stage_times: list[list[float]] = []
+        for r in range(rounds):
+            order = contenders[r % len(contenders) :] + contenders[: r % len(contenders)]
+            for contender in order:
+                answers = contender.ask("run", steps)
+                contender.times.extend(max(ts) for ts in zip(*(a["times"] for a in answers), strict=True))
+                for answer in answers:
+                    contender.info.extend(answer["info"])
+            if "unsplit" in by_name:
+                stage_times.append(by_name["unsplit"].ask("profile")[0])
+            print(f"  round {r + 1}/{rounds} done", file=sys.stderr, flush=True)
+        for contender in contenders:
+            contender.rss_mb = [peak_rss_mb(process.pid) for process, _ in contender.workers]
+            contender.ask("stop")
+    finally:
+        for contender in contenders:
+            for process, _ in contender.workers:
+                process.join(30)
+                if process.is_alive():
+                    process.terminate()
+                    process.join(10)
+    return summarize(cfg, contenders, checks, stage_times)
+
+
+def summarize(
+    cfg: Config, contenders: list[Contender], checks: dict[str, Any], stage_times: list[list[float]]
+) -> dict[str, Any]:
+    per_stage = [statistics.median(ts) for ts in zip(*stage_times, strict=True)] if stage_times else []
+    t_max = max(per_stage) if per_stage else None
+    bound_step = (cfg.microbatches + cfg.stages - 1) * t_max if t_max else None
+    rows: dict[str, Any] = {}
+    for c in contenders:
+        rates = [cfg.batch / t for t in c.times]
+        row: dict[str, Any] = {
+            "samples_per_s": {"median": statistics.median(rates), "min": min(rates), "max": max(rates)},
+            "step_ms_median": statistics.median(c.times) * 1e3,
+            "steps_timed": len(c.times),
+            "peak_rss_mb": [round(x, 1) for x in c.rss_mb],
+            "params_match": checks[c.name],
+        }
+        if bound_step:
+            row["efficiency_vs_bound"] = bound_step / statistics.median(c.times)
+        if c.info:
+            row["engine"] = {k: statistics.median(i[k] for i in c.info) for k in c.info[0]}
+            row["engine"]["overhead_share_of_compute"] = (
+                row["engine"]["overhead_ms_per_microbatch"] / row["engine"]["compute_ms_per_microbatch"]
+            )
+        rows[c.name] = row
+    if "torch" in rows:
+        torch_rate = rows["torch"]["samples_per_s"]["median"]
+        for row in rows.values():
+            row["ratio_vs_torch"] = row["samples_per_s"]["median"] / torch_rate
+    return {
+        "config": asdict(cfg) | {"batch": cfg.batch, "torch": torch.__version__, "cpus": os.cpu_count()},
+        "stage_fwd_bwd_ms": [t * 1e3 for t in per_stage],
+        "bound_samples_per_s": cfg.batch / bound_step if bound_step else None,
+        "contenders": rows,
+    }
+
+
+def format_table(results: dict[str, Any]) -> str:
+    cfg = results["config"]
+    lines = [
+        f"{cfg['workload']}, {cfg['stages']} stages, {cfg['microbatches']} microbatches, {cfg['schedule']}, "
+        f"batch {cfg['batch']}, {cfg['threads']} thread(s) per stage, torch {cfg['torch']}",
+        "stage forward+backward per microbatch (ms): " + ", ".join(f"{t:.2f}" for t in results["stage_fwd_bwd_ms"]),
+    ]
+    if results["bound_samples_per_s"]:
+        lines.append(f"bound (M+S-1)*t_max: {results['bound_samples_per_s']:.1f} samples/s")
+    header = (
+        f"| {'contender':<20} | {'samples/s median':>16} | {'min':>7} | {'max':>7} | {'vs torch':>8} | "
+        f"{'eff. vs bound':>13} | {'peak RSS MB/process':>20} | {'engine overhead/mb':>20} | params |"
+    )
+    lines += [header, "|" + "|".join("-" * (len(cell)) for cell in header.split("|")[1:-1]) + "|"]
+    for name, row in results["contenders"].items():
+        rate = row["samples_per_s"]
+        overhead = ""
+        if "engine" in row:
+            e = row["engine"]
+            overhead = f"{e['overhead_ms_per_microbatch']:.2f} ms ({e['overhead_share_of_compute']:.1%})"
+        rss = " + ".join(f"{x:.0f}" for x in row["peak_rss_mb"])
+        efficiency = f"{row['efficiency_vs_bound']:.3f}" if "efficiency_vs_bound" in row else "-"
+        ratio = f"{row['ratio_vs_torch']:.3f}" if "ratio_vs_torch" in row else "-"
+        same = "same" if row["params_match"]["same"] else f"DIFF {row['params_match']['max_abs_diff']:.1e}"
+        lines.append(
+            f"| {name:<20} | {rate['median']:>16.1f} | {rate['min']:>7.1f} | {rate['max']:>7.1f} | {ratio:>8} | "
+            f"{efficiency:>13} | {rss:>20} | {overhead:>20} | {same} |"
+        )
+    for name, row in results["contenders"].items():
+        if "engine" in row:
+            e = row["engine"]
+            lines.append(
+                f"{name}: measured bubble {e['bubble']:.3f} (idle {e['idle']:.3f}), "
+                f"theoretical {e['theoretical_bubble']:.3f}"
+            )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="mlp")
+    parser.add_argument("--stages", type=int, default=2)
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--schedule", choices=["1f1b", "gpipe"], default="1f1b")
+    parser.add_argument("--threads", type=int, default=None, help="intra-op threads per stage (default: cores/stages)")
+    parser.add_argument("--lr", type=float, default=0.01)
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per contender before the rounds")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per contender per round")
+    parser.add_argument("--contenders", default=None, help="comma-separated subset; default: all available")
+    parser.add_argument("--json", default=None, help="where to write the results (default: benchmarks/results/)")
+    args = parser.parse_args(argv)
+
+    cores = os.cpu_count() or 1
+    threads = args.threads or max(1, cores // args.stages)
+    cfg = Config(
+        workload=args.workload,
+        stages=args.stages,
+        microbatches=args.microbatches,
+        schedule=args.schedule,
+        threads=threads,
+        unsplit_threads=min(cores, threads * args.stages),
+        lr=args.lr,
+        balance=WORKLOADS[args.workload].balance(args.stages),
+    )
+    names = ["unsplit", "torch", "engine"]
+    if has_strategy():
+        names.append("lightning_pipe")
+    if "rpc" in available_transports():
+        names += ["engine-rpc"] + (["lightning_pipe-rpc"] if has_strategy() else [])
+    if args.contenders:
+        names = [n.strip() for n in args.contenders.split(",")]
+    print(f"contenders: {', '.join(names)}; balance {cfg.balance}", file=sys.stderr, flush=True)
+    results = run(cfg, names, args.warmup, args.rounds, args.steps)
+    table = format_table(results)
+    print(table)
+    path = (
+        Path(args.json)
+        if args.json
+        else REPO
+        / "benchmarks"
+        / "results"
+        / (f"{cfg.workload}-{cfg.stages}stages-{cfg.microbatches}mb-{cfg.schedule}.json")
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    results["table"] = table
+    path.write_text(json.dumps(results, indent=2))
+    print(f"wrote {path}", file=sys.stderr)
+    return results
+
+
+if __name__ == "__main__":
+    main()
