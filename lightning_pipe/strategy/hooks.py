@@ -42,7 +42,9 @@ class RuntimeHooks(pl.Callback):
         self.strategy.runtime_hook("train_epoch_begin")
 
     @override
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         self.strategy.runtime_hook("train_pre_step", TrainerView.of(trainer), batch_idx, batch)
 
     @override

@@ -189,7 +189,7 @@ class PipeStrategy(SingleDeviceStrategy):
         for module in self.model.modules():
             if module is pipelined or any(module is m for m in pipelined.modules()):
                 continue
-            for name, param in module.named_parameters(recurse=False):
+            for param in module.parameters(recurse=False):
                 if param.device != device:
                     param.data = param.data.to(device)
             for name, buf in module.named_buffers(recurse=False):
