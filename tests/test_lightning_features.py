@@ -25,7 +25,9 @@ def pipe(**kwargs: Any) -> PipeStrategy:
     return PipeStrategy(**{"stages": 2, "microbatches": 4, "partition": "uniform", **kwargs})
 
 
-def run(module: L.LightningModule, strategy: Any = None, data: Any = None, val: Any = None, **trainer: Any) -> L.Trainer:
+def run(
+    module: L.LightningModule, strategy: Any = None, data: Any = None, val: Any = None, **trainer: Any
+) -> L.Trainer:
     args = dict(QUIET, max_epochs=1) | trainer
     if strategy is not None:
         args["strategy"] = strategy
@@ -161,7 +163,10 @@ def read_csv_metric(path: str, key: str) -> list[float]:
 def test_csv_logger_records_mean_over_microbatches(tmp_path: Any) -> None:
     run(Classifier(), pipe(microbatches=4), logger=CSVLogger(tmp_path / "pipe"), log_every_n_steps=1)
     run(Classifier(), None, logger=CSVLogger(tmp_path / "plain"), log_every_n_steps=1)
-    got, want = read_csv_metric(str(tmp_path / "pipe"), "train_loss"), read_csv_metric(str(tmp_path / "plain"), "train_loss")
+    got, want = (
+        read_csv_metric(str(tmp_path / "pipe"), "train_loss"),
+        read_csv_metric(str(tmp_path / "plain"), "train_loss"),
+    )
     assert len(got) == len(want) == 4
     assert got == pytest.approx(want, abs=1e-6)
 
@@ -200,7 +205,9 @@ def test_validate_test_predict() -> None:
     reference = L.Trainer(**QUIET)
     got_val, want_val = trainer.validate(module, loader()), reference.validate(plain, loader())
     assert got_val[0]["val_loss"] == pytest.approx(want_val[0]["val_loss"], abs=1e-6)
-    assert trainer.test(module, loader())[0]["test_acc"] == pytest.approx(reference.test(plain, loader())[0]["test_acc"])
+    assert trainer.test(module, loader())[0]["test_acc"] == pytest.approx(
+        reference.test(plain, loader())[0]["test_acc"]
+    )
     got, want = trainer.predict(module, loader(batch_size=10)), reference.predict(plain, loader(batch_size=10))
     assert [p.shape for p in got] == [p.shape for p in want]
     assert all(torch.equal(p, q) for p, q in zip(got, want, strict=True))

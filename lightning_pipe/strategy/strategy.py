@@ -446,5 +446,3 @@ class PipeStrategy(SingleDeviceStrategy):
             strategy_registry.register(
                 cls.strategy_name, cls, description="Pipeline parallelism across stages (lightning_pipe)"
             )
-
-
