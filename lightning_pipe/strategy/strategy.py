@@ -107,6 +107,8 @@ class PipeStrategy(SingleDeviceStrategy):
         self._outside_grads: list[tuple[nn.Parameter, torch.Tensor | None]] = []
         self._hooked: set[str] = set()
         self._seen_batch = False
+        #: the last step's `StepResult` (per-rank action timings, the schedule), kept after teardown
+        self.last_step: Any = None
 
     # devices
     def resolve_devices(self) -> list[str]:
@@ -337,6 +339,7 @@ class PipeStrategy(SingleDeviceStrategy):
             for driver in drivers:
                 driver.abandon()
         recorder.flush()
+        self.last_step = result
         outputs = [driver.result for driver in drivers]
         if training:
             return combine_training(outputs, result.losses, weights)
