@@ -79,7 +79,7 @@ def test_every_wait_is_bounded_by_timeout() -> None:
 def test_user_step_error_propagates_with_its_own_type() -> None:
     class BadStep(Classifier):
         def training_step(self, batch: Any, batch_idx: int) -> Any:
-            out = self.model(batch[0])
+            self.model(batch[0])
             raise KeyError("user code failed after the pipelined call")
 
     with pytest.raises(KeyError, match="user code failed"):

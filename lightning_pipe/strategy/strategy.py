@@ -77,11 +77,11 @@ class PipeStrategy(SingleDeviceStrategy):
             raise ConfigurationError(f"stages={stages!r}: pass a positive number of stages")
         if not isinstance(microbatches, int) or microbatches < 1:
             raise ConfigurationError(f"microbatches={microbatches!r}: pass a positive number of microbatches")
-        if devices is not None:
-            devices = [str(d) for d in devices]
-            if stages is not None and len(devices) != stages:
+        device_names = [str(d) for d in devices] if devices is not None else None
+        if device_names is not None:
+            if stages is not None and len(device_names) != stages:
                 raise ConfigurationError(
-                    f"devices has {len(devices)} entries but stages={stages}; give one device per stage"
+                    f"devices has {len(device_names)} entries but stages={stages}; give one device per stage"
                 )
         if not timeout or timeout <= 0:
             raise ConfigurationError(f"timeout={timeout!r}: pass a positive number of seconds")
@@ -94,7 +94,7 @@ class PipeStrategy(SingleDeviceStrategy):
         self.schedule = schedule
         self.partitioner = resolve_partitioner(partition)
         self.module_name = module
-        self.stage_devices: list[str] | None = list(devices) if devices is not None else None
+        self.stage_devices: list[str] | None = device_names
         self.checkpoint = checkpoint
         self.runtime = runtime
         self.timeout = float(timeout)
@@ -201,8 +201,9 @@ class PipeStrategy(SingleDeviceStrategy):
     def _install(self, trainer: pl.Trainer) -> None:
         assert self._pipelined is not None
         self._pipelined.forward = self._pipelined_forward  # type: ignore[method-assign]
-        if not any(isinstance(cb, RuntimeHooks) and cb.strategy is self for cb in trainer.callbacks):
-            trainer.callbacks.append(RuntimeHooks(self))
+        callbacks: list[pl.Callback] = trainer.callbacks  # type: ignore[attr-defined]
+        if not any(isinstance(cb, RuntimeHooks) and cb.strategy is self for cb in callbacks):
+            callbacks.append(RuntimeHooks(self))
 
     def _build(self, sample: Any) -> Pipeline:
         if self.pipeline is not None:
@@ -310,9 +311,7 @@ class PipeStrategy(SingleDeviceStrategy):
         weights = [r / sum(rows) for r in rows]
         step_fn = getattr(lightning_module, name)
         recorder = LogRecorder(lightning_module.log)
-        drivers = [
-            Driver(lambda p=p: step_fn(p, *rest, **kwargs), i, context, self.timeout) for i, p in enumerate(pieces)
-        ]
+        drivers = [Driver(_bind(step_fn, p, rest, kwargs), i, context, self.timeout) for i, p in enumerate(pieces)]
         training = name == "training_step"
         lightning_module.log = recorder  # type: ignore[method-assign]
         try:
@@ -449,3 +448,8 @@ class PipeStrategy(SingleDeviceStrategy):
             strategy_registry.register(
                 cls.strategy_name, cls, description="Pipeline parallelism across stages (lightning_pipe)"
             )
+
+
+def _bind(step_fn: Callable[..., Any], piece: Any, rest: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[[], Any]:
+    """The user's step for one microbatch, as a call without arguments."""
+    return lambda: step_fn(piece, *rest, **kwargs)
