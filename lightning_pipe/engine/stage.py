@@ -82,6 +82,7 @@ class StageWorker:
         records: list[tuple[str, float, float]] = []
         action: Action | None = None
         training = plan.mode == TRAIN
+        outcome: Message | None = None
         if training:
             self._grads.begin()
         try:
@@ -94,7 +95,7 @@ class StageWorker:
                 records.append((str(action), start, time.perf_counter()))
             for index, shard in self.shards.items():
                 self.runtimes[index].get_pending_result(shard.module, True)
-            self.endpoint.send(COORDINATOR, Message(MessageKind.DONE, step, payload=records))
+            outcome = Message(MessageKind.DONE, step, payload=records)
         except _Abort:
             self._forget(step)
         except Exception as exc:
@@ -106,11 +107,14 @@ class StageWorker:
                 traceback.format_exc(),
                 self.endpoint.host(self.rank),
             )
-            self.endpoint.send(COORDINATOR, Message(MessageKind.ERROR, step, payload=error))
+            outcome = Message(MessageKind.ERROR, step, payload=error)
             self._forget(step)
         finally:
             if training:
+                # before telling the coordinator: once it hears DONE, Lightning may zero p.grad
                 self._grads.end()
+        if outcome is not None:
+            self.endpoint.send(COORDINATOR, outcome)
 
     def _forward(self, step: int, action: Action, training: bool) -> None:
         s, m = action.stage, action.microbatch
