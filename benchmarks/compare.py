@@ -449,17 +449,20 @@ def peak_rss_mb(pid: int) -> float:
 def available_transports() -> list[str]:
     from lightning_pipe.pipeline import TRANSPORTS
 
-    with contextlib.suppress(ImportError):
+    import importlib.util
+
+    spec = importlib.util.find_spec("lightning_pipe.comm.rpc")
+    if spec is not None and spec.origin is not None and Path(spec.origin).is_relative_to(REPO):
         import lightning_pipe.comm.rpc  # noqa: F401 - registers transport="rpc" where it exists
     return sorted(TRANSPORTS)
 
 
 def has_strategy() -> bool:
-    try:
-        from lightning_pipe.strategy import PipeStrategy  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    """Whether this checkout has the Lightning strategy (not another copy of lightning_pipe on the path)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("lightning_pipe.strategy")
+    return spec is not None and spec.origin is not None and Path(spec.origin).is_relative_to(REPO)
 
 
 def start_contenders(cfg: Config, names: list[str]) -> list[Contender]:

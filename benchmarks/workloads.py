@@ -37,7 +37,8 @@ BALANCES = {("gpt", 2): [5, 5], ("gpt", 4): [3, 2, 2, 3]}
 
 MLP = Workload("mlp", batch=256, layers=8)
 GPT = Workload("gpt", batch=32, layers=10)
-WORKLOADS = {"mlp": MLP, "gpt": GPT}
+TINY = Workload("tiny", batch=64, layers=8)  # almost no compute: step time is the libraries' own overhead
+WORKLOADS = {"mlp": MLP, "gpt": GPT, "tiny": TINY}
 
 # gpt sizes
 D_MODEL, SEQ, HEADS, VOCAB = 256, 128, 4, 1024
@@ -87,6 +88,8 @@ def build_model(workload: str) -> nn.Sequential:
     torch.manual_seed(SEED)
     if workload == "mlp":
         return nn.Sequential(*[nn.Sequential(nn.Linear(1024, 1024), nn.GELU()) for _ in range(MLP.layers)])
+    if workload == "tiny":
+        return nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.GELU()) for _ in range(TINY.layers)])
     if workload == "gpt":
         return nn.Sequential(Embedding(), *[Block() for _ in range(GPT.layers - 2)], Head())
     raise ValueError(f"unknown workload {workload!r}; available: {', '.join(WORKLOADS)}")
@@ -96,9 +99,10 @@ def make_batches(workload: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """`NUM_BATCHES` (input, target) pairs from `DATA_SEED`."""
     generator = torch.Generator().manual_seed(DATA_SEED)
     batch = WORKLOADS[workload].batch
-    if workload == "mlp":
+    if workload in ("mlp", "tiny"):
+        width = 1024 if workload == "mlp" else 16
         return [
-            (torch.randn(batch, 1024, generator=generator), torch.randn(batch, 1024, generator=generator))
+            (torch.randn(batch, width, generator=generator), torch.randn(batch, width, generator=generator))
             for _ in range(NUM_BATCHES)
         ]
     tokens = [torch.randint(0, VOCAB, (batch, SEQ + 1), generator=generator) for _ in range(NUM_BATCHES)]
@@ -106,7 +110,7 @@ def make_batches(workload: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def loss_fn(workload: str):  # noqa: ANN201 - a module-level function, picklable for spawned processes
-    return mse_loss if workload == "mlp" else lm_loss
+    return lm_loss if workload == "gpt" else mse_loss
 
 
 def mse_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
