@@ -205,6 +205,8 @@ class EngineRunner(Runner):
         super().__init__(cfg)
         from lightning_pipe.pipeline import Pipeline
 
+        # every thread of the process (stages, coordinator, optimizer step) uses cfg.threads, as each
+        # torch.distributed.pipelining process does: a 2-thread OpenMP pool stalls badly on a busy machine
         torch.set_num_threads(cfg.threads)
         self.model = build_model(cfg.workload)
         self.pipe = Pipeline(
@@ -214,6 +216,7 @@ class EngineRunner(Runner):
             partition=cfg.balance,
             checkpoint="never",
             transport=transport,
+            threads=cfg.threads,
         ).start()
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=cfg.lr)
 
@@ -257,6 +260,7 @@ def serve_trainer(conn: Connection, cfg: Config, transport: str) -> None:
     import lightning as L
     from lightning_pipe.strategy import PipeStrategy
 
+    # as in EngineRunner; PipeStrategy's default then gives each stage thread min(cfg.threads, cores // stages)
     torch.set_num_threads(cfg.threads)
     batches = make_batches(cfg.workload)
     loss = loss_fn(cfg.workload)
@@ -297,7 +301,6 @@ def serve_trainer(conn: Connection, cfg: Config, transport: str) -> None:
                     self.left, self.times, self.info = command[1], [], []
                 elif command[0] == "stop":
                     trainer.should_stop = True
-                    self.stopping = True
                     conn.send(("ok", {}))
                     self.left = -1
                 else:
@@ -346,6 +349,7 @@ def serve_trainer(conn: Connection, cfg: Config, transport: str) -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
+        callbacks=[Driver()],
     )
     conn.send(("ready", os.getpid()))
     loader = torch.utils.data.DataLoader(Batches(), batch_size=None)
@@ -353,15 +357,8 @@ def serve_trainer(conn: Connection, cfg: Config, transport: str) -> None:
 
 
 def _last_result(trainer: Any) -> Any:
-    """The coordinator's last `StepResult`, wherever the strategy keeps its pipeline."""
-    strategy = trainer.strategy
-    for path in ("pipeline.coordinator", "_pipeline.coordinator", "coordinator", "_coordinator"):
-        obj: Any = strategy
-        for name in path.split("."):
-            obj = getattr(obj, name, None)
-        if obj is not None and getattr(obj, "last_result", None) is not None:
-            return obj.last_result
-    return None
+    """The last `StepResult` of the strategy's pipeline (``PipeStrategy.last_step``)."""
+    return getattr(trainer.strategy, "last_step", None)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -45,3 +45,22 @@ def test_stage_threads_use_their_count_and_the_caller_keeps_its_own() -> None:
     assert probes[0].seen and probes[1].seen
     assert set(probes[0].seen) == set(probes[1].seen) == {1}
     assert torch.get_num_threads() == before
+
+
+def test_the_coordinator_shares_the_cores_during_a_step_and_restores_its_count() -> None:
+    before = torch.get_num_threads()
+    torch.set_num_threads(4)
+    seen: list[int] = []
+
+    def criterion(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        seen.append(torch.get_num_threads())  # the loss runs on the coordinator's thread
+        return F.mse_loss(output, target)
+
+    try:
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        with Pipeline(model, stages=2, partition=[1, 1], threads=1, timeout=30) as pipe:
+            pipe.train_step(torch.randn(8, 4), torch.randn(8, 4), criterion, microbatches=2)
+            assert seen == [1, 1]
+            assert torch.get_num_threads() == 4
+    finally:
+        torch.set_num_threads(before)

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -17,7 +18,30 @@ from lightning_pipe.errors import PipeTimeoutError, StageError
 from lightning_pipe.schedule import Schedule
 
 Key = tuple[str, int, int]  # (kind, stage, microbatch)
+F = TypeVar("F", bound=Callable[..., Any])
 _POLL = 1.0  # seconds between liveness checks while waiting
+
+
+def _share_cores(method: F) -> F:
+    """While a step runs, the coordinator's thread uses no more intra-op threads than a CPU stage does.
+
+    The stages compute on all cores meanwhile; a larger pool for the loss would oversubscribe them.
+    Between steps (the optimizer step, Lightning's hooks) the caller's own count applies again.
+    """
+
+    @functools.wraps(method)
+    def wrapper(self: Coordinator, *args: Any, **kwargs: Any) -> Any:
+        share = self.specs[0].options.get("num_threads")
+        before = torch.get_num_threads()
+        if not share or share >= before:
+            return method(self, *args, **kwargs)
+        torch.set_num_threads(share)
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            torch.set_num_threads(before)
+
+    return wrapper  # type: ignore[return-value]
 
 
 @dataclass
@@ -96,6 +120,7 @@ class Coordinator:
         return self._schedules[key]
 
     # steps
+    @_share_cores
     def train_step(
         self,
         inputs: Sequence[Any],
@@ -132,6 +157,7 @@ class Coordinator:
         self.last_result = StepResult(losses=losses, records=records, schedule=schedule)
         return self.last_result
 
+    @_share_cores
     def forward_step(self, inputs: Sequence[Any]) -> StepResult:
         """Forward only (evaluation, prediction): returns the last stage's outputs in order."""
         schedule = self.schedule(len(inputs))
