@@ -258,6 +258,7 @@ def timeline_info(result: Any, step: int) -> dict[str, float]:
 # ---------------------------------------------------------------------------------------------
 def serve_trainer(conn: Connection, cfg: Config, transport: str) -> None:
     import lightning as L
+
     from lightning_pipe.strategy import PipeStrategy
 
     # as in EngineRunner; PipeStrategy's default then gives each stage thread min(cfg.threads, cores // stages)
@@ -394,7 +395,7 @@ class Contender:
     name: str
     transport: str = "local"
     workers: list[tuple[Any, Connection]] = field(default_factory=list)
-    times: list[float] = field(default_factory=list)
+    rounds: list[list[float]] = field(default_factory=list)  # step seconds, one list per round
     info: list[dict[str, float]] = field(default_factory=list)
     rss_mb: list[float] = field(default_factory=list)
     params: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -444,9 +445,9 @@ def peak_rss_mb(pid: int) -> float:
 
 
 def available_transports() -> list[str]:
-    from lightning_pipe.pipeline import TRANSPORTS
-
     import importlib.util
+
+    from lightning_pipe.pipeline import TRANSPORTS
 
     spec = importlib.util.find_spec("lightning_pipe.comm.rpc")
     if spec is not None and spec.origin is not None and Path(spec.origin).is_relative_to(REPO):
@@ -465,8 +466,9 @@ def has_strategy() -> bool:
 def start_contenders(cfg: Config, names: list[str]) -> list[Contender]:
     ctx = mp.get_context("spawn")
     contenders: list[Contender] = []
-    for name in names:
-        contender = Contender(name, transport="rpc" if name.endswith("-rpc") else "local")
+    for label in names:
+        name = label.split("#")[0]  # "engine#2": a second copy of a contender, to see the noise between equals
+        contender = Contender(label, transport="rpc" if name.endswith("-rpc") else "local")
         if name == "unsplit":
             spawn(ctx, contender, serve, (UnsplitRunner, (cfg,)))
         elif name == "torch":
@@ -480,7 +482,7 @@ def start_contenders(cfg: Config, names: list[str]) -> list[Contender]:
         else:
             raise ValueError(f"unknown contender {name!r}")
         for _, conn in contender.workers:
-            reply(conn, name, "start")
+            reply(conn, label, "start")
         contenders.append(contender)
     return contenders
 
@@ -510,7 +512,7 @@ def run(cfg: Config, names: list[str], warmup: int, rounds: int, steps: int) -> 
             order = contenders[r % len(contenders) :] + contenders[: r % len(contenders)]
             for contender in order:
                 answers = contender.ask("run", steps)
-                contender.times.extend(max(ts) for ts in zip(*(a["times"] for a in answers), strict=True))
+                contender.rounds.append([max(ts) for ts in zip(*(a["times"] for a in answers), strict=True)])
                 for answer in answers:
                     contender.info.extend(answer["info"])
             if "unsplit" in by_name:
@@ -532,21 +534,40 @@ def run(cfg: Config, names: list[str], warmup: int, rounds: int, steps: int) -> 
 def summarize(
     cfg: Config, contenders: list[Contender], checks: dict[str, Any], stage_times: list[list[float]]
 ) -> dict[str, Any]:
+    """Throughput, ratios and efficiencies.
+
+    The machine's speed drifts (other jobs share the cores), so besides medians over all timed steps
+    this reports the *paired* ratio (each round's median step time against torch's in the same round,
+    then the median over rounds) and best-case numbers (fastest step, fastest stage profile).
+    """
     per_stage = [statistics.median(ts) for ts in zip(*stage_times, strict=True)] if stage_times else []
-    t_max = max(per_stage) if per_stage else None
-    bound_step = (cfg.microbatches + cfg.stages - 1) * t_max if t_max else None
+    best_stage = [min(ts) for ts in zip(*stage_times, strict=True)] if stage_times else []
+    span = cfg.microbatches + cfg.stages - 1
+    bound_step = span * max(per_stage) if per_stage else None
+    best_bound_step = span * max(best_stage) if best_stage else None
+    torch_rounds = next((c.rounds for c in contenders if c.name == "torch"), None)
     rows: dict[str, Any] = {}
     for c in contenders:
-        rates = [cfg.batch / t for t in c.times]
+        times = [t for r in c.rounds for t in r]
+        rates = [cfg.batch / t for t in times]
         row: dict[str, Any] = {
             "samples_per_s": {"median": statistics.median(rates), "min": min(rates), "max": max(rates)},
-            "step_ms_median": statistics.median(c.times) * 1e3,
-            "steps_timed": len(c.times),
+            "step_ms_median": statistics.median(times) * 1e3,
+            "step_ms_best": min(times) * 1e3,
+            "steps_timed": len(times),
             "peak_rss_mb": [round(x, 1) for x in c.rss_mb],
             "params_match": checks[c.name],
         }
-        if bound_step:
-            row["efficiency_vs_bound"] = bound_step / statistics.median(c.times)
+        if bound_step and best_bound_step:
+            row["efficiency_vs_bound"] = bound_step / statistics.median(times)
+            row["efficiency_vs_bound_best"] = best_bound_step / min(times)
+        if torch_rounds is not None:
+            paired = [
+                statistics.median(theirs) / statistics.median(ours)
+                for ours, theirs in zip(c.rounds, torch_rounds, strict=True)
+            ]
+            row["ratio_vs_torch_paired"] = statistics.median(paired)
+            row["ratio_vs_torch_per_round"] = paired
         if c.info:
             row["engine"] = {k: statistics.median(i[k] for i in c.info) for k in c.info[0]}
             row["engine"]["overhead_share_of_compute"] = (
@@ -554,15 +575,22 @@ def summarize(
             )
         rows[c.name] = row
     if "torch" in rows:
-        torch_rate = rows["torch"]["samples_per_s"]["median"]
+        torch_row = rows["torch"]
         for row in rows.values():
-            row["ratio_vs_torch"] = row["samples_per_s"]["median"] / torch_rate
+            row["ratio_vs_torch"] = row["samples_per_s"]["median"] / torch_row["samples_per_s"]["median"]
+            row["ratio_vs_torch_best"] = torch_row["step_ms_best"] / row["step_ms_best"]
     return {
         "config": asdict(cfg) | {"batch": cfg.batch, "torch": torch.__version__, "cpus": os.cpu_count()},
         "stage_fwd_bwd_ms": [t * 1e3 for t in per_stage],
+        "stage_fwd_bwd_ms_best": [t * 1e3 for t in best_stage],
         "bound_samples_per_s": cfg.batch / bound_step if bound_step else None,
+        "bound_samples_per_s_best": cfg.batch / best_bound_step if best_bound_step else None,
         "contenders": rows,
     }
+
+
+def _fmt(row: dict[str, Any], key: str, digits: int = 3) -> str:
+    return f"{row[key]:.{digits}f}" if key in row else "-"
 
 
 def format_table(results: dict[str, Any]) -> str:
@@ -570,29 +598,47 @@ def format_table(results: dict[str, Any]) -> str:
     lines = [
         f"{cfg['workload']}, {cfg['stages']} stages, {cfg['microbatches']} microbatches, {cfg['schedule']}, "
         f"batch {cfg['batch']}, {cfg['threads']} thread(s) per stage, torch {cfg['torch']}",
-        "stage forward+backward per microbatch (ms): " + ", ".join(f"{t:.2f}" for t in results["stage_fwd_bwd_ms"]),
     ]
-    if results["bound_samples_per_s"]:
-        lines.append(f"bound (M+S-1)*t_max: {results['bound_samples_per_s']:.1f} samples/s")
-    header = (
-        f"| {'contender':<20} | {'samples/s median':>16} | {'min':>7} | {'max':>7} | {'vs torch':>8} | "
-        f"{'eff. vs bound':>13} | {'peak RSS MB/process':>20} | {'engine overhead/mb':>20} | params |"
-    )
-    lines += [header, "|" + "|".join("-" * (len(cell)) for cell in header.split("|")[1:-1]) + "|"]
+    if results["stage_fwd_bwd_ms"]:
+        lines.append(
+            "stage forward+backward per microbatch, ms (median / best): "
+            + ", ".join(
+                f"{m:.2f}/{b:.2f}"
+                for m, b in zip(results["stage_fwd_bwd_ms"], results["stage_fwd_bwd_ms_best"], strict=True)
+            )
+            + f"; bound (M+S-1)*t_max: {results['bound_samples_per_s']:.1f} / {results['bound_samples_per_s_best']:.1f}"
+            " samples/s"
+        )
+    cells = [
+        ("contender", 20),
+        ("samples/s median [min, max]", 28),
+        ("vs torch (paired)", 17),
+        ("vs torch (best)", 15),
+        ("eff. vs bound (median/best)", 27),
+        ("peak RSS MB/process", 20),
+        ("engine overhead/mb", 20),
+        ("params", 8),
+    ]
+    lines.append("| " + " | ".join(f"{name:<{width}}" for name, width in cells) + " |")
+    lines.append("|" + "|".join("-" * (width + 2) for _, width in cells) + "|")
     for name, row in results["contenders"].items():
         rate = row["samples_per_s"]
         overhead = ""
         if "engine" in row:
             e = row["engine"]
             overhead = f"{e['overhead_ms_per_microbatch']:.2f} ms ({e['overhead_share_of_compute']:.1%})"
-        rss = " + ".join(f"{x:.0f}" for x in row["peak_rss_mb"])
-        efficiency = f"{row['efficiency_vs_bound']:.3f}" if "efficiency_vs_bound" in row else "-"
-        ratio = f"{row['ratio_vs_torch']:.3f}" if "ratio_vs_torch" in row else "-"
         same = "same" if row["params_match"]["same"] else f"DIFF {row['params_match']['max_abs_diff']:.1e}"
-        lines.append(
-            f"| {name:<20} | {rate['median']:>16.1f} | {rate['min']:>7.1f} | {rate['max']:>7.1f} | {ratio:>8} | "
-            f"{efficiency:>13} | {rss:>20} | {overhead:>20} | {same} |"
-        )
+        values = [
+            name,
+            f"{rate['median']:.1f} [{rate['min']:.1f}, {rate['max']:.1f}]",
+            _fmt(row, "ratio_vs_torch_paired"),
+            _fmt(row, "ratio_vs_torch_best"),
+            f"{_fmt(row, 'efficiency_vs_bound')} / {_fmt(row, 'efficiency_vs_bound_best')}",
+            " + ".join(f"{x:.0f}" for x in row["peak_rss_mb"]),
+            overhead,
+            same,
+        ]
+        lines.append("| " + " | ".join(f"{v:<{width}}" for v, (_, width) in zip(values, cells, strict=True)) + " |")
     for name, row in results["contenders"].items():
         if "engine" in row:
             e = row["engine"]
