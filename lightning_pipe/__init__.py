@@ -20,7 +20,7 @@ from lightning_pipe.partition import Partitioner, ShardedTask
 from lightning_pipe.pipeline import Pipeline
 from lightning_pipe.runtime import BaseRuntime, PyTorchRuntime, runtime_registry, to
 from lightning_pipe.schedule import Action, Schedule, get_schedule, register_schedule
-from lightning_pipe.strategy import PipeStrategy
+from lightning_pipe.strategy import PipeStrategy, PipeTrace
 
 __version__ = "0.1.0"
 
@@ -38,6 +38,7 @@ __all__ = [
     "PipeError",
     "PipeStrategy",
     "PipeTimeoutError",
+    "PipeTrace",
     "Pipeline",
     "Partitioner",
     "PyTorchRuntime",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
@@ -26,6 +27,7 @@ from lightning_pipe.schedule import get_schedule
 from lightning_pipe.strategy.hooks import RuntimeHooks
 from lightning_pipe.strategy.outputs import combine_eval, combine_predict, combine_training
 from lightning_pipe.strategy.session import Driver, LogRecorder, MissingCall, current_driver
+from lightning_pipe.strategy.trace import PipeTrace
 
 _RUNTIME_HOOKS = (
     "train_epoch_begin",
@@ -52,6 +54,7 @@ class PipeStrategy(SingleDeviceStrategy):
         checkpoint: activation recomputation, ``"always"``, ``"except_last"`` or ``"never"``.
         runtime: a registered device type or a `BaseRuntime` instance; default: by device type.
         timeout: seconds any wait between the coordinator and the stages may take.
+        trace: a path for the Chrome trace of training steps 1-3, or a `PipeTrace` (chosen steps, a PNG).
     """
 
     strategy_name = "pipe"
@@ -67,6 +70,7 @@ class PipeStrategy(SingleDeviceStrategy):
         checkpoint: str = "except_last",
         runtime: str | BaseRuntime | None = None,
         timeout: float = 300.0,
+        trace: str | os.PathLike[str] | PipeTrace | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         checkpoint_io: Any = None,
         precision_plugin: Any = None,
@@ -99,6 +103,7 @@ class PipeStrategy(SingleDeviceStrategy):
         self.checkpoint = checkpoint
         self.runtime = runtime
         self.timeout = float(timeout)
+        self.trace = trace if isinstance(trace, PipeTrace) or trace is None else PipeTrace(trace)
         #: set by Lightning's accelerator connector to the Trainer's devices
         self.parallel_devices: list[torch.device] | None = None
         self.pipeline: Pipeline | None = None
@@ -203,6 +208,8 @@ class PipeStrategy(SingleDeviceStrategy):
         callbacks: list[pl.Callback] = trainer.callbacks  # type: ignore[attr-defined]
         if not any(isinstance(cb, RuntimeHooks) and cb.strategy is self for cb in callbacks):
             callbacks.append(RuntimeHooks(self))
+        if self.trace is not None and not any(cb is self.trace for cb in callbacks):
+            callbacks.append(self.trace)
 
     def _build(self, sample: Any) -> Pipeline:
         if self.pipeline is not None:

@@ -1,0 +1,83 @@
+"""`PipeTrace`: a callback that records the pipeline timeline of chosen training steps.
+
+``PipeStrategy(trace="pipeline_trace.json")`` adds one; or pass it yourself::
+
+    trainer = L.Trainer(strategy=PipeStrategy(stages=4), callbacks=[PipeTrace("trace.json", steps=[5, 6], png="t.png")])
+
+The file is a Chrome trace (open it in https://ui.perfetto.dev or chrome://tracing): one row per
+stage, a slice per forward and backward with the idle, receive and send time around it. For each
+recorded step the measured bubble is logged beside the schedule's theoretical one.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from typing_extensions import override
+
+from lightning_pipe.trace import StepTimeline, render_png, write_chrome_trace
+
+
+class PipeTrace(pl.Callback):
+    """Record the timeline of training steps ``steps`` (counted from 0 within each ``fit``).
+
+    Args:
+        path: where the Chrome trace JSON goes; written when the last chosen step is recorded (or
+            when training ends earlier).
+        steps: which training steps to record; the first step includes warm-up, so the default
+            records steps 1, 2 and 3.
+        png: also draw the steps as a Gantt chart into this PNG (needs matplotlib, extra ``plot``).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str] = "pipeline_trace.json",
+        steps: Iterable[int] = (1, 2, 3),
+        png: str | os.PathLike[str] | None = None,
+    ) -> None:
+        self.path = path
+        self.steps = sorted(set(steps))
+        self.png = png
+        self.timelines: list[StepTimeline] = []
+        self._step = 0
+        self._written = False
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._step, self.timelines, self._written = 0, [], False
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        step, self._step = self._step, self._step + 1
+        if step not in self.steps or self._written:
+            return
+        result = getattr(trainer.strategy, "last_step", None)
+        if result is None or not result.records:
+            return
+        timeline = StepTimeline.from_result(result, step)
+        self.timelines.append(timeline)
+        rank_zero_info(f"PipeTrace: {timeline.summary()}")
+        if step == self.steps[-1]:
+            self.write()
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.write()
+
+    def write(self) -> None:
+        """Write the recorded steps (once per fit)."""
+        if self._written or not self.timelines:
+            return
+        self._written = True
+        write_chrome_trace(self.path, self.timelines)
+        message = f"PipeTrace: wrote {len(self.timelines)} step(s) to {os.fspath(self.path)}"
+        if self.png is not None:
+            render_png(self.png, self.timelines)
+            message += f" and {os.fspath(self.png)}"
+        rank_zero_info(message)
