@@ -5,6 +5,12 @@ The strategy builds one of these; tests and benchmarks use it directly::
     pipe = Pipeline(nn.Sequential(...), stages=2, schedule="1f1b")
     with pipe:
         losses = pipe.train_step(x, y, F.cross_entropy, microbatches=4)  # grads land on p.grad
+
+Any other module is traced and cut (`TracedPartitioner`), before ``split_points`` or where
+``partition`` balances it; its forward may take several positional and keyword arguments::
+
+    pipe = Pipeline(gpt, stages=2, split_points=["blocks.2"])
+    pipe.train_step((ids,), targets, loss_fn, kwargs={"mask": mask})
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ from lightning_pipe.engine import AutocastSpec, Coordinator, StageSpec, StepResu
 from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.microbatch import split
 from lightning_pipe.partition import Partitioner, ShardedTask
+from lightning_pipe.partition.traced import TracedPartitioner, for_module
+from lightning_pipe.partition.tracer import CallArgs
 from lightning_pipe.runtime import BaseRuntime, runtime_registry
 from lightning_pipe.schedule import get_schedule
 
@@ -43,8 +51,14 @@ def checkpoint_flags(mode: str, num_stages: int) -> list[bool]:
     return [True] * (num_stages - 1) + [False]
 
 
-def resolve_partitioner(partition: str | Sequence[int] | Partitioner) -> Partitioner:
-    return partition if isinstance(partition, Partitioner) else Partitioner(partition)
+def resolve_partitioner(
+    partition: str | Sequence[int] | Partitioner,
+    module: nn.Module | None = None,
+    split_points: Sequence[str] | None = None,
+) -> Partitioner:
+    """A partitioner instance; a `TracedPartitioner` for split points or a module that is not nn.Sequential."""
+    partitioner = partition if isinstance(partition, Partitioner) else Partitioner(partition)
+    return for_module(partitioner, module, split_points)
 
 
 def resolve_runtime(runtime: str | BaseRuntime | None, devices: Sequence[str]) -> list[BaseRuntime]:
@@ -74,6 +88,7 @@ class Pipeline:
         autocast: AutocastSpec | None = None,
         sample: Any = None,
         coordinator_device: torch.device | None = None,
+        split_points: Sequence[str] | None = None,
     ) -> None:
         self.devices = [str(d) for d in (devices or ["cpu"] * stages)]
         if len(self.devices) != stages:
@@ -82,14 +97,43 @@ class Pipeline:
             )
         self.module = module
         self.schedule_factory = get_schedule(schedule) if isinstance(schedule, str) else schedule
-        self.partitioner = resolve_partitioner(partition)
+        self.partitioner = resolve_partitioner(partition, module, split_points)
         self.checkpoint = checkpoint_flags(checkpoint, stages)
         self.runtimes = resolve_runtime(runtime, self.devices)
         self.timeout = float(timeout)
         self.autocast = autocast
         self.communicator = _communicator(transport)
-        self.shards: list[ShardedTask] = self.partitioner.partition(module, self.devices, sample)
         self.coordinator_device = coordinator_device or self.runtimes[-1].torch_device
+        self.shards: list[ShardedTask] = []
+        self._coordinator: Coordinator | None = None
+        self._started = False
+        if sample is not None or not self.partitioner.needs_sample:
+            self.build(sample)
+
+    @property
+    def traced(self) -> bool:
+        """Whether the module is split through its traced graph (inputs and outputs are packed)."""
+        return isinstance(self.partitioner, TracedPartitioner)
+
+    @property
+    def built(self) -> bool:
+        return self._coordinator is not None
+
+    @property
+    def coordinator(self) -> Coordinator:
+        if self._coordinator is None:
+            raise ConfigurationError(
+                "the pipeline is built on its first step (its partitioner needs an example batch); "
+                "pass sample=... to build it earlier"
+            )
+        return self._coordinator
+
+    def build(self, sample: Any = None) -> Pipeline:
+        """Partition the module (a traced module: on the example call ``sample``) and make the stages."""
+        if self._coordinator is not None:
+            return self
+        stages = len(self.devices)
+        self.shards = self.partitioner.partition(self.module, self.devices, sample)
         specs = [
             StageSpec(
                 rank=i,
@@ -99,14 +143,16 @@ class Pipeline:
                 checkpoint=self.checkpoint,
                 timeout=self.timeout,
                 runtime=self.runtimes[i],
-                autocast=autocast,
+                autocast=self.autocast,
             )
             for i, shard in enumerate(self.shards)
         ]
-        self.coordinator = Coordinator(
+        self._coordinator = Coordinator(
             self.communicator, specs, self.schedule_factory, self.timeout, self.coordinator_device
         )
-        self._started = False
+        if self._started:
+            self._coordinator.start()
+        return self
 
     @property
     def balance(self) -> list[int]:
@@ -114,14 +160,33 @@ class Pipeline:
 
     def start(self) -> Pipeline:
         if not self._started:
-            self.coordinator.start()
+            if self._coordinator is not None:
+                self._coordinator.start()
             self._started = True
         return self
 
     def close(self) -> None:
         if self._started:
             self._started = False
-            self.coordinator.close()
+            if self._coordinator is not None:
+                self._coordinator.close()
+
+    def pack(self, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> Any:
+        """The first stage's input for the call ``module(*args, **kwargs)``."""
+        if self.traced:
+            call = CallArgs(tuple(args), dict(kwargs or {}))
+            self.build(call)
+            return self.partitioner.pack(call.args, call.kwargs)  # type: ignore[attr-defined]
+        if kwargs:
+            raise ConfigurationError(
+                f"the pipelined nn.Sequential was called with keyword arguments ({', '.join(kwargs)}); "
+                "an nn.Sequential takes one input (pass split_points=... to trace a module with keyword arguments)"
+            )
+        return args[0] if len(args) == 1 else tuple(args)
+
+    def unpack(self, output: Any) -> Any:
+        """The module's output (tensor, tuple, dict...) from the last stage's output."""
+        return self.partitioner.unpack(output) if self.traced else output  # type: ignore[attr-defined]
 
     def __enter__(self) -> Pipeline:
         return self.start()
@@ -139,29 +204,42 @@ class Pipeline:
         criterion: Callable[[Any, Any], torch.Tensor],
         microbatches: int = 4,
         scaler: Any = None,
+        kwargs: dict[str, Any] | None = None,
     ) -> StepResult:
         """One training step on a whole batch; gradients of the mean loss land on ``p.grad``.
 
         Microbatch ``i``'s loss is weighted by its share of the rows, so the gradients equal those
-        of ``criterion(model(inputs), targets)`` for a mean-reduced criterion.
+        of ``criterion(model(inputs), targets)`` for a mean-reduced criterion. A traced module is
+        called as ``module(*inputs, **kwargs)`` (``inputs`` a tuple) and ``criterion`` receives its
+        output as the module returns it.
         """
-        xs, ys = split(inputs, microbatches), split(targets, microbatches)
+        xs, ys = self._microbatches(inputs, kwargs, microbatches), split(targets, microbatches)
         rows = sum(_rows(x) for x in xs)
 
         def weighted(output: Any, label: tuple[int, Any]) -> torch.Tensor:
             index, target = label
-            return criterion(output, target) * (_rows(xs[index]) / rows)
+            return criterion(self.unpack(output), target) * (_rows(xs[index]) / rows)
 
         result = self.coordinator.train_step(xs, list(enumerate(ys)), weighted, scaler)
         self.coordinator.call("apply_grads", 1.0)
         return result
 
-    def forward(self, inputs: Any, microbatches: int = 1) -> Any:
+    def forward(self, inputs: Any, microbatches: int = 1, kwargs: dict[str, Any] | None = None) -> Any:
         """Forward only, no autograd; outputs are concatenated in batch order."""
         from lightning_pipe.microbatch import gather
 
-        result = self.coordinator.forward_step(split(inputs, microbatches))
-        return gather(result.outputs)
+        result = self.coordinator.forward_step(self._microbatches(inputs, kwargs, microbatches))
+        return gather([self.unpack(output) for output in result.outputs])
+
+    def _microbatches(self, inputs: Any, kwargs: dict[str, Any] | None, microbatches: int) -> list[Any]:
+        """The first stage's input for each microbatch; builds the pipeline on the first one."""
+        if not self.traced and not kwargs:
+            xs = split(inputs, microbatches)
+            self.build(xs[0])
+            return xs
+        call = CallArgs.of(inputs)
+        pieces = split((call.args, dict(kwargs or {})), microbatches)
+        return [self.pack(args, kw) for args, kw in pieces]
 
 
 def _communicator(transport: str | Communicator) -> Communicator:

@@ -12,6 +12,7 @@ import torch
 
 from lightning_pipe import tree
 from lightning_pipe.comm.base import COORDINATOR, Endpoint, Message, MessageKind, deadline, remaining
+from lightning_pipe.engine import stash
 from lightning_pipe.engine.plan import TRAIN, StageSpec, StepPlan
 from lightning_pipe.errors import PipeTimeoutError, StageError
 from lightning_pipe.executors import Activation
@@ -43,7 +44,7 @@ class StageWorker:
             shard.module._pipe_runtime = self.runtimes[index]
         self._pending: dict[Key, Message] = {}
         self._saved: dict[tuple[int, int], Activation] = {}
-        self._stashed: list[tuple[torch.nn.Parameter, torch.Tensor | None]] = []
+        self._stashed: list[torch.nn.Parameter] = []
         self._step_grads: list[tuple[torch.nn.Parameter, torch.Tensor | None]] = []
         self._aborted = -1
         self._stop = False
@@ -197,18 +198,15 @@ class StageWorker:
 
     # gradients: a step's parameter gradients are set aside so that Lightning's zero_grad (which runs
     # after training_step) does not wipe them; `call_apply_grads` adds them in the strategy's backward
+    # (a parameter shared by several stages of this process is set aside once: see engine/stash.py)
     def _parameters(self) -> list[torch.nn.Parameter]:
-        return [p for shard in self.shards.values() for p in shard.module.parameters() if p.requires_grad]
+        return stash.unique(p for shard in self.shards.values() for p in shard.module.parameters() if p.requires_grad)
 
     def _stash_grads(self) -> None:
-        self._stashed = [(p, p.grad) for p in self._parameters()]
-        for p, _ in self._stashed:
-            p.grad = None
+        self._stashed = stash.stash(self._parameters())
 
     def _unstash_grads(self) -> None:
-        self._step_grads = [(p, p.grad) for p, _ in self._stashed]
-        for p, grad in self._stashed:
-            p.grad = grad
+        self._step_grads = stash.unstash(self._stashed)
         self._stashed = []
 
     # control calls (``call_<name>``), run on the worker between steps

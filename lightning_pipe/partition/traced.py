@@ -1,0 +1,286 @@
+"""`TracedPartitioner`: splits any ``nn.Module`` (not only ``nn.Sequential``) through its traced graph.
+
+The model is traced on one example call (`tracer.trace`), cut before the named ``split_points`` or
+at leaf-module calls chosen by the same balancing methods as for ``nn.Sequential`` (``uniform``,
+``params``, ``memory``, ``time`` or a list of leaf-call counts), and each part becomes a
+`TracedShard`. The shards take and return flat tuples; `pack` turns a call's ``(args, kwargs)`` into
+the first shard's inputs and `unpack` rebuilds the model's output (tensor, tuple, dict, dataclass)
+from the last shard's outputs.
+
+Tied weights (an embedding and an output head sharing one ``Parameter``) stay one object in every
+shard that uses them. With the local transport all stages are threads of one process, so autograd
+sums both stages' contributions into the one ``.grad`` and the optimizer updates it once; the
+LightningModule's ``state_dict`` is untouched and holds it under the original keys. With a transport
+that gives every stage its own copy (RPC workers), `tied` lists, per shared weight, the shards and
+local names that hold it: after a step the coordinator sums those copies' gradients and gives every
+holder the sum before the optimizer step, so the copies receive identical updates and stay equal; the
+checkpoint then takes the tensor from the first holder under the original key.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from lightning_pipe import tree
+from lightning_pipe.errors import PartitionError
+from lightning_pipe.executors import BackwardModule, ForwardLossModule, ForwardModule, call_module
+from lightning_pipe.partition import cut
+from lightning_pipe.partition.balance import balance_by_cost, memory_costs, param_costs, time_costs
+from lightning_pipe.partition.partitioner import Partitioner, ShardedTask
+from lightning_pipe.partition.tracer import CallArgs, LeafSpec, Signature, Traced, TraceError, preserved, trace
+
+_RTOL, _ATOL = 1e-4, 1e-5
+
+
+class TracedPartitioner(Partitioner):
+    """Splits any module by tracing it on an example call (the ``sample`` given to `partition`).
+
+    ``split_points`` names the submodules before which a new stage starts (``["blocks.2",
+    "blocks.4"]`` gives three stages); without them ``method`` balances the leaf-module calls.
+    ``leaf_modules`` (qualified names or classes) are kept whole: tracing does not enter them, and no
+    stage boundary falls inside them. ``check=True`` runs the split model on the example and compares
+    its output with the unsplit model's before any stage is started.
+    """
+
+    def __init__(
+        self,
+        method: str | Sequence[int] = "params",
+        split_points: Sequence[str] | None = None,
+        leaf_modules: Sequence[LeafSpec] = (),
+        forward_cls: type = ForwardModule,
+        backward_cls: type = BackwardModule,
+        forward_loss_cls: type = ForwardLossModule,
+        check: bool = True,
+    ) -> None:
+        super().__init__(method, forward_cls, backward_cls, forward_loss_cls)
+        self.split_points = list(split_points) if split_points else None
+        self.leaf_modules = list(leaf_modules)
+        self.validate = check
+        self.signature: Signature | None = None
+        self.traced: dict[bool, Traced] = {}
+        self.tied: list[list[tuple[int, str]]] = []
+
+    @property
+    def needs_sample(self) -> bool:
+        return True
+
+    def check(self, module: nn.Module, num_shards: int) -> None:
+        if self.split_points is not None and len(self.split_points) != num_shards - 1:
+            raise PartitionError(
+                f"split_points={self.split_points} make {len(self.split_points) + 1} stages but stages={num_shards}; "
+                f"give stages - 1 = {num_shards - 1} split points"
+            )
+        if isinstance(self.method, list) and len(self.method) != num_shards:
+            raise PartitionError(
+                f"partition={self.method} has {len(self.method)} entries but stages={num_shards}; "
+                "give one leaf-call count per stage"
+            )
+
+    # tracing
+    def trace(self, module: nn.Module, sample: Any) -> Traced:
+        """Trace ``module`` on ``sample`` (a tensor, a tuple of positional arguments or a `CallArgs`)."""
+        if sample is None:
+            raise PartitionError(
+                f"splitting a {type(module).__name__} (not an nn.Sequential) traces it on an example call; "
+                "pass sample=CallArgs(args, kwargs) (or a tensor / tuple of positional arguments)"
+            )
+        call = CallArgs.of(sample)
+        self.traced = {mode: trace(module, call, self.leaf_modules, training=mode) for mode in (True, False)}
+        self.signature = self.traced[True].signature
+        return self.traced[True]
+
+    def pack(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[torch.Tensor, ...]:
+        """The first shard's inputs for the call ``module(*args, **kwargs)``."""
+        if self.signature is None:
+            raise PartitionError("the model is not traced yet; call partition() first")
+        return tuple(self.signature.tensors(CallArgs(tuple(args), dict(kwargs))))
+
+    def unpack(self, outputs: Any) -> Any:
+        """The model's output rebuilt from the last shard's outputs."""
+        if self.signature is None:
+            raise PartitionError("the model is not traced yet; call partition() first")
+        flat = outputs if isinstance(outputs, tuple) else (outputs,)
+        return self.signature.unflatten_output(flat)
+
+    # cutting
+    def cuts(self, module: nn.Module, num_shards: int, sample: Any = None) -> list[int]:
+        """Node positions in the training graph where stages 1.. start."""
+        self.check(module, num_shards)
+        graph = self.traced[True].graph
+        if self.split_points is not None:
+            positions = [cut.scope_start(graph, name) for name in self.split_points]
+            if positions != sorted(set(positions)):
+                raise PartitionError(
+                    f"split_points={self.split_points} are not in the order the forward calls them "
+                    f"(or name the same stage boundary twice); order them as called: {_order(graph, self.split_points)}"
+                )
+            if positions[0] <= _first_call(graph):
+                raise PartitionError(
+                    f"split point {self.split_points[0]!r} is the first layer the forward calls: stage 0 would be "
+                    "empty; split after it"
+                )
+            return positions
+        counts = self.balance(module, num_shards, sample)
+        calls = [i for i, n in enumerate(graph.nodes) if n.op == "call_module"]
+        return [calls[c] for c in itertools.accumulate(counts[:-1])]
+
+    def balance(self, module: nn.Module, num_shards: int, sample: Any = None) -> list[int]:
+        """Leaf-module calls per shard."""
+        self.check(module, num_shards)
+        if not self.traced:
+            self.trace(module, sample)
+        graph = self.traced[True].graph
+        names = cut.unit_names(graph)
+        if num_shards > len(names):
+            raise PartitionError(
+                f"stages={num_shards} but the traced {type(module).__name__} calls only {len(names)} layers "
+                f"({', '.join(names)}); pass stages <= {len(names)}, or trace into bigger layers by naming their "
+                "children as split points"
+            )
+        if isinstance(self.method, list):
+            if sum(self.method) != len(names) or any(n < 1 for n in self.method):
+                raise PartitionError(
+                    f"partition={self.method} must give each stage at least one layer and sum to the {len(names)} "
+                    f"layers the traced forward calls ({', '.join(names)})"
+                )
+            return list(self.method)
+        if self.method == "uniform":
+            costs = [1.0] * len(names)
+        else:
+            units = self._units(module)
+            flat = self._example_inputs()
+            with preserved(module):
+                if self.method == "params":
+                    costs = param_costs(units)
+                elif self.method == "memory":
+                    costs = memory_costs(units, flat)
+                else:
+                    costs = time_costs(units, flat)
+        return balance_by_cost(costs, num_shards)
+
+    def partition(self, module: nn.Module, devices: Sequence[str], sample: Any = None) -> list[ShardedTask]:
+        """Trace ``module`` on ``sample`` and cut it into ``len(devices)`` shards sharing its parameters."""
+        num_shards = len(devices)
+        self.check(module, num_shards)
+        self.trace(module, sample)
+        train, evaluation = self.traced[True], self.traced[False]
+        positions = self.cuts(module, num_shards, sample)
+        if self.split_points is not None:
+            eval_positions = [cut.scope_start(evaluation.graph, name) for name in self.split_points]
+        else:
+            eval_positions = [cut.find_key(evaluation.graph, cut.key_of(train.graph, p)) for p in positions]
+        graphs = {True: cut.split(train.graph, positions), False: cut.split(evaluation.graph, eval_positions)}
+        constants = {**evaluation.constants, **train.constants}
+        modules = [
+            cut.TracedShard(module, {True: graphs[True][k], False: graphs[False][k]}, constants)
+            for k in range(num_shards)
+        ]
+        if self.validate:
+            self._compare(module, modules)
+        self.tied = tied_parameters(modules)
+        shards = []
+        for index, (shard, device) in enumerate(zip(modules, devices, strict=True)):
+            forward, backward, forward_loss = self.executors(index, num_shards)
+            shards.append(ShardedTask(index, shard, str(device), forward, backward, forward_loss, shard.leaf_calls))
+        return shards
+
+    # helpers
+    def _units(self, module: nn.Module) -> list[nn.Module]:
+        graph = self.traced[True].graph
+        return [
+            cut.TracedShard(module, {True: g, False: g}, self.traced[True].constants)
+            for g in cut.split(graph, cut.candidates(graph))
+        ]
+
+    def _example_inputs(self) -> tuple[torch.Tensor, ...]:
+        traced = self.traced[True]
+        return tuple(traced.signature.tensors(traced.call))
+
+    def _compare(self, module: nn.Module, shards: Sequence[nn.Module]) -> None:
+        """Run the stages one after another on the example and compare with the unsplit model."""
+        signature, call = self.traced[True].signature, self.traced[True].call
+        for training in (False, True):
+            with preserved(module), torch.no_grad():
+                module.train(training)
+                for shard in shards:
+                    shard.train(training)
+                with torch.random.fork_rng(devices=[]):
+                    expected = module(*call.args, **call.kwargs)
+                with torch.random.fork_rng(devices=[]):
+                    x: Any = tuple(signature.tensors(call))
+                    for shard in shards:
+                        x = call_module(shard, x)
+                    got = self.unpack(x)
+            _check_close(module, expected, got, training)
+        for shard in shards:
+            shard.train(module.training)
+
+
+def for_module(
+    partitioner: Partitioner, module: nn.Module | None = None, split_points: Sequence[str] | None = None
+) -> Partitioner:
+    """``partitioner``, or a `TracedPartitioner` with its method when the module needs tracing.
+
+    A module that is not an ``nn.Sequential``, or any module with ``split_points``, is traced; a
+    custom `Partitioner` subclass is kept as it is.
+    """
+    if isinstance(partitioner, TracedPartitioner):
+        if split_points is not None and partitioner.split_points != list(split_points):
+            if partitioner.split_points is not None:
+                raise PartitionError(
+                    f"split_points={list(split_points)} conflicts with the partitioner's {partitioner.split_points}"
+                )
+            partitioner.split_points = list(split_points)
+        return partitioner
+    wants_trace = split_points is not None or (module is not None and not isinstance(module, nn.Sequential))
+    if not wants_trace or type(partitioner) is not Partitioner:
+        return partitioner
+    return TracedPartitioner(
+        partitioner.method,
+        split_points,
+        forward_cls=partitioner.forward_cls,
+        backward_cls=partitioner.backward_cls,
+        forward_loss_cls=partitioner.forward_loss_cls,
+    )
+
+
+def tied_parameters(shards: Sequence[nn.Module]) -> list[list[tuple[int, str]]]:
+    """Parameters held by more than one shard: for each, the (shard index, local name) holding it."""
+    holders: dict[int, list[tuple[int, str]]] = {}
+    for index, shard in enumerate(shards):
+        for name, p in shard.named_parameters():
+            holders.setdefault(id(p), []).append((index, name))
+    return [places for places in holders.values() if len({i for i, _ in places}) > 1]
+
+
+def _check_close(module: nn.Module, expected: Any, got: Any, training: bool) -> None:
+    mode = "training" if training else "eval"
+    want, want_spec = tree.flatten(expected)
+    have, have_spec = tree.flatten(got)
+    if want_spec != have_spec:
+        raise TraceError(
+            f"the split {type(module).__name__} returns {have_spec} in {mode} mode but the model returns {want_spec}"
+        )
+    for i, (a, b) in enumerate(zip(want, have, strict=True)):
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+            if a.shape != b.shape or not torch.allclose(a.float(), b.float(), rtol=_RTOL, atol=_ATOL, equal_nan=True):
+                diff = (a.float() - b.float()).abs().max().item() if a.shape == b.shape else "shape mismatch"
+                raise TraceError(
+                    f"the split {type(module).__name__} does not reproduce the model's output {i} on the example in "
+                    f"{mode} mode (max difference {diff}). The forward probably keeps state between calls or changes "
+                    "tensors in place in a way the trace does not record; mark the submodule doing it as a leaf "
+                    "(leaf_modules=[...]) or pass check=False if the difference is expected (e.g. random ops)"
+                )
+
+
+def _first_call(graph: fx.Graph) -> int:
+    return next(i for i, n in enumerate(graph.nodes) if n.op == "call_module")
+
+
+def _order(graph: fx.Graph, names: Sequence[str]) -> list[str]:
+    return sorted(names, key=lambda name: cut.scope_start(graph, name))
