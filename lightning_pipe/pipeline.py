@@ -228,7 +228,8 @@ class Pipeline:
         """Forward only, no autograd; outputs are concatenated in batch order."""
         from lightning_pipe.microbatch import gather
 
-        result = self.coordinator.forward_step(self._microbatches(inputs, kwargs, microbatches))
+        xs = self._microbatches(inputs, kwargs, microbatches)
+        result = self.coordinator.forward_step(xs)
         return gather([self.unpack(output) for output in result.outputs])
 
     def _microbatches(self, inputs: Any, kwargs: dict[str, Any] | None, microbatches: int) -> list[Any]:

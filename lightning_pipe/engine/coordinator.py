@@ -59,7 +59,7 @@ class Coordinator:
         self.rank_of_stage = self.specs[0].rank_of_stage
         last = [shard for spec in self.specs for shard in spec.shards if shard.index == self.num_stages - 1][0]
         self.loss_module = last.forward_loss
-        self._head = nn.Identity()
+        self._head = _Received()
         self._worker_cls = worker_cls
         self._endpoint: Endpoint | None = None
         self._step = 0
@@ -239,6 +239,13 @@ class Coordinator:
         for rank in range(self.num_ranks):
             self._endpoint.send(rank, Message(MessageKind.ABORT, step))
         self._pending.clear()
+
+
+class _Received(nn.Module):
+    """The loss module's model: hands the last stage's output to the criterion as received (a tuple stays a tuple)."""
+
+    def forward(self, *output: Any) -> Any:
+        return output[0] if len(output) == 1 else output
 
 
 def _describe(kind: str, stage: int, microbatch: int) -> str:

@@ -20,6 +20,7 @@ checkpoint then takes the tensor from the first holder under the original key.
 from __future__ import annotations
 
 import itertools
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -92,6 +93,7 @@ class TracedPartitioner(Partitioner):
         call = CallArgs.of(sample)
         self.traced = {mode: trace(module, call, self.leaf_modules, training=mode) for mode in (True, False)}
         self.signature = self.traced[True].signature
+        _warn_about(module, self.traced[True])
         return self.traced[True]
 
     def pack(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[torch.Tensor, ...]:
@@ -276,6 +278,24 @@ def _check_close(module: nn.Module, expected: Any, got: Any, training: bool) -> 
                     "tensors in place in a way the trace does not record; mark the submodule doing it as a leaf "
                     "(leaf_modules=[...]) or pass check=False if the difference is expected (e.g. random ops)"
                 )
+
+
+def _warn_about(module: nn.Module, traced: Traced) -> None:
+    name = type(module).__name__
+    for inside, reason in traced.kept_whole:
+        warnings.warn(
+            f"{name}: could not trace into {inside!r} ({reason}); it runs whole inside one stage",
+            stacklevel=3,
+        )
+    if traced.data_dependent:
+        lines = "\n".join(f"  {where}" for where in traced.data_dependent[:5])
+        more = f"\n  (and {len(traced.data_dependent) - 5} more)" if len(traced.data_dependent) > 5 else ""
+        warnings.warn(
+            f"{name}: Python code read tensor values while tracing (an `if` on a tensor, float(), .item()); the split "
+            f"model keeps what the example gave there on every call:\n{lines}{more}\nIf that can differ between "
+            "batches, mark the module holding that code as a leaf (leaf_modules=[...])",
+            stacklevel=3,
+        )
 
 
 def _first_call(graph: fx.Graph) -> int:

@@ -23,7 +23,7 @@ import sys
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from types import TracebackType
+from types import FrameType, TracebackType
 from typing import Any
 
 import torch
@@ -72,30 +72,31 @@ class _Concrete:
 
     value: Any
     tracer: ConcreteTracer
+    static: bool  # derived only from shapes, dtypes and devices, not from tensor contents
 
     def __getattr__(self, name: str) -> ConcreteAttribute:
-        if name in ("value", "tracer", "node", "root", "attr", "_node") or name.startswith("__"):
+        if name in ("value", "tracer", "node", "root", "attr", "_node", "static") or name.startswith("__"):
             raise AttributeError(name)
         value = getattr(self.value, name)  # raises AttributeError as the real object would
         return ConcreteAttribute(self, name, value)  # type: ignore[arg-type]
 
     def __bool__(self) -> bool:
-        return bool(self.tracer.specialise(self.value))
+        return bool(self.tracer.specialise(self))
 
     def __len__(self) -> int:
-        return len(self.tracer.specialise(self.value))
+        return len(self.value)
 
     def __index__(self) -> int:
-        return operator.index(self.tracer.specialise(self.value))
+        return operator.index(self.tracer.specialise(self))
 
     def __int__(self) -> int:
-        return int(self.tracer.specialise(self.value))
+        return int(self.tracer.specialise(self))
 
     def __float__(self) -> float:
-        return float(self.tracer.specialise(self.value))
+        return float(self.tracer.specialise(self))
 
     def __contains__(self, item: Any) -> bool:
-        return bool(_concrete(item) in self.tracer.specialise(self.value))
+        return bool(_concrete(item) in self.tracer.specialise(self))
 
     def __iter__(self) -> Iterator[Any]:
         value = self.value
@@ -113,9 +114,10 @@ class _Concrete:
 class ConcreteProxy(_Concrete, fx.Proxy):
     """An fx proxy that also holds the value computed on the example call."""
 
-    def __init__(self, node: fx.Node, tracer: ConcreteTracer, value: Any) -> None:
+    def __init__(self, node: fx.Node, tracer: ConcreteTracer, value: Any, static: bool = False) -> None:
         fx.Proxy.__init__(self, node, tracer)
         self.value = value
+        self.static = static
 
     def __repr__(self) -> str:
         return f"ConcreteProxy({self.node.name})"
@@ -127,6 +129,15 @@ class ConcreteAttribute(_Concrete, fx.proxy.Attribute):
     def __init__(self, root: ConcreteProxy, attr: str, value: Any) -> None:
         fx.proxy.Attribute.__init__(self, root, attr)
         self.value = value
+        self.static = root.static or attr in _SHAPE_ATTRIBUTES
+
+
+# tensor metadata: Python code may branch on it freely, it does not depend on what the tensor holds
+_SHAPE_ATTRIBUTES = frozenset({
+    "shape", "dtype", "device", "ndim", "layout", "size", "dim", "numel", "nelement", "stride", "element_size",
+    "itemsize", "nbytes", "names", "requires_grad", "is_cuda", "is_cpu", "is_nested", "is_sparse", "is_quantized",
+    "is_meta", "is_mps", "is_complex", "is_floating_point", "is_contiguous", "is_leaf", "get_device",
+})  # fmt: skip
 
 
 def _concrete(tree: Any) -> Any:
@@ -149,16 +160,18 @@ class ConcreteTracer(fx.Tracer):
         self._autowrap_search.append(torch)
         self._leaves = leaves
         self._values: dict[str, Any] = {}
-        self.specialised = 0
-        self.node_values: dict[str, Any] = {}
+        self.data_dependent: list[str] = []  # where control flow read a value computed from tensor contents
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         return self._leaves(m, module_qualified_name)
 
-    def specialise(self, value: Any) -> Any:
+    def specialise(self, proxy: _Concrete) -> Any:
         """A traced value decides Python control flow: the graph keeps the example's branch."""
-        self.specialised += 1
-        return value
+        if not proxy.static:
+            where = _user_frame_of(inspect.currentframe())
+            if where and where not in self.data_dependent:
+                self.data_dependent.append(where)
+        return proxy.value
 
     def create_proxy(  # type: ignore[override]
         self,
@@ -171,11 +184,10 @@ class ConcreteTracer(fx.Tracer):
         proxy_factory_fn: Callable[[fx.Node], fx.Proxy] | None = None,
     ) -> fx.Proxy:
         value = self._evaluate(kind, target, args, kwargs, name)
-        proxy = super().create_proxy(
-            kind, target, args, kwargs, name, type_expr, lambda node: ConcreteProxy(node, self, value)
+        static = _is_static(kind, target, args, kwargs)
+        return super().create_proxy(
+            kind, target, args, kwargs, name, type_expr, lambda node: ConcreteProxy(node, self, value, static)
         )
-        self.node_values[proxy.node.name] = value
-        return proxy
 
     def _evaluate(self, kind: str, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any], name: str | None) -> Any:
         if kind == "placeholder":
@@ -209,6 +221,21 @@ class ConcreteTracer(fx.Tracer):
 
         self.create_args_for_root = create_args_for_root  # type: ignore[method-assign]
         return self.trace(root), signature
+
+
+def _is_static(kind: str, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether a new value depends only on shapes, dtypes and devices (not on what tensors hold)."""
+    if kind in ("placeholder", "get_attr", "call_module"):
+        return False
+    if kind == "call_function" and target is getattr:
+        return args[1] in _SHAPE_ATTRIBUTES or _all_static(args[0])
+    if kind == "call_method" and target in _SHAPE_ATTRIBUTES:
+        return True
+    return _all_static((args, kwargs))
+
+
+def _all_static(tree: Any) -> bool:
+    return all(x.static for x in pytree.tree_leaves(tree) if isinstance(x, _Concrete))
 
 
 # the call signature: which inputs are tensors (graph inputs) and which are constants of the trace
@@ -399,14 +426,38 @@ class Traced:
     graph: fx.Graph
     constants: dict[str, Any]  # qualified name -> tensor stored by the tracer (``_tensor_constant0``)
     signature: Signature
-    specialised: int  # how many times Python control flow read a traced value
     call: CallArgs  # the example it was traced on
+    data_dependent: list[str] = field(default_factory=list)  # lines whose control flow read tensor contents
+    kept_whole: list[tuple[str, str]] = field(default_factory=list)  # (module, why) made leaves automatically
+
+
+_RETRIES = 16
 
 
 def trace(module: nn.Module, call: CallArgs, leaf_modules: Sequence[LeafSpec] = (), training: bool = True) -> Traced:
-    """Trace ``module(*call.args, **call.kwargs)`` in training (or eval) mode; leaves the module unchanged."""
-    tracer = ConcreteTracer(default_leaves(module, leaf_modules))
-    with preserved(module), _explained(module, tracer, leaf_modules):
+    """Trace ``module(*call.args, **call.kwargs)`` in training (or eval) mode; leaves the module unchanged.
+
+    A submodule that cannot be traced into is kept whole (a leaf) and tracing starts again; code in
+    the top-level forward that cannot be traced raises `TraceError`, naming the line and what to do.
+    """
+    leaves, kept = list(leaf_modules), []
+    for _ in range(_RETRIES):
+        try:
+            traced = _trace_once(module, call, leaves, training)
+        except _UntraceableError as failure:
+            if not failure.inside or failure.inside in leaves:
+                raise TraceError(failure.message) from failure.__cause__
+            leaves.append(failure.inside)
+            kept.append((failure.inside, failure.reason))
+            continue
+        traced.kept_whole = kept
+        return traced
+    raise TraceError(f"gave up tracing {type(module).__name__} after keeping {len(kept)} submodules whole: {kept}")
+
+
+def _trace_once(module: nn.Module, call: CallArgs, leaves: Sequence[LeafSpec], training: bool) -> Traced:
+    tracer = ConcreteTracer(default_leaves(module, leaves))
+    with preserved(module), _explained(module, tracer):
         module.train(training)
         with torch.set_grad_enabled(training):
             graph, signature = tracer.trace_call(module, call)
@@ -418,7 +469,7 @@ def trace(module: nn.Module, call: CallArgs, leaf_modules: Sequence[LeafSpec] = 
     graph.eliminate_dead_code(_is_impure)
     for node in graph.nodes:  # else the generated code calls fx.wrap("torch.ones") when it is loaded
         node.meta.pop("is_wrapped", None)
-    return Traced(graph, constants, signature, tracer.specialised, call)
+    return Traced(graph, constants, signature, call, tracer.data_dependent)
 
 
 def _is_impure(node: fx.Node) -> bool:
@@ -434,46 +485,67 @@ def _is_impure(node: fx.Node) -> bool:
 
 
 # errors that say where tracing stopped and what to do
+class _UntraceableError(Exception):
+    def __init__(self, message: str, inside: str, reason: str) -> None:
+        super().__init__(message)
+        self.message, self.inside, self.reason = message, inside, reason
+
+
 @contextlib.contextmanager
-def _explained(module: nn.Module, tracer: ConcreteTracer, leaf_modules: Sequence[LeafSpec]) -> Iterator[None]:
+def _explained(module: nn.Module, tracer: ConcreteTracer) -> Iterator[None]:
     try:
         yield
-    except TraceError:
+    except (TraceError, _UntraceableError):
         raise
     except Exception as exc:
-        raise TraceError(_explain(module, tracer, exc, sys.exc_info()[2])) from exc
+        where = _user_frame(sys.exc_info()[2])
+        scopes = [path for path, _ in tracer.module_stack.values() if path]
+        inside = scopes[-1] if scopes else ""
+        reason = f"{type(exc).__name__}: {exc}" + (f" at {where}" if where else "")
+        raise _UntraceableError(_explain(module, exc, where, inside), inside, reason) from exc
 
 
-def _explain(module: nn.Module, tracer: ConcreteTracer, exc: BaseException, tb: TracebackType | None) -> str:
-    where = _user_frame(tb)
-    scopes = [path for path, _ in tracer.module_stack.values() if path]
-    inside = scopes[-1] if scopes else ""
+def _explain(module: nn.Module, exc: BaseException, where: str, inside: str) -> str:
     lines = [f"could not trace {type(module).__name__} to split it into stages: {type(exc).__name__}: {exc}"]
     if where:
         lines.append(f"  tracing stopped at {where}")
     if inside:
         kind = type(module.get_submodule(inside)).__name__
-        lines.append(f"  inside the submodule {inside!r} ({kind})")
-    lines.append("what to do:")
-    if inside:
-        lines.append(
-            f"  - keep {inside!r} whole: TracedPartitioner(leaf_modules=[{inside!r}]) (or its class) runs it as one "
-            "layer without tracing into it"
-        )
+        lines.append(f"  inside the submodule {inside!r} ({kind}), which is already kept whole")
     else:
-        lines.append("  - the failing code is in the top-level forward: move it into a submodule and mark that a leaf")
-    lines.append("  - give split_points=[...] at submodule boundaries around it")
+        lines.append(f"  in the top-level forward of {type(module).__name__}")
+    lines.append("what to do:")
+    lines.append(
+        "  - move that code into a submodule and mark it as a leaf, TracedPartitioner(leaf_modules=[name or class]): "
+        "a leaf runs as one layer and is not traced into"
+    )
+    lines.append("  - or give split_points=[...] at the submodules around it")
     lines.append("  - or make the pipelined module an nn.Sequential of layers, which is split without tracing")
     return "\n".join(lines)
+
+
+def _skipped(filename: str) -> bool:
+    return filename.startswith((_TORCH_DIR, _PACKAGE_DIR, "<")) or "/contextlib.py" in filename
 
 
 def _user_frame(tb: TracebackType | None) -> str:
     """The innermost frame outside torch and lightning_pipe: the model code that stopped the tracer."""
     found = ""
     for frame, lineno in traceback.walk_tb(tb):
-        filename = frame.f_code.co_filename
-        if filename.startswith((_TORCH_DIR, _PACKAGE_DIR, "<")):
-            continue
-        source = traceback.FrameSummary(filename, lineno, frame.f_code.co_name).line or ""
-        found = f"{filename}:{lineno} in {frame.f_code.co_name}: {source.strip()}"
+        if not _skipped(frame.f_code.co_filename):
+            found = _describe_frame(frame.f_code.co_filename, lineno, frame.f_code.co_name)
     return found
+
+
+def _user_frame_of(frame: FrameType | None) -> str:
+    """The innermost caller outside torch and lightning_pipe, walking out from ``frame``."""
+    while frame is not None:
+        if not _skipped(frame.f_code.co_filename):
+            return _describe_frame(frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name)
+        frame = frame.f_back
+    return ""
+
+
+def _describe_frame(filename: str, lineno: int, name: str) -> str:
+    source = traceback.FrameSummary(filename, lineno, name).line or ""
+    return f"{filename}:{lineno} in {name}: {source.strip()}"
