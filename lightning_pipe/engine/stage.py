@@ -12,10 +12,10 @@ import torch
 
 from lightning_pipe import tree
 from lightning_pipe.comm.base import COORDINATOR, Endpoint, Message, MessageKind, deadline, remaining
-from lightning_pipe.engine import stash
 from lightning_pipe.engine.plan import TRAIN, StageSpec, StepPlan
 from lightning_pipe.errors import PipeTimeoutError, StageError
 from lightning_pipe.executors import Activation
+from lightning_pipe.grads import GradStash
 from lightning_pipe.runtime import runtime_registry
 from lightning_pipe.schedule import Action, Kind
 
@@ -44,10 +44,10 @@ class StageWorker:
             shard.module._pipe_runtime = self.runtimes[index]
         self._pending: dict[Key, Message] = {}
         self._saved: dict[tuple[int, int], Activation] = {}
-        self._stashed: list[torch.nn.Parameter] = []
-        self._step_grads: list[tuple[torch.nn.Parameter, torch.Tensor | None]] = []
+        self._grads = GradStash(p for shard in self.shards.values() for p in shard.module.parameters())
         self._aborted = -1
         self._stop = False
+        self._initialized: set[int] = set()
 
     # event loop
     def serve(self) -> None:
@@ -82,8 +82,9 @@ class StageWorker:
         records: list[tuple[str, float, float]] = []
         action: Action | None = None
         training = plan.mode == TRAIN
+        outcome: Message | None = None
         if training:
-            self._stash_grads()
+            self._grads.begin()
         try:
             for action in plan.actions:
                 start = time.perf_counter()
@@ -94,7 +95,7 @@ class StageWorker:
                 records.append((str(action), start, time.perf_counter()))
             for index, shard in self.shards.items():
                 self.runtimes[index].get_pending_result(shard.module, True)
-            self.endpoint.send(COORDINATOR, Message(MessageKind.DONE, step, payload=records))
+            outcome = Message(MessageKind.DONE, step, payload=records)
         except _Abort:
             self._forget(step)
         except Exception as exc:
@@ -106,11 +107,14 @@ class StageWorker:
                 traceback.format_exc(),
                 self.endpoint.host(self.rank),
             )
-            self.endpoint.send(COORDINATOR, Message(MessageKind.ERROR, step, payload=error))
+            outcome = Message(MessageKind.ERROR, step, payload=error)
             self._forget(step)
         finally:
             if training:
-                self._unstash_grads()
+                # before telling the coordinator: once it hears DONE, Lightning may zero p.grad
+                self._grads.end()
+        if outcome is not None:
+            self.endpoint.send(COORDINATOR, outcome)
 
     def _forward(self, step: int, action: Action, training: bool) -> None:
         s, m = action.stage, action.microbatch
@@ -118,6 +122,9 @@ class StageWorker:
         inputs, mask = self._wait(step, MessageKind.ACTIVATION, s, m).payload
         inputs = runtime.convert_batch(inputs)
         device = runtime.torch_device
+        if s not in self._initialized:
+            self._initialized.add(s)
+            runtime.initialize_module(shard.module, inputs, None)
         with self._autocast(device):
             if not training:
                 with torch.no_grad():
@@ -196,31 +203,13 @@ class StageWorker:
         with torch.autocast(**self.spec.autocast.for_device(device.type)):
             yield
 
-    # gradients: a step's parameter gradients are set aside so that Lightning's zero_grad (which runs
-    # after training_step) does not wipe them; `call_apply_grads` adds them in the strategy's backward
-    # (a parameter shared by several stages of this process is set aside once: see engine/stash.py)
-    def _parameters(self) -> list[torch.nn.Parameter]:
-        return stash.unique(p for shard in self.shards.values() for p in shard.module.parameters() if p.requires_grad)
-
-    def _stash_grads(self) -> None:
-        self._stashed = stash.stash(self._parameters())
-
-    def _unstash_grads(self) -> None:
-        self._step_grads = stash.unstash(self._stashed)
-        self._stashed = []
-
     # control calls (``call_<name>``), run on the worker between steps
     def call_apply_grads(self, scale: float) -> None:
-        """Add the last step's gradients, times ``scale``, to ``p.grad``."""
-        for p, grad in self._step_grads:
-            if grad is None:
-                continue
-            grad = grad * scale if scale != 1.0 else grad
-            p.grad = grad if p.grad is None else p.grad + grad
-        self._step_grads = []
+        """Add the last step's gradients, times ``scale``, to ``p.grad`` (the strategy's backward)."""
+        self._grads.apply(scale)
 
     def call_discard_grads(self) -> None:
-        self._step_grads = []
+        self._grads.discard()
 
     def call_train(self, mode: bool) -> None:
         for shard in self.shards.values():
