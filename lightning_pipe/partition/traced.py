@@ -33,7 +33,16 @@ from lightning_pipe.executors import BackwardModule, ForwardLossModule, ForwardM
 from lightning_pipe.partition import cut
 from lightning_pipe.partition.balance import balance_by_cost, memory_costs, param_costs, time_costs
 from lightning_pipe.partition.partitioner import Partitioner, ShardedTask
-from lightning_pipe.partition.tracer import CallArgs, LeafSpec, Signature, Traced, TraceError, preserved, trace
+from lightning_pipe.partition.tracer import (
+    CallArgs,
+    LeafSpec,
+    Signature,
+    Traced,
+    TraceError,
+    class_forward,
+    preserved,
+    trace,
+)
 
 _RTOL, _ATOL = 1e-4, 1e-5
 
@@ -212,7 +221,7 @@ class TracedPartitioner(Partitioner):
                 for shard in shards:
                     shard.train(training)
                 with torch.random.fork_rng(devices=[]):
-                    expected = module(*call.args, **call.kwargs)
+                    expected = class_forward(module)(*call.args, **call.kwargs)
                 with torch.random.fork_rng(devices=[]):
                     x: Any = tuple(signature.tensors(call))
                     for shard in shards:

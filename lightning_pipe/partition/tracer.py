@@ -252,7 +252,7 @@ class Signature:
 
     @classmethod
     def of(cls, module: nn.Module, call: CallArgs) -> Signature:
-        parameters = inspect.signature(module.forward)
+        parameters = inspect.signature(class_forward(module))
         arguments = _bind(parameters, call, module)
         leaves, spec = pytree.tree_flatten(arguments)
         paths = [_path_name(path) for path, _ in pytree.tree_flatten_with_path(arguments)[0]]
@@ -321,6 +321,12 @@ class _Tensor:
 
 
 _TENSOR = _Tensor()
+
+
+def class_forward(module: nn.Module) -> Callable[..., Any]:
+    """``module.forward`` as its class defines it (a wrapper set on the instance, such as PipeStrategy's
+    hand-off to the pipeline, is not the model's code)."""
+    return type(module).forward.__get__(module, type(module))  # type: ignore[no-any-return]
 
 
 def _bind(parameters: inspect.Signature, call: CallArgs, module: nn.Module | None = None) -> dict[str, Any]:

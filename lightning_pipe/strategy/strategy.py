@@ -20,6 +20,8 @@ from lightning_pipe.errors import ConfigurationError, PipeError
 from lightning_pipe.grads import GradStash
 from lightning_pipe.microbatch import batch_size, split
 from lightning_pipe.partition import Partitioner
+from lightning_pipe.partition.traced import TracedPartitioner
+from lightning_pipe.partition.tracer import CallArgs
 from lightning_pipe.pipeline import Pipeline, checkpoint_flags, resolve_partitioner
 from lightning_pipe.runtime import BaseRuntime, runtime_registry
 from lightning_pipe.schedule import get_schedule
@@ -52,6 +54,10 @@ class PipeStrategy(SingleDeviceStrategy):
         checkpoint: activation recomputation, ``"always"``, ``"except_last"`` or ``"never"``.
         runtime: a registered device type or a `BaseRuntime` instance; default: by device type.
         timeout: seconds any wait between the coordinator and the stages may take.
+        split_points: names of submodules before which a new stage starts (``["blocks.2"]``). A
+            pipelined module that is not an ``nn.Sequential`` is traced on its first call and cut
+            there, or where ``partition`` balances it; its forward may take several positional and
+            keyword arguments and return a tensor, tuple or dict.
     """
 
     strategy_name = "pipe"
@@ -70,6 +76,7 @@ class PipeStrategy(SingleDeviceStrategy):
         accelerator: pl.accelerators.Accelerator | None = None,
         checkpoint_io: Any = None,
         precision_plugin: Any = None,
+        split_points: Sequence[str] | None = None,
     ) -> None:
         super().__init__(
             device="cpu", accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin
@@ -93,7 +100,7 @@ class PipeStrategy(SingleDeviceStrategy):
         self.stages = stages
         self.microbatches = microbatches
         self.schedule = schedule
-        self.partitioner = resolve_partitioner(partition)
+        self.partitioner = resolve_partitioner(partition, split_points=split_points)
         self.module_name = module
         self.stage_devices: list[str] | None = device_names
         self.checkpoint = checkpoint
@@ -147,6 +154,7 @@ class PipeStrategy(SingleDeviceStrategy):
                 "set self.automatic_optimization = True"
             )
         self._pipelined = self._find_pipelined(lightning_module)
+        self.partitioner = resolve_partitioner(self.partitioner, self._pipelined)
         devices = self.resolve_devices()
         self.partitioner.check(self._pipelined, len(devices))
         self.accelerator.setup(trainer)
@@ -160,7 +168,8 @@ class PipeStrategy(SingleDeviceStrategy):
         self._outside = GradStash(p for p in lightning_module.parameters() if id(p) not in stage_ids)
         self._install(trainer)
         sample = getattr(lightning_module, "example_input_array", None)
-        if not self.partitioner.needs_sample or sample is not None:
+        traced = isinstance(self.partitioner, TracedPartitioner)  # traced on its first call, as it is called
+        if not self.partitioner.needs_sample or (sample is not None and not traced):
             self._build(sample)
 
     def _find_pipelined(self, lightning_module: pl.LightningModule) -> nn.Module:
@@ -316,6 +325,7 @@ class PipeStrategy(SingleDeviceStrategy):
         try:
             inputs = [self._start(driver, recorder, weights[driver.index], name) for driver in drivers]
             pipeline = self._build(inputs[0])
+            inputs = [_packed(pipeline, x) for x in inputs]
             if training:
                 self._outside.begin()
                 try:
@@ -331,7 +341,7 @@ class PipeStrategy(SingleDeviceStrategy):
                 result = pipeline.coordinator.forward_step(inputs)
                 for driver, output in zip(drivers, result.outputs, strict=True):
                     recorder.weight = weights[driver.index]
-                    self._resume(driver, output, name)
+                    self._resume(driver, pipeline.unpack(output), name)
         finally:
             lightning_module.__dict__.pop("log", None)
             for driver in drivers:
@@ -356,8 +366,9 @@ class PipeStrategy(SingleDeviceStrategy):
         call_args, call_kwargs = value
         return self._pipeline_input(call_args, call_kwargs)
 
-    @staticmethod
-    def _pipeline_input(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _pipeline_input(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if isinstance(self.partitioner, TracedPartitioner):
+            return CallArgs(tuple(args), dict(kwargs))  # packed into the first stage's inputs once traced
         if kwargs:
             raise ConfigurationError(
                 f"the pipelined nn.Sequential was called with keyword arguments ({', '.join(kwargs)}); "
@@ -381,7 +392,8 @@ class PipeStrategy(SingleDeviceStrategy):
 
         def criterion(output: Any, index: int) -> Any:
             recorder.weight = weights[index]
-            result = self._resume(drivers[index], output, name)
+            assert self.pipeline is not None
+            result = self._resume(drivers[index], self.pipeline.unpack(output), name)
             loss = result.get("loss") if isinstance(result, dict) else result
             if loss is None:
                 return None
@@ -397,7 +409,8 @@ class PipeStrategy(SingleDeviceStrategy):
             return driver.call(args, kwargs)
         # called outside a step (a callback, an epoch-end hook): run it through the pipeline, forward only
         inputs = self._pipeline_input(args, kwargs)
-        return self._build(inputs).coordinator.forward_step([inputs]).outputs[0]
+        pipeline = self._build(inputs)
+        return pipeline.unpack(pipeline.coordinator.forward_step([_packed(pipeline, inputs)]).outputs[0])
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -436,3 +449,8 @@ class PipeStrategy(SingleDeviceStrategy):
 def _bind(step_fn: Callable[..., Any], piece: Any, rest: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[[], Any]:
     """The user's step for one microbatch, as a call without arguments."""
     return lambda: step_fn(piece, *rest, **kwargs)
+
+
+def _packed(pipeline: Pipeline, inputs: Any) -> Any:
+    """The first stage's input: a traced module's call arguments packed into its flat inputs."""
+    return pipeline.pack(inputs.args, inputs.kwargs) if isinstance(inputs, CallArgs) else inputs
