@@ -147,6 +147,8 @@ class TracedPartitioner(Partitioner):
             self.trace(module, sample)
         graph = self.traced[True].graph
         names = cut.unit_names(graph)
+        if num_shards == 1:
+            return [len(names)]
         if num_shards > len(names):
             raise PartitionError(
                 f"stages={num_shards} but the traced {type(module).__name__} calls only {len(names)} layers "

@@ -71,7 +71,7 @@ class _Concrete:
     """Value-based behaviour shared by `ConcreteProxy` and `ConcreteAttribute`."""
 
     value: Any
-    tracer: ConcreteTracer
+    tracer: Any  # the ConcreteTracer that made it
     static: bool  # derived only from shapes, dtypes and devices, not from tensor contents
 
     def __getattr__(self, name: str) -> ConcreteAttribute:
@@ -256,7 +256,8 @@ class Signature:
         arguments = _bind(parameters, call, module)
         leaves, spec = pytree.tree_flatten(arguments)
         paths = [_path_name(path) for path, _ in pytree.tree_flatten_with_path(arguments)[0]]
-        names, in_leaves = [], []
+        names: list[str] = []
+        in_leaves: list[Any] = []
         for path, leaf in zip(paths, leaves, strict=True):
             if isinstance(leaf, torch.Tensor):
                 names.append(_unique(path, names))
