@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from traced_models import KeywordNet, SkipCNN, TinyGPT, gpt_batch
 
-from lightning_pipe.errors import PartitionError
+from lightning_pipe.errors import ConfigurationError, PartitionError
 from lightning_pipe.microbatch import split
 from lightning_pipe.partition.traced import TracedPartitioner
 from lightning_pipe.partition.tracer import CallArgs, TraceError
@@ -171,6 +171,18 @@ def test_partition_errors_name_the_fix() -> None:
         TracedPartitioner(split_points=["nothing"]).partition(model, ["cpu"] * 2, call)
     with pytest.raises(PartitionError, match="example call"):
         TracedPartitioner().partition(model, ["cpu"] * 2, None)
+
+
+
+def test_tied_weight_on_two_devices_is_refused_by_the_local_transport() -> None:
+    """Stage threads share the one Parameter; two devices would each move it (checked before anything moves)."""
+    model = TinyGPT(layers=2)
+    idx, mask, _ = gpt_batch()
+    pipe = Pipeline(model, stages=2, devices=["cpu", "cuda:0"], sample=CallArgs((idx,), {"mask": mask}))
+    with pytest.raises(ConfigurationError, match=r"stage 0 \(cpu\) as 'wte.weight', stage 1 \(cuda:0\) as 'head"):
+        pipe.start()
+    pipe.close()
+    assert model.wte.weight.device.type == "cpu"
 
 
 class Vmapped(nn.Module):
