@@ -16,7 +16,7 @@ from lightning_pipe.errors import (
     TransportError,
 )
 from lightning_pipe.executors import Activation, BackwardModule, ForwardLossModule, ForwardModule
-from lightning_pipe.partition import Partitioner, ShardedTask
+from lightning_pipe.partition import CallArgs, Partitioner, ShardedTask, TracedPartitioner, TraceError
 from lightning_pipe.pipeline import Pipeline
 from lightning_pipe.runtime import BaseRuntime, PyTorchRuntime, runtime_registry, to
 from lightning_pipe.schedule import Action, Schedule, get_schedule, register_schedule
@@ -31,6 +31,7 @@ __all__ = [
     "Activation",
     "BackwardModule",
     "BaseRuntime",
+    "CallArgs",
     "ConfigurationError",
     "ForwardLossModule",
     "ForwardModule",
@@ -45,6 +46,8 @@ __all__ = [
     "ScheduleError",
     "ShardedTask",
     "StageError",
+    "TraceError",
+    "TracedPartitioner",
     "TransportError",
     "get_schedule",
     "register_schedule",

@@ -9,7 +9,7 @@ import pytest
 from helpers import QUIET, Classifier, dataset, loader, mlp
 from torch import nn
 
-from lightning_pipe import ConfigurationError, PartitionError, Partitioner, PipeStrategy, ScheduleError
+from lightning_pipe import ConfigurationError, Partitioner, PartitionError, PipeStrategy, ScheduleError
 
 
 def fit(strategy: PipeStrategy, module: Any = None, data: Any = None) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -15,8 +16,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from traced_models import KeywordNet, SkipCNN, TinyGPT, gpt_batch
 
-from lightning_pipe import PipeStrategy
-from lightning_pipe.partition.traced import TracedPartitioner
+from lightning_pipe import PipeStrategy, TracedPartitioner, TraceError
 
 SCHEDULES = ["gpipe", "1f1b"]
 
@@ -217,3 +217,25 @@ def test_huggingface_gpt2_from_a_config() -> None:
     lm = piped.model
     assert lm.lm_head.weight is lm.transformer.wte.weight
     assert assert_pipelined(strategy, 2).tied == [[(0, "transformer.wte.weight"), (1, "lm_head.weight")]]
+
+
+def test_untraceable_model_fails_before_training_with_the_line(tmp_path: Any) -> None:
+    from test_traced import Outer, Vmapped
+
+    step = lambda model, batch: F.cross_entropy(model(batch[0]), batch[1])  # noqa: E731
+    data = DataLoader(TensorDataset(torch.randn(8, 4), torch.randint(0, 2, (8,))), batch_size=4)
+    with pytest.raises(TraceError, match=r"(?s)torch.vmap\(torch.sin\).*leaf_modules="):
+        fit(Wrapper(Vmapped(), step), data, PipeStrategy(stages=2, microbatches=2))
+    # naming the untraceable submodule as a leaf: no warning, and it trains as the plain model does
+    torch.manual_seed(0)
+    piped = Wrapper(Outer(), step)
+    plain = copy.deepcopy(piped)
+    partitioner = TracedPartitioner("uniform", leaf_modules=["inner"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = fit(piped, data, PipeStrategy(stages=3, microbatches=2, partition=partitioner))
+    assert not [w for w in caught if "trace" in str(w.message)]
+    assert_same_run(piped, plain, got, fit(plain, data))
+    assert [shard.layers for shard in partitioner.partition(piped.model, ["cpu"] * 3, torch.randn(2, 4))] == [
+        ["first"], ["inner"], ["last"]
+    ]
