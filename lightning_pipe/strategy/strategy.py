@@ -57,7 +57,8 @@ class PipeStrategy(SingleDeviceStrategy):
         split_points: names of submodules before which a new stage starts (``["blocks.2"]``). A
             pipelined module that is not an ``nn.Sequential`` is traced on its first call and cut
             there, or where ``partition`` balances it; its forward may take several positional and
-            keyword arguments and return a tensor, tuple or dict.
+            keyword arguments and return a tensor, tuple or dict. Without ``stages``, one stage more
+            than split points.
     """
 
     strategy_name = "pipe"
@@ -97,7 +98,7 @@ class PipeStrategy(SingleDeviceStrategy):
         checkpoint_flags(checkpoint, 1)
         if isinstance(runtime, str):
             runtime_registry.get_runtime_class(runtime)
-        self.stages = stages
+        self.stages = stages if stages is not None or not split_points else len(split_points) + 1
         self.microbatches = microbatches
         self.schedule = schedule
         self.partitioner = resolve_partitioner(partition, split_points=split_points)
