@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_pipe.backends import BackendArg, ExecutionTrace, resolve_backends
 from lightning_pipe.comm import Communicator, LocalCommunicator
 from lightning_pipe.engine import AutocastSpec, Coordinator, StageSpec, StepResult
 from lightning_pipe.errors import ConfigurationError
@@ -74,6 +75,8 @@ class Pipeline:
         autocast: AutocastSpec | None = None,
         sample: Any = None,
         coordinator_device: torch.device | None = None,
+        backend: BackendArg = None,
+        strict: bool = False,
     ) -> None:
         self.devices = [str(d) for d in (devices or ["cpu"] * stages)]
         if len(self.devices) != stages:
@@ -87,6 +90,7 @@ class Pipeline:
         self.runtimes = resolve_runtime(runtime, self.devices)
         self.timeout = float(timeout)
         self.autocast = autocast
+        self.backend = resolve_backends(backend, stages, strict)
         self.communicator = _communicator(transport)
         self.shards: list[ShardedTask] = self.partitioner.partition(module, self.devices, sample)
         self.coordinator_device = coordinator_device or self.runtimes[-1].torch_device
@@ -100,6 +104,7 @@ class Pipeline:
                 timeout=self.timeout,
                 runtime=self.runtimes[i],
                 autocast=autocast,
+                backend=self.backend,
             )
             for i, shard in enumerate(self.shards)
         ]
@@ -131,6 +136,11 @@ class Pipeline:
 
     def parameters_of_stages(self) -> list[nn.Parameter]:
         return [p for shard in self.shards for p in shard.module.parameters()]
+
+    def execution_trace(self, reset: bool = False) -> ExecutionTrace:
+        """Per stage: which backend ran its forwards and which substituted ops ran where."""
+        per_rank = self.coordinator.call("execution_trace", reset)
+        return ExecutionTrace(sorted((t for traces in per_rank for t in traces), key=lambda t: t.stage))
 
     def train_step(
         self,

@@ -1,0 +1,98 @@
+"""From the user's ``backend=`` argument to a `BackendPlan`: per stage and mode, the backends to try.
+
+::
+
+    backend="inductor"                               every stage, train and eval
+    backend=["eager", "inductor"]                    a list: one entry per stage
+    backend=("tensorrt", "inductor")                 a tuple: a fallback chain for every stage
+    backend=[("tensorrt", "inductor"), "eager"]      per stage, with a chain for stage 0
+    backend={"train": "inductor", "eval": "tensorrt"} per mode, each of the forms above
+
+Every chain continues with the default backends (registered with ``add_to_default=True``) and ends
+with eager, which always accepts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from lightning_pipe.backends.base import Backend
+from lightning_pipe.backends.registry import default_backends, get_backend
+from lightning_pipe.errors import ConfigurationError
+
+MODES = ("train", "eval")
+StageArg = str | Sequence[str] | None
+BackendArg = StageArg | Sequence[StageArg] | Mapping[str, Any]
+
+
+@dataclass
+class StageChain:
+    """The backends one stage tries in one mode: those asked for, then the defaults, then eager."""
+
+    requested: list[str]
+    backends: list[Backend]
+
+    @property
+    def names(self) -> list[str]:
+        return [b.name for b in self.backends]
+
+
+@dataclass
+class BackendPlan:
+    """Per stage and mode the chain of backends; it travels to the stages inside their `StageSpec`."""
+
+    chains: dict[int, dict[str, StageChain]] = field(default_factory=dict)
+    strict: bool = False
+
+    def chain(self, stage: int, mode: str) -> StageChain:
+        per_stage = self.chains.get(stage)
+        return per_stage[mode] if per_stage is not None else _chain([])
+
+
+def resolve_backends(backend: BackendArg | BackendPlan, num_stages: int, strict: bool = False) -> BackendPlan:
+    """Validate ``backend=`` (unknown names list the registered ones) and build the plan."""
+    if isinstance(backend, BackendPlan):
+        return backend
+    if isinstance(backend, Mapping):
+        unknown = sorted(set(backend) - set(MODES))
+        if unknown:
+            raise ConfigurationError(
+                f"backend has unknown mode(s) {', '.join(map(repr, unknown))}; use the keys {', '.join(MODES)}"
+            )
+        per_mode = {mode: backend.get(mode) for mode in MODES}
+    else:
+        per_mode = {mode: backend for mode in MODES}
+    stage_names = {mode: _per_stage(arg, num_stages) for mode, arg in per_mode.items()}
+    chains = {stage: {mode: _chain(stage_names[mode][stage]) for mode in MODES} for stage in range(num_stages)}
+    return BackendPlan(chains, bool(strict))
+
+
+def _per_stage(arg: Any, num_stages: int) -> list[list[str]]:
+    if arg is None or isinstance(arg, (str, tuple)):
+        return [_names(arg)] * num_stages
+    if isinstance(arg, list):
+        if len(arg) != num_stages:
+            raise ConfigurationError(
+                f"backend={arg!r} has {len(arg)} entries but stages={num_stages}; give one backend per stage, "
+                "a single name for all stages, or a tuple for a fallback chain used on every stage"
+            )
+        return [_names(a) for a in arg]
+    raise ConfigurationError(
+        f"backend={arg!r} is not a backend name, a list (one per stage), a tuple (a chain) or a dict by mode"
+    )
+
+
+def _names(arg: Any) -> list[str]:
+    if arg is None:
+        return []
+    names = [arg] if isinstance(arg, str) else list(arg)
+    for name in names:
+        get_backend(name)  # unknown names list the registered ones
+    return names
+
+
+def _chain(requested: list[str]) -> StageChain:
+    names = [*requested, *(d for d in default_backends() if d not in requested)]
+    return StageChain(list(requested), [get_backend(n) for n in names])
