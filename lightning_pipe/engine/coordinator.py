@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from lightning_pipe import tree
-from lightning_pipe.comm.base import COORDINATOR, Communicator, Endpoint, Message, MessageKind, deadline, remaining
+from lightning_pipe.comm.base import Communicator, Endpoint, Message, MessageKind, deadline, remaining
 from lightning_pipe.engine.plan import EVAL, TRAIN, StageSpec, StepPlan
 from lightning_pipe.engine.stage import StageWorker
 from lightning_pipe.errors import PipeTimeoutError, StageError
@@ -75,7 +75,7 @@ class Coordinator:
     def close(self) -> None:
         if self._endpoint is not None:
             self._endpoint = None
-            self.communicator.shutdown(self.timeout)
+            self.communicator.shutdown(max(5.0, min(self.timeout, 30.0)))
 
     def __enter__(self) -> Coordinator:
         return self.start()

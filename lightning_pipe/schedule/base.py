@@ -114,7 +114,8 @@ def validate(
             if not 0 <= action.stage < num_stages or not 0 <= action.microbatch < num_microbatches:
                 _fail(lists, action, f"{action} is outside {num_stages} stages x {num_microbatches} microbatches")
             if owner(action.stage) != rank:
-                _fail(lists, action, f"{action} is on rank {rank} but stage {action.stage} lives on rank {owner(action.stage)}")
+                where = owner(action.stage)
+                _fail(lists, action, f"{action} is on rank {rank} but stage {action.stage} lives on rank {where}")
             if action in seen:
                 _fail(lists, action, f"{action} appears twice")
             seen[action] = rank
