@@ -340,3 +340,29 @@ def test_backend_plan_travels_by_pickle_to_other_processes() -> None:
     with torch.no_grad():
         executables[(0, "eval")](batch()[0])
     assert traces[0].count(impl="my_linear") == 2 and traces[0].count(impl="eager") == 1
+
+
+def test_strategy_backend_per_mode_and_its_trace() -> None:
+    import lightning as L
+    from helpers import QUIET, Classifier, dataset, loader
+
+    from lightning_pipe import PipeStrategy
+
+    register_backend("mylin", {LINEAR: ("my_linear", linear_checker, linear_impl)}, add_to_default=False)
+    strategy = PipeStrategy(
+        microbatches=2, devices=["cpu", "cpu"], partition=[2, 3], backend={"train": "mylin", "eval": ("tensorrt",)}
+    )
+    trainer = L.Trainer(**QUIET, strategy=strategy, max_steps=2, limit_val_batches=1, val_check_interval=2)
+    trainer.fit(Classifier(mlp()), loader(dataset(rows=32, classes=4), 16), loader(dataset(rows=16, classes=4), 16))
+    trainer.predict(trainer.lightning_module, loader(dataset(rows=16, classes=4), 16))
+    trace = strategy.execution_trace()  # kept after fit's and predict's pipelines closed
+    assert trace[0].backend("train") == "eager"
+    # stage 0 is checkpointed: 2 steps x 2 microbatches x (forward + recompute)
+    assert trace.count(stage=0, mode="train", impl="my_linear") == 8
+    assert trace.count(stage=1, mode="train", impl="my_linear") == trace.count(stage=1, mode="train", impl="eager")
+    assert trace.count(mode="eval", impl="my_linear") == 0  # eval's chain does not name mylin
+    if import_torch_tensorrt()[0] is None:
+        assert trace[1].backend("eval") == "eager" and ("eval", "tensorrt") in trace[1].declined
+        assert trace[1].runs["eval"]["eager"] == 3 * 2  # sanity check, validation, predict: 2 microbatches each
+    with pytest.raises(ConfigurationError, match="unknown backend 'nope'; available: eager, inductor, mylin"):
+        PipeStrategy(backend=["eager", "nope"])

@@ -51,10 +51,16 @@ class BackendPlan:
         return per_stage[mode] if per_stage is not None else _chain([])
 
 
-def resolve_backends(backend: BackendArg | BackendPlan, num_stages: int, strict: bool = False) -> BackendPlan:
-    """Validate ``backend=`` (unknown names list the registered ones) and build the plan."""
+def resolve_backends(backend: BackendArg | BackendPlan, num_stages: int | None, strict: bool = False) -> BackendPlan:
+    """Validate ``backend=`` (unknown names list the registered ones) and build the plan.
+
+    With ``num_stages=None`` (not known yet) per-stage lists are checked for names only.
+    """
     if isinstance(backend, BackendPlan):
         return backend
+    if num_stages is None:
+        lists = [a for a in (backend.values() if isinstance(backend, Mapping) else [backend]) if isinstance(a, list)]
+        num_stages = len(lists[0]) if lists else 1
     if isinstance(backend, Mapping):
         unknown = sorted(set(backend) - set(MODES))
         if unknown:
@@ -73,7 +79,7 @@ def _per_stage(arg: Any, num_stages: int) -> list[list[str]]:
     if arg is None or isinstance(arg, (str, tuple)):
         return [_names(arg)] * num_stages
     if isinstance(arg, list):
-        if len(arg) != num_stages:
+        if len(arg) != num_stages:  # also when per-mode lists disagree
             raise ConfigurationError(
                 f"backend={arg!r} has {len(arg)} entries but stages={num_stages}; give one backend per stage, "
                 "a single name for all stages, or a tuple for a fallback chain used on every stage"

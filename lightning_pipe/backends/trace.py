@@ -50,6 +50,16 @@ class StageTrace:
         for counter in self.ops.values():
             counter.counts.clear()  # compilers hold these counters: clear in place
 
+    def merge(self, other: StageTrace) -> None:
+        """Add ``other``'s counts and declines to this trace."""
+        for mode, per_mode in other.runs.items():
+            for backend, n in per_mode.items():
+                mine = self.runs.setdefault(mode, {})
+                mine[backend] = mine.get(backend, 0) + n
+        for mode, counter in other.ops.items():
+            self.op_counter(mode).merge(counter)
+        self.declined.update(other.declined)
+
     def op_counter(self, mode: str) -> OpCounter:
         return self.ops.setdefault(mode, OpCounter())
 
@@ -82,6 +92,13 @@ class ExecutionTrace:
 
     def __getitem__(self, stage: int) -> StageTrace:
         return next(s for s in self.stages if s.stage == stage)
+
+    def merged(self, other: ExecutionTrace) -> ExecutionTrace:
+        """A new trace with the counts of both (e.g. a fit's and a later validate's pipelines)."""
+        stages: dict[int, StageTrace] = {}
+        for trace in (*self.stages, *other.stages):
+            stages.setdefault(trace.stage, StageTrace(trace.stage)).merge(trace)
+        return ExecutionTrace([stages[i] for i in sorted(stages)])
 
     def count(self, stage: int | None = None, mode: str | None = None, **match: str) -> int:
         """Op calls matching ``op=``, ``impl=``, ``backend=`` over one stage or all of them."""

@@ -15,6 +15,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
+from lightning_pipe.backends import BackendArg, ExecutionTrace, resolve_backends
 from lightning_pipe.engine import AutocastSpec
 from lightning_pipe.errors import ConfigurationError, PipeError
 from lightning_pipe.microbatch import batch_size, split
@@ -51,6 +52,11 @@ class PipeStrategy(SingleDeviceStrategy):
         checkpoint: activation recomputation, ``"always"``, ``"except_last"`` or ``"never"``.
         runtime: a registered device type or a `BaseRuntime` instance; default: by device type.
         timeout: seconds any wait between the coordinator and the stages may take.
+        backend: how stage forwards run: ``"eager"``, ``"inductor"``, ``"tensorrt"`` or a registered
+            backend; a list gives one per stage, a tuple a fallback chain, a dict one per mode
+            (``{"train": "inductor", "eval": "tensorrt"}``). See `lightning_pipe.backends`.
+        strict: raise instead of falling back (with a logged reason) when a requested backend
+            cannot run a stage.
     """
 
     strategy_name = "pipe"
@@ -66,6 +72,8 @@ class PipeStrategy(SingleDeviceStrategy):
         checkpoint: str = "except_last",
         runtime: str | BaseRuntime | None = None,
         timeout: float = 300.0,
+        backend: BackendArg = None,
+        strict: bool = False,
         accelerator: pl.accelerators.Accelerator | None = None,
         checkpoint_io: Any = None,
         precision_plugin: Any = None,
@@ -89,6 +97,7 @@ class PipeStrategy(SingleDeviceStrategy):
         checkpoint_flags(checkpoint, 1)
         if isinstance(runtime, str):
             runtime_registry.get_runtime_class(runtime)
+        resolve_backends(backend, stages or (len(device_names) if device_names else None), strict)
         self.stages = stages
         self.microbatches = microbatches
         self.schedule = schedule
@@ -98,6 +107,9 @@ class PipeStrategy(SingleDeviceStrategy):
         self.checkpoint = checkpoint
         self.runtime = runtime
         self.timeout = float(timeout)
+        self.backend = backend
+        self.strict = strict
+        self._trace = ExecutionTrace([])  # the traces of pipelines already closed
         #: set by Lightning's accelerator connector to the Trainer's devices
         self.parallel_devices: list[torch.device] | None = None
         self.pipeline: Pipeline | None = None
@@ -222,6 +234,8 @@ class PipeStrategy(SingleDeviceStrategy):
             autocast=self._autocast(),
             sample=sample,
             coordinator_device=self.root_device,
+            backend=self.backend,
+            strict=self.strict,
         ).start()
         self._hooked = {
             name
@@ -236,8 +250,16 @@ class PipeStrategy(SingleDeviceStrategy):
             return AutocastSpec(torch.bfloat16 if plugin.precision == "bf16-mixed" else torch.float16)
         return None
 
+    def execution_trace(self) -> ExecutionTrace:
+        """Per stage: which backend ran its forwards and which substituted ops ran where (``print`` it)."""
+        if self.pipeline is not None:
+            return self._trace.merged(self.pipeline.execution_trace())
+        return self._trace
+
     @override
     def teardown(self) -> None:
+        if self.pipeline is not None:  # keep the trace of this fit/validate/test/predict
+            self._trace = self.execution_trace()
         self._shutdown()
         super().teardown()
 
