@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_pipe.backends import BackendArg, ExecutionTrace, resolve_backends
+from lightning_pipe.backends import BackendArg, CoordinatorOps, ExecutionTrace, resolve_backends
 from lightning_pipe.comm import Communicator, LocalCommunicator
 from lightning_pipe.engine import AutocastSpec, Coordinator, StageSpec, StepResult
 from lightning_pipe.errors import ConfigurationError
@@ -91,6 +91,7 @@ class Pipeline:
         self.timeout = float(timeout)
         self.autocast = autocast
         self.backend = resolve_backends(backend, stages, strict)
+        self.coordinator_ops = CoordinatorOps(self.backend, stages - 1)  # op substitution in the loss
         self.communicator = _communicator(transport)
         self.shards: list[ShardedTask] = self.partitioner.partition(module, self.devices, sample)
         self.coordinator_device = coordinator_device or self.runtimes[-1].torch_device
@@ -140,7 +141,11 @@ class Pipeline:
     def execution_trace(self, reset: bool = False) -> ExecutionTrace:
         """Per stage: which backend ran its forwards and which substituted ops ran where."""
         per_rank = self.coordinator.call("execution_trace", reset)
-        return ExecutionTrace(sorted((t for traces in per_rank for t in traces), key=lambda t: t.stage))
+        stages = ExecutionTrace(sorted((t for traces in per_rank for t in traces), key=lambda t: t.stage))
+        trace = stages.merged(ExecutionTrace([self.coordinator_ops.trace]))
+        if reset:
+            self.coordinator_ops.trace.reset()
+        return trace
 
     def train_step(
         self,
@@ -160,7 +165,8 @@ class Pipeline:
 
         def weighted(output: Any, label: tuple[int, Any]) -> torch.Tensor:
             index, target = label
-            return criterion(output, target) * (_rows(xs[index]) / rows)
+            with self.coordinator_ops.context("train"):
+                return criterion(output, target) * (_rows(xs[index]) / rows)
 
         result = self.coordinator.train_step(xs, list(enumerate(ys)), weighted, scaler)
         self.coordinator.call("apply_grads", 1.0)

@@ -176,6 +176,27 @@ def test_cross_entropy_substitution_matches_eager() -> None:
     assert CALLS["my_xent"] == 1
 
 
+def test_the_loss_on_the_coordinator_uses_the_last_stage_op_backends() -> None:
+    """``F.cross_entropy`` in the criterion runs as the op backend's implementation where its checker accepts."""
+    register_backend("xent", {XENT: ("my_xent", xent_checker, xent_impl)}, add_to_default=False)
+    model, (x, y) = mlp(), batch()
+    expected = reference_grads(model, x, y)
+
+    def smoothed(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:  # the checker declines smoothing
+        return F.cross_entropy(logits, target, label_smoothing=0.1)
+
+    with Pipeline(model, stages=2, partition=[2, 3], backend=["eager", "xent"], timeout=30) as pipe:
+        pipe.train_step(x, y, F.cross_entropy, microbatches=4)
+        grads = [p.grad.clone() for p in model.parameters()]
+        pipe.train_step(x, y, smoothed, microbatches=2)
+        trace = pipe.execution_trace()
+    for g, e in zip(grads, expected, strict=True):
+        torch.testing.assert_close(g, e, rtol=0, atol=1e-6)
+    assert trace.count(stage=1, mode="coordinator", op=XENT, impl="my_xent", backend="xent") == 4 == CALLS["my_xent"]
+    assert trace.count(stage=1, mode="coordinator", op=XENT, impl="eager") == 2
+    assert "coordinator  torch.nn.functional.cross_entropy" in str(trace)
+
+
 def test_tensorrt_without_torch_tensorrt_declines_and_eval_runs_on_next(caplog: pytest.LogCaptureFixture) -> None:
     module, reason = import_torch_tensorrt()
     if module is not None:
@@ -349,9 +370,9 @@ def test_strategy_backend_per_mode_and_its_trace() -> None:
     from lightning_pipe import PipeStrategy
 
     register_backend("mylin", {LINEAR: ("my_linear", linear_checker, linear_impl)}, add_to_default=False)
-    strategy = PipeStrategy(
-        microbatches=2, devices=["cpu", "cpu"], partition=[2, 3], backend={"train": "mylin", "eval": ("tensorrt",)}
-    )
+    register_backend("xent", {XENT: ("my_xent", xent_checker, xent_impl)}, add_to_default=False)
+    backend = {"train": ("mylin", "xent"), "eval": ("tensorrt",)}
+    strategy = PipeStrategy(microbatches=2, devices=["cpu", "cpu"], partition=[2, 3], backend=backend)
     trainer = L.Trainer(**QUIET, strategy=strategy, max_steps=2, limit_val_batches=1, val_check_interval=2)
     trainer.fit(Classifier(mlp()), loader(dataset(rows=32, classes=4), 16), loader(dataset(rows=16, classes=4), 16))
     trainer.predict(trainer.lightning_module, loader(dataset(rows=16, classes=4), 16))
@@ -361,6 +382,8 @@ def test_strategy_backend_per_mode_and_its_trace() -> None:
     assert trace.count(stage=0, mode="train", impl="my_linear") == 8
     assert trace.count(stage=1, mode="train", impl="my_linear") == trace.count(stage=1, mode="train", impl="eager")
     assert trace.count(mode="eval", impl="my_linear") == 0  # eval's chain does not name mylin
+    # the loss in training_step (the user's code, run by the coordinator) used the xent backend
+    assert trace.count(stage=1, mode="coordinator", op=XENT, impl="my_xent") == 4 == CALLS["my_xent"]
     if import_torch_tensorrt()[0] is None:
         assert trace[1].backend("eval") == "eager" and ("eval", "tensorrt") in trace[1].declined
         assert trace[1].runs["eval"]["eager"] == 3 * 2  # sanity check, validation, predict: 2 microbatches each

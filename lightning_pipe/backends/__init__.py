@@ -3,7 +3,7 @@
 from lightning_pipe.backends.base import Backend, BackendError, BackendUnavailableError, StageContext
 from lightning_pipe.backends.compilers import EagerCompiler, InductorCompiler
 from lightning_pipe.backends.config import BackendArg, BackendPlan, resolve_backends
-from lightning_pipe.backends.executable import StageExecutable, build_executables
+from lightning_pipe.backends.executable import CoordinatorOps, StageExecutable, build_executables
 from lightning_pipe.backends.meta import TensorMeta
 from lightning_pipe.backends.ops import substitute
 from lightning_pipe.backends.registry import (
@@ -22,6 +22,7 @@ __all__ = [
     "BackendError",
     "BackendPlan",
     "BackendUnavailableError",
+    "CoordinatorOps",
     "EagerCompiler",
     "ExecutionTrace",
     "InductorCompiler",

@@ -7,9 +7,11 @@ executor modules run on backends unchanged. Stage checkers run the first time an
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Callable, Hashable, Iterable, Mapping
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -19,7 +21,7 @@ from lightning_pipe.backends.base import BackendError, BackendUnavailableError, 
 from lightning_pipe.backends.compilers import EagerCompiler
 from lightning_pipe.backends.config import MODES, BackendPlan, StageChain, resolve_backends
 from lightning_pipe.backends.meta import metas_of, signature
-from lightning_pipe.backends.ops import OpTable
+from lightning_pipe.backends.ops import OpTable, SubstitutionMode
 from lightning_pipe.backends.trace import StageTrace
 
 log = logging.getLogger("lightning_pipe.backends")
@@ -177,3 +179,25 @@ def build_executables(
         for mode in MODES
     }
     return executables, traces
+
+
+COORDINATOR = "coordinator"  # the trace's mode for ops the coordinator ran (the loss, the user's step code)
+
+
+class CoordinatorOps:
+    """Op substitution for the code the coordinator runs around the pipeline: the loss and the user's step.
+
+    It uses the last stage's op maps (the loss belongs to the last stage) and counts into a trace of
+    that stage under the mode ``"coordinator"``. TorchFunctionModes are per thread: enter `context`
+    in the thread that runs the code.
+    """
+
+    def __init__(self, plan: BackendPlan, last_stage: int) -> None:
+        self.trace = StageTrace(last_stage)
+        self._tables = {mode: OpTable(plan.chain(last_stage, mode).backends) for mode in MODES}
+
+    def context(self, mode: str) -> AbstractContextManager[object]:
+        table = self._tables[mode]
+        if not table:
+            return contextlib.nullcontext()
+        return SubstitutionMode(table, self.trace.op_counter(COORDINATOR), "eager")
