@@ -59,7 +59,9 @@ class InductorCompiler(EagerCompiler):
     always_accepts = False
 
     def check(self, inputs: Any, ctx: StageContext) -> str | None:
-        if not torch._dynamo.is_dynamo_supported():
+        from torch._dynamo.eval_frame import is_dynamo_supported
+
+        if not is_dynamo_supported():
             return "torch.compile does not support this Python version"
         if ctx.device.type == "cpu":
             try:

@@ -70,4 +70,5 @@ def signature(value: Any) -> Hashable:
         hash(value)
     except TypeError:
         return (type(value).__name__, repr(value))
-    return value
+    hashable: Hashable = value
+    return hashable

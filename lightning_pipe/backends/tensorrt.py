@@ -24,7 +24,7 @@ from lightning_pipe.backends.meta import TensorMeta, signature
 def import_torch_tensorrt() -> tuple[Any, str | None]:
     """``(torch_tensorrt, None)``, or ``(None, reason)`` when it cannot be imported (cached)."""
     try:
-        import torch_tensorrt  # type: ignore[import-not-found]
+        import torch_tensorrt
     # without the TensorRT libraries the import raises a plain Exception, not ImportError
     except Exception as exc:
         reason = (
