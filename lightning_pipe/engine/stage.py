@@ -17,6 +17,7 @@ from lightning_pipe.comm.base import COORDINATOR, Endpoint, Message, MessageKind
 from lightning_pipe.engine.plan import EVAL, TRAIN, StageSpec, StepPlan
 from lightning_pipe.errors import PipeTimeoutError, StageError
 from lightning_pipe.executors import Activation
+from lightning_pipe.grads import GradStash
 from lightning_pipe.runtime import runtime_registry
 from lightning_pipe.schedule import Action, Kind
 
@@ -48,8 +49,7 @@ class StageWorker:
         self.executables, self.traces = build_executables(self.shards.values(), spec.backend, devices)
         self._pending: dict[Key, Message] = {}
         self._saved: dict[tuple[int, int], Activation] = {}
-        self._stashed: list[tuple[torch.nn.Parameter, torch.Tensor | None]] = []
-        self._step_grads: list[tuple[torch.nn.Parameter, torch.Tensor | None]] = []
+        self._grads = GradStash(p for shard in self.shards.values() for p in shard.module.parameters())
         self._aborted = -1
         self._stop = False
         self._initialized: set[int] = set()
@@ -87,8 +87,9 @@ class StageWorker:
         records: list[tuple[str, float, float]] = []
         action: Action | None = None
         training = plan.mode == TRAIN
+        outcome: Message | None = None
         if training:
-            self._stash_grads()
+            self._grads.begin()
         try:
             for action in plan.actions:
                 start = time.perf_counter()
@@ -99,7 +100,7 @@ class StageWorker:
                 records.append((str(action), start, time.perf_counter()))
             for index, shard in self.shards.items():
                 self.runtimes[index].get_pending_result(shard.module, True)
-            self.endpoint.send(COORDINATOR, Message(MessageKind.DONE, step, payload=records))
+            outcome = Message(MessageKind.DONE, step, payload=records)
         except _Abort:
             self._forget(step)
         except Exception as exc:
@@ -111,11 +112,14 @@ class StageWorker:
                 traceback.format_exc(),
                 self.endpoint.host(self.rank),
             )
-            self.endpoint.send(COORDINATOR, Message(MessageKind.ERROR, step, payload=error))
+            outcome = Message(MessageKind.ERROR, step, payload=error)
             self._forget(step)
         finally:
             if training:
-                self._unstash_grads()
+                # before telling the coordinator: once it hears DONE, Lightning may zero p.grad
+                self._grads.end()
+        if outcome is not None:
+            self.endpoint.send(COORDINATOR, outcome)
 
     def _forward(self, step: int, action: Action, training: bool) -> None:
         s, m = action.stage, action.microbatch
@@ -206,34 +210,13 @@ class StageWorker:
         with torch.autocast(**self.spec.autocast.for_device(device.type)):
             yield
 
-    # gradients: a step's parameter gradients are set aside so that Lightning's zero_grad (which runs
-    # after training_step) does not wipe them; `call_apply_grads` adds them in the strategy's backward
-    def _parameters(self) -> list[torch.nn.Parameter]:
-        return [p for shard in self.shards.values() for p in shard.module.parameters() if p.requires_grad]
-
-    def _stash_grads(self) -> None:
-        self._stashed = [(p, p.grad) for p in self._parameters()]
-        for p, _ in self._stashed:
-            p.grad = None
-
-    def _unstash_grads(self) -> None:
-        self._step_grads = [(p, p.grad) for p, _ in self._stashed]
-        for p, grad in self._stashed:
-            p.grad = grad
-        self._stashed = []
-
     # control calls (``call_<name>``), run on the worker between steps
     def call_apply_grads(self, scale: float) -> None:
-        """Add the last step's gradients, times ``scale``, to ``p.grad``."""
-        for p, grad in self._step_grads:
-            if grad is None:
-                continue
-            grad = grad * scale if scale != 1.0 else grad
-            p.grad = grad if p.grad is None else p.grad + grad
-        self._step_grads = []
+        """Add the last step's gradients, times ``scale``, to ``p.grad`` (the strategy's backward)."""
+        self._grads.apply(scale)
 
     def call_discard_grads(self) -> None:
-        self._step_grads = []
+        self._grads.discard()
 
     def call_train(self, mode: bool) -> None:
         for shard in self.shards.values():

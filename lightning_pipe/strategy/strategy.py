@@ -18,6 +18,7 @@ from typing_extensions import override
 from lightning_pipe.backends import BackendArg, CoordinatorOps, ExecutionTrace, resolve_backends
 from lightning_pipe.engine import AutocastSpec
 from lightning_pipe.errors import ConfigurationError, PipeError
+from lightning_pipe.grads import GradStash
 from lightning_pipe.microbatch import batch_size, split
 from lightning_pipe.partition import Partitioner
 from lightning_pipe.pipeline import Pipeline, checkpoint_flags, resolve_partitioner
@@ -115,9 +116,7 @@ class PipeStrategy(SingleDeviceStrategy):
         self.parallel_devices: list[torch.device] | None = None
         self.pipeline: Pipeline | None = None
         self._pipelined: nn.Module | None = None
-        self._outside_params: list[nn.Parameter] = []
-        self._outside_stash: list[tuple[nn.Parameter, torch.Tensor | None]] = []
-        self._outside_grads: list[tuple[nn.Parameter, torch.Tensor | None]] = []
+        self._outside = GradStash()  # parameters outside the pipelined module (before/after the call)
         self._hooked: set[str] = set()
         self._seen_batch = False
         #: the last step's `StepResult` (per-rank action timings, the schedule), kept after teardown
@@ -172,7 +171,7 @@ class PipeStrategy(SingleDeviceStrategy):
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         stage_ids = {id(p) for p in self._pipelined.parameters()}
-        self._outside_params = [p for p in lightning_module.parameters() if id(p) not in stage_ids]
+        self._outside = GradStash(p for p in lightning_module.parameters() if id(p) not in stage_ids)
         self._install(trainer)
         sample = getattr(lightning_module, "example_input_array", None)
         if not self.partitioner.needs_sample or sample is not None:
@@ -349,7 +348,7 @@ class PipeStrategy(SingleDeviceStrategy):
             inputs = [self._start(driver, recorder, weights[driver.index], name) for driver in drivers]
             pipeline = self._build(inputs[0])
             if training:
-                self._stash_outside()
+                self._outside.begin()
                 try:
                     result = pipeline.coordinator.train_step(
                         inputs,
@@ -358,7 +357,7 @@ class PipeStrategy(SingleDeviceStrategy):
                         getattr(self.precision_plugin, "scaler", None),
                     )
                 finally:
-                    self._unstash_outside()
+                    self._outside.end()
             else:
                 result = pipeline.coordinator.forward_step(inputs)
                 for driver, output in zip(drivers, result.outputs, strict=True):
@@ -431,18 +430,6 @@ class PipeStrategy(SingleDeviceStrategy):
         inputs = self._pipeline_input(args, kwargs)
         return self._build(inputs).coordinator.forward_step([inputs]).outputs[0]
 
-    # gradients
-    def _stash_outside(self) -> None:
-        self._outside_stash = [(p, p.grad) for p in self._outside_params]
-        for p in self._outside_params:
-            p.grad = None
-
-    def _unstash_outside(self) -> None:
-        self._outside_grads = [(p, p.grad) for p, _ in self._outside_stash]
-        for p, grad in self._outside_stash:
-            p.grad = grad
-        self._outside_stash = []
-
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         """Put the gradients the pipeline computed during ``training_step`` on ``p.grad``.
@@ -457,11 +444,7 @@ class PipeStrategy(SingleDeviceStrategy):
         closure_loss = self.precision_plugin.pre_backward(closure_loss, lightning_module)
         scale = 1.0 / self._trainer.accumulate_grad_batches
         self.pipeline.coordinator.call("apply_grads", scale)
-        for p, grad in self._outside_grads:
-            if grad is not None:
-                grad = grad * scale
-                p.grad = grad if p.grad is None else p.grad + grad
-        self._outside_grads = []
+        self._outside.apply(scale)
         closure_loss = self.precision_plugin.post_backward(closure_loss, lightning_module)
         self.post_backward(closure_loss)
         return closure_loss
