@@ -30,7 +30,7 @@ from lightning_pipe.backends import (
     unregister_backend,
 )
 from lightning_pipe.errors import ConfigurationError, StageError
-from lightning_pipe.pipeline import Pipeline
+from lightning_pipe.pipeline import TRANSPORTS, Pipeline
 
 LINEAR = "torch.nn.functional.linear"
 XENT = "torch.nn.functional.cross_entropy"
@@ -389,3 +389,25 @@ def test_strategy_backend_per_mode_and_its_trace() -> None:
         assert trace[1].runs["eval"]["eager"] == 3 * 2  # sanity check, validation, predict: 2 microbatches each
     with pytest.raises(ConfigurationError, match="unknown backend 'nope'; available: eager, inductor, mylin"):
         PipeStrategy(backend=["eager", "nope"])
+
+
+@pytest.mark.skipif("rpc" not in TRANSPORTS, reason="transport='rpc' is not available in this checkout")
+def test_backends_and_trace_over_rpc() -> None:
+    """Stage processes get the plan by pickle, import the op backend's functions and report their traces."""
+    register_backend("mylin", {LINEAR: ("my_linear", linear_checker, linear_impl)}, add_to_default=False)
+    model, (x, y) = mlp(), batch()
+    plain = copy.deepcopy(model)
+    with torch.no_grad():
+        expected_loss = F.cross_entropy(plain(x), y).item()
+    backend = {"train": "mylin", "eval": ("tensorrt", "mylin")}
+    with Pipeline(model, stages=2, partition=[2, 3], backend=backend, transport="rpc", timeout=60) as pipe:
+        result = pipe.train_step(x, y, F.cross_entropy, microbatches=4)
+        out = pipe.forward(x)
+        trace = pipe.execution_trace()
+    assert float(sum(result.losses)) == pytest.approx(expected_loss, abs=1e-5)
+    torch.testing.assert_close(out, plain(x).detach(), rtol=0, atol=1e-6)
+    assert trace.count(stage=0, mode="train", impl="my_linear") == 8
+    assert trace.count(stage=1, mode="train", impl="my_linear") == trace.count(stage=1, mode="train", impl="eager") == 4
+    assert trace.count(mode="eval", impl="my_linear") == 2 and trace[1].backend("eval") == "eager"
+    if import_torch_tensorrt()[0] is None:
+        assert ("eval", "tensorrt") in trace[0].declined
