@@ -331,6 +331,10 @@ def test_bad_backend_arguments_are_rejected_before_any_work() -> None:
         register_backend("bad", {"torch.nn.functional.nope": ("x", linear_checker, linear_impl)})
     with pytest.raises(ConfigurationError, match="cannot be removed"):
         unregister_backend("eager")
+    # a plan for every stage serves (virtual) stages beyond those it was built for; a per-stage one does not
+    assert resolve_backends("inductor", 2).chain(5, "eval").names == ["inductor", "eager"]
+    with pytest.raises(ConfigurationError, match=r"chains for stages \[0, 1\] but stage 3"):
+        resolve_backends(["eager", "inductor"], 2).chain(3, "train")
 
 
 def test_a_raising_op_checker_is_reported_with_the_backend_name() -> None:

@@ -45,13 +45,23 @@ class BackendPlan:
 
     chains: dict[int, dict[str, StageChain]] = field(default_factory=dict)
     strict: bool = False
+    every_stage: dict[str, StageChain] | None = None  # the chains when they are not given per stage
 
     def chain(self, stage: int, mode: str) -> StageChain:
         per_stage = self.chains.get(stage)
-        return per_stage[mode] if per_stage is not None else _chain([])
+        if per_stage is not None:
+            return per_stage[mode]
+        if self.every_stage is not None:  # e.g. more (virtual) stages than the plan was built for
+            return self.every_stage[mode]
+        raise ConfigurationError(
+            f"the backend plan has chains for stages {sorted(self.chains)} but stage {stage} asked for one; "
+            "give one backend per stage"
+        )
 
 
-def resolve_backends(backend: BackendArg | BackendPlan, num_stages: int | None, strict: bool = False) -> BackendPlan:
+def resolve_backends(
+    backend: BackendArg | BackendPlan, num_stages: int | None = None, strict: bool = False
+) -> BackendPlan:
     """Validate ``backend=`` (unknown names list the registered ones) and build the plan.
 
     With ``num_stages=None`` (not known yet) per-stage lists are checked for names only.
@@ -72,7 +82,8 @@ def resolve_backends(backend: BackendArg | BackendPlan, num_stages: int | None, 
         per_mode = {mode: backend for mode in MODES}
     stage_names = {mode: _per_stage(arg, num_stages) for mode, arg in per_mode.items()}
     chains = {stage: {mode: _chain(stage_names[mode][stage]) for mode in MODES} for stage in range(num_stages)}
-    return BackendPlan(chains, bool(strict))
+    uniform = not any(isinstance(arg, list) for arg in per_mode.values())
+    return BackendPlan(chains, bool(strict), chains[0] if uniform and chains else None)
 
 
 def _per_stage(arg: Any, num_stages: int) -> list[list[str]]:
