@@ -118,7 +118,8 @@ def test_gpt_with_keyword_mask_and_tied_head(schedule: str, tmp_path: Any) -> No
     torch.testing.assert_close(fresh.model(idx, mask=mask), piped.model(idx, mask=mask))
 
 
-def test_cnn_with_skips_and_batchnorm_matches_accumulated_microbatches() -> None:
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_cnn_with_skips_and_batchnorm_matches_accumulated_microbatches(schedule: str) -> None:
     """BatchNorm sees one microbatch at a time: the plain run accumulates over batches of that size."""
     torch.manual_seed(0)
     step = lambda model, batch: F.cross_entropy(model(batch[0]), batch[1])  # noqa: E731
@@ -126,7 +127,7 @@ def test_cnn_with_skips_and_batchnorm_matches_accumulated_microbatches() -> None
     plain = copy.deepcopy(piped)
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(24, 3, 8, 8, generator=g), torch.randint(0, 3, (24,), generator=g))
-    strategy = PipeStrategy(stages=3, microbatches=4, schedule="1f1b", split_points=["mid", "up2"])
+    strategy = PipeStrategy(stages=3, microbatches=4, schedule=schedule, split_points=["mid", "up2"])
     got = fit(piped, DataLoader(data, batch_size=8), strategy)
     want = fit(plain, DataLoader(data, batch_size=2), steps=3, accumulate_grad_batches=4)
     assert_pipelined(strategy, 3)
