@@ -279,3 +279,18 @@ def test_tracing_leaves_the_model_unchanged() -> None:
     assert model.src_mask is None and model.pos_encoder.pe is None  # caches the forward sets stay unset
     for key, value in model.state_dict().items():
         torch.testing.assert_close(value, before[key])
+
+
+class RowLoop(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        return self.b(torch.stack([row * 2 for row in h]))
+
+
+def test_loops_over_rows_warn() -> None:
+    with pytest.warns(UserWarning, match=r"(?s)fixed to the example's size.*for row in h"):
+        TracedPartitioner("uniform").partition(RowLoop(), ["cpu"] * 2, torch.randn(3, 4))

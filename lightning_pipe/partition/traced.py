@@ -305,6 +305,14 @@ def _warn_about(module: nn.Module, traced: Traced) -> None:
             f"{name}: could not trace into {inside!r} ({reason}); it runs whole inside one stage",
             stacklevel=3,
         )
+    if traced.unrolled:
+        lines = "\n".join(f"  {where}" for where in traced.unrolled[:5])
+        warnings.warn(
+            f"{name}: len() of a tensor, or a loop over its rows, is fixed to the example's size while tracing at:\n"
+            f"{lines}\nCalls with another first dimension will fail; use x.size(0) / tensor ops, or mark the "
+            "module holding that code as a leaf (leaf_modules=[...])",
+            stacklevel=3,
+        )
     if traced.data_dependent:
         lines = "\n".join(f"  {where}" for where in traced.data_dependent[:5])
         more = f"\n  (and {len(traced.data_dependent) - 5} more)" if len(traced.data_dependent) > 5 else ""

@@ -84,6 +84,8 @@ class _Concrete:
         return bool(self.tracer.specialise(self))
 
     def __len__(self) -> int:
+        if isinstance(self.value, torch.Tensor):
+            self.tracer.note_unrolled()
         return len(self.value)
 
     def __index__(self) -> int:
@@ -102,6 +104,8 @@ class _Concrete:
         value = self.value
         if isinstance(value, dict):
             return iter(list(value.keys()))
+        if isinstance(value, torch.Tensor):
+            self.tracer.note_unrolled()
         return iter([self[i] for i in range(len(value))])  # type: ignore[index]
 
     def __setitem__(self, key: Any, item: Any) -> None:
@@ -161,6 +165,7 @@ class ConcreteTracer(fx.Tracer):
         self._leaves = leaves
         self._values: dict[str, Any] = {}
         self.data_dependent: list[str] = []  # where control flow read a value computed from tensor contents
+        self.unrolled: list[str] = []  # where code took len() of a tensor or looped over its rows
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         return self._leaves(m, module_qualified_name)
@@ -172,6 +177,12 @@ class ConcreteTracer(fx.Tracer):
             if where and where not in self.data_dependent:
                 self.data_dependent.append(where)
         return proxy.value
+
+    def note_unrolled(self) -> None:
+        """``len(x)`` or ``for row in x``: the graph keeps the example's first dimension."""
+        where = _user_frame_of(inspect.currentframe())
+        if where and where not in self.unrolled:
+            self.unrolled.append(where)
 
     def create_proxy(  # type: ignore[override]
         self,
@@ -435,6 +446,7 @@ class Traced:
     signature: Signature
     call: CallArgs  # the example it was traced on
     data_dependent: list[str] = field(default_factory=list)  # lines whose control flow read tensor contents
+    unrolled: list[str] = field(default_factory=list)  # lines that took len() of a tensor or iterated it
     kept_whole: list[tuple[str, str]] = field(default_factory=list)  # (module, why) made leaves automatically
 
 
@@ -476,7 +488,7 @@ def _trace_once(module: nn.Module, call: CallArgs, leaves: Sequence[LeafSpec], t
     graph.eliminate_dead_code(_is_impure)
     for node in graph.nodes:  # else the generated code calls fx.wrap("torch.ones") when it is loaded
         node.meta.pop("is_wrapped", None)
-    return Traced(graph, constants, signature, call, tracer.data_dependent)
+    return Traced(graph, constants, signature, call, tracer.data_dependent, tracer.unrolled)
 
 
 def _is_impure(node: fx.Node) -> bool:
