@@ -294,3 +294,13 @@ class RowLoop(nn.Module):
 def test_loops_over_rows_warn() -> None:
     with pytest.warns(UserWarning, match=r"(?s)fixed to the example's size.*for row in h"):
         TracedPartitioner("uniform").partition(RowLoop(), ["cpu"] * 2, torch.randn(3, 4))
+
+
+def test_split_point_inside_a_block_traces_into_it() -> None:
+    torch.manual_seed(0)
+    model, (idx, mask, targets) = TinyGPT(layers=2), gpt_batch()
+    pipe = assert_transparent(
+        model, (idx,), {"mask": mask}, targets, lm_loss, steps=1, stages=2, split_points=["blocks.0.mlp"]
+    )
+    assert pipe.shards[1].layers[:3] == ["blocks.0.mlp.0", "blocks.0.mlp.1", "blocks.0.mlp.2"]
+    assert "blocks.0.qkv" in pipe.shards[0].layers  # the first half of the block runs in stage 0

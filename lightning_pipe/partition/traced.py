@@ -107,7 +107,8 @@ class TracedPartitioner(Partitioner):
                 "pass sample=CallArgs(args, kwargs) (or a tensor / tuple of positional arguments)"
             )
         call = CallArgs.of(sample)
-        self.traced = {mode: trace(module, call, self.leaf_modules, training=mode) for mode in (True, False)}
+        points = self.split_points or ()
+        self.traced = {mode: trace(module, call, self.leaf_modules, mode, points) for mode in (True, False)}
         self.signature = self.traced[True].signature
         _warn_about(module, self.traced[True])
         return self.traced[True]

@@ -387,10 +387,13 @@ def _expand(tracer: ConcreteTracer, output: Any) -> Any:
 
 
 # leaves: the layers the graph is cut between
-def default_leaves(root: nn.Module, extra: Sequence[LeafSpec] = ()) -> Callable[[nn.Module, str], bool]:
+def default_leaves(
+    root: nn.Module, extra: Sequence[LeafSpec] = (), inside: Sequence[str] = ()
+) -> Callable[[nn.Module, str], bool]:
     """Elements of ``nn.ModuleList``/``nn.Sequential`` containers, ``torch.nn`` layers that hold no such
     containers (``nn.Transformer`` is traced into, ``nn.MultiheadAttention`` is not), and ``extra``
-    (qualified names or classes)."""
+    (qualified names or classes); never a module that contains one of the names in ``inside`` (a split
+    point inside a block makes the tracer enter the block)."""
     in_list = {id(child) for m in root.modules() if isinstance(m, (nn.ModuleList, nn.Sequential)) for child in m}
     names = {x for x in extra if isinstance(x, str)}
     types = tuple(x for x in extra if isinstance(x, type))
@@ -400,6 +403,8 @@ def default_leaves(root: nn.Module, extra: Sequence[LeafSpec] = ()) -> Callable[
             return False
         if name in names or (types and isinstance(m, types)):
             return True
+        if any(point.startswith(name + ".") for point in inside):
+            return False
         if isinstance(m, (nn.ModuleList, nn.Sequential, nn.ModuleDict)):
             return False
         if id(m) in in_list:
@@ -453,7 +458,13 @@ class Traced:
 _RETRIES = 16
 
 
-def trace(module: nn.Module, call: CallArgs, leaf_modules: Sequence[LeafSpec] = (), training: bool = True) -> Traced:
+def trace(
+    module: nn.Module,
+    call: CallArgs,
+    leaf_modules: Sequence[LeafSpec] = (),
+    training: bool = True,
+    split_points: Sequence[str] = (),
+) -> Traced:
     """Trace ``module(*call.args, **call.kwargs)`` in training (or eval) mode; leaves the module unchanged.
 
     A submodule that cannot be traced into is kept whole (a leaf) and tracing starts again; code in
@@ -462,7 +473,7 @@ def trace(module: nn.Module, call: CallArgs, leaf_modules: Sequence[LeafSpec] = 
     leaves, kept = list(leaf_modules), []
     for _ in range(_RETRIES):
         try:
-            traced = _trace_once(module, call, leaves, training)
+            traced = _trace_once(module, call, leaves, training, split_points)
         except _UntraceableError as failure:
             if not failure.inside or failure.inside in leaves:
                 raise TraceError(failure.message) from failure.__cause__
@@ -474,8 +485,10 @@ def trace(module: nn.Module, call: CallArgs, leaf_modules: Sequence[LeafSpec] = 
     raise TraceError(f"gave up tracing {type(module).__name__} after keeping {len(kept)} submodules whole: {kept}")
 
 
-def _trace_once(module: nn.Module, call: CallArgs, leaves: Sequence[LeafSpec], training: bool) -> Traced:
-    tracer = ConcreteTracer(default_leaves(module, leaves))
+def _trace_once(
+    module: nn.Module, call: CallArgs, leaves: Sequence[LeafSpec], training: bool, split_points: Sequence[str]
+) -> Traced:
+    tracer = ConcreteTracer(default_leaves(module, leaves, split_points))
     with preserved(module), _explained(module, tracer):
         module.train(training)
         with torch.set_grad_enabled(training):
