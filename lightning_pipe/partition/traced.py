@@ -106,7 +106,7 @@ class TracedPartitioner(Partitioner):
                 f"splitting a {type(module).__name__} (not an nn.Sequential) traces it on an example call; "
                 "pass sample=CallArgs(args, kwargs) (or a tensor / tuple of positional arguments)"
             )
-        call = CallArgs.of(sample)
+        call = _on_module_device(CallArgs.of(sample), module)
         points = self.split_points or ()
         self.traced = {mode: trace(module, call, self.leaf_modules, mode, points) for mode in (True, False)}
         self.signature = self.traced[True].signature
@@ -297,6 +297,16 @@ def _check_close(module: nn.Module, expected: Any, got: Any, training: bool) -> 
                     "tensors in place in a way the trace does not record; mark the submodule doing it as a leaf "
                     "(leaf_modules=[...]) or pass check=False if the difference is expected (e.g. random ops)"
                 )
+
+
+def _on_module_device(call: CallArgs, module: nn.Module) -> CallArgs:
+    """The example where the module is: the strategy hands over batches on the last stage's device while the
+    module waits on the cpu for its stages to place it."""
+    first = next(itertools.chain(module.parameters(), module.buffers()), None)
+    if first is None:
+        return call
+    args, kwargs = tree.map_tensors(lambda t: t.to(first.device), (call.args, call.kwargs))
+    return CallArgs(tuple(args), dict(kwargs))
 
 
 def _warn_about(module: nn.Module, traced: Traced) -> None:
