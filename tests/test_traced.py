@@ -137,10 +137,14 @@ def test_keyword_arguments_and_dict_output(schedule: str) -> None:
         out = pipe.forward((x,), microbatches=2, kwargs={"weight": w, "scale": 2.0})
         assert set(out) == {"logits", "recon", "scale"}
         torch.testing.assert_close(out["logits"], model(x, weight=w, scale=2.0)["logits"])
-        with pytest.raises(PartitionError, match="constant argument 2.0"):
-            pipe.forward((x,), kwargs={"weight": w, "scale": 3.0})
-        with pytest.raises(PartitionError, match="traced for a call"):
-            pipe.forward((x,), kwargs={"weight": w})
+        # other ways of calling it are traced as variants, cut at the same places
+        for kwargs in ({"weight": w, "scale": 3.0}, {"weight": w}):
+            out = pipe.forward((x,), microbatches=2, kwargs=kwargs)
+            torch.testing.assert_close(out["logits"], model(x, **kwargs)["logits"])
+            assert out["scale"] == [kwargs.get("scale", 1.0)] * 2  # one per microbatch
+        assert len(pipe.partitioner.variants) == 3
+        with pytest.raises(PartitionError, match="does not match KeywordNet.forward"):
+            pipe.forward((x,), kwargs={"mask": w})
 
 
 @pytest.mark.parametrize("method", ["uniform", "params", "memory", "time", [2, 3, 3]])
@@ -218,10 +222,10 @@ def test_untraceable_submodule_is_kept_whole() -> None:
     with pytest.warns(UserWarning, match="could not trace into 'inner'"):
         shards = TracedPartitioner("uniform").partition(model, ["cpu"] * 3, x)
     assert [s.layers for s in shards] == [["first"], ["inner"], ["last"]]
-    out: Any = (x,)
+    out: Any = (0, x)  # (call variant, inputs)
     for shard in shards:
         out = shard.module(*out)
-    torch.testing.assert_close(out[0], model(x))
+    torch.testing.assert_close(out[1], model(x))
 
 
 class DataDependent(nn.Module):

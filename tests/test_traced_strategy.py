@@ -240,3 +240,30 @@ def test_untraceable_model_fails_before_training_with_the_line(tmp_path: Any) ->
     assert [shard.layers for shard in partitioner.partition(piped.model, ["cpu"] * 3, torch.randn(2, 4))] == [
         ["first"], ["inner"], ["last"]
     ]
+
+
+class PaddedGPT(Wrapper):
+    """Trains with a padding mask; validates and predicts without one (a second way of calling the model)."""
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        idx, _, targets = batch
+        self.log("val_loss", F.cross_entropy(self.model(idx).flatten(0, 1), targets.flatten()))
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.model(batch[0]).argmax(-1)
+
+
+def test_steps_that_call_the_model_in_different_ways() -> None:
+    torch.manual_seed(0)
+    piped = PaddedGPT(TinyGPT(), gpt_step)
+    plain = copy.deepcopy(piped)
+    data = DataLoader(TensorDataset(*gpt_batch(rows=16)), batch_size=8)
+    results = []
+    for module, strategy in ((piped, PipeStrategy(stages=2, microbatches=2)), (plain, "auto")):
+        trainer = L.Trainer(**QUIET, max_steps=2, strategy=strategy, limit_val_batches=1, num_sanity_val_steps=0)
+        trainer.fit(module, data, data)
+        if isinstance(strategy, PipeStrategy):
+            assert len(strategy.partitioner.variants) == 2  # with and without the mask
+        results.append((trainer.callback_metrics["val_loss"], torch.cat(trainer.predict(module, data))))
+    torch.testing.assert_close(results[0][0], results[1][0])
+    assert torch.equal(results[0][1], results[1][1])

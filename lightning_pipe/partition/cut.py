@@ -133,31 +133,52 @@ def _stage_graph(inputs: Sequence[fx.Node], body: Sequence[fx.Node], outputs: An
 class TracedShard(nn.Module):
     """One stage of a traced model: the original submodules, parameters and buffers its part of the
     graph uses (under their original names, so ``state_dict`` keys match the unsplit model), and the
-    generated code of that part, one version for training and one for eval mode.
+    generated code of that part for each call variant (one per way the model is called), in a
+    training and an eval version.
+
+    ``forward(variant, *values)`` runs the variant's code and returns ``(variant, *values)``: the
+    variant index travels through the pipeline with the data.
     """
 
     def __init__(self, root: nn.Module, graphs: dict[bool, fx.Graph], constants: dict[str, torch.Tensor]) -> None:
         super().__init__()
+        self._sources: dict[tuple[int, bool], str] = {}
+        self.add_variant(0, root, graphs, constants)
+        self.inputs = [n.name for n in graphs[True].nodes if n.op == "placeholder"]
+        self.leaf_calls = [str(n.target) for n in graphs[True].nodes if n.op == "call_module"]
+
+    def add_variant(
+        self, variant: int, root: nn.Module, graphs: dict[bool, fx.Graph], constants: dict[str, torch.Tensor]
+    ) -> None:
+        """Adopt what the variant's graphs use from ``root`` and compile their code."""
         targets = {str(n.target) for g in graphs.values() for n in g.nodes if n.op in ("call_module", "get_attr")}
-        self._containers: set[int] = set()
         for target in sorted(targets, key=lambda t: t.count(".")):
             self._adopt(root, target, constants)
-        del self._containers
-        self.inputs = [[n.name for n in g.nodes if n.op == "placeholder"] for g in graphs.values()][0]
-        self.leaf_calls = [str(n.target) for n in graphs[True].nodes if n.op == "call_module"]
-        self._sources = {mode: _source(graph) for mode, graph in graphs.items()}
+        self.install(variant, {mode: _source(graph) for mode, graph in graphs.items()})
+
+    def install(self, variant: int, sources: dict[bool, str]) -> None:
+        """Add a variant's generated code (the attributes it reads must be there already)."""
+        for mode, src in sources.items():
+            self._sources[(variant, mode)] = src
         self._compile()
 
-    def forward(self, *inputs: Any) -> Any:
-        return self._forward[self.training](self, *inputs)
+    def forward(self, variant: int, *inputs: Any) -> tuple[Any, ...]:
+        code = self._forward.get((variant, self.training))
+        if code is None:
+            raise PartitionError(
+                f"this stage has no code for call variant {variant}: the pipelined module was called in a new way "
+                "after its stages were built in another process; call it the same way every time (or trace each "
+                "way first)"
+            )
+        return (variant, *code(self, *inputs))
 
-    def code(self, training: bool = True) -> str:
+    def code(self, training: bool = True, variant: int = 0) -> str:
         """The generated forward of this stage (for reading and debugging)."""
-        return self._sources[training]
+        return self._sources[(variant, training)]
 
     def _compile(self) -> None:
-        self._forward: dict[bool, Callable[..., Any]] = {
-            mode: _forward_from_src(src, {}) for mode, src in self._sources.items()
+        self._forward: dict[tuple[int, bool], Callable[..., Any]] = {
+            key: _forward_from_src(src, {}) for key, src in self._sources.items()
         }
 
     def __getstate__(self) -> dict[str, Any]:
@@ -176,16 +197,18 @@ class TracedShard(nn.Module):
         for atom in atoms[:-1]:
             child = owner._modules.get(atom)
             if child is None:
-                child = nn.Module()
-                self._containers.add(id(child))
+                child = _Path()
                 owner.add_module(atom, child)
-            elif id(child) not in self._containers:
+            elif not isinstance(child, _Path):
                 return  # an adopted original module already holds the rest of the path
             owner = child
         name = atoms[-1]
+        value = constants[target] if target in constants else _fetch(root, target)
+        if isinstance(owner._modules.get(name), _Path) and isinstance(value, nn.Module):
+            owner._modules[name] = value  # the whole module now: it holds what the path stood for
+            return
         if name in owner._modules or name in owner._parameters or name in owner._buffers:
             return
-        value = constants[target] if target in constants else _fetch(root, target)
         parent = root.get_submodule(".".join(atoms[:-1])) if len(atoms) > 1 else root
         if isinstance(value, nn.Module):
             owner.add_module(name, value)
@@ -196,6 +219,10 @@ class TracedShard(nn.Module):
             owner.register_buffer(name, value, persistent=persistent)
         else:
             setattr(owner, name, value)
+
+
+class _Path(nn.Module):
+    """An empty module standing for a parent on the path to an adopted submodule or tensor."""
 
 
 def _source(graph: fx.Graph) -> str:

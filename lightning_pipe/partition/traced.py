@@ -62,7 +62,13 @@ class TracedPartitioner(Partitioner):
     ``leaf_modules`` (qualified names or classes) are kept whole: tracing does not enter them, and no
     stage boundary falls inside them. ``check=True`` runs the split model on the example and compares
     its output with the unsplit model's before any stage is started.
+
+    A call that differs from the example in its arguments (keywords given or left out, other
+    constants such as ``scale=0.5``) is traced as one more *variant* and cut at the same places; every
+    stage keeps the code of each variant, and the variant's index travels with the microbatch.
     """
+
+    max_variants = 8
 
     def __init__(
         self,
@@ -78,13 +84,24 @@ class TracedPartitioner(Partitioner):
         self.split_points = list(split_points) if split_points else None
         self.leaf_modules = list(leaf_modules)
         self.validate = check
-        self.signature: Signature | None = None
-        self.traced: dict[bool, Traced] = {}
+        self.variants: list[dict[bool, Traced]] = []  # per way of calling the module: its traces by mode
         self.tied: list[list[tuple[int, str]]] = []
+        self._module: nn.Module | None = None
+        self._shards: list[cut.TracedShard] = []
+        self._keys: list[cut.CutKey] = []  # where the stages start, found again in every variant's graphs
 
     @property
     def needs_sample(self) -> bool:
         return True
+
+    @property
+    def traced(self) -> dict[bool, Traced]:
+        """The traces of the first call (training and eval mode)."""
+        return self.variants[0] if self.variants else {}
+
+    @property
+    def signature(self) -> Signature | None:
+        return self.variants[0][True].signature if self.variants else None
 
     def check(self, module: nn.Module, num_shards: int) -> None:
         if self.split_points is not None and len(self.split_points) != num_shards - 1:
@@ -106,52 +123,72 @@ class TracedPartitioner(Partitioner):
                 f"splitting a {type(module).__name__} (not an nn.Sequential) traces it on an example call; "
                 "pass sample=CallArgs(args, kwargs) (or a tensor / tuple of positional arguments)"
             )
-        call = _on_module_device(CallArgs.of(sample), module)
-        points = self.split_points or ()
-        self.traced = {mode: trace(module, call, self.leaf_modules, mode, points) for mode in (True, False)}
-        self.signature = self.traced[True].signature
-        _warn_about(module, self.traced[True])
-        return self.traced[True]
+        self.variants = []
+        self.variants.append(self._trace(module, CallArgs.of(sample)))
+        return self.variants[0][True]
 
-    def pack(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[torch.Tensor, ...]:
-        """The first shard's inputs for the call ``module(*args, **kwargs)``."""
-        if self.signature is None:
+    def _trace(self, module: nn.Module, call: CallArgs) -> dict[bool, Traced]:
+        call = _on_module_device(call, module)
+        points = self.split_points or ()
+        traced = {mode: trace(module, call, self.leaf_modules, mode, points) for mode in (True, False)}
+        for mode, t in traced.items():  # each trace numbers its constants from 0: make the names unique
+            _rename_constants(t, f"_v{len(self.variants)}_{'train' if mode else 'eval'}")
+        _warn_about(module, traced[True])
+        return traced
+
+    def pack(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+        """The first shard's inputs for the call ``module(*args, **kwargs)``: ``(variant, *tensors)``."""
+        if not self.variants:
             raise PartitionError("the model is not traced yet; call partition() first")
-        return tuple(self.signature.tensors(CallArgs(tuple(args), dict(kwargs))))
+        call = CallArgs(tuple(args), dict(kwargs))
+        for variant, traced in enumerate(self.variants):
+            signature = traced[True].signature
+            if signature.matches(call):
+                return (variant, *signature.tensors(call))
+        variant = self._add_variant(call)
+        return (variant, *self.variants[variant][True].signature.tensors(call))
 
     def unpack(self, outputs: Any) -> Any:
-        """The model's output rebuilt from the last shard's outputs."""
-        if self.signature is None:
-            raise PartitionError("the model is not traced yet; call partition() first")
-        flat = outputs if isinstance(outputs, tuple) else (outputs,)
-        return self.signature.unflatten_output(flat)
+        """The model's output rebuilt from the last shard's outputs ``(variant, *values)``."""
+        variant, *flat = outputs
+        return self.variants[variant][True].signature.unflatten_output(flat)
 
     # cutting
     def cuts(self, module: nn.Module, num_shards: int, sample: Any = None) -> list[int]:
-        """Node positions in the training graph where stages 1.. start."""
+        """Node positions in the first call's training graph where stages 1.. start."""
         self.check(module, num_shards)
         graph = self.traced[True].graph
         if self.split_points is not None:
-            positions = [cut.scope_start(graph, name) for name in self.split_points]
-            if positions != sorted(set(positions)):
-                raise PartitionError(
-                    f"split_points={self.split_points} are not in the order the forward calls them "
-                    f"(or name the same stage boundary twice); order them as called: {_order(graph, self.split_points)}"
-                )
-            if positions[0] <= _first_call(graph):
-                raise PartitionError(
-                    f"split point {self.split_points[0]!r} is the first layer the forward calls: stage 0 would be "
-                    "empty; split after it"
-                )
-            return positions
+            return self._split_positions(graph)
         counts = self.balance(module, num_shards, sample)
         calls = [i for i, n in enumerate(graph.nodes) if n.op == "call_module"]
         return [calls[c] for c in itertools.accumulate(counts[:-1])]
 
+    def _split_positions(self, graph: fx.Graph) -> list[int]:
+        assert self.split_points is not None
+        positions = [cut.scope_start(graph, name) for name in self.split_points]
+        if positions != sorted(set(positions)):
+            raise PartitionError(
+                f"split_points={self.split_points} are not in the order the forward calls them "
+                f"(or name the same stage boundary twice); order them as called: {_order(graph, self.split_points)}"
+            )
+        if positions and positions[0] <= _first_call(graph):
+            raise PartitionError(
+                f"split point {self.split_points[0]!r} is the first layer the forward calls: stage 0 would be "
+                "empty; split after it"
+            )
+        return positions
+
+    def _positions(self, graph: fx.Graph) -> list[int]:
+        """The stage boundaries in any variant's graph."""
+        if self.split_points is not None:
+            return self._split_positions(graph)
+        return [cut.find_key(graph, key) for key in self._keys]
+
     def balance(self, module: nn.Module, num_shards: int, sample: Any = None) -> list[int]:
         """Leaf-module calls per shard."""
         self.check(module, num_shards)
-        if not self.traced:
+        if not self.variants:
             self.trace(module, sample)
         graph = self.traced[True].graph
         names = cut.unit_names(graph)
@@ -189,26 +226,46 @@ class TracedPartitioner(Partitioner):
         num_shards = len(devices)
         self.check(module, num_shards)
         self.trace(module, sample)
-        train, evaluation = self.traced[True], self.traced[False]
-        positions = self.cuts(module, num_shards, sample)
-        if self.split_points is not None:
-            eval_positions = [cut.scope_start(evaluation.graph, name) for name in self.split_points]
-        else:
-            eval_positions = [cut.find_key(evaluation.graph, cut.key_of(train.graph, p)) for p in positions]
-        graphs = {True: cut.split(train.graph, positions), False: cut.split(evaluation.graph, eval_positions)}
-        constants = {**evaluation.constants, **train.constants}
-        modules = [
-            cut.TracedShard(module, {True: graphs[True][k], False: graphs[False][k]}, constants)
-            for k in range(num_shards)
+        graph = self.traced[True].graph
+        self._keys = [cut.key_of(graph, p) for p in self.cuts(module, num_shards, sample)]
+        graphs = self._stage_graphs(self.traced)
+        constants = _constants(self.traced)
+        self._module = module
+        self._shards = [
+            cut.TracedShard(module, {mode: graphs[mode][k] for mode in graphs}, constants) for k in range(num_shards)
         ]
         if self.validate:
-            self._compare(module, modules)
-        self.tied = tied_parameters(modules)
+            self._compare(module, 0)
+        self.tied = tied_parameters(self._shards)
         shards = []
-        for index, (shard, device) in enumerate(zip(modules, devices, strict=True)):
+        for index, (shard, device) in enumerate(zip(self._shards, devices, strict=True)):
             forward, backward, forward_loss = self.executors(index, num_shards)
             shards.append(ShardedTask(index, shard, str(device), forward, backward, forward_loss, shard.leaf_calls))
         return shards
+
+    def _stage_graphs(self, traced: dict[bool, Traced]) -> dict[bool, list[fx.Graph]]:
+        return {mode: cut.split(t.graph, self._positions(t.graph)) for mode, t in traced.items()}
+
+    def _add_variant(self, call: CallArgs) -> int:
+        """Trace another way of calling the module and give every shard its code (shards of this process)."""
+        module = self._module
+        if module is None:
+            raise PartitionError("the model is not partitioned yet; call partition() first")
+        if len(self.variants) >= self.max_variants:
+            raise PartitionError(
+                f"the pipelined module was called in {len(self.variants) + 1} different ways (other keyword "
+                "arguments or other non-tensor values); each way is traced once, so non-tensor arguments that change "
+                "every call (a step counter) cannot be pipelined: pass them as tensors"
+            )
+        traced = self._trace(module, call)
+        graphs = self._stage_graphs(traced)
+        variant = len(self.variants)
+        self.variants.append(traced)
+        for k, shard in enumerate(self._shards):
+            shard.add_variant(variant, module, {mode: graphs[mode][k] for mode in graphs}, _constants(traced))
+        if self.validate:
+            self._compare(module, variant)
+        return variant
 
     # helpers
     def _units(self, module: nn.Module) -> list[nn.Module]:
@@ -218,28 +275,39 @@ class TracedPartitioner(Partitioner):
             for g in cut.split(graph, cut.candidates(graph))
         ]
 
-    def _example_inputs(self) -> tuple[torch.Tensor, ...]:
+    def _example_inputs(self) -> tuple[Any, ...]:
         traced = self.traced[True]
-        return tuple(traced.signature.tensors(traced.call))
+        return (0, *traced.signature.tensors(traced.call))
 
-    def _compare(self, module: nn.Module, shards: Sequence[nn.Module]) -> None:
+    def _compare(self, module: nn.Module, variant: int) -> None:
         """Run the stages one after another on the example and compare with the unsplit model."""
-        signature, call = self.traced[True].signature, self.traced[True].call
+        traced = self.variants[variant][True]
         for training in (False, True):
             with preserved(module), torch.no_grad():
                 module.train(training)
-                for shard in shards:
+                for shard in self._shards:
                     shard.train(training)
                 with torch.random.fork_rng(devices=[]):
-                    expected = class_forward(module)(*call.args, **call.kwargs)
+                    expected = class_forward(module)(*traced.call.args, **traced.call.kwargs)
                 with torch.random.fork_rng(devices=[]):
-                    x: Any = tuple(signature.tensors(call))
-                    for shard in shards:
+                    x: Any = (variant, *traced.signature.tensors(traced.call))
+                    for shard in self._shards:
                         x = call_module(shard, x)
                     got = self.unpack(x)
             _check_close(module, expected, got, training)
-        for shard in shards:
+        for shard in self._shards:
             shard.train(module.training)
+
+
+def _rename_constants(traced: Traced, prefix: str) -> None:
+    for node in traced.graph.nodes:
+        if node.op == "get_attr" and node.target in traced.constants:
+            node.target = prefix + node.target
+    traced.constants = {prefix + name: value for name, value in traced.constants.items()}
+
+
+def _constants(traced: dict[bool, Traced]) -> dict[str, Any]:
+    return {**traced[False].constants, **traced[True].constants}
 
 
 def for_module(

@@ -299,6 +299,14 @@ class Signature:
                 )
         return out
 
+    def matches(self, call: CallArgs) -> bool:
+        """Whether ``call`` passes tensors and constants where the traced call did."""
+        try:
+            self.tensors(call)
+        except PartitionError:
+            return False
+        return True
+
     def rebuild(self, flat: Sequence[Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         it = iter(flat)
         leaves = [next(it) if leaf is _TENSOR else leaf for leaf in self.in_leaves]
