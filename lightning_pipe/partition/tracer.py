@@ -18,12 +18,8 @@ import contextlib
 import inspect
 import math
 import operator
-import os
-import sys
-import traceback
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from types import FrameType, TracebackType
 from typing import Any
 
 import torch
@@ -31,7 +27,10 @@ from torch import fx, nn
 from torch.fx._symbolic_trace import _maybe_revert_all_patches
 from torch.utils import _pytree as pytree
 
-from lightning_pipe.errors import PartitionError
+from lightning_pipe.partition.explain import TraceError, UntraceableError, explained, user_frame_of
+from lightning_pipe.partition.signature import CallArgs, Signature, class_forward
+
+__all__ = ["CallArgs", "ConcreteTracer", "LeafSpec", "Signature", "TraceError", "Traced", "class_forward", "trace"]
 
 # torch functions that take sizes or scalars (not tensors) and so do not dispatch on a proxy argument;
 # they are wrapped while tracing so that ``torch.ones(t, t)`` with a traced ``t`` is recorded
@@ -41,30 +40,6 @@ FACTORIES: tuple[Callable[..., Any], ...] = (
 )  # fmt: skip
 LeafSpec = str | type[nn.Module]
 
-
-class TraceError(PartitionError):
-    """The model could not be traced; the message names the line and what to do."""
-
-
-@dataclass
-class CallArgs:
-    """One call of the pipelined module: positional and keyword arguments."""
-
-    args: tuple[Any, ...] = ()
-    kwargs: dict[str, Any] = field(default_factory=dict)
-
-    @classmethod
-    def of(cls, sample: Any) -> CallArgs:
-        """A sample batch as a call: a tuple is positional arguments, anything else one argument."""
-        if isinstance(sample, CallArgs):
-            return sample
-        if isinstance(sample, tuple) and not hasattr(sample, "_fields"):
-            return cls(tuple(sample), {})
-        return cls((sample,), {})
-
-
-_TORCH_DIR = os.path.dirname(torch.__file__)
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # proxies carrying concrete values
 class _Concrete:
@@ -173,14 +148,14 @@ class ConcreteTracer(fx.Tracer):
     def specialise(self, proxy: _Concrete) -> Any:
         """A traced value decides Python control flow: the graph keeps the example's branch."""
         if not proxy.static:
-            where = _user_frame_of(inspect.currentframe())
+            where = user_frame_of(inspect.currentframe())
             if where and where not in self.data_dependent:
                 self.data_dependent.append(where)
         return proxy.value
 
     def note_unrolled(self) -> None:
         """``len(x)`` or ``for row in x``: the graph keeps the example's first dimension."""
-        where = _user_frame_of(inspect.currentframe())
+        where = user_frame_of(inspect.currentframe())
         if where and where not in self.unrolled:
             self.unrolled.append(where)
 
@@ -226,7 +201,7 @@ class ConcreteTracer(fx.Tracer):
 
             def flat_forward(*flat: Any) -> tuple[Any, ...]:
                 args, kwargs = signature.rebuild(flat)
-                return signature.flatten_output(tracer, root_fn(root, *args, **kwargs))
+                return signature.flatten_output(_expand(tracer, root_fn(root, *args, **kwargs)))
 
             return flat_forward, placeholders
 
@@ -247,138 +222,6 @@ def _is_static(kind: str, target: Any, args: tuple[Any, ...], kwargs: dict[str, 
 
 def _all_static(tree: Any) -> bool:
     return all(x.static for x in pytree.tree_leaves(tree) if isinstance(x, _Concrete))
-
-
-# the call signature: which inputs are tensors (graph inputs) and which are constants of the trace
-@dataclass
-class Signature:
-    """How a call's arguments map to the flat graph inputs, and the graph outputs to the result."""
-
-    parameters: inspect.Signature
-    in_spec: Any
-    in_leaves: list[Any]  # constants, or _TENSOR where a graph input goes
-    input_names: list[str]
-    out_spec: Any = None
-    out_leaves: list[Any] = field(default_factory=list)  # constants, or _TENSOR where a graph output goes
-
-    @classmethod
-    def of(cls, module: nn.Module, call: CallArgs) -> Signature:
-        parameters = inspect.signature(class_forward(module))
-        arguments = _bind(parameters, call, module)
-        leaves, spec = pytree.tree_flatten(arguments)
-        paths = [_path_name(path) for path, _ in pytree.tree_flatten_with_path(arguments)[0]]
-        names: list[str] = []
-        in_leaves: list[Any] = []
-        for path, leaf in zip(paths, leaves, strict=True):
-            if isinstance(leaf, torch.Tensor):
-                names.append(_unique(path, names))
-                in_leaves.append(_TENSOR)
-            else:
-                in_leaves.append(leaf)
-        return cls(parameters, spec, in_leaves, names)
-
-    def tensors(self, call: CallArgs) -> list[torch.Tensor]:
-        """The flat graph inputs of ``call``; fails if it does not match the traced call."""
-        leaves, spec = pytree.tree_flatten(_bind(self.parameters, call))
-        if spec != self.in_spec:
-            raise PartitionError(
-                f"the pipelined module was traced for a call with arguments {self.describe(self.in_spec)} but is "
-                f"now called with {self.describe(spec)}; call it the same way every time (the graph is "
-                "specialised to one call signature)"
-            )
-        out = []
-        for leaf, traced in zip(leaves, self.in_leaves, strict=True):
-            if traced is _TENSOR:
-                if not isinstance(leaf, torch.Tensor):
-                    raise PartitionError(f"expected a tensor where the traced call had one, got {type(leaf).__name__}")
-                out.append(leaf)
-            elif not _same_constant(leaf, traced):
-                raise PartitionError(
-                    f"the pipelined module was traced with the constant argument {traced!r} but is now called with "
-                    f"{leaf!r}; non-tensor arguments are fixed when the graph is traced"
-                )
-        return out
-
-    def matches(self, call: CallArgs) -> bool:
-        """Whether ``call`` passes tensors and constants where the traced call did."""
-        try:
-            self.tensors(call)
-        except PartitionError:
-            return False
-        return True
-
-    def rebuild(self, flat: Sequence[Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        it = iter(flat)
-        leaves = [next(it) if leaf is _TENSOR else leaf for leaf in self.in_leaves]
-        bound = inspect.BoundArguments(self.parameters, pytree.tree_unflatten(leaves, self.in_spec))
-        return bound.args, bound.kwargs
-
-    def flatten_output(self, tracer: ConcreteTracer, output: Any) -> tuple[Any, ...]:
-        leaves, self.out_spec = pytree.tree_flatten(_expand(tracer, output))
-        flat, self.out_leaves = [], []
-        for leaf in leaves:
-            if isinstance(leaf, (fx.Proxy, torch.Tensor)):
-                flat.append(leaf)
-                self.out_leaves.append(_TENSOR)
-            else:
-                self.out_leaves.append(leaf)
-        return tuple(flat)
-
-    def unflatten_output(self, flat: Sequence[Any]) -> Any:
-        it = iter(flat)
-        leaves = [next(it) if leaf is _TENSOR else leaf for leaf in self.out_leaves]
-        return pytree.tree_unflatten(leaves, self.out_spec)
-
-    def describe(self, spec: Any) -> str:
-        if spec.type is dict:
-            return "(" + ", ".join(str(k) for k in spec.context) + ")"
-        return str(spec)
-
-
-class _Tensor:
-    def __repr__(self) -> str:
-        return "<tensor>"
-
-
-_TENSOR = _Tensor()
-
-
-def class_forward(module: nn.Module) -> Callable[..., Any]:
-    """``module.forward`` as its class defines it (a wrapper set on the instance, such as PipeStrategy's
-    hand-off to the pipeline, is not the model's code)."""
-    return type(module).forward.__get__(module, type(module))  # type: ignore[no-any-return]
-
-
-def _bind(parameters: inspect.Signature, call: CallArgs, module: nn.Module | None = None) -> dict[str, Any]:
-    try:
-        bound = parameters.bind(*call.args, **call.kwargs)
-    except TypeError as exc:
-        name = type(module).__name__ if module is not None else "the pipelined module"
-        raise PartitionError(f"the example call does not match {name}.forward{parameters}: {exc}") from None
-    return dict(bound.arguments)
-
-
-def _same_constant(a: Any, b: Any) -> bool:
-    try:
-        return bool(a == b) and type(a) is type(b)
-    except Exception:
-        return a is b
-
-
-def _path_name(path: Sequence[Any]) -> str:
-    atoms = []
-    for key in path:
-        atom = getattr(key, "key", getattr(key, "idx", getattr(key, "name", key)))
-        atoms.append(str(atom))
-    name = "_".join(atoms)
-    return "".join(c if c.isalnum() or c == "_" else "_" for c in name) or "input"
-
-
-def _unique(name: str, taken: list[str]) -> str:
-    candidate, n = name, 1
-    while candidate in taken:
-        candidate, n = f"{name}_{n}", n + 1
-    return candidate
 
 
 def _expand(tracer: ConcreteTracer, output: Any) -> Any:
@@ -482,7 +325,7 @@ def trace(
     for _ in range(_RETRIES):
         try:
             traced = _trace_once(module, call, leaves, training, split_points)
-        except _UntraceableError as failure:
+        except UntraceableError as failure:
             if not failure.inside or failure.inside in leaves:
                 raise TraceError(failure.message) from failure.__cause__
             leaves.append(failure.inside)
@@ -497,7 +340,7 @@ def _trace_once(
     module: nn.Module, call: CallArgs, leaves: Sequence[LeafSpec], training: bool, split_points: Sequence[str]
 ) -> Traced:
     tracer = ConcreteTracer(default_leaves(module, leaves, split_points))
-    with preserved(module), _explained(module, tracer):
+    with preserved(module), explained(module, tracer):
         module.train(training)
         with torch.set_grad_enabled(training):
             graph, signature = tracer.trace_call(module, call)
@@ -522,70 +365,3 @@ def _is_impure(node: fx.Node) -> bool:
         name = getattr(node.target, "__name__", "")
         return name.endswith("_") or node.target is operator.setitem or node.is_impure()
     return False
-
-
-# errors that say where tracing stopped and what to do
-class _UntraceableError(Exception):
-    def __init__(self, message: str, inside: str, reason: str) -> None:
-        super().__init__(message)
-        self.message, self.inside, self.reason = message, inside, reason
-
-
-@contextlib.contextmanager
-def _explained(module: nn.Module, tracer: ConcreteTracer) -> Iterator[None]:
-    try:
-        yield
-    except (TraceError, _UntraceableError):
-        raise
-    except Exception as exc:
-        where = _user_frame(sys.exc_info()[2])
-        scopes = [path for path, _ in tracer.module_stack.values() if path]
-        inside = scopes[-1] if scopes else ""
-        reason = f"{type(exc).__name__}: {exc}" + (f" at {where}" if where else "")
-        raise _UntraceableError(_explain(module, exc, where, inside), inside, reason) from exc
-
-
-def _explain(module: nn.Module, exc: BaseException, where: str, inside: str) -> str:
-    lines = [f"could not trace {type(module).__name__} to split it into stages: {type(exc).__name__}: {exc}"]
-    if where:
-        lines.append(f"  tracing stopped at {where}")
-    if inside:
-        kind = type(module.get_submodule(inside)).__name__
-        lines.append(f"  inside the submodule {inside!r} ({kind}), which is already kept whole")
-    else:
-        lines.append(f"  in the top-level forward of {type(module).__name__}")
-    lines.append("what to do:")
-    lines.append(
-        "  - move that code into a submodule and mark it as a leaf, TracedPartitioner(leaf_modules=[name or class]): "
-        "a leaf runs as one layer and is not traced into"
-    )
-    lines.append("  - or give split_points=[...] at the submodules around it")
-    lines.append("  - or make the pipelined module an nn.Sequential of layers, which is split without tracing")
-    return "\n".join(lines)
-
-
-def _skipped(filename: str) -> bool:
-    return filename.startswith((_TORCH_DIR, _PACKAGE_DIR, "<")) or "/contextlib.py" in filename
-
-
-def _user_frame(tb: TracebackType | None) -> str:
-    """The innermost frame outside torch and lightning_pipe: the model code that stopped the tracer."""
-    found = ""
-    for frame, lineno in traceback.walk_tb(tb):
-        if not _skipped(frame.f_code.co_filename):
-            found = _describe_frame(frame.f_code.co_filename, lineno, frame.f_code.co_name)
-    return found
-
-
-def _user_frame_of(frame: FrameType | None) -> str:
-    """The innermost caller outside torch and lightning_pipe, walking out from ``frame``."""
-    while frame is not None:
-        if not _skipped(frame.f_code.co_filename):
-            return _describe_frame(frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name)
-        frame = frame.f_back
-    return ""
-
-
-def _describe_frame(filename: str, lineno: int, name: str) -> str:
-    source = traceback.FrameSummary(filename, lineno, name).line or ""
-    return f"{filename}:{lineno} in {name}: {source.strip()}"
