@@ -10,7 +10,7 @@ The strategy builds one of these; tests and benchmarks use it directly::
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -23,6 +23,9 @@ from lightning_pipe.partition import Partitioner, ShardedTask
 from lightning_pipe.runtime import BaseRuntime, runtime_registry
 from lightning_pipe.schedule import get_schedule
 
+if TYPE_CHECKING:
+    from lightning_pipe.optim import StageOptimizers
+
 CHECKPOINT_MODES = ("always", "except_last", "never")
 TRANSPORTS: dict[str, Callable[..., Communicator]] = {"local": LocalCommunicator}
 
@@ -30,6 +33,15 @@ TRANSPORTS: dict[str, Callable[..., Communicator]] = {"local": LocalCommunicator
 def register_transport(name: str, factory: Callable[..., Communicator]) -> None:
     """Make ``factory(**options)`` available as ``transport=name``."""
     TRANSPORTS[name] = factory
+
+
+def _rpc(**options: Any) -> Communicator:
+    from lightning_pipe.comm.rpc import RpcCommunicator
+
+    return RpcCommunicator(**options)
+
+
+register_transport("rpc", _rpc)
 
 
 def checkpoint_flags(mode: str, num_stages: int) -> list[bool]:
@@ -74,6 +86,7 @@ class Pipeline:
         autocast: AutocastSpec | None = None,
         sample: Any = None,
         coordinator_device: torch.device | None = None,
+        **transport_options: Any,
     ) -> None:
         self.devices = [str(d) for d in (devices or ["cpu"] * stages)]
         if len(self.devices) != stages:
@@ -87,7 +100,7 @@ class Pipeline:
         self.runtimes = resolve_runtime(runtime, self.devices)
         self.timeout = float(timeout)
         self.autocast = autocast
-        self.communicator = _communicator(transport)
+        self.communicator = _communicator(transport, transport_options)
         self.shards: list[ShardedTask] = self.partitioner.partition(module, self.devices, sample)
         self.coordinator_device = coordinator_device or self.runtimes[-1].torch_device
         specs = [
@@ -163,15 +176,63 @@ class Pipeline:
         result = self.coordinator.forward_step(split(inputs, microbatches))
         return gather(result.outputs)
 
+    # state that lives on the stages (with transport="rpc", only there)
+    def parameter_locations(self) -> dict[int, tuple[int, str]]:
+        """``id(p)`` of each parameter of ``module`` -> (rank, name) of the stage that owns it."""
+        rank_of = self.coordinator.rank_of_stage
+        return {
+            id(p): (rank_of[shard.index], name) for shard in self.shards for name, p in shard.module.named_parameters()
+        }
 
-def _communicator(transport: str | Communicator) -> Communicator:
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The module's parameters and buffers as the stages hold them, under ``module.state_dict()``'s keys."""
+        state: dict[str, torch.Tensor] = {}
+        for part in self.coordinator.call("state_dict"):
+            state.update(part)
+        return {k: state[k] for k in self.module.state_dict() if k in state}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load ``state`` (keys of ``module.state_dict()``) into ``module`` and send each stage its part."""
+        self.module.load_state_dict(state)
+        keys: list[list[str]] = [[] for _ in range(self.coordinator.num_ranks)]
+        for shard in self.shards:
+            keys[self.coordinator.rank_of_stage[shard.index]] += list(shard.module.state_dict())
+        self.coordinator.call("load_state_dict", each=[({k: state[k] for k in own},) for own in keys])
+
+    def sync_module(self) -> None:
+        """Copy the stages' parameters and buffers into ``module`` (with transport="rpc" they train apart)."""
+        self.module.load_state_dict(self.state_dict())
+
+    def grads(self) -> dict[str, torch.Tensor | None]:
+        """Each parameter's gradient as its stage holds it, by name."""
+        grads: dict[str, torch.Tensor | None] = {}
+        for part in self.coordinator.call("grads"):
+            grads.update(part)
+        return grads
+
+    def optimizer(self, template: torch.optim.Optimizer) -> StageOptimizers:
+        """Per-stage parts of ``template`` (an optimizer over ``module``'s parameters); see `StageOptimizers`."""
+        from lightning_pipe.optim import StageOptimizers
+
+        return StageOptimizers(self, template)
+
+
+def _communicator(transport: str | Communicator, options: dict[str, Any]) -> Communicator:
     if isinstance(transport, Communicator):
+        if options:
+            raise ConfigurationError(
+                f"transport options {sorted(options)} belong in the constructor of the communicator passed as transport"
+            )
         return transport
     try:
-        return TRANSPORTS[transport]()
+        factory = TRANSPORTS[transport]
     except KeyError:
         known = ", ".join(sorted(TRANSPORTS))
         raise ConfigurationError(f"unknown transport {transport!r}; available: {known}") from None
+    try:
+        return factory(**options)
+    except TypeError as exc:
+        raise ConfigurationError(f"transport={transport!r} does not take these options: {exc}") from None
 
 
 def _rows(batch: Any) -> int:
