@@ -145,7 +145,7 @@ class ControlServer:
     def slots(self) -> list[Slot]:
         """Joined slots still connected, machine by machine, in the order machines joined."""
         alive = [s for s in self._slots.values() if s.gone is None and not s.released]
-        first = {}
+        first: dict[str, float] = {}
         for slot in sorted(alive, key=lambda s: s.joined):
             first.setdefault(slot.group, slot.joined)
         return sorted(alive, key=lambda s: (first[s.group], s.group, s.index))

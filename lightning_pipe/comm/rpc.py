@@ -27,6 +27,7 @@ import signal
 import threading
 import time
 import traceback
+import warnings
 import weakref
 from collections import Counter, defaultdict
 from collections.abc import Iterator
@@ -292,7 +293,8 @@ def join_world(
     """
     options = rpc.TensorPipeRpcBackendOptions(num_worker_threads=RPC_THREADS, rpc_timeout=timeout)
     store.set_timeout(timedelta(seconds=timeout))
-    with _interface(interface):
+    with _interface(interface), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*ProcessGroupGloo.*as a ProcessGroup")  # torch's own use
         saved = constants.DEFAULT_PROCESS_GROUP_TIMEOUT
         constants.DEFAULT_PROCESS_GROUP_TIMEOUT = timedelta(seconds=timeout)  # the agent's gloo group
         try:
@@ -359,11 +361,22 @@ class RpcCommunicator(Communicator):
         self._endpoint: RpcEndpoint | None = None
         self._stages_of: dict[int, list[int]] = {}
         self._lost: str | None = None
+        self._refused: list[str] = []
         _OPEN.add(self)
 
     @property
     def local(self) -> bool:
         return self.address is None
+
+    @property
+    def pids(self) -> dict[int, int]:
+        """Process id of each rank's worker (on its own machine)."""
+        return {rank: slot.pid for rank, slot in enumerate(self._world.slots)} if self._world else {}
+
+    @property
+    def refused(self) -> list[str]:
+        """Why workers were turned away (wrong token, other versions, too late), this world and earlier ones."""
+        return self._refused + (self._world.server.refused if self._world else [])
 
     # Communicator
     def launch(self, specs: list[Any], worker_cls: Any) -> Endpoint:
@@ -414,6 +427,17 @@ class RpcCommunicator(Communicator):
             raise TransportError(f"lost a stage worker, the pipeline stops: {self._lost}")
 
     # beyond the Communicator interface
+    def start(self, timeout: float = 300.0) -> RpcCommunicator:
+        """Start (or wait for) the workers now instead of at the first launch; a pool to reuse with ``keep_alive``."""
+        if self._world is None:
+            count = self.workers or 1
+            try:
+                self._open(count, timeout, ["cpu"] * count)
+            except BaseException:
+                self.close()
+                raise
+        return self
+
     def stats(self, reset: bool = False) -> dict[int, TransportStats]:
         """What each participant sent (``COORDINATOR`` and every rank) since the launch or the last reset."""
         endpoint = self._endpoint
@@ -445,6 +469,7 @@ class RpcCommunicator(Communicator):
             time.sleep(0.05)
         leave_world()
         world.server.close()
+        self._refused += world.server.refused
         _reap(world.processes, until)
         self._lost = None
 

@@ -29,7 +29,7 @@ class StageStateCalls:
     def _named_parameters(self) -> dict[str, nn.Parameter]:
         return {name: p for shard in self.shards.values() for name, p in shard.module.named_parameters()}
 
-    def _grads(self) -> list[torch.Tensor]:
+    def _param_grads(self) -> list[torch.Tensor]:
         return [p.grad for p in self._named_parameters().values() if p.grad is not None]
 
     # module state
@@ -65,7 +65,7 @@ class StageStateCalls:
 
     def call_grad_norm(self, norm_type: float) -> float:
         """This rank's share of the global norm: the sum of ``|g|^p`` (or the max of ``|g|`` for inf)."""
-        grads = self._grads()
+        grads = self._param_grads()
         if not grads:
             return 0.0
         if math.isinf(norm_type):
@@ -74,17 +74,17 @@ class StageStateCalls:
         return float((norms**norm_type).sum())
 
     def call_scale_grads(self, factor: float) -> None:
-        for g in self._grads():
+        for g in self._param_grads():
             g.detach().mul_(factor)
 
     def call_clamp_grads(self, value: float) -> None:
-        for g in self._grads():
+        for g in self._param_grads():
             g.detach().clamp_(-value, value)
 
     def call_unscale_grads(self, inv_scale: float) -> bool:
         """A GradScaler's unscale on this rank: multiply by ``inv_scale``; True if any gradient is inf/nan."""
         found = False
-        for g in self._grads():
+        for g in self._param_grads():
             g.detach().mul_(inv_scale)
             found = found or not bool(torch.isfinite(g).all())
         return found
