@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import time
 import traceback
 from collections.abc import Iterator
@@ -11,8 +12,9 @@ from typing import Any
 import torch
 
 from lightning_pipe import tree
+from lightning_pipe.backends import StageTrace, build_executables
 from lightning_pipe.comm.base import COORDINATOR, Endpoint, Message, MessageKind, deadline, remaining
-from lightning_pipe.engine.plan import TRAIN, StageSpec, StepPlan
+from lightning_pipe.engine.plan import EVAL, TRAIN, StageSpec, StepPlan
 from lightning_pipe.engine.stage_state import StageStateCalls
 from lightning_pipe.errors import PipeTimeoutError, StageError
 from lightning_pipe.executors import Activation
@@ -43,6 +45,9 @@ class StageWorker(StageStateCalls):
         for index, shard in self.shards.items():
             shard.module = self.runtimes[index].move_module(shard.module)
             shard.module._pipe_runtime = self.runtimes[index]
+        # each shard's forward per mode, run by its backend; executor modules get these as their model
+        devices = {index: runtime.torch_device for index, runtime in self.runtimes.items()}
+        self.executables, self.traces = build_executables(self.shards.values(), spec.backend, devices)
         self._pending: dict[Key, Message] = {}
         self._saved: dict[tuple[int, int], Activation] = {}
         self._grads = GradStash(p for shard in self.shards.values() for p in shard.module.parameters())
@@ -83,6 +88,7 @@ class StageWorker(StageStateCalls):
         records: list[tuple[str, float, float]] = []
         action: Action | None = None
         training = plan.mode == TRAIN
+        outcome: Message | None = None
         if training:
             self._grads.begin()
         try:
@@ -95,7 +101,7 @@ class StageWorker(StageStateCalls):
                 records.append((str(action), start, time.perf_counter()))
             for index, shard in self.shards.items():
                 self.runtimes[index].get_pending_result(shard.module, True)
-            self.endpoint.send(COORDINATOR, Message(MessageKind.DONE, step, payload=records))
+            outcome = Message(MessageKind.DONE, step, payload=records)
         except _Abort:
             self._forget(step)
         except Exception as exc:
@@ -107,15 +113,19 @@ class StageWorker(StageStateCalls):
                 traceback.format_exc(),
                 self.endpoint.host(self.rank),
             )
-            self.endpoint.send(COORDINATOR, Message(MessageKind.ERROR, step, payload=error))
+            outcome = Message(MessageKind.ERROR, step, payload=error)
             self._forget(step)
         finally:
             if training:
+                # before telling the coordinator: once it hears DONE, Lightning may zero p.grad
                 self._grads.end()
+        if outcome is not None:
+            self.endpoint.send(COORDINATOR, outcome)
 
     def _forward(self, step: int, action: Action, training: bool) -> None:
         s, m = action.stage, action.microbatch
         shard, runtime = self.shards[s], self.runtimes[s]
+        model = self.executables[(s, TRAIN if training else EVAL)]
         inputs, mask = self._wait(step, MessageKind.ACTIVATION, s, m).payload
         inputs = runtime.convert_batch(inputs)
         device = runtime.torch_device
@@ -125,19 +135,19 @@ class StageWorker(StageStateCalls):
         with self._autocast(device):
             if not training:
                 with torch.no_grad():
-                    outputs = shard.forward.run(shard.module, inputs, device)
+                    outputs = shard.forward.run(model, inputs, device)
                 out_mask = [False] * len(tree.flatten(outputs)[0])
             elif self.spec.checkpoint[s]:
                 leaves = tree.as_leaves(inputs, mask)
                 rng = torch.get_rng_state()
                 with torch.no_grad():
-                    outputs = shard.forward.run(shard.module, leaves, device)
+                    outputs = shard.forward.run(model, leaves, device)
                 self._saved[(s, m)] = Activation(leaves, None, rng)
                 out_mask = [isinstance(t, torch.Tensor) and t.is_floating_point() for t in tree.flatten(outputs)[0]]
             else:
                 leaves = tree.as_leaves(inputs, mask)
                 with torch.enable_grad():
-                    outputs = shard.forward.run(shard.module, leaves, device)
+                    outputs = shard.forward.run(model, leaves, device)
                 self._saved[(s, m)] = Activation(leaves, outputs)
                 out_mask = tree.grad_mask(outputs)
         payload = (tree.detach(outputs), out_mask)
@@ -153,8 +163,9 @@ class StageWorker(StageStateCalls):
         grads = self._wait(step, MessageKind.GRAD, s, m).payload
         grads = [runtime.move_tensor(g) if isinstance(g, torch.Tensor) else None for g in grads]
         saved = self._saved.pop((s, m))
+        model = self.executables[(s, TRAIN)]
         with self._autocast(runtime.torch_device):
-            _, input_grads = shard.backward.run(shard.module, None, saved, runtime.torch_device, grads, None)
+            _, input_grads = shard.backward.run(model, None, saved, runtime.torch_device, grads, None)
         if input_grads is None or all(g is None for g in input_grads):
             if s == 0:
                 return
@@ -224,6 +235,14 @@ class StageWorker(StageStateCalls):
                 hook(shard.module, *args)
             else:  # pre/post step hooks: (trainer, module, batch_idx, batch[, outputs])
                 hook(args[0], shard.module, *args[1:])
+
+    def call_execution_trace(self, reset: bool = False) -> list[StageTrace]:
+        """A copy of each shard's backend trace; ``reset`` zeroes the counts afterwards."""
+        traces = [copy.deepcopy(trace) for trace in self.traces.values()]
+        if reset:
+            for trace in self.traces.values():
+                trace.reset()
+        return traces
 
     def call_ping(self) -> int:
         return self.rank
