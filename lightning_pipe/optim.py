@@ -92,8 +92,9 @@ class StageOptimizers:
             with torch.enable_grad():
                 loss = closure()
         self._call("optimizer_step", self._changed())
-        if self._outside:
-            self.template.step()  # stage parameters have no gradient here: torch skips them
+        # the parameters outside the pipeline; the stages' copies here have no gradient and are skipped
+        # (an LR scheduler also learns that its optimizer stepped)
+        self.template.step()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
