@@ -95,3 +95,29 @@ class OverflowsBackward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _Overflow.apply(x)
+
+
+class _OverflowIf(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor, overflow: bool) -> torch.Tensor:
+        ctx.overflow = overflow  # type: ignore[attr-defined]
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return (grad * float("inf") if ctx.overflow else grad), None  # type: ignore[attr-defined]
+
+
+class OverflowsAtStep(nn.Module):
+    """The identity; the backwards of optimizer step ``step`` (counting ``calls_per_step`` forwards a step) overflow."""
+
+    def __init__(self, step: int, calls_per_step: int) -> None:
+        super().__init__()
+        self.step, self.calls_per_step, self.calls = step, calls_per_step, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled():  # evaluation, or a checkpointed stage's first forward
+            return x
+        overflow = self.calls // self.calls_per_step == self.step
+        self.calls += 1
+        return _OverflowIf.apply(x, overflow)

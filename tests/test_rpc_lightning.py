@@ -17,7 +17,7 @@ import pytest
 import torch
 from helpers import QUIET, Classifier, dataset, loader, mlp
 from lightning.pytorch.plugins.precision import MixedPrecision
-from rpc_models import OverflowsBackward, wait_no_children, worker_env
+from rpc_models import OverflowsAtStep, wait_no_children, worker_env
 from torch import nn
 
 from lightning_pipe import PipeStrategy
@@ -112,3 +112,30 @@ def test_trains_on_worker_processes_and_checkpoints_for_a_plain_trainer(
     fit(continued, None, tmp_path / "c.ckpt", steps=5, ckpt=tmp_path / "plain.ckpt")
     for p, q in zip(resumed.parameters(), continued.parameters(), strict=True):
         torch.testing.assert_close(p, q, atol=1e-5, rtol=0)
+
+
+def test_grad_scaler_skips_the_step_that_overflowed_on_one_stage() -> None:
+    """16-mixed with a GradScaler: the overflow of step 2 happens on stage 0 only; the scaler skips it there too."""
+
+    def module(calls_per_step: int) -> Classifier:
+        torch.manual_seed(0)
+        layers = [nn.Linear(8, 16), nn.Tanh(), OverflowsAtStep(1, calls_per_step), nn.Linear(16, 16), nn.Tanh()]
+        return Classifier(nn.Sequential(*layers, nn.Linear(16, 3)))
+
+    def trainer(**kwargs: Any) -> L.Trainer:
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+        return L.Trainer(**QUIET, max_steps=3, plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)], **kwargs)
+
+    piped, plain = module(calls_per_step=4), module(calls_per_step=1)
+    before = copy.deepcopy(plain.state_dict())
+    strategy = PipeStrategy(stages=2, microbatches=4, partition=[3, 3], transport="rpc", timeout=120)
+    piped_trainer, plain_trainer = trainer(strategy=strategy), trainer()
+    piped_trainer.fit(piped, loader(dataset(rows=48), 12))
+    plain_trainer.fit(plain, loader(dataset(rows=48), 12))
+    assert (
+        piped_trainer.precision_plugin.scaler.get_scale() == plain_trainer.precision_plugin.scaler.get_scale() == 512.0
+    )
+    for (name, p), q in zip(piped.named_parameters(), plain.parameters(), strict=True):
+        assert not torch.equal(p, before[name]), f"{name} never moved"
+        torch.testing.assert_close(p, q, atol=2e-3, rtol=0, msg=name)
+    assert wait_no_children(os.getpid()) == []

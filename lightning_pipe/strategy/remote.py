@@ -37,9 +37,7 @@ class StageOptimizerView:
         self.template = template
         self.stages = stages
         self.sentinel = sentinel
-        self.scaler: Any = None
-        self.found_inf: Any = None  # set by GradScaler.step
-        self.grad_scale: Any = None  # set by GradScaler.step; already applied in after_backward
+        self.scaler: Any = None  # GradScaler.step sets found_inf and grad_scale (already applied) on this object
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -67,7 +65,7 @@ class StageOptimizerView:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        found_inf, self.found_inf, self.grad_scale = self.found_inf, None, None
+        found_inf = getattr(self, "found_inf", None)
         if found_inf is not None and float(found_inf) > 0:
             return loss  # an overflow on some stage: skip this step, as GradScaler does
         self.stages.step()
