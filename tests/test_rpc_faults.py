@@ -62,6 +62,40 @@ def test_sigkill_mid_step_is_detected_within_seconds() -> None:
     assert wait_no_children(os.getpid()) == [], "worker processes left behind"
 
 
+def test_a_silent_worker_is_lost_after_the_heartbeat_timeout() -> None:
+    """A worker that stops answering (SIGSTOP: a hung machine, a cut network) is noticed without a timeout."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 3))
+    communicator = RpcCommunicator(heartbeat_timeout=3.0)
+    with Pipeline(model, stages=2, transport=communicator, timeout=120) as pipe:
+        victim = communicator.pids[1]
+        os.kill(victim, signal.SIGSTOP)
+        start = time.monotonic()
+        with pytest.raises(TransportError, match=rf"stage 1 \(rank 1\) on .*pid {victim}\): no heartbeat for \d+ s"):
+            pipe.train_step(torch.randn(8, 8), torch.zeros(8, dtype=torch.long), F.cross_entropy)
+        assert time.monotonic() - start < 15
+    assert wait_no_children(os.getpid()) == []  # the stopped process was killed
+
+
+def test_ctrl_c_mid_step_stops_every_worker() -> None:
+    """Workers ignore SIGINT (a terminal sends it to the whole process group); the coordinator ends them."""
+    model = nn.Sequential(nn.Linear(8, 8), Sleeps(0.2), nn.Linear(8, 3))
+    with pytest.raises(KeyboardInterrupt):
+        with Pipeline(model, stages=2, partition=[1, 2], transport="rpc", timeout=120) as pipe:
+            pids = list(pipe.communicator.pids.values())  # type: ignore[attr-defined]
+
+            def ctrl_c() -> None:
+                for pid in [*pids, os.getpid()]:
+                    os.kill(pid, signal.SIGINT)
+
+            timer = threading.Timer(0.5, ctrl_c)
+            timer.start()
+            try:
+                pipe.train_step(torch.randn(8, 8), torch.zeros(8, dtype=torch.long), F.cross_entropy, microbatches=8)
+            finally:
+                timer.join()
+    assert wait_no_children(os.getpid()) == []
+
+
 def test_worker_that_never_joins_ends_in_a_clear_timeout() -> None:
     port = free_port()
     start = time.monotonic()

@@ -322,6 +322,10 @@ class _World:
     hosts: dict[int, str]
     store: Any
     processes: list[Any] = field(default_factory=list)
+    joined: bool = False  # this process's RPC agent runs in this world
+
+
+_ACTIVE: RpcCommunicator | None = None  # RPC allows one agent per process: the communicator whose world runs
 
 
 class RpcCommunicator(Communicator):
@@ -404,7 +408,10 @@ class RpcCommunicator(Communicator):
             _INBOXES.pop((endpoint.launch, COORDINATOR), None)
             until = deadline(timeout)
             futures = []
+            lost = {slot.rank for slot, _ in self._world.server.lost(self.heartbeat_timeout)} if self._world else set()
             for rank in self._stages_of:
+                if rank in lost:
+                    continue
                 with contextlib.suppress(Exception):
                     args = (endpoint.launch, rank, max(1.0, timeout - 1.0))
                     futures.append(rpc.rpc_async(endpoint.names[rank], _stop_stage, args=args))
@@ -457,21 +464,26 @@ class RpcCommunicator(Communicator):
         if world is None:
             return
         until = deadline(timeout)
-        gone = self._lost is not None
-        futures = []
-        for rank in range(len(world.slots)):
-            with contextlib.suppress(Exception):
-                futures.append(rpc.rpc_async(world.names[rank], _request_exit))
-        _wait_all(futures, deadline(min(5.0, remaining(until))))
-        # let workers leave on their own (their control connections close), then stop ours
-        leaving = deadline(min(10.0, remaining(until)))
-        while remaining(leaving) > 0 and not gone and any(s.gone is None for s in world.slots):
-            time.sleep(0.05)
-        leave_world()
+        lost = {slot.pid for slot, _ in world.server.lost(self.heartbeat_timeout)}
+        if world.joined:
+            futures = []
+            for rank, slot in enumerate(world.slots):
+                if slot.pid not in lost:
+                    with contextlib.suppress(Exception):
+                        futures.append(rpc.rpc_async(world.names[rank], _request_exit))
+            _wait_all(futures, deadline(min(5.0, remaining(until))))
+            # let workers leave on their own (their control connections close), then stop ours
+            leaving = deadline(min(5.0, remaining(until)))
+            while remaining(leaving) > 0 and any(s.gone is None and s.pid not in lost for s in world.slots):
+                time.sleep(0.05)
+            leave_world()
         world.server.close()
         self._refused += world.server.refused
-        _reap(world.processes, until)
+        _reap(world.processes, until, lost)
         self._lost = None
+        global _ACTIVE
+        if _ACTIVE is self:
+            _ACTIVE = None
 
     def __enter__(self) -> RpcCommunicator:
         return self
@@ -481,6 +493,13 @@ class RpcCommunicator(Communicator):
 
     # opening a world
     def _open(self, count: int, timeout: float, devices: list[str]) -> _World:
+        global _ACTIVE
+        if _ACTIVE is not None and _ACTIVE is not self:
+            raise TransportError(
+                "another RpcCommunicator's world is running in this process (torch.distributed.rpc allows one "
+                "per process); close that pipeline or communicator first"
+            )
+        _ACTIVE = self
         tag = secrets.token_hex(4)
         if self.local:
             host, port, token = "127.0.0.1", 0, self.token or secrets.token_hex(16)
@@ -508,6 +527,7 @@ class RpcCommunicator(Communicator):
         assignment = {"world_size": len(used) + 1, "store": f"{host}:{store.port}", "tag": tag, "timeout": timeout}
         server.assign(used, unused, assignment)
         join_world(world.names[COORDINATOR], 0, len(used) + 1, store, timeout, interface_of(host), f"lp{tag}")
+        world.joined = True
         return world
 
     def _build(self, world: _World, specs: list[Any], worker_cls: Any, until: float, timeout: float) -> RpcEndpoint:
@@ -521,9 +541,8 @@ class RpcCommunicator(Communicator):
             args = (launch, spec, worker_cls, world.names, world.hosts, device)
             futures.append(rpc.rpc_async(world.names[spec.rank], _build_stage, args=args))
         for rank, future in enumerate(futures):
-            while not future.done():
+            while not _wait(future, min(0.5, remaining(until))):
                 self._wait_step(until, f"rank {rank} to build its stage")
-                time.sleep(0.01)
             try:
                 future.wait()
             except Exception as exc:
@@ -634,10 +653,14 @@ def _exitcode_text(code: int) -> str:
     return f"exited with code {code}"
 
 
-def _reap(processes: list[Any], until: float) -> None:
-    """Join local worker processes; terminate, then kill, whatever is still running."""
+def _reap(processes: list[Any], until: float, lost: set[int]) -> None:
+    """Join local worker processes; kill lost ones at once, terminate and then kill whatever still runs."""
     for process in processes:
-        process.join(max(0.0, min(remaining(until), 10.0)))
+        if process.pid in lost and process.is_alive():
+            process.kill()  # hung or stopped: it would not answer a terminate either
+    joining = deadline(min(5.0, remaining(until)))
+    for process in processes:
+        process.join(remaining(joining))
     for process in processes:
         if process.is_alive():
             process.terminate()
@@ -648,12 +671,18 @@ def _reap(processes: list[Any], until: float) -> None:
 
 
 def _wait_all(futures: list[Any], until: float) -> None:
+    """Wait for RPC futures until ``until``; their errors are the caller's to find elsewhere."""
     for future in futures:
-        while not future.done() and remaining(until) > 0:
-            time.sleep(0.01)
-        if future.done():
+        if _wait(future, remaining(until)):
             with contextlib.suppress(Exception):
                 future.wait()
+
+
+def _wait(future: Any, timeout: float) -> bool:
+    """Whether ``future`` finished within ``timeout`` seconds."""
+    done = threading.Event()
+    future.add_done_callback(lambda _: done.set())
+    return done.wait(timeout)
 
 
 def _first_line(exc: BaseException) -> str:
