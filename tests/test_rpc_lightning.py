@@ -49,7 +49,9 @@ class Scheduled(Classifier):
 
 
 def fit(module: L.LightningModule, strategy: Any, path: Path, steps: int = 3, ckpt: Path | None = None) -> L.Trainer:
-    args: dict[str, Any] = dict(QUIET, max_steps=steps, gradient_clip_val=0.05, limit_val_batches=1)
+    args: dict[str, Any] = dict(
+        QUIET, max_steps=steps, gradient_clip_val=0.05, limit_val_batches=1, accumulate_grad_batches=2
+    )
     if strategy is not None:
         args["strategy"] = strategy
     trainer = L.Trainer(**args)
