@@ -65,7 +65,7 @@ def run_slot(
         link.close()
         return 0
     rank, timeout = int(message["rank"]), float(message["timeout"])
-    host, port = parse_address(str(message["store"]))
+    host, port = parse_address(coordinator)[0], int(message["store_port"])
     try:
         store = dist.TCPStore(host, port, None, False, timedelta(seconds=timeout))
         tag = message["tag"]
@@ -173,6 +173,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     devices = [d.strip() for d in args.devices.split(",") if d.strip()]
     token = args.token if args.token is not None else os.environ.get(rpc_comm.TOKEN_ENV, "")
+    host = parse_address(args.coordinator)[0]
+    if args.host is None and not (host == "localhost" or host == "::1" or host.startswith("127.")):
+        print(
+            f"lightning-pipe worker: serving RPC on loopback only, but the coordinator is at {host}: unless it runs "
+            "on this machine, pass --host with this machine's interface or address",
+            file=sys.stderr,
+            flush=True,
+        )
     return serve(args.coordinator, devices, token, resolve_interface(args.host), args.wait, args.threads)
 
 

@@ -507,7 +507,17 @@ class RpcCommunicator(Communicator):
             assert self.address is not None
             host, port = parse_address(self.address)
             token = self.token or ""
-        server = ControlServer(host, port, token)
+            if not token:
+                warnings.warn(
+                    f"transport='rpc' without a token: any worker that reaches {host}:{port} can join this run; "
+                    f"pass token=... or set ${TOKEN_ENV} on the coordinator and the workers",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
+        try:
+            server = ControlServer(host, port, token)
+        except OSError as exc:
+            raise TransportError(f"cannot listen for workers on {host}:{port}: {exc}") from None
         processes: list[Any] = []
         world = _World(tag, server, [], {}, {}, None, processes)
         self._world = world
@@ -524,7 +534,8 @@ class RpcCommunicator(Communicator):
         world.store, world.slots = store, used
         world.names = {COORDINATOR: f"lp{tag}-coordinator"} | {r: f"lp{tag}-{r}" for r in range(len(used))}
         world.hosts = {COORDINATOR: "the coordinator"} | {r: s.where() for r, s in enumerate(used)}
-        assignment = {"world_size": len(used) + 1, "store": f"{host}:{store.port}", "tag": tag, "timeout": timeout}
+        # a worker reaches the store where it reached us (HOST may be a wildcard such as 0.0.0.0)
+        assignment = {"world_size": len(used) + 1, "store_port": store.port, "tag": tag, "timeout": timeout}
         server.assign(used, unused, assignment)
         join_world(world.names[COORDINATOR], 0, len(used) + 1, store, timeout, interface_of(host), f"lp{tag}")
         world.joined = True
