@@ -16,7 +16,7 @@ Any other module is traced and cut (`TracedPartitioner`), before ``split_points`
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -32,6 +32,9 @@ from lightning_pipe.partition.tracer import CallArgs
 from lightning_pipe.runtime import BaseRuntime, runtime_registry
 from lightning_pipe.schedule import get_schedule
 
+if TYPE_CHECKING:
+    from lightning_pipe.optim import StageOptimizers
+
 CHECKPOINT_MODES = ("always", "except_last", "never")
 TRANSPORTS: dict[str, Callable[..., Communicator]] = {"local": LocalCommunicator}
 
@@ -39,6 +42,15 @@ TRANSPORTS: dict[str, Callable[..., Communicator]] = {"local": LocalCommunicator
 def register_transport(name: str, factory: Callable[..., Communicator]) -> None:
     """Make ``factory(**options)`` available as ``transport=name``."""
     TRANSPORTS[name] = factory
+
+
+def _rpc(**options: Any) -> Communicator:
+    from lightning_pipe.comm.rpc import RpcCommunicator
+
+    return RpcCommunicator(**options)
+
+
+register_transport("rpc", _rpc)
 
 
 def checkpoint_flags(mode: str, num_stages: int) -> list[bool]:
@@ -92,6 +104,7 @@ class Pipeline:
         backend: BackendArg = None,
         strict: bool = False,
         split_points: Sequence[str] | None = None,
+        **transport_options: Any,
     ) -> None:
         self.devices = [str(d) for d in (devices or ["cpu"] * stages)]
         if len(self.devices) != stages:
@@ -107,7 +120,7 @@ class Pipeline:
         self.autocast = autocast
         self.backend = resolve_backends(backend, stages, strict)
         self.coordinator_ops = CoordinatorOps(self.backend, stages - 1)  # op substitution in the loss
-        self.communicator = _communicator(transport)
+        self.communicator = _communicator(transport, transport_options)
         self.coordinator_device = coordinator_device or self.runtimes[-1].torch_device
         self.shards: list[ShardedTask] = []
         self._coordinator: Coordinator | None = None
@@ -258,15 +271,63 @@ class Pipeline:
         pieces = split((call.args, dict(kwargs or {})), microbatches)
         return [self.pack(args, kw) for args, kw in pieces]
 
+    # state that lives on the stages (with transport="rpc", only there)
+    def parameter_locations(self) -> dict[int, tuple[int, str]]:
+        """``id(p)`` of each parameter of ``module`` -> (rank, name) of the stage that owns it."""
+        rank_of = self.coordinator.rank_of_stage
+        return {
+            id(p): (rank_of[shard.index], name) for shard in self.shards for name, p in shard.module.named_parameters()
+        }
 
-def _communicator(transport: str | Communicator) -> Communicator:
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The module's parameters and buffers as the stages hold them, under ``module.state_dict()``'s keys."""
+        state: dict[str, torch.Tensor] = {}
+        for part in self.coordinator.call("state_dict"):
+            state.update(part)
+        return {k: state[k] for k in self.module.state_dict() if k in state}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load ``state`` (keys of ``module.state_dict()``) into ``module`` and send each stage its part."""
+        self.module.load_state_dict(state)
+        keys: list[list[str]] = [[] for _ in range(self.coordinator.num_ranks)]
+        for shard in self.shards:
+            keys[self.coordinator.rank_of_stage[shard.index]] += list(shard.module.state_dict())
+        self.coordinator.call("load_state_dict", each=[({k: state[k] for k in own},) for own in keys])
+
+    def sync_module(self) -> None:
+        """Copy the stages' parameters and buffers into ``module`` (with transport="rpc" they train apart)."""
+        self.module.load_state_dict(self.state_dict())
+
+    def grads(self) -> dict[str, torch.Tensor | None]:
+        """Each parameter's gradient as its stage holds it, by name."""
+        grads: dict[str, torch.Tensor | None] = {}
+        for part in self.coordinator.call("grads"):
+            grads.update(part)
+        return grads
+
+    def optimizer(self, template: torch.optim.Optimizer) -> StageOptimizers:
+        """Per-stage parts of ``template`` (an optimizer over ``module``'s parameters); see `StageOptimizers`."""
+        from lightning_pipe.optim import StageOptimizers
+
+        return StageOptimizers(self, template)
+
+
+def _communicator(transport: str | Communicator, options: dict[str, Any]) -> Communicator:
     if isinstance(transport, Communicator):
+        if options:
+            raise ConfigurationError(
+                f"transport options {sorted(options)} belong in the constructor of the communicator passed as transport"
+            )
         return transport
     try:
-        return TRANSPORTS[transport]()
+        factory = TRANSPORTS[transport]
     except KeyError:
         known = ", ".join(sorted(TRANSPORTS))
         raise ConfigurationError(f"unknown transport {transport!r}; available: {known}") from None
+    try:
+        return factory(**options)
+    except TypeError as exc:
+        raise ConfigurationError(f"transport={transport!r} does not take these options: {exc}") from None
 
 
 def _rows(batch: Any) -> int:

@@ -146,12 +146,16 @@ class Coordinator:
         self.last_result = StepResult(outputs=outputs, records=records, schedule=schedule)
         return self.last_result
 
-    def call(self, name: str, *args: Any) -> list[Any]:
-        """Run ``StageWorker.call_<name>(*args)`` on every rank; returns their results in rank order."""
+    def call(self, name: str, *args: Any, each: Sequence[tuple[Any, ...]] | None = None) -> list[Any]:
+        """Run ``StageWorker.call_<name>(*args)`` on every rank; returns their results in rank order.
+
+        With ``each``, rank ``r`` gets ``*args, *each[r]``: what only that rank needs.
+        """
         self._step += 1
         step = self._step
         for rank in range(self.num_ranks):
-            self.endpoint.send(rank, Message(MessageKind.CALL, step, payload=(name, args)))
+            rank_args = args + tuple(each[rank]) if each is not None else args
+            self.endpoint.send(rank, Message(MessageKind.CALL, step, payload=(name, rank_args)))
         results: list[Any] = [None] * self.num_ranks
         for _ in range(self.num_ranks):
             message = self._next(step, f"the reply to {name!r}")

@@ -15,6 +15,7 @@ from lightning_pipe import tree
 from lightning_pipe.backends import StageTrace, build_executables
 from lightning_pipe.comm.base import COORDINATOR, Endpoint, Message, MessageKind, deadline, remaining
 from lightning_pipe.engine.plan import EVAL, TRAIN, StageSpec, StepPlan
+from lightning_pipe.engine.stage_state import StageStateCalls
 from lightning_pipe.errors import PipeTimeoutError, StageError
 from lightning_pipe.executors import Activation
 from lightning_pipe.grads import GradStash
@@ -29,7 +30,7 @@ class _Abort(Exception):
     """The coordinator dropped the current step."""
 
 
-class StageWorker:
+class StageWorker(StageStateCalls):
     """Holds one or more shards on a device, serves steps, control calls and stop requests."""
 
     def __init__(self, spec: StageSpec, endpoint: Endpoint) -> None:

@@ -23,11 +23,12 @@ from lightning_pipe.microbatch import batch_size, split
 from lightning_pipe.partition import Partitioner
 from lightning_pipe.partition.traced import TracedPartitioner
 from lightning_pipe.partition.tracer import CallArgs
-from lightning_pipe.pipeline import Pipeline, checkpoint_flags, resolve_partitioner
+from lightning_pipe.pipeline import TRANSPORTS, Pipeline, checkpoint_flags, resolve_partitioner
 from lightning_pipe.runtime import BaseRuntime, runtime_registry
 from lightning_pipe.schedule import get_schedule
 from lightning_pipe.strategy.hooks import RuntimeHooks
 from lightning_pipe.strategy.outputs import combine_eval, combine_predict, combine_training
+from lightning_pipe.strategy.remote import StageGradZeroing, StageParameters
 from lightning_pipe.strategy.session import Driver, LogRecorder, MissingCall, current_driver
 
 _RUNTIME_HOOKS = (
@@ -65,6 +66,11 @@ class PipeStrategy(SingleDeviceStrategy):
             there, or where ``partition`` balances it; its forward may take several positional and
             keyword arguments and return a tensor, tuple or dict. Without ``stages``, one stage more
             than split points.
+        transport: ``"local"`` (stages are threads of this process) or ``"rpc"`` (stage worker
+            processes: one per stage on this machine, or ``lightning-pipe worker`` processes that
+            join ``coordinator``); see `lightning_pipe.comm.rpc`.
+        coordinator: with ``transport="rpc"``, ``"HOST:PORT"`` where workers on other machines join.
+        token: with ``transport="rpc"``, the secret workers must present (default ``$LIGHTNING_PIPE_TOKEN``).
     """
 
     strategy_name = "pipe"
@@ -82,10 +88,13 @@ class PipeStrategy(SingleDeviceStrategy):
         timeout: float = 300.0,
         backend: BackendArg = None,
         strict: bool = False,
+        transport: str = "local",
+        coordinator: str | None = None,
+        token: str | None = None,
+        split_points: Sequence[str] | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         checkpoint_io: Any = None,
         precision_plugin: Any = None,
-        split_points: Sequence[str] | None = None,
     ) -> None:
         super().__init__(
             device="cpu", accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin
@@ -109,6 +118,11 @@ class PipeStrategy(SingleDeviceStrategy):
         if stages is None and split_points:
             stages = len(split_points) + 1
         resolve_backends(backend, stages or (len(device_names) if device_names else None), strict)
+        if transport not in TRANSPORTS:
+            raise ConfigurationError(f"unknown transport {transport!r}; available: {', '.join(sorted(TRANSPORTS))}")
+        options = {k: v for k, v in (("coordinator", coordinator), ("token", token)) if v is not None}
+        if options and transport == "local":
+            raise ConfigurationError(f"{' and '.join(options)} need transport='rpc' (stages in worker processes)")
         self.stages = stages
         self.microbatches = microbatches
         self.schedule = schedule
@@ -120,6 +134,10 @@ class PipeStrategy(SingleDeviceStrategy):
         self.timeout = float(timeout)
         self.backend = backend
         self.strict = strict
+        self.transport = transport
+        self._transport_options = options
+        #: with stages that own their parameters (not "local"): Lightning's optimizers, stepped on the stages
+        self._stage_params = StageParameters() if transport != "local" else None
         self._trace = ExecutionTrace([])  # the traces of pipelines already closed
         self._coordinator_ops: CoordinatorOps | None = None  # op substitution in the user's step code
         #: set by Lightning's accelerator connector to the Trainer's devices
@@ -229,6 +247,10 @@ class PipeStrategy(SingleDeviceStrategy):
         callbacks: list[pl.Callback] = trainer.callbacks  # type: ignore[attr-defined]
         if not any(isinstance(cb, RuntimeHooks) and cb.strategy is self for cb in callbacks):
             callbacks.append(RuntimeHooks(self))
+        if self._stage_params is not None:
+            if not any(isinstance(cb, StageGradZeroing) and cb.parameters is self._stage_params for cb in callbacks):
+                callbacks.append(StageGradZeroing(self._stage_params))
+            StageParameters.patch_clipping(self.precision_plugin)
 
     def _build(self, sample: Any) -> Pipeline:
         if self.pipeline is not None:
@@ -249,7 +271,11 @@ class PipeStrategy(SingleDeviceStrategy):
             coordinator_device=self.root_device,
             backend=self.backend,
             strict=self.strict,
+            transport=self.transport,
+            **self._transport_options,
         ).start()
+        if self._stage_params is not None and self.optimizers:
+            self._stage_params.attach(self.pipeline, self.optimizers, self.root_device)
         self._hooked = {
             name
             for name in _RUNTIME_HOOKS
@@ -283,6 +309,9 @@ class PipeStrategy(SingleDeviceStrategy):
         super().teardown()
 
     def _shutdown(self) -> None:
+        if self._stage_params is not None and self._stage_params.views and self.pipeline is not None:
+            self.pipeline.sync_module()  # the LightningModule and its optimizer end up trained, as usual
+            self._stage_params.fold_into_templates()
         if self._pipelined is not None:
             self._pipelined.__dict__.pop("forward", None)
         if self.pipeline is not None:
@@ -292,6 +321,8 @@ class PipeStrategy(SingleDeviceStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
+        if self._stage_params is not None:
+            self._stage_params.views = {}  # stages may be gone: nothing to gather
         self._shutdown()
 
     @override
@@ -300,9 +331,31 @@ class PipeStrategy(SingleDeviceStrategy):
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        if self._stage_params is not None:  # the stages' parts, now or once the stages are built
+            self._stage_params.load(self.optimizers, checkpoint["optimizer_states"])
+            return
         # torch moves each state to its parameter's device; Lightning's version would move it to one device
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"], strict=False):
             optimizer.load_state_dict(state)
+
+    # stages that own their parameters (transport="rpc"): steps and checkpoints go through them
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        if self._stage_params is None or self._stage_params.view(optimizer) is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        model = model or self.lightning_module
+        return self._stage_params.optimizer_step(self.precision_plugin, optimizer, model, closure, **kwargs)
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        state = self._stage_params.state(optimizer) if self._stage_params is not None else None
+        return state if state is not None else super().optimizer_state(optimizer)
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        if self._stage_params is not None and self.pipeline is not None:
+            self.pipeline.sync_module()
+        return super().lightning_module_state_dict()
 
     # steps
     @override
