@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import time
 import traceback
 from collections.abc import Iterator
@@ -11,8 +12,10 @@ from typing import Any
 import torch
 
 from lightning_pipe import tree
+from lightning_pipe.backends import StageTrace, build_executables
 from lightning_pipe.comm.base import COORDINATOR, Endpoint, Message, MessageKind, deadline, remaining
-from lightning_pipe.engine.plan import TRAIN, StageSpec, StepPlan
+from lightning_pipe.engine.plan import EVAL, TRAIN, StageSpec, StepPlan
+from lightning_pipe.engine.stage_state import StageStateCalls
 from lightning_pipe.errors import PipeTimeoutError, StageError
 from lightning_pipe.executors import Activation
 from lightning_pipe.grads import GradStash
@@ -27,7 +30,7 @@ class _Abort(Exception):
     """The coordinator dropped the current step."""
 
 
-class StageWorker:
+class StageWorker(StageStateCalls):
     """Holds one or more shards on a device, serves steps, control calls and stop requests."""
 
     def __init__(self, spec: StageSpec, endpoint: Endpoint) -> None:
@@ -42,6 +45,9 @@ class StageWorker:
         for index, shard in self.shards.items():
             shard.module = self.runtimes[index].move_module(shard.module)
             shard.module._pipe_runtime = self.runtimes[index]
+        # each shard's forward per mode, run by its backend; executor modules get these as their model
+        devices = {index: runtime.torch_device for index, runtime in self.runtimes.items()}
+        self.executables, self.traces = build_executables(self.shards.values(), spec.backend, devices)
         self._pending: dict[Key, Message] = {}
         self._saved: dict[tuple[int, int], Activation] = {}
         self._grads = GradStash(p for shard in self.shards.values() for p in shard.module.parameters())
@@ -123,6 +129,7 @@ class StageWorker:
     def _forward(self, step: int, action: Action, training: bool) -> None:
         s, m = action.stage, action.microbatch
         shard, runtime = self.shards[s], self.runtimes[s]
+        model = self.executables[(s, TRAIN if training else EVAL)]
         t = time.perf_counter()
         inputs, mask = self._wait(step, MessageKind.ACTIVATION, s, m).payload
         t = self._span(action, "idle", t)
@@ -135,19 +142,19 @@ class StageWorker:
         with self._autocast(device):
             if not training:
                 with torch.no_grad():
-                    outputs = shard.forward.run(shard.module, inputs, device)
+                    outputs = shard.forward.run(model, inputs, device)
                 out_mask = [False] * len(tree.flatten(outputs)[0])
             elif self.spec.checkpoint[s]:
                 leaves = tree.as_leaves(inputs, mask)
                 rng = torch.get_rng_state()
                 with torch.no_grad():
-                    outputs = shard.forward.run(shard.module, leaves, device)
+                    outputs = shard.forward.run(model, leaves, device)
                 self._saved[(s, m)] = Activation(leaves, None, rng)
                 out_mask = [isinstance(t, torch.Tensor) and t.is_floating_point() for t in tree.flatten(outputs)[0]]
             else:
                 leaves = tree.as_leaves(inputs, mask)
                 with torch.enable_grad():
-                    outputs = shard.forward.run(shard.module, leaves, device)
+                    outputs = shard.forward.run(model, leaves, device)
                 self._saved[(s, m)] = Activation(leaves, outputs)
                 out_mask = tree.grad_mask(outputs)
         t = self._span(action, "compute", t)
@@ -167,9 +174,10 @@ class StageWorker:
         t = self._span(action, "idle", t)
         grads = [runtime.move_tensor(g) if isinstance(g, torch.Tensor) else None for g in grads]
         saved = self._saved.pop((s, m))
+        model = self.executables[(s, TRAIN)]
         t = self._span(action, "recv", t)
         with self._autocast(runtime.torch_device):
-            _, input_grads = shard.backward.run(shard.module, None, saved, runtime.torch_device, grads, None)
+            _, input_grads = shard.backward.run(model, None, saved, runtime.torch_device, grads, None)
         t = self._span(action, "compute", t)
         if input_grads is None or all(g is None for g in input_grads):
             if s == 0:
@@ -247,6 +255,14 @@ class StageWorker:
                 hook(shard.module, *args)
             else:  # pre/post step hooks: (trainer, module, batch_idx, batch[, outputs])
                 hook(args[0], shard.module, *args[1:])
+
+    def call_execution_trace(self, reset: bool = False) -> list[StageTrace]:
+        """A copy of each shard's backend trace; ``reset`` zeroes the counts afterwards."""
+        traces = [copy.deepcopy(trace) for trace in self.traces.values()]
+        if reset:
+            for trace in self.traces.values():
+                trace.reset()
+        return traces
 
     def call_ping(self) -> int:
         return self.rank

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import lightning.pytorch as pl
@@ -16,16 +16,20 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
+from lightning_pipe.backends import BackendArg, CoordinatorOps, ExecutionTrace, resolve_backends
 from lightning_pipe.engine import AutocastSpec
 from lightning_pipe.errors import ConfigurationError, PipeError
 from lightning_pipe.grads import GradStash
 from lightning_pipe.microbatch import batch_size, split
 from lightning_pipe.partition import Partitioner
-from lightning_pipe.pipeline import Pipeline, checkpoint_flags, resolve_partitioner
+from lightning_pipe.partition.traced import TracedPartitioner
+from lightning_pipe.partition.tracer import CallArgs
+from lightning_pipe.pipeline import TRANSPORTS, Pipeline, checkpoint_flags, resolve_partitioner
 from lightning_pipe.runtime import BaseRuntime, runtime_registry
 from lightning_pipe.schedule import get_schedule
 from lightning_pipe.strategy.hooks import RuntimeHooks
 from lightning_pipe.strategy.outputs import combine_eval, combine_predict, combine_training
+from lightning_pipe.strategy.remote import StageGradZeroing, StageParameters
 from lightning_pipe.strategy.session import Driver, LogRecorder, MissingCall, current_driver
 from lightning_pipe.strategy.trace import PipeTrace
 
@@ -54,7 +58,23 @@ class PipeStrategy(SingleDeviceStrategy):
         checkpoint: activation recomputation, ``"always"``, ``"except_last"`` or ``"never"``.
         runtime: a registered device type or a `BaseRuntime` instance; default: by device type.
         timeout: seconds any wait between the coordinator and the stages may take.
-        trace: a path for the Chrome trace of training steps 1-3, or a `PipeTrace` (chosen steps, a PNG).
+        backend: how stage forwards run: ``"eager"``, ``"inductor"``, ``"tensorrt"`` or a registered
+            backend; a list gives one per stage, a tuple a fallback chain, a dict one per mode
+            (``{"train": "inductor", "eval": "tensorrt"}``). See `lightning_pipe.backends`.
+        strict: raise instead of falling back (with a logged reason) when a requested backend
+            cannot run a stage.
+        split_points: names of submodules before which a new stage starts (``["blocks.2"]``). A
+            pipelined module that is not an ``nn.Sequential`` is traced on its first call and cut
+            there, or where ``partition`` balances it; its forward may take several positional and
+            keyword arguments and return a tensor, tuple or dict. Without ``stages``, one stage more
+            than split points.
+        transport: ``"local"`` (stages are threads of this process) or ``"rpc"`` (stage worker
+            processes: one per stage on this machine, or ``lightning-pipe worker`` processes that
+            join ``coordinator``); see `lightning_pipe.comm.rpc`.
+        coordinator: with ``transport="rpc"``, ``"HOST:PORT"`` where workers on other machines join.
+        token: with ``transport="rpc"``, the secret workers must present (default ``$LIGHTNING_PIPE_TOKEN``).
+        trace: a path for the Chrome trace (pipeline timeline) of training steps 1-3, or a `PipeTrace`
+            (chosen steps, a PNG Gantt chart).
     """
 
     strategy_name = "pipe"
@@ -70,6 +90,12 @@ class PipeStrategy(SingleDeviceStrategy):
         checkpoint: str = "except_last",
         runtime: str | BaseRuntime | None = None,
         timeout: float = 300.0,
+        backend: BackendArg = None,
+        strict: bool = False,
+        transport: str = "local",
+        coordinator: str | None = None,
+        token: str | None = None,
+        split_points: Sequence[str] | None = None,
         trace: str | os.PathLike[str] | PipeTrace | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         checkpoint_io: Any = None,
@@ -94,16 +120,32 @@ class PipeStrategy(SingleDeviceStrategy):
         checkpoint_flags(checkpoint, 1)
         if isinstance(runtime, str):
             runtime_registry.get_runtime_class(runtime)
+        if stages is None and split_points:
+            stages = len(split_points) + 1
+        resolve_backends(backend, stages or (len(device_names) if device_names else None), strict)
+        if transport not in TRANSPORTS:
+            raise ConfigurationError(f"unknown transport {transport!r}; available: {', '.join(sorted(TRANSPORTS))}")
+        options: dict[str, Any] = {k: v for k, v in (("coordinator", coordinator), ("token", token)) if v is not None}
+        if options and transport == "local":
+            raise ConfigurationError(f"{' and '.join(options)} need transport='rpc' (stages in worker processes)")
         self.stages = stages
         self.microbatches = microbatches
         self.schedule = schedule
-        self.partitioner = resolve_partitioner(partition)
+        self.partitioner = resolve_partitioner(partition, split_points=split_points)
         self.module_name = module
         self.stage_devices: list[str] | None = device_names
         self.checkpoint = checkpoint
         self.runtime = runtime
         self.timeout = float(timeout)
-        self.trace = trace if isinstance(trace, PipeTrace) or trace is None else PipeTrace(trace)
+        self.pipe_trace = trace if isinstance(trace, PipeTrace) or trace is None else PipeTrace(trace)
+        self.backend = backend
+        self.strict = strict
+        self.transport = transport
+        self._transport_options = options
+        #: with stages that own their parameters (not "local"): Lightning's optimizers, stepped on the stages
+        self._stage_params = StageParameters() if transport != "local" else None
+        self._trace = ExecutionTrace([])  # the traces of pipelines already closed
+        self._coordinator_ops: CoordinatorOps | None = None  # op substitution in the user's step code
         #: set by Lightning's accelerator connector to the Trainer's devices
         self.parallel_devices: list[torch.device] | None = None
         self.pipeline: Pipeline | None = None
@@ -152,8 +194,10 @@ class PipeStrategy(SingleDeviceStrategy):
                 "set self.automatic_optimization = True"
             )
         self._pipelined = self._find_pipelined(lightning_module)
+        self.partitioner = resolve_partitioner(self.partitioner, self._pipelined)
         devices = self.resolve_devices()
         self.partitioner.check(self._pipelined, len(devices))
+        self._coordinator_ops = CoordinatorOps(resolve_backends(self.backend, len(devices)), len(devices) - 1)
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -165,7 +209,8 @@ class PipeStrategy(SingleDeviceStrategy):
         self._outside = GradStash(p for p in lightning_module.parameters() if id(p) not in stage_ids)
         self._install(trainer)
         sample = getattr(lightning_module, "example_input_array", None)
-        if not self.partitioner.needs_sample or sample is not None:
+        traced = isinstance(self.partitioner, TracedPartitioner)  # traced on its first call, as it is called
+        if not self.partitioner.needs_sample or (sample is not None and not traced):
             self._build(sample)
 
     def _find_pipelined(self, lightning_module: pl.LightningModule) -> nn.Module:
@@ -208,8 +253,12 @@ class PipeStrategy(SingleDeviceStrategy):
         callbacks: list[pl.Callback] = trainer.callbacks  # type: ignore[attr-defined]
         if not any(isinstance(cb, RuntimeHooks) and cb.strategy is self for cb in callbacks):
             callbacks.append(RuntimeHooks(self))
-        if self.trace is not None and not any(cb is self.trace for cb in callbacks):
-            callbacks.append(self.trace)
+        if self._stage_params is not None:
+            if not any(isinstance(cb, StageGradZeroing) and cb.parameters is self._stage_params for cb in callbacks):
+                callbacks.append(StageGradZeroing(self._stage_params))
+            StageParameters.patch_clipping(self.precision_plugin)
+        if self.pipe_trace is not None and not any(cb is self.pipe_trace for cb in callbacks):
+            callbacks.append(self.pipe_trace)
 
     def _build(self, sample: Any) -> Pipeline:
         if self.pipeline is not None:
@@ -228,7 +277,13 @@ class PipeStrategy(SingleDeviceStrategy):
             autocast=self._autocast(),
             sample=sample,
             coordinator_device=self.root_device,
+            backend=self.backend,
+            strict=self.strict,
+            transport=self.transport,
+            **self._transport_options,
         ).start()
+        if self._stage_params is not None and self.optimizers:
+            self._stage_params.attach(self.pipeline, self.optimizers, self.root_device)
         self._hooked = {
             name
             for name in _RUNTIME_HOOKS
@@ -242,12 +297,29 @@ class PipeStrategy(SingleDeviceStrategy):
             return AutocastSpec(torch.bfloat16 if plugin.precision == "bf16-mixed" else torch.float16)
         return None
 
+    def execution_trace(self) -> ExecutionTrace:
+        """Per stage: which backend ran its forwards and which substituted ops ran where (``print`` it).
+
+        Ops of the user's step code (the loss) count under the last stage, mode ``"coordinator"``.
+        """
+        trace = self._trace
+        if self.pipeline is not None:
+            trace = trace.merged(self.pipeline.execution_trace())
+        if self._coordinator_ops is not None:
+            trace = trace.merged(ExecutionTrace([self._coordinator_ops.trace]))
+        return trace
+
     @override
     def teardown(self) -> None:
+        self._trace = self.execution_trace()  # kept after this fit/validate/test/predict
+        self._coordinator_ops = None
         self._shutdown()
         super().teardown()
 
     def _shutdown(self) -> None:
+        if self._stage_params is not None and self._stage_params.views and self.pipeline is not None:
+            self.pipeline.sync_module()  # the LightningModule and its optimizer end up trained, as usual
+            self._stage_params.fold_into_templates()
         if self._pipelined is not None:
             self._pipelined.__dict__.pop("forward", None)
         if self.pipeline is not None:
@@ -257,6 +329,8 @@ class PipeStrategy(SingleDeviceStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
+        if self._stage_params is not None:
+            self._stage_params.views = {}  # stages may be gone: nothing to gather
         self._shutdown()
 
     @override
@@ -265,9 +339,31 @@ class PipeStrategy(SingleDeviceStrategy):
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        if self._stage_params is not None:  # the stages' parts, now or once the stages are built
+            self._stage_params.load(self.optimizers, checkpoint["optimizer_states"])
+            return
         # torch moves each state to its parameter's device; Lightning's version would move it to one device
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"], strict=False):
             optimizer.load_state_dict(state)
+
+    # stages that own their parameters (transport="rpc"): steps and checkpoints go through them
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        if self._stage_params is None or self._stage_params.view(optimizer) is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        model = model or self.lightning_module
+        return self._stage_params.optimizer_step(self.precision_plugin, optimizer, model, closure, **kwargs)
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        state = self._stage_params.state(optimizer) if self._stage_params is not None else None
+        return state if state is not None else super().optimizer_state(optimizer)
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        if self._stage_params is not None and self.pipeline is not None:
+            self.pipeline.sync_module()
+        return super().lightning_module_state_dict()
 
     # steps
     @override
@@ -317,12 +413,14 @@ class PipeStrategy(SingleDeviceStrategy):
         weights = [r / sum(rows) for r in rows]
         step_fn = getattr(lightning_module, name)
         recorder = LogRecorder(lightning_module.log)
-        drivers = [Driver(_bind(step_fn, p, rest, kwargs), i, context, self.timeout) for i, p in enumerate(pieces)]
         training = name == "training_step"
+        context = _with_ops(context, self._coordinator_ops, "train" if training else "eval")
+        drivers = [Driver(_bind(step_fn, p, rest, kwargs), i, context, self.timeout) for i, p in enumerate(pieces)]
         lightning_module.log = recorder  # type: ignore[method-assign]
         try:
             inputs = [self._start(driver, recorder, weights[driver.index], name) for driver in drivers]
             pipeline = self._build(inputs[0])
+            inputs = [_packed(pipeline, x) for x in inputs]
             if training:
                 self._outside.begin()
                 try:
@@ -338,7 +436,7 @@ class PipeStrategy(SingleDeviceStrategy):
                 result = pipeline.coordinator.forward_step(inputs)
                 for driver, output in zip(drivers, result.outputs, strict=True):
                     recorder.weight = weights[driver.index]
-                    self._resume(driver, output, name)
+                    self._resume(driver, pipeline.unpack(output), name)
         finally:
             lightning_module.__dict__.pop("log", None)
             for driver in drivers:
@@ -363,8 +461,9 @@ class PipeStrategy(SingleDeviceStrategy):
         call_args, call_kwargs = value
         return self._pipeline_input(call_args, call_kwargs)
 
-    @staticmethod
-    def _pipeline_input(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _pipeline_input(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if isinstance(self.partitioner, TracedPartitioner):
+            return CallArgs(tuple(args), dict(kwargs))  # packed into the first stage's inputs once traced
         if kwargs:
             raise ConfigurationError(
                 f"the pipelined nn.Sequential was called with keyword arguments ({', '.join(kwargs)}); "
@@ -388,7 +487,8 @@ class PipeStrategy(SingleDeviceStrategy):
 
         def criterion(output: Any, index: int) -> Any:
             recorder.weight = weights[index]
-            result = self._resume(drivers[index], output, name)
+            assert self.pipeline is not None
+            result = self._resume(drivers[index], self.pipeline.unpack(output), name)
             loss = result.get("loss") if isinstance(result, dict) else result
             if loss is None:
                 return None
@@ -404,7 +504,8 @@ class PipeStrategy(SingleDeviceStrategy):
             return driver.call(args, kwargs)
         # called outside a step (a callback, an epoch-end hook): run it through the pipeline, forward only
         inputs = self._pipeline_input(args, kwargs)
-        return self._build(inputs).coordinator.forward_step([inputs]).outputs[0]
+        pipeline = self._build(inputs)
+        return pipeline.unpack(pipeline.coordinator.forward_step([_packed(pipeline, inputs)]).outputs[0])
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -443,3 +544,23 @@ class PipeStrategy(SingleDeviceStrategy):
 def _bind(step_fn: Callable[..., Any], piece: Any, rest: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[[], Any]:
     """The user's step for one microbatch, as a call without arguments."""
     return lambda: step_fn(piece, *rest, **kwargs)
+
+
+def _packed(pipeline: Pipeline, inputs: Any) -> Any:
+    """The first stage's input: a traced module's call arguments packed into its flat inputs."""
+    return pipeline.pack(inputs.args, inputs.kwargs) if isinstance(inputs, CallArgs) else inputs
+
+
+def _with_ops(
+    context: Callable[[], AbstractContextManager[Any]], ops: CoordinatorOps | None, mode: str
+) -> Callable[[], AbstractContextManager[Any]]:
+    """``context`` plus the backends' op substitution, entered in the thread that runs the step."""
+    if ops is None:
+        return context
+
+    @contextmanager
+    def both() -> Iterator[None]:
+        with context(), ops.context(mode):
+            yield
+
+    return both
