@@ -15,7 +15,6 @@ Any other module is traced and cut (`TracedPartitioner`), before ``split_points`
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -75,24 +74,6 @@ def resolve_partitioner(
     return for_module(partitioner, module, split_points)
 
 
-def stage_threads(threads: int | None, device_types: Sequence[str]) -> int | None:
-    """Intra-op threads each stage worker uses: ``threads``, or by default the cores shared among CPU stages.
-
-    Stage workers of the local transport are threads of one process and CPU stages compute at the
-    same time, so each takes its share of the cores instead of every stage starting a pool as large
-    as the machine (which oversubscribes the cores and makes OpenMP spin). None leaves torch's setting.
-    """
-    if threads is not None:
-        if threads < 1:
-            raise ConfigurationError(f"threads={threads}: pass a positive number of intra-op threads per stage")
-        return threads
-    cpu_stages = sum(t == "cpu" for t in device_types)
-    if cpu_stages == 0:
-        return None
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, min(torch.get_num_threads(), cores // cpu_stages))
-
-
 def resolve_runtime(runtime: str | BaseRuntime | None, devices: Sequence[str]) -> list[BaseRuntime]:
     """One runtime per stage: an instance is shared, a name picks the registered class."""
     if isinstance(runtime, BaseRuntime):
@@ -123,7 +104,6 @@ class Pipeline:
         backend: BackendArg = None,
         strict: bool = False,
         split_points: Sequence[str] | None = None,
-        threads: int | None = None,
         **transport_options: Any,
     ) -> None:
         self.devices = [str(d) for d in (devices or ["cpu"] * stages)]
@@ -142,7 +122,6 @@ class Pipeline:
         self.coordinator_ops = CoordinatorOps(self.backend, stages - 1)  # op substitution in the loss
         self.communicator = _communicator(transport, transport_options)
         self.coordinator_device = coordinator_device or self.runtimes[-1].torch_device
-        self.threads = stage_threads(threads, [rt.torch_device.type for rt in self.runtimes])
         self.shards: list[ShardedTask] = []
         self._coordinator: Coordinator | None = None
         self._started = False
@@ -184,7 +163,6 @@ class Pipeline:
                 runtime=self.runtimes[i],
                 autocast=self.autocast,
                 backend=self.backend,
-                options={"num_threads": self.threads},
             )
             for i, shard in enumerate(self.shards)
         ]

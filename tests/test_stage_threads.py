@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_pipe.pipeline import Pipeline, stage_threads
+from lightning_pipe.comm.local import stage_threads
+from lightning_pipe.pipeline import Pipeline
 
 
 class ThreadProbe(nn.Module):
@@ -34,6 +35,7 @@ def test_default_shares_the_cores_among_cpu_stages(monkeypatch: pytest.MonkeyPat
     assert stage_threads(None, ["cuda", "cuda"]) is None
     assert stage_threads(None, ["cuda", "cpu"]) == 8
     assert stage_threads(3, ["cpu", "cpu"]) == 3
+    assert stage_threads(3, ["cuda"]) is None
 
 
 def test_stage_threads_use_their_count_and_the_caller_keeps_its_own() -> None:

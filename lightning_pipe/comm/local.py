@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 import warnings
 from typing import Any
+
+import torch
 
 from lightning_pipe.comm.base import (
     COORDINATOR,
@@ -18,6 +21,7 @@ from lightning_pipe.comm.base import (
     remaining,
 )
 from lightning_pipe.errors import ConfigurationError, TransportError
+from lightning_pipe.runtime import runtime_registry
 
 
 class LocalEndpoint(Endpoint):
@@ -37,11 +41,19 @@ class LocalEndpoint(Endpoint):
 
 
 class LocalCommunicator(Communicator):
-    """Stage workers are threads of the coordinator's process; messages are passed by reference."""
+    """Stage workers are threads of the coordinator's process; messages are passed by reference.
+
+    Args:
+        threads: torch intra-op threads of each CPU stage thread; default: this machine's cores
+            shared among the CPU stages (see `stage_threads`).
+    """
 
     name = "local"
 
-    def __init__(self) -> None:
+    def __init__(self, threads: int | None = None) -> None:
+        if threads is not None and threads < 1:
+            raise ConfigurationError(f"threads={threads}: pass a positive number of intra-op threads per stage")
+        self.threads = threads
         self._threads: list[threading.Thread] = []
         self._inboxes: dict[int, QueueInbox] = {}
 
@@ -49,6 +61,9 @@ class LocalCommunicator(Communicator):
         if self._threads:
             raise TransportError("this communicator already runs stage workers; shut it down first")
         _check_shared_tensors(specs)
+        num_threads = stage_threads(self.threads, [_device_type(spec) for spec in specs])
+        for spec in specs:
+            spec.options["num_threads"] = num_threads if _device_type(spec) == "cpu" else None
         self._inboxes = {COORDINATOR: QueueInbox()} | {rank: QueueInbox() for rank in range(len(specs))}
         for rank, spec in enumerate(specs):
             worker = worker_cls(spec, LocalEndpoint(rank, self._inboxes))
@@ -95,3 +110,25 @@ def _check_shared_tensors(specs: list[Any]) -> None:
                 "share it, so keep the layers using it in one stage (split_points=...) or put those stages on one "
                 "device"
             )
+
+
+def stage_threads(threads: int | None, device_types: list[str]) -> int | None:
+    """Intra-op threads of each CPU stage thread: ``threads``, or this machine's cores shared among CPU stages.
+
+    The stage threads compute at the same time, so each takes its share of the cores instead of
+    every stage starting a pool as large as the machine (which oversubscribes the cores and leaves
+    OpenMP spinning). Never more than the caller's own count. None: no CPU stage.
+    """
+    cpu_stages = sum(t == "cpu" for t in device_types)
+    if cpu_stages == 0:
+        return None
+    if threads is not None:
+        return threads
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(torch.get_num_threads(), cores // cpu_stages))
+
+
+def _device_type(spec: Any) -> str:
+    if spec.runtime is not None:
+        return str(spec.runtime.torch_device.type)
+    return str(runtime_registry.create(spec.shards[0].device).torch_device.type)
