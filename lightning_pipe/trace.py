@@ -1,8 +1,9 @@
 """Pipeline timelines: a step's per-rank records as a Chrome trace, a PNG Gantt chart and bubble numbers.
 
 Stage workers time every action of a step and its parts (``idle``: waiting for the input to arrive,
-``recv``: moving it onto the device, ``compute``: the executor module, ``send``: handing the result
-on); the coordinator returns them in ``StepResult.records``. `StepTimeline` reads them::
+``recv``: moving it onto the device, ``loss``: the criterion, where the last stage computes it,
+``compute``: the executor module, ``send``: handing the result on); the coordinator returns them in
+``StepResult.records``. `StepTimeline` reads them::
 
     result = pipe.train_step(x, y, loss_fn, microbatches=8)
     timeline = StepTimeline.from_result(result, step=0)
@@ -25,9 +26,17 @@ from typing import Any
 from lightning_pipe.schedule import Action, Kind, Schedule, simulate
 
 Record = tuple[str, float, float]  # (text, start, end) as recorded by a stage worker
-PARTS = ("idle", "recv", "compute", "send")
+PARTS = ("idle", "recv", "loss", "compute", "send")
 
-_COLORS = {"F": "#4C72B0", "B": "#55A868", "I": "#8CC08C", "W": "#2F6B3F", "recv": "#DD8452", "send": "#C44E52"}
+_COLORS = {
+    "F": "#4C72B0",
+    "B": "#55A868",
+    "I": "#8CC08C",
+    "W": "#2F6B3F",
+    "recv": "#DD8452",
+    "send": "#C44E52",
+    "loss": "#8172B3",
+}
 
 
 @dataclass
@@ -57,8 +66,8 @@ class ActionTiming:
 
     @property
     def overhead(self) -> float:
-        """Seconds of this action outside the stage's compute and outside waiting: the engine's own cost."""
-        return self.end - self.start - self.part("idle") - self.part("compute")
+        """Seconds of this action outside compute (the stage's and the loss) and waiting: the engine's own cost."""
+        return self.end - self.start - self.part("idle") - self.part("compute") - self.part("loss")
 
 
 @dataclass
@@ -71,13 +80,19 @@ class StepTimeline:
 
     @classmethod
     def from_records(
-        cls, records: Sequence[Sequence[Record]], schedule: Schedule | None = None, step: int = 0
+        cls,
+        records: Sequence[Sequence[Record]],
+        schedule: Schedule | None = None,
+        step: int = 0,
+        parts_of_ranks: Sequence[Sequence[Record]] = (),
     ) -> StepTimeline:
+        """From each rank's action records (``("1F0", start, end)``) and their parts (``("1F0 idle", ...)``)."""
         ranks: list[list[ActionTiming]] = []
         for rank, rank_records in enumerate(records):
             parts: dict[str, dict[str, tuple[float, float]]] = {}
             timings: list[ActionTiming] = []
-            for text, start, end in rank_records or []:
+            rank_parts = parts_of_ranks[rank] if rank < len(parts_of_ranks) else []
+            for text, start, end in [*(rank_records or []), *(rank_parts or [])]:
                 name, _, part = text.partition(" ")
                 if part:
                     parts.setdefault(name, {})[part] = (start, end)
@@ -91,7 +106,7 @@ class StepTimeline:
     @classmethod
     def from_result(cls, result: Any, step: int = 0) -> StepTimeline:
         """From a `StepResult` (``Coordinator.last_result``, ``Pipeline.train_step``'s return value)."""
-        return cls.from_records(result.records, result.schedule, step)
+        return cls.from_records(result.records, result.schedule, step, getattr(result, "parts", ()))
 
     @property
     def num_ranks(self) -> int:
@@ -206,7 +221,7 @@ def _slices(timing: ActionTiming, pid: int, origin: float, step: int) -> list[di
     args = {"step": step, "stage": action.stage, "microbatch": action.microbatch}
     category = "forward" if action.kind is Kind.FORWARD else "backward"
     spans = [(str(action), category, *timing.compute_span)]
-    for part in ("idle", "recv", "send"):
+    for part in ("idle", "recv", "loss", "send"):
         if part in timing.parts:
             spans.append((f"{part} {action}" if part != "idle" else "idle", part, *timing.parts[part]))
     return [
@@ -261,7 +276,7 @@ def render_png(
     for ax, timeline in zip(axes, timelines, strict=True):
         _draw(ax, timeline, width)
     legend = [Patch(color=_COLORS[k], label=label) for k, label in (("F", "forward"), ("B", "backward"))]
-    legend += [Patch(color=_COLORS[k], label=k) for k in ("recv", "send")]
+    legend += [Patch(color=_COLORS[k], label=k) for k in ("loss", "recv", "send")]
     figure.legend(handles=legend, loc="lower center", ncol=len(legend), frameon=False, fontsize=8)
     figure.tight_layout(rect=(0, 0.06, 1, 1))
     figure.savefig(path, dpi=dpi)
@@ -279,7 +294,7 @@ def _draw(ax: Any, timeline: StepTimeline, width: int) -> None:
             if (end - start) * pixels_per_second > 8 * len(label):  # only where the label fits
                 middle = (start + end - 2 * origin) / 2 * 1e3
                 ax.text(middle, rank, label, ha="center", va="center", fontsize=7, color="w")
-            for part in ("recv", "send"):
+            for part in ("recv", "loss", "send"):
                 if part in timing.parts:
                     p0, p1 = timing.parts[part]
                     ax.barh(rank, (p1 - p0) * 1e3, left=(p0 - origin) * 1e3, height=0.8, color=_COLORS[part])

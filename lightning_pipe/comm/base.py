@@ -22,9 +22,10 @@ class MessageKind:
     STEP = "step"  # coordinator -> rank: run a step (payload: StepPlan)
     ACTIVATION = "activation"  # forward input of a stage
     OUTPUT = "output"  # last stage -> coordinator
+    LOSS = "loss"  # last stage -> coordinator: a microbatch's loss, computed on the stage (payload: the loss)
     GRAD = "grad"  # gradient with respect to a stage's output
     INPUT_GRAD = "input_grad"  # first stage -> coordinator: gradient of the pipeline's input
-    DONE = "done"  # rank -> coordinator: the step finished (payload: timing records)
+    DONE = "done"  # rank -> coordinator: the step finished (payload: timing records of its actions and their parts)
     ERROR = "error"  # rank -> coordinator: an action failed (payload: StageError)
     ABORT = "abort"  # coordinator -> rank: drop the step
     CALL = "call"  # coordinator -> rank: run a control method (payload: (name, args))
@@ -80,6 +81,9 @@ class Communicator(ABC):
     """Starts stage workers somewhere and connects them with the coordinator."""
 
     name: str = "communicator"
+    #: stages share the coordinator's objects (messages pass by reference): the last stage can run the
+    #: criterion itself, so a microbatch's loss costs no round trip through the coordinator
+    shares_objects: bool = False
 
     @abstractmethod
     def launch(self, specs: list[Any], worker_cls: Any) -> Endpoint:

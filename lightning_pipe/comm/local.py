@@ -49,6 +49,7 @@ class LocalCommunicator(Communicator):
     """
 
     name = "local"
+    shares_objects = True
 
     def __init__(self, threads: int | None = None) -> None:
         if threads is not None and threads < 1:

@@ -12,12 +12,13 @@ from torch import nn
 
 from lightning_pipe import tree
 from lightning_pipe.comm.base import Communicator, Endpoint, Message, MessageKind, deadline, remaining
-from lightning_pipe.engine.plan import EVAL, TRAIN, StageSpec, StepPlan
+from lightning_pipe.engine.plan import EVAL, TRAIN, LossPlan, StageSpec, StepPlan
 from lightning_pipe.engine.stage import StageWorker
 from lightning_pipe.errors import PipeTimeoutError, StageError
 from lightning_pipe.schedule import Schedule
 
 Key = tuple[str, int, int]  # (kind, stage, microbatch)
+Record = tuple[str, float, float]  # (action or "action part", start, end), time.perf_counter() seconds
 F = TypeVar("F", bound=Callable[..., Any])
 _POLL = 1.0  # seconds between liveness checks while waiting
 
@@ -52,6 +53,8 @@ class StepResult:
     outputs: list[Any] = field(default_factory=list)
     records: list[list[tuple[str, float, float]]] = field(default_factory=list)
     schedule: Schedule | None = None
+    #: per rank, the parts of each action ("1F0 idle", start, end): see `lightning_pipe.trace`
+    parts: list[list[tuple[str, float, float]]] = field(default_factory=list)
 
 
 class Coordinator:
@@ -131,30 +134,23 @@ class Coordinator:
     ) -> StepResult:
         """Forward and backward of every microbatch; parameter gradients stay on the stages."""
         schedule = self.schedule(len(inputs))
-        step = self._begin(TRAIN, schedule.actions())
+        loss_plan = None
+        if self.communicator.shares_objects:  # the last stage runs the criterion: no round trip per microbatch
+            loss_plan = LossPlan(list(labels), criterion, scaler, optimizer, self.device, self._head)
+        step = self._begin(TRAIN, schedule.actions(), loss_plan)
         try:
             self._feed(step, inputs)
-            if schedule.loss_after_all_forwards:
-                for m in range(len(inputs)):
-                    self._wait(step, MessageKind.OUTPUT, self.num_stages - 1, m, pop=False)
-            losses = []
-            for m in range(len(inputs)):
-                output = self._received_output(step, m)
-                scaler, grads, loss = self.loss_module.run(
-                    self._head, optimizer, output, labels[m], criterion, self.device, scaler
-                )
-                if grads is None:
-                    grads = [None] * len(tree.flatten(output)[0])
-                grads = [g.detach() if isinstance(g, torch.Tensor) else None for g in grads]
-                message = Message(MessageKind.GRAD, step, self.num_stages - 1, m, grads)
-                self.endpoint.send(self.rank_of_stage[-1], message)
-                losses.append(loss)
-            records = self._finish(step)
+            if loss_plan is not None:
+                last = self.num_stages - 1
+                losses = [self._wait(step, MessageKind.LOSS, last, m).payload for m in range(len(inputs))]
+            else:
+                losses = self._losses(step, labels, criterion, scaler, optimizer, schedule)
+            records, parts = self._finish(step)
             self._backward_inputs(step, inputs)
         except BaseException:
             self._abort(step)
             raise
-        self.last_result = StepResult(losses=losses, records=records, schedule=schedule)
+        self.last_result = StepResult(losses=losses, records=records, schedule=schedule, parts=parts)
         return self.last_result
 
     @_share_cores
@@ -165,11 +161,11 @@ class Coordinator:
         try:
             self._feed(step, [tree.detach(x) for x in inputs])
             outputs = [self._received_output(step, m, leaves=False) for m in range(len(inputs))]
-            records = self._finish(step)
+            records, parts = self._finish(step)
         except BaseException:
             self._abort(step)
             raise
-        self.last_result = StepResult(outputs=outputs, records=records, schedule=schedule)
+        self.last_result = StepResult(outputs=outputs, records=records, schedule=schedule, parts=parts)
         return self.last_result
 
     def call(self, name: str, *args: Any, each: Sequence[tuple[Any, ...]] | None = None) -> list[Any]:
@@ -194,12 +190,40 @@ class Coordinator:
         return results
 
     # internals
-    def _begin(self, mode: str, actions: list[list[Any]]) -> int:
+    def _begin(self, mode: str, actions: list[list[Any]], loss: LossPlan | None = None) -> int:
         self._step += 1
         self._pending.clear()
         for rank, rank_actions in enumerate(actions):
-            self.endpoint.send(rank, Message(MessageKind.STEP, self._step, payload=StepPlan(mode, rank_actions)))
+            plan = StepPlan(mode, rank_actions, loss=loss if rank == self.rank_of_stage[-1] else None)
+            self.endpoint.send(rank, Message(MessageKind.STEP, self._step, payload=plan))
         return self._step
+
+    def _losses(
+        self,
+        step: int,
+        labels: Sequence[Any],
+        criterion: Callable[[Any, Any], Any],
+        scaler: Any,
+        optimizer: Any,
+        schedule: Schedule,
+    ) -> list[Any]:
+        """Each microbatch's loss from the last stage's output; its gradient goes back to the last stage."""
+        if schedule.loss_after_all_forwards:
+            for m in range(len(labels)):
+                self._wait(step, MessageKind.OUTPUT, self.num_stages - 1, m, pop=False)
+        losses = []
+        for m in range(len(labels)):
+            output = self._received_output(step, m)
+            scaler, grads, loss = self.loss_module.run(
+                self._head, optimizer, output, labels[m], criterion, self.device, scaler
+            )
+            if grads is None:
+                grads = [None] * len(tree.flatten(output)[0])
+            grads = [g.detach() if isinstance(g, torch.Tensor) else None for g in grads]
+            message = Message(MessageKind.GRAD, step, self.num_stages - 1, m, grads)
+            self.endpoint.send(self.rank_of_stage[-1], message)
+            losses.append(loss)
+        return losses
 
     def _feed(self, step: int, inputs: Sequence[Any]) -> None:
         for m, x in enumerate(inputs):
@@ -211,11 +235,13 @@ class Coordinator:
         output = tree.map_tensors(lambda t: t.to(self.device) if t.device != self.device else t, output)
         return tree.as_leaves(output, mask) if leaves else output
 
-    def _finish(self, step: int) -> list[list[tuple[str, float, float]]]:
+    def _finish(self, step: int) -> tuple[list[list[Record]], list[list[Record]]]:
+        """Each rank's action records and their parts (idle, recv, loss, compute, send), once all are done."""
         records: list[Any] = [None] * self.num_ranks
+        parts: list[Any] = [None] * self.num_ranks
         for rank in range(self.num_ranks):
-            records[rank] = self._wait(step, MessageKind.DONE, -1, rank).payload
-        return records
+            records[rank], parts[rank] = self._wait(step, MessageKind.DONE, -1, rank).payload
+        return records, parts
 
     def _backward_inputs(self, step: int, inputs: Sequence[Any]) -> None:
         """Carry the first stage's input gradients into whatever produced the inputs."""

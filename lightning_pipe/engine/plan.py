@@ -38,9 +38,22 @@ class StageSpec:
 
 
 @dataclass
+class LossPlan:
+    """What the last stage needs to compute the losses itself (only where stages share objects)."""
+
+    labels: list[Any]
+    criterion: Any  # (output, label) -> loss
+    scaler: Any  # torch.amp.GradScaler or None
+    optimizer: Any
+    device: Any  # torch.device the loss is computed on (the coordinator's)
+    head: Any  # the loss module's model: hands the output to the criterion as received
+
+
+@dataclass
 class StepPlan:
     """One step for one rank: train or eval, and the rank's actions in order."""
 
     mode: str
     actions: list[Action]
     trace: bool = True
+    loss: LossPlan | None = None  # the rank of the last stage computes the losses (see LossPlan)

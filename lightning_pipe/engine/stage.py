@@ -14,7 +14,7 @@ import torch
 from lightning_pipe import tree
 from lightning_pipe.backends import StageTrace, build_executables
 from lightning_pipe.comm.base import COORDINATOR, Endpoint, Message, MessageKind, deadline, remaining
-from lightning_pipe.engine.plan import EVAL, TRAIN, StageSpec, StepPlan
+from lightning_pipe.engine.plan import EVAL, TRAIN, LossPlan, StageSpec, StepPlan
 from lightning_pipe.engine.stage_state import StageStateCalls
 from lightning_pipe.errors import PipeTimeoutError, StageError
 from lightning_pipe.executors import Activation
@@ -28,6 +28,14 @@ Key = tuple[int, str, int, int]  # (step, kind, stage, microbatch)
 
 class _Abort(Exception):
     """The coordinator dropped the current step."""
+
+
+class _LossError(Exception):
+    """The criterion failed on the last stage: the coordinator re-raises ``error`` itself, unwrapped."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 class StageWorker(StageStateCalls):
@@ -54,7 +62,9 @@ class StageWorker(StageStateCalls):
         self._aborted = -1
         self._stop = False
         self._initialized: set[int] = set()
-        self._records: list[tuple[str, float, float]] = []  # this step's timeline (see lightning_pipe.trace)
+        self._parts: list[tuple[str, float, float]] = []  # this step's action parts (see lightning_pipe.trace)
+        self._loss: LossPlan | None = None  # set when this rank computes the step's losses
+        self._outputs: dict[int, Any] = {}  # last stage: outputs awaiting their loss, by microbatch
 
     # event loop
     def serve(self) -> None:
@@ -89,7 +99,8 @@ class StageWorker(StageStateCalls):
     # a step
     def _run_step(self, step: int, plan: StepPlan) -> None:
         records: list[tuple[str, float, float]] = []
-        self._records = records
+        self._parts = []
+        self._loss = plan.loss
         action: Action | None = None
         training = plan.mode == TRAIN
         outcome: Message | None = None
@@ -105,8 +116,11 @@ class StageWorker(StageStateCalls):
                 records.append((str(action), start, time.perf_counter()))
             for index, shard in self.shards.items():
                 self.runtimes[index].get_pending_result(shard.module, True)
-            outcome = Message(MessageKind.DONE, step, payload=records)
+            outcome = Message(MessageKind.DONE, step, payload=(records, self._parts))
         except _Abort:
+            self._forget(step)
+        except _LossError as exc:  # the user's step code failed: raise its own exception, not a StageError
+            outcome = Message(MessageKind.ERROR, step, payload=exc.error)
             self._forget(step)
         except Exception as exc:
             error = StageError(
@@ -162,6 +176,8 @@ class StageWorker(StageStateCalls):
         if s + 1 < self.spec.num_stages:
             message = Message(MessageKind.ACTIVATION, step, s + 1, m, payload)
             self.endpoint.send(self.spec.rank_of_stage[s + 1], message)
+        elif self._loss is not None:
+            self._outputs[m] = payload  # its loss is computed here when its backward needs the gradient
         else:
             self.endpoint.send(COORDINATOR, Message(MessageKind.OUTPUT, step, s, m, payload))
         self._span(action, "send", t)
@@ -170,6 +186,13 @@ class StageWorker(StageStateCalls):
         s, m = action.stage, action.microbatch
         shard, runtime = self.shards[s], self.runtimes[s]
         t = time.perf_counter()
+        if (
+            self._loss is not None
+            and s == self.spec.num_stages - 1
+            and (step, MessageKind.GRAD, s, m) not in self._pending
+        ):
+            self._compute_losses(step, s)
+            t = self._span(action, "loss", t)
         grads = self._wait(step, MessageKind.GRAD, s, m).payload
         t = self._span(action, "idle", t)
         grads = [runtime.move_tensor(g) if isinstance(g, torch.Tensor) else None for g in grads]
@@ -190,10 +213,36 @@ class StageWorker(StageStateCalls):
             self.endpoint.send(COORDINATOR, Message(MessageKind.INPUT_GRAD, step, s, m, payload))
         self._span(action, "send", t)
 
+    def _compute_losses(self, step: int, s: int) -> None:
+        """The losses of the outputs kept so far, in microbatch order, as the coordinator would compute them.
+
+        Each loss's gradient with respect to the output becomes this stage's pending gradient and the
+        loss goes to the coordinator. With a schedule that runs every forward first (gpipe) this
+        happens at the first backward, so the losses still come after all forwards.
+        """
+        plan = self._loss
+        assert plan is not None
+        loss_module = self.shards[s].forward_loss
+        for m in sorted(self._outputs):
+            outputs, mask = self._outputs.pop(m)
+            outputs = tree.map_tensors(lambda t: t.to(plan.device) if t.device != plan.device else t, outputs)
+            leaves = tree.as_leaves(outputs, mask)
+            try:
+                plan.scaler, grads, loss = loss_module.run(
+                    plan.head, plan.optimizer, leaves, plan.labels[m], plan.criterion, plan.device, plan.scaler
+                )
+            except Exception as exc:
+                raise _LossError(exc) from exc
+            if grads is None:
+                grads = [None] * len(tree.flatten(leaves)[0])
+            grads = [g.detach() if isinstance(g, torch.Tensor) else None for g in grads]
+            self._pending[(step, MessageKind.GRAD, s, m)] = Message(MessageKind.GRAD, step, s, m, grads)
+            self.endpoint.send(COORDINATOR, Message(MessageKind.LOSS, step, s, m, loss))
+
     def _span(self, action: Action, part: str, start: float) -> float:
-        """Record ``part`` (idle, recv, compute or send) of ``action`` from ``start`` until now; returns now."""
+        """Record ``part`` (idle, recv, loss, compute or send) of ``action`` from ``start`` until now; returns now."""
         now = time.perf_counter()
-        self._records.append((f"{action} {part}", start, now))
+        self._parts.append((f"{action} {part}", start, now))
         return now
 
     def _wait(self, step: int, kind: str, stage: int, microbatch: int) -> Message:
@@ -222,6 +271,7 @@ class StageWorker(StageStateCalls):
         self._aborted = max(self._aborted, step)
         self._pending = {k: v for k, v in self._pending.items() if k[0] > step}
         self._saved.clear()
+        self._outputs.clear()
 
     @contextlib.contextmanager
     def _autocast(self, device: torch.device) -> Iterator[None]:
