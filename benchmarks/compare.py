@@ -218,7 +218,9 @@ class EngineRunner(Runner):
             transport=transport,
             threads=cfg.threads,
         ).start()
-        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=cfg.lr)
+        template = torch.optim.SGD(self.model.parameters(), lr=cfg.lr)
+        # with stages in other processes the parameters live there: the optimizer steps on the stages
+        self.optimizer: Any = template if transport == "local" else self.pipe.optimizer(template)
 
     def step(self) -> float:
         x, y = self.batch()
@@ -231,7 +233,7 @@ class EngineRunner(Runner):
         return seconds
 
     def params(self) -> dict[str, torch.Tensor]:
-        return dict(self.model.state_dict())
+        return self.pipe.state_dict()  # as the stages hold them (with rpc, only there)
 
     def stop(self) -> dict[str, Any]:
         self.pipe.close()
@@ -316,7 +318,7 @@ def serve_trainer(conn: Connection, cfg: Config, transport: str) -> None:
             seconds = time.perf_counter() - self.start
             if self.checking:
                 self.checking = False
-                params = {k: v.detach().clone() for k, v in pl_module.model.state_dict().items()}
+                params = {k: v.detach().clone() for k, v in trainer.strategy.pipeline.state_dict().items()}
                 command = conn.recv()
                 assert command[0] == "check", command
                 conn.send(("ok", {"params": params}))
@@ -428,20 +430,19 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def peak_rss_mb(pid: int) -> float:
-    """Peak resident memory (VmHWM) of ``pid`` and its descendants, in MB."""
-    total = 0.0
+def peak_rss_mb(pid: int) -> list[float]:
+    """Peak resident memory (VmHWM, MB) of ``pid`` and then of each of its descendants."""
+    peaks = []
     pending = [pid]
     while pending:
-        current = pending.pop()
+        current = pending.pop(0)
         with contextlib.suppress(OSError):
             for line in Path(f"/proc/{current}/status").read_text().splitlines():
                 if line.startswith("VmHWM:"):
-                    total += int(line.split()[1]) / 1024
+                    peaks.append(int(line.split()[1]) / 1024)
             for task in Path(f"/proc/{current}/task").iterdir():
-                children = (task / "children").read_text().split()
-                pending.extend(int(c) for c in children)
-    return total
+                pending.extend(int(c) for c in (task / "children").read_text().split())
+    return peaks
 
 
 def available_transports() -> list[str]:
@@ -487,12 +488,17 @@ def start_contenders(cfg: Config, names: list[str]) -> list[Contender]:
     return contenders
 
 
-def compare_params(reference: dict[str, torch.Tensor], other: dict[str, torch.Tensor]) -> dict[str, Any]:
+def compare_params(
+    initial: dict[str, torch.Tensor], reference: dict[str, torch.Tensor], other: dict[str, torch.Tensor]
+) -> dict[str, Any]:
+    """Whether ``other`` made the same first update as ``reference``, relative to the update's size."""
     missing = sorted(set(reference) ^ set(other))
-    diffs = [(reference[k] - other[k]).abs().max().item() for k in reference if k in other]
-    scale = max(v.abs().max().item() for v in reference.values())
-    worst = max(diffs) if diffs else float("nan")
-    return {"max_abs_diff": worst, "same": not missing and worst <= 1e-5 * max(scale, 1.0), "missing": missing}
+    keys = [k for k in reference if k in other and reference[k].is_floating_point()]
+    update = max((reference[k] - initial[k]).abs().max().item() for k in keys)
+    diff = max((reference[k] - other[k]).abs().max().item() for k in keys)
+    relative = diff / update if update > 0 else float("inf")
+    same = not missing and relative < 1e-3
+    return {"max_abs_diff": diff, "update": update, "relative": relative, "same": same, "missing": missing}
 
 
 def run(cfg: Config, names: list[str], warmup: int, rounds: int, steps: int) -> dict[str, Any]:
@@ -503,8 +509,9 @@ def run(cfg: Config, names: list[str], warmup: int, rounds: int, steps: int) -> 
         for contender in contenders:
             for answer in contender.ask("check"):
                 contender.params.update(answer["params"])
+        initial = build_model(cfg.workload).state_dict()
         reference = by_name["torch"].params if "torch" in by_name else contenders[0].params
-        checks = {c.name: compare_params(reference, c.params) for c in contenders}
+        checks = {c.name: compare_params(initial, reference, c.params) for c in contenders}
         for contender in contenders:
             contender.ask("run", warmup)
         stage_times: list[list[float]] = []
@@ -519,7 +526,7 @@ def run(cfg: Config, names: list[str], warmup: int, rounds: int, steps: int) -> 
                 stage_times.append(by_name["unsplit"].ask("profile")[0])
             print(f"  round {r + 1}/{rounds} done", file=sys.stderr, flush=True)
         for contender in contenders:
-            contender.rss_mb = [peak_rss_mb(process.pid) for process, _ in contender.workers]
+            contender.rss_mb = [mb for process, _ in contender.workers for mb in peak_rss_mb(process.pid)]
             contender.ask("stop")
     finally:
         for contender in contenders:
@@ -627,7 +634,7 @@ def format_table(results: dict[str, Any]) -> str:
         if "engine" in row:
             e = row["engine"]
             overhead = f"{e['overhead_ms_per_microbatch']:.2f} ms ({e['overhead_share_of_compute']:.1%})"
-        same = "same" if row["params_match"]["same"] else f"DIFF {row['params_match']['max_abs_diff']:.1e}"
+        same = "same" if row["params_match"]["same"] else f"DIFF {row['params_match']['relative']:.1e}"
         values = [
             name,
             f"{rate['median']:.1f} [{rate['min']:.1f}, {rate['max']:.1f}]",
