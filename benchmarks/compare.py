@@ -33,7 +33,7 @@ import statistics
 import sys
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -48,6 +48,7 @@ import torch  # noqa: E402
 from benchmarks.workloads import WORKLOADS, build_model, loss_fn, make_batches, stage_module  # noqa: E402
 
 REPLY_TIMEOUT = 900.0  # seconds any worker may take to answer one command
+ROUND_WARMUP = 1  # untimed steps after a contender (re)starts its stages at the beginning of a round
 
 
 @dataclass
@@ -91,13 +92,27 @@ class Runner:
         raise NotImplementedError
 
     def run(self, steps: int) -> dict[str, Any]:
+        if self.open_round():
+            for _ in range(ROUND_WARMUP):
+                self.step()
         self.info = []
         times = [self.step() for _ in range(steps)]
+        self.close_round()
         return {"times": times, "info": self.info}
 
     def check(self) -> dict[str, Any]:
+        self.open_round()
         self.step()
-        return {"params": {k: v.detach().clone() for k, v in self.params().items()}}
+        params = {k: v.detach().clone() for k, v in self.params().items()}
+        self.close_round()
+        return {"params": params}
+
+    def open_round(self) -> bool:
+        """Start what only lives during a round; True if something was started (it gets warm-up steps)."""
+        return False
+
+    def close_round(self) -> None:
+        """Stop what `open_round` started."""
 
     def stop(self) -> dict[str, Any]:
         return {}
@@ -199,28 +214,55 @@ class TorchPipeRunner(Runner):
 
 
 class EngineRunner(Runner):
-    """lightning_pipe's `Pipeline` (no Lightning): the engine alone, on ``transport``."""
+    """lightning_pipe's `Pipeline` (no Lightning): the engine alone, on ``transport``.
+
+    The rpc transport's worker processes busy-poll (TensorPipe) even while idle, which would steal
+    cores from the other contenders' rounds, so over rpc the pipeline is started for each round
+    (after `ROUND_WARMUP` untimed steps) and closed after it; parameters are synced back in between.
+    """
 
     def __init__(self, cfg: Config, transport: str) -> None:
         super().__init__(cfg)
-        from lightning_pipe.pipeline import Pipeline
-
         # every thread of the process (stages, coordinator, optimizer step) uses cfg.threads, as each
         # torch.distributed.pipelining process does: a 2-thread OpenMP pool stalls badly on a busy machine
         torch.set_num_threads(cfg.threads)
+        self.transport = transport
         self.model = build_model(cfg.workload)
+        self.pipe: Any = None
+        self.optimizer: Any = None
+        self.worker_rss: dict[int, float] = {}  # peak RSS (MB) of each stage worker process (rpc)
+        if transport == "local":
+            self._open()
+
+    def _open(self) -> None:
+        from lightning_pipe.pipeline import Pipeline
+
+        cfg = self.cfg
         self.pipe = Pipeline(
             self.model,
             stages=cfg.stages,
             schedule=cfg.schedule,
             partition=cfg.balance,
             checkpoint="never",
-            transport=transport,
+            transport=self.transport,
             threads=cfg.threads,
         ).start()
         template = torch.optim.SGD(self.model.parameters(), lr=cfg.lr)
         # with stages in other processes the parameters live there: the optimizer steps on the stages
-        self.optimizer: Any = template if transport == "local" else self.pipe.optimizer(template)
+        self.optimizer = template if self.transport == "local" else self.pipe.optimizer(template)
+
+    def open_round(self) -> bool:
+        if self.pipe is not None:
+            return False
+        self._open()
+        return True
+
+    def close_round(self) -> None:
+        if self.transport != "local" and self.pipe is not None:
+            note_worker_rss(self.worker_rss, self.pipe.communicator)
+            self.pipe.sync_module()
+            self.pipe.close()
+            self.pipe = None
 
     def step(self) -> float:
         x, y = self.batch()
@@ -236,8 +278,16 @@ class EngineRunner(Runner):
         return self.pipe.state_dict()  # as the stages hold them (with rpc, only there)
 
     def stop(self) -> dict[str, Any]:
-        self.pipe.close()
-        return {}
+        if self.pipe is not None:
+            self.pipe.close()
+        return {"worker_rss_mb": [self.worker_rss[r] for r in sorted(self.worker_rss)]}
+
+
+def note_worker_rss(peaks: dict[int, float], communicator: Any) -> None:
+    """Keep the largest peak RSS seen of each stage worker process (transports with ``pids``)."""
+    for rank, pid in getattr(communicator, "pids", {}).items():
+        for mb in peak_rss_mb(pid)[:1]:
+            peaks[rank] = max(peaks.get(rank, 0.0), mb)
 
 
 def timeline_info(result: Any, step: int) -> dict[str, float]:
@@ -259,10 +309,21 @@ def timeline_info(result: Any, step: int) -> dict[str, float]:
 # the Lightning Trainer contender: Lightning drives the loop, a callback answers the commands
 # ---------------------------------------------------------------------------------------------
 def serve_trainer(conn: Connection, cfg: Config, transport: str) -> None:
+    """A Lightning Trainer with PipeStrategy; each command is one ``fit`` over the steps it asks for.
+
+    Every fit sets the pipeline up again (outside the timed steps, which start after `ROUND_WARMUP`
+    untimed ones), so an rpc contender's busy-polling workers only live during its own rounds.
+    """
+    import logging
+    import warnings
+
     import lightning as L
 
     from lightning_pipe.strategy import PipeStrategy
 
+    warnings.filterwarnings("ignore")
+    for name in ("lightning.pytorch", "lightning.fabric"):
+        logging.getLogger(name).setLevel(logging.ERROR)
     # as in EngineRunner; PipeStrategy's default then gives each stage thread min(cfg.threads, cores // stages)
     torch.set_num_threads(cfg.threads)
     batches = make_batches(cfg.workload)
@@ -280,58 +341,31 @@ def serve_trainer(conn: Connection, cfg: Config, transport: str) -> None:
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.SGD(self.parameters(), lr=cfg.lr)
 
-    class Batches(torch.utils.data.IterableDataset):
-        def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-            i = 0
-            while True:
-                yield batches[i % len(batches)]
-                i += 1
+    class Timer(L.Callback):
+        """Times the steps after ``warmup``; keeps the last step's parameters when asked to."""
 
-    class Driver(L.Callback):
-        """Times each step and, between rounds, waits for the orchestrator's next command."""
-
-        def __init__(self) -> None:
-            self.left = 0
+        def __init__(self, warmup: int, keep_params: bool) -> None:
+            self.warmup, self.keep_params = warmup, keep_params
             self.times: list[float] = []
             self.info: list[dict[str, float]] = []
+            self.params: dict[str, torch.Tensor] = {}
             self.start = 0.0
-            self.checking = True
-
-        def _command(self, trainer: Any, pl_module: Any) -> None:
-            while self.left == 0:
-                command = conn.recv()
-                if command[0] == "run":
-                    self.left, self.times, self.info = command[1], [], []
-                elif command[0] == "stop":
-                    trainer.should_stop = True
-                    conn.send(("ok", {}))
-                    self.left = -1
-                else:
-                    conn.send(("error", f"unexpected command {command!r}"))
 
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-            if not self.checking:
-                self._command(trainer, pl_module)
             self.start = time.perf_counter()
 
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
             seconds = time.perf_counter() - self.start
-            if self.checking:
-                self.checking = False
-                params = {k: v.detach().clone() for k, v in trainer.strategy.pipeline.state_dict().items()}
-                command = conn.recv()
-                assert command[0] == "check", command
-                conn.send(("ok", {"params": params}))
-                return
-            if self.left <= 0:
-                return
-            self.times.append(seconds)
-            result = _last_result(trainer)
-            if result is not None:
-                self.info.append(timeline_info(result, batch_idx))
-            self.left -= 1
-            if self.left == 0:
-                conn.send(("ok", {"times": self.times, "info": self.info}))
+            if batch_idx >= self.warmup:
+                self.times.append(seconds)
+                result = _last_result(trainer)
+                if result is not None:
+                    self.info.append(timeline_info(result, batch_idx))
+            if trainer.strategy.pipeline is not None:
+                note_worker_rss(worker_rss, trainer.strategy.pipeline.communicator)
+            if self.keep_params:
+                state = trainer.strategy.pipeline.state_dict()
+                self.params = {k: v.detach().clone() for k, v in state.items()}
 
     strategy_kwargs: dict[str, Any] = dict(
         stages=cfg.stages,
@@ -342,21 +376,42 @@ def serve_trainer(conn: Connection, cfg: Config, transport: str) -> None:
     )
     if transport != "local":
         strategy_kwargs["transport"] = transport
-    trainer = L.Trainer(
-        accelerator="cpu",
-        strategy=PipeStrategy(**strategy_kwargs),
-        max_steps=10**9,
-        max_epochs=-1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        callbacks=[Driver()],
-    )
+    net = Net()
+    seen = 0  # batches continue across fits
+    worker_rss: dict[int, float] = {}
+
+    def fit(warmup: int, steps: int, keep_params: bool = False) -> Timer:
+        nonlocal seen
+        timer = Timer(warmup, keep_params)
+        trainer = L.Trainer(
+            accelerator="cpu",
+            strategy=PipeStrategy(**strategy_kwargs),
+            max_steps=warmup + steps,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+            callbacks=[timer],
+        )
+        data = [batches[(seen + i) % len(batches)] for i in range(warmup + steps)]
+        seen += warmup + steps
+        trainer.fit(net, torch.utils.data.DataLoader(data, batch_size=None))
+        return timer
+
     conn.send(("ready", os.getpid()))
-    loader = torch.utils.data.DataLoader(Batches(), batch_size=None)
-    trainer.fit(Net(), loader)
+    while True:
+        command = conn.recv()
+        if command[0] == "stop":
+            conn.send(("ok", {"worker_rss_mb": [worker_rss[r] for r in sorted(worker_rss)]}))
+            return
+        if command[0] == "check":
+            conn.send(("ok", {"params": fit(0, 1, keep_params=True).params}))
+        elif command[0] == "run":
+            timer = fit(ROUND_WARMUP, command[1])
+            conn.send(("ok", {"times": timer.times, "info": timer.info}))
+        else:
+            conn.send(("error", f"unexpected command {command!r}"))
 
 
 def _last_result(trainer: Any) -> Any:
@@ -398,6 +453,7 @@ class Contender:
     transport: str = "local"
     workers: list[tuple[Any, Connection]] = field(default_factory=list)
     rounds: list[list[float]] = field(default_factory=list)  # step seconds, one list per round
+    cpu: list[tuple[float, float]] = field(default_factory=list)  # per round: (user, system) CPU seconds per step
     info: list[dict[str, float]] = field(default_factory=list)
     rss_mb: list[float] = field(default_factory=list)
     params: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -443,6 +499,22 @@ def peak_rss_mb(pid: int) -> list[float]:
             for task in Path(f"/proc/{current}/task").iterdir():
                 pending.extend(int(c) for c in (task / "children").read_text().split())
     return peaks
+
+
+def cpu_seconds(pid: int) -> tuple[float, float]:
+    """User and system CPU seconds used so far by ``pid`` and its descendants (all their threads)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    user = system = 0.0
+    pending = [pid]
+    while pending:
+        current = pending.pop(0)
+        with contextlib.suppress(OSError):
+            fields = Path(f"/proc/{current}/stat").read_text().rsplit(")", 1)[1].split()
+            user += int(fields[11]) / tick  # utime: field 14 of stat, counted after the command name
+            system += int(fields[12]) / tick
+            for task in Path(f"/proc/{current}/task").iterdir():
+                pending.extend(int(c) for c in (task / "children").read_text().split())
+    return user, system
 
 
 def available_transports() -> list[str]:
@@ -518,7 +590,15 @@ def run(cfg: Config, names: list[str], warmup: int, rounds: int, steps: int) -> 
         for r in range(rounds):
             order = contenders[r % len(contenders) :] + contenders[: r % len(contenders)]
             for contender in order:
+                before = [cpu_seconds(process.pid) for process, _ in contender.workers]
                 answers = contender.ask("run", steps)
+                after = [cpu_seconds(process.pid) for process, _ in contender.workers]
+                contender.cpu.append(
+                    (
+                        sum(a[0] - b[0] for a, b in zip(after, before, strict=True)) / steps,
+                        sum(a[1] - b[1] for a, b in zip(after, before, strict=True)) / steps,
+                    )
+                )
                 contender.rounds.append([max(ts) for ts in zip(*(a["times"] for a in answers), strict=True)])
                 for answer in answers:
                     contender.info.extend(answer["info"])
@@ -527,7 +607,8 @@ def run(cfg: Config, names: list[str], warmup: int, rounds: int, steps: int) -> 
             print(f"  round {r + 1}/{rounds} done", file=sys.stderr, flush=True)
         for contender in contenders:
             contender.rss_mb = [mb for process, _ in contender.workers for mb in peak_rss_mb(process.pid)]
-            contender.ask("stop")
+            for answer in contender.ask("stop"):
+                contender.rss_mb += (answer or {}).get("worker_rss_mb", [])
     finally:
         for contender in contenders:
             for process, _ in contender.workers:
@@ -561,6 +642,12 @@ def summarize(
             "samples_per_s": {"median": statistics.median(rates), "min": min(rates), "max": max(rates)},
             "step_ms_median": statistics.median(times) * 1e3,
             "step_ms_best": min(times) * 1e3,
+            # CPU time of all the contender's processes and threads per step: unlike wall time it hardly
+            # changes when other jobs share the machine, so it shows each library's own cost
+            "cpu_ms_per_step": {
+                "user": statistics.median(u for u, _ in c.cpu) * 1e3,
+                "system": statistics.median(s for _, s in c.cpu) * 1e3,
+            },
             "steps_timed": len(times),
             "peak_rss_mb": [round(x, 1) for x in c.rss_mb],
             "params_match": checks[c.name],
@@ -622,6 +709,7 @@ def format_table(results: dict[str, Any]) -> str:
         ("vs torch (paired)", 17),
         ("vs torch (best)", 15),
         ("eff. vs bound (median/best)", 27),
+        ("CPU ms/step user+sys", 20),
         ("peak RSS MB/process", 20),
         ("engine overhead/mb", 20),
         ("params", 8),
@@ -641,6 +729,7 @@ def format_table(results: dict[str, Any]) -> str:
             _fmt(row, "ratio_vs_torch_paired"),
             _fmt(row, "ratio_vs_torch_best"),
             f"{_fmt(row, 'efficiency_vs_bound')} / {_fmt(row, 'efficiency_vs_bound_best')}",
+            f"{row['cpu_ms_per_step']['user']:.0f} + {row['cpu_ms_per_step']['system']:.0f}",
             " + ".join(f"{x:.0f}" for x in row["peak_rss_mb"]),
             overhead,
             same,
