@@ -96,9 +96,11 @@ class Runner:
             for _ in range(ROUND_WARMUP):
                 self.step()
         self.info = []
+        before = cpu_seconds(os.getpid())
         times = [self.step() for _ in range(steps)]
+        after = cpu_seconds(os.getpid())
         self.close_round()
-        return {"times": times, "info": self.info}
+        return {"times": times, "info": self.info, "cpu": (after[0] - before[0], after[1] - before[1])}
 
     def check(self) -> dict[str, Any]:
         self.open_round()
@@ -350,14 +352,20 @@ def serve_trainer(conn: Connection, cfg: Config, transport: str) -> None:
             self.info: list[dict[str, float]] = []
             self.params: dict[str, torch.Tensor] = {}
             self.start = 0.0
+            self.cpu = (0.0, 0.0)  # CPU seconds (user, system) of the timed steps
+            self.cpu_start = (0.0, 0.0)
 
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+            if batch_idx == self.warmup:
+                self.cpu_start = cpu_seconds(os.getpid())
             self.start = time.perf_counter()
 
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
             seconds = time.perf_counter() - self.start
             if batch_idx >= self.warmup:
                 self.times.append(seconds)
+                now = cpu_seconds(os.getpid())
+                self.cpu = (now[0] - self.cpu_start[0], now[1] - self.cpu_start[1])
                 result = _last_result(trainer)
                 if result is not None:
                     self.info.append(timeline_info(result, batch_idx))
@@ -409,7 +417,7 @@ def serve_trainer(conn: Connection, cfg: Config, transport: str) -> None:
             conn.send(("ok", {"params": fit(0, 1, keep_params=True).params}))
         elif command[0] == "run":
             timer = fit(ROUND_WARMUP, command[1])
-            conn.send(("ok", {"times": timer.times, "info": timer.info}))
+            conn.send(("ok", {"times": timer.times, "info": timer.info, "cpu": timer.cpu}))
         else:
             conn.send(("error", f"unexpected command {command!r}"))
 
@@ -590,15 +598,9 @@ def run(cfg: Config, names: list[str], warmup: int, rounds: int, steps: int) -> 
         for r in range(rounds):
             order = contenders[r % len(contenders) :] + contenders[: r % len(contenders)]
             for contender in order:
-                before = [cpu_seconds(process.pid) for process, _ in contender.workers]
                 answers = contender.ask("run", steps)
-                after = [cpu_seconds(process.pid) for process, _ in contender.workers]
-                contender.cpu.append(
-                    (
-                        sum(a[0] - b[0] for a, b in zip(after, before, strict=True)) / steps,
-                        sum(a[1] - b[1] for a, b in zip(after, before, strict=True)) / steps,
-                    )
-                )
+                user = sum(a["cpu"][0] for a in answers) / steps
+                contender.cpu.append((user, sum(a["cpu"][1] for a in answers) / steps))
                 contender.rounds.append([max(ts) for ts in zip(*(a["times"] for a in answers), strict=True)])
                 for answer in answers:
                     contender.info.extend(answer["info"])
