@@ -250,8 +250,34 @@ class Pipeline:
                 return criterion(self.unpack(output), target) * (_rows(xs[index]) / rows)
 
         result = self.coordinator.train_step(xs, list(enumerate(ys)), weighted, scaler)
-        self.coordinator.call("apply_grads", 1.0)
+        self.apply_grads(1.0)
         return result
+
+    def apply_grads(self, scale: float = 1.0) -> None:
+        """Add the last step's gradients, times ``scale``, to ``p.grad`` on every stage.
+
+        Each copy of a tied weight (`tied`) first gets the sum of every copy's gradient of the step,
+        the gradient the one shared parameter gets in the unsplit module.
+        """
+        tied = self.tied
+        if tied:
+            names: list[list[str]] = [[] for _ in range(self.coordinator.num_ranks)]
+            for holders in tied:
+                for rank, name in holders:
+                    names[rank].append(name)
+            got = self.coordinator.call("step_grads", each=[(own,) for own in names])
+            totals: list[dict[str, torch.Tensor]] = [{} for _ in names]
+            for holders in tied:
+                parts = [g for g in (got[rank][name] for rank, name in holders) if g is not None]
+                if not parts:
+                    continue
+                total = parts[0].clone()
+                for g in parts[1:]:
+                    total += g.to(total.device)
+                for rank, name in holders:
+                    totals[rank][name] = total
+            self.coordinator.call("set_step_grads", each=[(own,) for own in totals])
+        self.coordinator.call("apply_grads", scale)
 
     def forward(self, inputs: Any, microbatches: int = 1, kwargs: dict[str, Any] | None = None) -> Any:
         """Forward only, no autograd; outputs are concatenated in batch order."""
@@ -272,22 +298,60 @@ class Pipeline:
         return [self.pack(args, kw) for args, kw in pieces]
 
     # state that lives on the stages (with transport="rpc", only there)
-    def parameter_locations(self) -> dict[int, tuple[int, str]]:
-        """``id(p)`` of each parameter of ``module`` -> (rank, name) of the stage that owns it."""
+    @property
+    def tied(self) -> list[list[tuple[int, str]]]:
+        """Per weight of which several ranks hold a copy: the (rank, name) of each copy, the first holder first.
+
+        Empty when the stages share ``module``'s parameters (the local transport): then a tied weight
+        is one parameter. With ``transport="rpc"`` every worker unpickles its own copy; the copies
+        get the same gradient (`apply_grads`) and so make the same optimizer updates.
+        """
+        if isinstance(self.communicator, LocalCommunicator):
+            return []
         rank_of = self.coordinator.rank_of_stage
-        return {
-            id(p): (rank_of[shard.index], name) for shard in self.shards for name, p in shard.module.named_parameters()
-        }
+        tied = []
+        for places in getattr(self.partitioner, "tied", []):
+            holders: dict[int, str] = {}
+            for index, name in places:
+                holders.setdefault(rank_of[index], name)  # two shards of one rank share one copy
+            if len(holders) > 1:
+                tied.append(list(holders.items()))
+        return tied
+
+    def parameter_locations(self) -> dict[int, tuple[int, str]]:
+        """``id(p)`` of each parameter of ``module`` -> (rank, name) of the (first) stage that holds it."""
+        rank_of = self.coordinator.rank_of_stage
+        locations: dict[int, tuple[int, str]] = {}
+        for shard in self.shards:
+            for name, p in shard.module.named_parameters():
+                locations.setdefault(id(p), (rank_of[shard.index], name))
+        return locations
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The module's parameters and buffers as the stages hold them, under ``module.state_dict()``'s keys."""
+        """The module's parameters and buffers as the stages hold them, under ``module.state_dict()``'s keys.
+
+        A tied weight is taken from its first holder: all its keys name that one tensor, as in the module.
+        """
         state: dict[str, torch.Tensor] = {}
         for part in self.coordinator.call("state_dict"):
             state.update(part)
+        for holders in self.tied:
+            for _, name in holders[1:]:
+                state[name] = state[holders[0][1]]
         return {k: state[k] for k in self.module.state_dict() if k in state}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Load ``state`` (keys of ``module.state_dict()``) into ``module`` and send each stage its part."""
+        """Load ``state`` (keys of ``module.state_dict()``) into ``module`` and send each stage its part.
+
+        Every copy of a tied weight gets the value under its first holder's key.
+        """
+        tied = self.tied
+        if tied:
+            state = dict(state)
+            for holders in tied:
+                if holders[0][1] in state:
+                    for _, name in holders[1:]:
+                        state[name] = state[holders[0][1]]
         self.module.load_state_dict(state)
         keys: list[list[str]] = [[] for _ in range(self.coordinator.num_ranks)]
         for shard in self.shards:

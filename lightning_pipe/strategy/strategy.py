@@ -512,7 +512,7 @@ class PipeStrategy(SingleDeviceStrategy):
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, lightning_module)
         scale = 1.0 / self._trainer.accumulate_grad_batches
-        self.pipeline.coordinator.call("apply_grads", scale)
+        self.pipeline.apply_grads(scale)
         self._outside.apply(scale)
         closure_loss = self.precision_plugin.post_backward(closure_loss, lightning_module)
         self.post_backward(closure_loss)
