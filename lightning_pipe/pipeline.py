@@ -195,13 +195,47 @@ class Pipeline:
         if self.traced:
             call = CallArgs(tuple(args), dict(kwargs or {}))
             self.build(call)
-            return self.partitioner.pack(call.args, call.kwargs)  # type: ignore[attr-defined]
+            partitioner: TracedPartitioner = self.partitioner  # type: ignore[assignment]
+            known, state = len(partitioner.variants), self._shard_state()
+            packed = partitioner.pack(call.args, call.kwargs)
+            if len(partitioner.variants) > known and not isinstance(self.communicator, LocalCommunicator):
+                self._install_variants(partitioner, known, state)
+            return packed
         if kwargs:
             raise ConfigurationError(
                 f"the pipelined nn.Sequential was called with keyword arguments ({', '.join(kwargs)}); "
                 "an nn.Sequential takes one input (pass split_points=... to trace a module with keyword arguments)"
             )
         return args[0] if len(args) == 1 else tuple(args)
+
+    def _shard_state(self) -> list[set[str]]:
+        """Per shard, the names of its submodules, parameters and buffers."""
+        if isinstance(self.communicator, LocalCommunicator):
+            return []
+        return [
+            {n for n, _ in shard.module.named_modules(remove_duplicate=False) if n}
+            | {n for n, _ in shard.module.named_parameters(remove_duplicate=False)}
+            | {n for n, _ in shard.module.named_buffers(remove_duplicate=False)}
+            for shard in self.shards
+        ]
+
+    def _install_variants(self, partitioner: TracedPartitioner, first: int, before: list[set[str]]) -> None:
+        """Send the stages (in other processes) the code of the call variants traced since ``first``."""
+        updates: list[dict[int, Any]] = [{} for _ in range(self.coordinator.num_ranks)]
+        for shard, held, now in zip(self.shards, before, self._shard_state(), strict=True):
+            for variant in range(first, len(partitioner.variants)):
+                sources, constants = partitioner.variant_update(shard.index, variant)
+                new = sorted(n for n in now - held if not any(n == c or c.startswith(n + ".") for c in constants))
+                if new:
+                    raise ConfigurationError(
+                        f"the pipelined module was called in a new way that makes stage {shard.index} use "
+                        f"{', '.join(new[:5])}, which its worker process does not hold; call it the same way every "
+                        "time, or build the pipeline on a call of each way first"
+                    )
+                updates[self.coordinator.rank_of_stage[shard.index]].setdefault(shard.index, []).append(
+                    (variant, sources, constants)
+                )
+        self.coordinator.call("install_variants", each=[(own,) for own in updates])
 
     def unpack(self, output: Any) -> Any:
         """The module's output (tensor, tuple, dict...) from the last stage's output."""

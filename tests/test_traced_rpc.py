@@ -158,6 +158,12 @@ def test_keyword_arguments_and_dict_output(pool: RpcCommunicator, schedule: str)
     with Pipeline(model, stages=2, transport=pool, timeout=60, partition="uniform") as pipe:
         out = pipe.forward((x,), microbatches=2, kwargs=kwargs)
         torch.testing.assert_close(out["logits"], model(x, **kwargs)["logits"])
+        # other ways of calling it are traced here and their code (and constants) sent to the workers
+        for other in ({"weight": w, "scale": 3.0}, {"weight": w}):
+            out = pipe.forward((x,), microbatches=2, kwargs=other)
+            torch.testing.assert_close(out["logits"], model(x, **other)["logits"])
+            assert out["scale"] == [other.get("scale", 1.0)] * 2
+        assert len(pipe.partitioner.variants) == 3
 
 
 def test_tied_weight_checkpoint_holds_one_tensor_and_loads_into_every_holder(

@@ -52,6 +52,15 @@ class StageStateCalls:
                 raise PipeError(f"the state to load lacks keys of stage {shard.index}: {', '.join(missing[:5])}")
             shard.module.load_state_dict({k: state[k] for k in own})
 
+    def call_install_variants(self, updates: dict[int, list[tuple[int, dict[bool, str], dict[str, Any]]]]) -> None:
+        """Add call variants traced after the stages were built: per shard index, [(variant, code, constants)]."""
+        for index, variants in updates.items():
+            task = self.shards[index]
+            device = torch.device(task.device)
+            for variant, sources, constants in variants:
+                moved = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in constants.items()}
+                task.module.install_with_constants(variant, sources, moved)
+
     def call_grads(self) -> dict[str, torch.Tensor | None]:
         return {name: p.grad for name, p in self._named_parameters().items()}
 
