@@ -17,11 +17,12 @@ from torch import nn
 
 from lightning_pipe.comm import Communicator, LocalCommunicator
 from lightning_pipe.engine import AutocastSpec, Coordinator, StageSpec, StepResult
+from lightning_pipe.engine.runners import worker_of_stages
 from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.microbatch import split
 from lightning_pipe.partition import Partitioner, ShardedTask
 from lightning_pipe.runtime import BaseRuntime, runtime_registry
-from lightning_pipe.schedule import get_schedule
+from lightning_pipe.schedule import resolve_schedule
 
 CHECKPOINT_MODES = ("always", "except_last", "never")
 TRANSPORTS: dict[str, Callable[..., Communicator]] = {"local": LocalCommunicator}
@@ -58,13 +59,19 @@ def resolve_runtime(runtime: str | BaseRuntime | None, devices: Sequence[str]) -
 
 
 class Pipeline:
-    """Stages built from an ``nn.Sequential``, a schedule and a communicator."""
+    """Stages built from an ``nn.Sequential``, a schedule and a communicator.
+
+    ``stages`` counts the pieces of the model; with ``virtual_stages=V`` each worker (rank) holds
+    ``V`` of them, stage ``s`` on rank ``s % (stages // V)``. ``runner`` picks how the workers run
+    the schedule (see `lightning_pipe.engine.runners`); ``schedule`` is a registered name, a
+    `Schedule` subclass or a function returning per-rank action lists.
+    """
 
     def __init__(
         self,
         module: nn.Module,
         stages: int,
-        schedule: str = "1f1b",
+        schedule: Any = "1f1b",
         partition: str | Sequence[int] | Partitioner = "params",
         devices: Sequence[str] | None = None,
         checkpoint: str = "except_last",
@@ -74,14 +81,23 @@ class Pipeline:
         autocast: AutocastSpec | None = None,
         sample: Any = None,
         coordinator_device: torch.device | None = None,
+        virtual_stages: int = 1,
+        runner: str = "parallel",
     ) -> None:
+        self.worker_of_stage = worker_of_stages(runner, stages, virtual_stages)
+        ranks = stages // virtual_stages
         self.devices = [str(d) for d in (devices or ["cpu"] * stages)]
+        if len(self.devices) == ranks != stages:  # one device per rank: its stages share it
+            self.devices = [self.devices[s % ranks] for s in range(stages)]
         if len(self.devices) != stages:
             raise ConfigurationError(
                 f"devices has {len(self.devices)} entries but stages={stages}; give one device per stage"
+                + (f" or one per rank ({ranks})" if ranks != stages else "")
             )
         self.module = module
-        self.schedule_factory = get_schedule(schedule) if isinstance(schedule, str) else schedule
+        self.virtual_stages = virtual_stages
+        self.runner = runner
+        self.schedule_factory = resolve_schedule(schedule)
         self.partitioner = resolve_partitioner(partition)
         self.checkpoint = checkpoint_flags(checkpoint, stages)
         self.runtimes = resolve_runtime(runtime, self.devices)
@@ -90,21 +106,31 @@ class Pipeline:
         self.communicator = _communicator(transport)
         self.shards: list[ShardedTask] = self.partitioner.partition(module, self.devices, sample)
         self.coordinator_device = coordinator_device or self.runtimes[-1].torch_device
-        specs = [
-            StageSpec(
-                rank=i,
-                shards=[shard],
-                num_stages=stages,
-                rank_of_stage=list(range(stages)),
-                checkpoint=self.checkpoint,
-                timeout=self.timeout,
-                runtime=self.runtimes[i],
-                autocast=autocast,
+        specs = []
+        for worker in range(max(self.worker_of_stage) + 1):
+            held = [s for s in range(stages) if self.worker_of_stage[s] == worker]
+            runtimes = {s: self.runtimes[s] for s in held}
+            shared = len({id(r) for r in runtimes.values()}) == 1
+            specs.append(
+                StageSpec(
+                    rank=worker,
+                    shards=[self.shards[s] for s in held],
+                    num_stages=stages,
+                    rank_of_stage=list(self.worker_of_stage),
+                    checkpoint=self.checkpoint,
+                    timeout=self.timeout,
+                    runtime=runtimes[held[0]] if shared else runtimes,
+                    autocast=autocast,
+                )
             )
-            for i, shard in enumerate(self.shards)
-        ]
         self.coordinator = Coordinator(
-            self.communicator, specs, self.schedule_factory, self.timeout, self.coordinator_device
+            self.communicator,
+            specs,
+            self.schedule_factory,
+            self.timeout,
+            self.coordinator_device,
+            virtual_stages=virtual_stages,
+            runner=runner,
         )
         self._started = False
 
@@ -155,6 +181,10 @@ class Pipeline:
         result = self.coordinator.train_step(xs, list(enumerate(ys)), weighted, scaler)
         self.coordinator.call("apply_grads", 1.0)
         return result
+
+    def stash_peaks(self) -> list[int]:
+        """Most bytes of stashed activations each worker held at once in the last training step."""
+        return [int(peak) for peak in self.coordinator.call("stash_peak")]
 
     def forward(self, inputs: Any, microbatches: int = 1) -> Any:
         """Forward only, no autograd; outputs are concatenated in batch order."""

@@ -12,6 +12,7 @@ from torch import nn
 from lightning_pipe import tree
 from lightning_pipe.comm.base import COORDINATOR, Communicator, Endpoint, Message, MessageKind, deadline, remaining
 from lightning_pipe.engine.plan import EVAL, TRAIN, StageSpec, StepPlan
+from lightning_pipe.engine.runners import check_runner, worker_lists
 from lightning_pipe.engine.stage import StageWorker
 from lightning_pipe.errors import PipeTimeoutError, StageError
 from lightning_pipe.schedule import Schedule
@@ -47,6 +48,7 @@ class Coordinator:
         device: torch.device | None = None,
         virtual_stages: int = 1,
         worker_cls: type = StageWorker,
+        runner: str = "parallel",
     ) -> None:
         self.communicator = communicator
         self.specs = list(specs)
@@ -57,6 +59,7 @@ class Coordinator:
         self.num_ranks = len(self.specs)
         self.num_stages = self.specs[0].num_stages
         self.rank_of_stage = self.specs[0].rank_of_stage
+        self.runner = check_runner(runner)
         last = [shard for spec in self.specs for shard in spec.shards if shard.index == self.num_stages - 1][0]
         self.loss_module = last.forward_loss
         self._head = nn.Identity()
@@ -90,9 +93,10 @@ class Coordinator:
         return self._endpoint
 
     def schedule(self, num_microbatches: int) -> Schedule:
-        key = (self.num_ranks, num_microbatches)
+        ranks = self.num_stages // self.virtual_stages  # the schedule's ranks; workers may be fewer (linear)
+        key = (ranks, num_microbatches)
         if key not in self._schedules:
-            self._schedules[key] = self.schedule_factory(self.num_ranks, num_microbatches, self.virtual_stages)
+            self._schedules[key] = self.schedule_factory(ranks, num_microbatches, self.virtual_stages)
         return self._schedules[key]
 
     # steps
@@ -165,10 +169,12 @@ class Coordinator:
 
     # internals
     def _begin(self, mode: str, actions: list[list[Any]]) -> int:
+        lists = worker_lists(actions, self.num_stages, self.rank_of_stage)
         self._step += 1
         self._pending.clear()
-        for rank, rank_actions in enumerate(actions):
-            self.endpoint.send(rank, Message(MessageKind.STEP, self._step, payload=StepPlan(mode, rank_actions)))
+        for rank, rank_actions in enumerate(lists):
+            plan = StepPlan(mode, rank_actions, dataflow=self.runner == "dataflow")
+            self.endpoint.send(rank, Message(MessageKind.STEP, self._step, payload=plan))
         return self._step
 
     def _feed(self, step: int, inputs: Sequence[Any]) -> None:

@@ -31,7 +31,7 @@ class StageSpec:
     rank_of_stage: list[int]
     checkpoint: list[bool]  # per stage index: recompute the forward in the backward
     timeout: float
-    runtime: Any = None  # a BaseRuntime for every shard, or None: chosen by device type
+    runtime: Any = None  # a BaseRuntime for every shard, {stage: BaseRuntime}, or None: chosen by device type
     autocast: AutocastSpec | None = None
     options: dict[str, Any] = field(default_factory=dict)
 
@@ -43,3 +43,4 @@ class StepPlan:
     mode: str
     actions: list[Action]
     trace: bool = True
+    dataflow: bool = False  # run whichever action is ready instead of the list's order
