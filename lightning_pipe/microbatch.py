@@ -54,9 +54,11 @@ def _take(batch: Any, rows: int, start: int, length: int) -> Any:
     if isinstance(batch, torch.Tensor):
         return batch.narrow(0, start, length) if batch.dim() > 0 and batch.shape[0] == rows else batch
     if isinstance(batch, Mapping):
-        return type(batch)(**{k: _take(v, rows, start, length) for k, v in batch.items()}) if _is_plain(batch) else {
-            k: _take(v, rows, start, length) for k, v in batch.items()
-        }
+        return (
+            type(batch)(**{k: _take(v, rows, start, length) for k, v in batch.items()})
+            if _is_plain(batch)
+            else {k: _take(v, rows, start, length) for k, v in batch.items()}
+        )
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
         return type(batch)(*(_take(v, rows, start, length) for v in batch))
     if isinstance(batch, (tuple, list)):
@@ -78,9 +80,11 @@ def gather(pieces: Sequence[Any]) -> Any:
             return torch.stack(list(pieces))
         return torch.cat(list(pieces))
     if isinstance(first, Mapping):
-        return type(first)({k: gather([p[k] for p in pieces]) for k in first}) if type(first) is dict else {
-            k: gather([p[k] for p in pieces]) for k in first
-        }
+        return (
+            type(first)({k: gather([p[k] for p in pieces]) for k in first})
+            if type(first) is dict
+            else {k: gather([p[k] for p in pieces]) for k in first}
+        )
     if isinstance(first, tuple):
         items = [gather([p[i] for p in pieces]) for i in range(len(first))]
         return type(first)(*items) if hasattr(first, "_fields") else tuple(items)

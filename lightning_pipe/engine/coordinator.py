@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from lightning_pipe import tree
-from lightning_pipe.comm.base import COORDINATOR, Communicator, Endpoint, Message, MessageKind, deadline, remaining
+from lightning_pipe.comm.base import Communicator, Endpoint, Message, MessageKind, deadline, remaining
 from lightning_pipe.engine.plan import EVAL, TRAIN, StageSpec, StepPlan
 from lightning_pipe.engine.runners import check_runner, worker_lists
 from lightning_pipe.engine.stage import StageWorker

@@ -52,6 +52,7 @@ class StageWorker:
         self._step_grads: list[tuple[torch.nn.Parameter, torch.Tensor | None]] = []
         self._aborted = -1
         self._stop = False
+        self._initialized: set[int] = set()
 
     # event loop
     def serve(self) -> None:
@@ -128,6 +129,9 @@ class StageWorker:
         inputs, mask = self._wait(step, MessageKind.ACTIVATION, s, m).payload
         inputs = runtime.convert_batch(inputs)
         device = runtime.torch_device
+        if s not in self._initialized:
+            self._initialized.add(s)
+            runtime.initialize_module(shard.module, inputs, None)
         with self._autocast(device):
             if not training:
                 with torch.no_grad():

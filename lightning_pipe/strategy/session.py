@@ -1,0 +1,165 @@
+"""Running an unmodified Lightning step once per microbatch around the pipeline.
+
+The user's ``training_step`` calls the pipelined module somewhere in the middle::
+
+    x, y = batch              # before the call: runs per microbatch, collecting the pipeline's inputs
+    out = self.model(x)       # the call: the microbatch's input goes into the pipeline
+    loss = F.mse_loss(out, y) # after the call: runs when that microbatch's output is back
+
+Each microbatch's step runs in a driver thread that stops at the call, so all inputs reach the
+pipeline before the first output is needed. Only one driver runs user code at a time (the others
+wait), in microbatch order, so ``self.log`` and other side effects happen as in a plain loop.
+"""
+
+from __future__ import annotations
+
+import queue
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any
+
+import torch
+
+from lightning_pipe.errors import PipeError, PipeTimeoutError
+
+_current = threading.local()
+
+
+class _Abandon(BaseException):
+    """Raised inside a driver thread to unwind user code when the step is abandoned."""
+
+
+class MissingCall(PipeError):
+    """The step finished without calling the pipelined module."""
+
+
+class Driver:
+    """One microbatch's step in its own thread, resumed by the caller like a coroutine."""
+
+    def __init__(
+        self,
+        fn: Callable[[], Any],
+        index: int,
+        context: Callable[[], AbstractContextManager[Any]],
+        timeout: float,
+    ) -> None:
+        self.index = index
+        self._fn = fn
+        self._context = context
+        self._timeout = timeout
+        self._to_driver: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._to_caller: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._grad = torch.is_grad_enabled()
+        self._inference = torch.is_inference_mode_enabled()
+        self._thread = threading.Thread(target=self._main, name=f"lightning_pipe-microbatch-{index}", daemon=True)
+        self.calls = 0
+        self.finished = False
+        self.result: Any = None
+
+    # caller side
+    def start(self) -> tuple[str, Any]:
+        """Run until the step calls the pipelined module (``("call", (args, kwargs))``) or returns."""
+        self._thread.start()
+        return self._wait()
+
+    def resume(self, value: Any) -> tuple[str, Any]:
+        """Hand the pipeline's output to the step and run it to its next call or its end."""
+        self._to_driver.put(("value", value))
+        return self._wait()
+
+    def abandon(self) -> None:
+        """Unwind a driver that is waiting inside the pipelined call; joins its thread."""
+        if self._thread.is_alive() and not self.finished:
+            self._to_driver.put(("abandon", None))
+        self._thread.join(self._timeout)
+
+    def _wait(self) -> tuple[str, Any]:
+        try:
+            kind, value = self._to_caller.get(timeout=self._timeout)
+        except queue.Empty:
+            raise PipeTimeoutError(
+                f"microbatch {self.index}'s step did not reach the pipelined call or its end within "
+                f"{self._timeout:.1f} s"
+            ) from None
+        if kind == "raise":
+            self.finished = True
+            raise value
+        if kind == "return":
+            self.finished = True
+            self.result = value
+        return kind, value
+
+    # driver side
+    def _main(self) -> None:
+        _current.driver = self
+        try:
+            with torch.inference_mode(self._inference) if self._inference else _nothing():
+                with torch.set_grad_enabled(self._grad), self._context():
+                    result = self._fn()
+            self._to_caller.put(("return", result))
+        except _Abandon:
+            self._to_caller.put(("return", None))
+        except BaseException as exc:  # handed to the caller, re-raised there with this traceback
+            self._to_caller.put(("raise", exc.with_traceback(sys.exc_info()[2])))
+        finally:
+            _current.driver = None
+
+    def call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Inside the step: hand the pipelined call to the caller and wait for its output."""
+        self.calls += 1
+        self._to_caller.put(("call", (args, kwargs)))
+        kind, value = self._to_driver.get()
+        if kind == "abandon":
+            raise _Abandon
+        return value
+
+
+def current_driver() -> Driver | None:
+    """The driver whose thread is running, if the pipelined module is called from a step."""
+    return getattr(_current, "driver", None)
+
+
+@contextmanager
+def _nothing() -> Iterator[None]:
+    yield
+
+
+class LogRecorder:
+    """Collects ``self.log`` calls of each microbatch and logs each name once, weighted by rows."""
+
+    def __init__(self, log: Callable[..., Any]) -> None:
+        self._log = log
+        self._calls: dict[str, list[tuple[Any, float, dict[str, Any]]]] = {}
+        self.weight = 1.0
+
+    def __call__(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        if args:
+            raise TypeError("PipeStrategy: pass self.log options by keyword (prog_bar=True, on_epoch=True, ...)")
+        self._calls.setdefault(name, []).append((value, self.weight, kwargs))
+
+    def flush(self) -> None:
+        """Log the weighted mean of each name's values (a metric object is logged once, as is)."""
+        for name, calls in self._calls.items():
+            values = [v for v, _, _ in calls]
+            kwargs = calls[-1][2]
+            if all(_is_number(v) for v in values):
+                total = sum(w for _, w, _ in calls)
+                mean = sum(_as_tensor(v) * (w / total) for v, w, _ in calls)
+                self._log(name, mean, **kwargs)
+            else:
+                self._log(name, values[-1], **kwargs)
+        self._calls.clear()
+
+
+def _is_number(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 1
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _as_tensor(value: Any) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        return value.detach().float().reshape(())
+    return torch.tensor(float(value))

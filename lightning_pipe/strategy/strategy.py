@@ -1,0 +1,448 @@
+"""`PipeStrategy`: pipeline-parallel training, validation, testing and prediction in Lightning."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.strategies import SingleDeviceStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import nn
+from typing_extensions import override
+
+from lightning_pipe.engine import AutocastSpec
+from lightning_pipe.errors import ConfigurationError, PipeError
+from lightning_pipe.microbatch import batch_size, split
+from lightning_pipe.partition import Partitioner
+from lightning_pipe.pipeline import Pipeline, checkpoint_flags, resolve_partitioner
+from lightning_pipe.runtime import BaseRuntime, runtime_registry
+from lightning_pipe.schedule import get_schedule
+from lightning_pipe.strategy.hooks import RuntimeHooks
+from lightning_pipe.strategy.outputs import combine_eval, combine_predict, combine_training
+from lightning_pipe.strategy.session import Driver, LogRecorder, MissingCall, current_driver
+
+_RUNTIME_HOOKS = (
+    "train_epoch_begin",
+    "train_pre_step",
+    "train_post_step",
+    "train_validation_begin",
+    "eval_pre_step",
+    "eval_post_step",
+)
+
+
+class PipeStrategy(SingleDeviceStrategy):
+    """Splits the LightningModule's pipelined module into stages and runs each step as a pipeline.
+
+    Args:
+        stages: number of stages; default: one per device.
+        microbatches: how many pieces each batch is cut into (along dimension 0).
+        schedule: ``"gpipe"`` (all forwards, then losses, then backwards) or ``"1f1b"``.
+        partition: ``"uniform"``, ``"params"``, ``"memory"``, ``"time"``, layer counts such as
+            ``[3, 5]``, or a `Partitioner`.
+        module: attribute path of the pipelined module in the LightningModule; default: the child
+            with the most parameters.
+        devices: one device per stage; default: the Trainer's devices, or ``cpu`` for every stage.
+        checkpoint: activation recomputation, ``"always"``, ``"except_last"`` or ``"never"``.
+        runtime: a registered device type or a `BaseRuntime` instance; default: by device type.
+        timeout: seconds any wait between the coordinator and the stages may take.
+    """
+
+    strategy_name = "pipe"
+
+    def __init__(
+        self,
+        stages: int | None = None,
+        microbatches: int = 4,
+        schedule: str = "1f1b",
+        partition: str | Sequence[int] | Partitioner = "params",
+        module: str | None = None,
+        devices: Sequence[str | torch.device] | None = None,
+        checkpoint: str = "except_last",
+        runtime: str | BaseRuntime | None = None,
+        timeout: float = 300.0,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        checkpoint_io: Any = None,
+        precision_plugin: Any = None,
+    ) -> None:
+        super().__init__(
+            device="cpu", accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin
+        )
+        if stages is not None and (not isinstance(stages, int) or stages < 1):
+            raise ConfigurationError(f"stages={stages!r}: pass a positive number of stages")
+        if not isinstance(microbatches, int) or microbatches < 1:
+            raise ConfigurationError(f"microbatches={microbatches!r}: pass a positive number of microbatches")
+        if devices is not None:
+            devices = [str(d) for d in devices]
+            if stages is not None and len(devices) != stages:
+                raise ConfigurationError(
+                    f"devices has {len(devices)} entries but stages={stages}; give one device per stage"
+                )
+        if not timeout or timeout <= 0:
+            raise ConfigurationError(f"timeout={timeout!r}: pass a positive number of seconds")
+        get_schedule(schedule)  # unknown names fail here, listing the known ones
+        checkpoint_flags(checkpoint, 1)
+        if isinstance(runtime, str):
+            runtime_registry.get_runtime_class(runtime)
+        self.stages = stages
+        self.microbatches = microbatches
+        self.schedule = schedule
+        self.partitioner = resolve_partitioner(partition)
+        self.module_name = module
+        self.stage_devices: list[str] | None = list(devices) if devices is not None else None
+        self.checkpoint = checkpoint
+        self.runtime = runtime
+        self.timeout = float(timeout)
+        #: set by Lightning's accelerator connector to the Trainer's devices
+        self.parallel_devices: list[torch.device] | None = None
+        self.pipeline: Pipeline | None = None
+        self._pipelined: nn.Module | None = None
+        self._outside_params: list[nn.Parameter] = []
+        self._outside_stash: list[tuple[nn.Parameter, torch.Tensor | None]] = []
+        self._outside_grads: list[tuple[nn.Parameter, torch.Tensor | None]] = []
+        self._hooked: set[str] = set()
+        self._seen_batch = False
+
+    # devices
+    def resolve_devices(self) -> list[str]:
+        """One device per stage, from ``devices``, the Trainer's devices or cpu."""
+        if self.stage_devices is not None:
+            return self.stage_devices
+        trainer_devices = [str(d) for d in (self.parallel_devices or [torch.device("cpu")])]
+        if all(d == "cpu" for d in trainer_devices):
+            return ["cpu"] * (self.stages or len(trainer_devices))
+        stages = self.stages or len(trainer_devices)
+        if stages > len(trainer_devices):
+            raise ConfigurationError(
+                f"stages={stages} but the Trainer has {len(trainer_devices)} devices ({', '.join(trainer_devices)}); "
+                "pass devices=[...] with one device per stage (stages may share a device)"
+            )
+        return trainer_devices[:stages]
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        """The coordinator's device: where the last stage's output and the loss live."""
+        devices = self.resolve_devices()
+        if isinstance(self.runtime, BaseRuntime):
+            return self.runtime.torch_device
+        return runtime_registry.create(devices[-1]).torch_device
+
+    # setup and teardown
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None and self.model is not None
+        self._trainer = trainer
+        lightning_module = self.lightning_module
+        assert lightning_module is not None
+        if not lightning_module.automatic_optimization:
+            raise ConfigurationError(
+                "PipeStrategy runs the backward inside the pipeline and supports automatic optimization only; "
+                "set self.automatic_optimization = True"
+            )
+        self._pipelined = self._find_pipelined(lightning_module)
+        devices = self.resolve_devices()
+        self.partitioner.check(self._pipelined, len(devices))
+        self.accelerator.setup(trainer)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self.model = self._setup_model(self.model)
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        stage_ids = {id(p) for p in self._pipelined.parameters()}
+        self._outside_params = [p for p in lightning_module.parameters() if id(p) not in stage_ids]
+        self._install(trainer)
+        sample = getattr(lightning_module, "example_input_array", None)
+        if not self.partitioner.needs_sample or sample is not None:
+            self._build(sample)
+
+    def _find_pipelined(self, lightning_module: pl.LightningModule) -> nn.Module:
+        children = dict(lightning_module.named_children())
+        if self.module_name is not None:
+            try:
+                return lightning_module.get_submodule(self.module_name)
+            except AttributeError:
+                known = ", ".join(children) or "none"
+                raise ConfigurationError(
+                    f"PipeStrategy(module={self.module_name!r}): the LightningModule has no such submodule; "
+                    f"its children are: {known}"
+                ) from None
+        if not children:
+            raise ConfigurationError(
+                "the LightningModule has no submodules to pipeline; assign an nn.Sequential to an attribute "
+                "(e.g. self.model = nn.Sequential(...)) and pass PipeStrategy(module='model')"
+            )
+        return max(children.values(), key=lambda m: sum(p.numel() for p in m.parameters()))
+
+    @override
+    def model_to_device(self) -> None:
+        """Everything but the pipelined module goes to the coordinator's device; stages place their shards."""
+        assert self.model is not None and self._pipelined is not None
+        device = self.root_device
+        pipelined = self._pipelined
+        for module in self.model.modules():
+            if module is pipelined or any(module is m for m in pipelined.modules()):
+                continue
+            for param in module.parameters(recurse=False):
+                if param.device != device:
+                    param.data = param.data.to(device)
+            for name, buf in module.named_buffers(recurse=False):
+                if buf is not None and buf.device != device:
+                    module._buffers[name] = buf.to(device)
+
+    def _install(self, trainer: pl.Trainer) -> None:
+        assert self._pipelined is not None
+        self._pipelined.forward = self._pipelined_forward  # type: ignore[method-assign]
+        if not any(isinstance(cb, RuntimeHooks) and cb.strategy is self for cb in trainer.callbacks):
+            trainer.callbacks.append(RuntimeHooks(self))
+
+    def _build(self, sample: Any) -> Pipeline:
+        if self.pipeline is not None:
+            return self.pipeline
+        assert self._pipelined is not None
+        devices = self.resolve_devices()
+        self.pipeline = Pipeline(
+            self._pipelined,
+            stages=len(devices),
+            schedule=self.schedule,
+            partition=self.partitioner,
+            devices=devices,
+            checkpoint=self.checkpoint,
+            runtime=self.runtime,
+            timeout=self.timeout,
+            autocast=self._autocast(),
+            sample=sample,
+            coordinator_device=self.root_device,
+        ).start()
+        self._hooked = {
+            name
+            for name in _RUNTIME_HOOKS
+            if any(getattr(type(rt), name) is not getattr(BaseRuntime, name) for rt in self.pipeline.runtimes)
+        }
+        return self.pipeline
+
+    def _autocast(self) -> AutocastSpec | None:
+        plugin = self.precision_plugin
+        if isinstance(plugin, MixedPrecision):
+            return AutocastSpec(torch.bfloat16 if plugin.precision == "bf16-mixed" else torch.float16)
+        return None
+
+    @override
+    def teardown(self) -> None:
+        self._shutdown()
+        super().teardown()
+
+    def _shutdown(self) -> None:
+        if self._pipelined is not None:
+            self._pipelined.__dict__.pop("forward", None)
+        if self.pipeline is not None:
+            pipeline, self.pipeline = self.pipeline, None
+            pipeline.close()
+        self._seen_batch = False
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        self._shutdown()
+
+    @override
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        return super().batch_to_device(batch, device or self.root_device, dataloader_idx)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        # torch moves each state to its parameter's device; Lightning's version would move it to one device
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"], strict=False):
+            optimizer.load_state_dict(state)
+
+    # steps
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._run("training_step", args, kwargs, self.precision_plugin.train_step_context)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._run("validation_step", args, kwargs, self.precision_plugin.val_step_context)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._run("test_step", args, kwargs, self.precision_plugin.test_step_context)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._run("predict_step", args, kwargs, self.precision_plugin.predict_step_context)
+
+    def _microbatches_for(self, batch: Any) -> int:
+        rows = batch_size(batch)
+        if rows >= self.microbatches:
+            self._seen_batch = True
+            return self.microbatches
+        if not self._seen_batch:
+            raise ConfigurationError(
+                f"PipeStrategy(microbatches={self.microbatches}) is larger than the batch ({rows} rows); "
+                f"use microbatches <= {rows} or a larger batch_size"
+            )
+        rank_zero_warn(
+            f"a batch of {rows} rows is smaller than microbatches={self.microbatches}; "
+            f"it runs as {rows} microbatches of one row",
+        )
+        return rows
+
+    def _run(
+        self,
+        name: str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        context: Callable[[], AbstractContextManager[Any]],
+    ) -> Any:
+        lightning_module = self.lightning_module
+        assert lightning_module is not None
+        batch, rest = args[0], args[1:]
+        pieces = split(batch, self._microbatches_for(batch))
+        rows = [batch_size(p) for p in pieces]
+        weights = [r / sum(rows) for r in rows]
+        step_fn = getattr(lightning_module, name)
+        recorder = LogRecorder(lightning_module.log)
+        drivers = [
+            Driver(lambda p=p: step_fn(p, *rest, **kwargs), i, context, self.timeout) for i, p in enumerate(pieces)
+        ]
+        training = name == "training_step"
+        lightning_module.log = recorder  # type: ignore[method-assign]
+        try:
+            inputs = [self._start(driver, recorder, weights[driver.index], name) for driver in drivers]
+            pipeline = self._build(inputs[0])
+            if training:
+                self._stash_outside()
+                try:
+                    result = pipeline.coordinator.train_step(
+                        inputs,
+                        list(range(len(drivers))),
+                        self._criterion(drivers, recorder, weights, name),
+                        getattr(self.precision_plugin, "scaler", None),
+                    )
+                finally:
+                    self._unstash_outside()
+            else:
+                result = pipeline.coordinator.forward_step(inputs)
+                for driver, output in zip(drivers, result.outputs, strict=True):
+                    recorder.weight = weights[driver.index]
+                    self._resume(driver, output, name)
+        finally:
+            lightning_module.__dict__.pop("log", None)
+            for driver in drivers:
+                driver.abandon()
+        recorder.flush()
+        outputs = [driver.result for driver in drivers]
+        if training:
+            return combine_training(outputs, result.losses, weights)
+        if name == "predict_step":
+            return combine_predict(outputs)
+        return combine_eval(outputs, weights)
+
+    def _start(self, driver: Driver, recorder: LogRecorder, weight: float, name: str) -> Any:
+        recorder.weight = weight
+        kind, value = driver.start()
+        if kind == "return":
+            raise MissingCall(
+                f"{name} of microbatch {driver.index} returned without calling the pipelined module; "
+                "PipeStrategy needs exactly one call of it per step"
+            )
+        call_args, call_kwargs = value
+        return self._pipeline_input(call_args, call_kwargs)
+
+    @staticmethod
+    def _pipeline_input(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if kwargs:
+            raise ConfigurationError(
+                f"the pipelined nn.Sequential was called with keyword arguments ({', '.join(kwargs)}); "
+                "an nn.Sequential takes one input"
+            )
+        return args[0] if len(args) == 1 else tuple(args)
+
+    def _resume(self, driver: Driver, output: Any, name: str) -> Any:
+        kind, value = driver.resume(output)
+        if kind == "call":
+            raise PipeError(
+                f"{name} of microbatch {driver.index} called the pipelined module a second time; "
+                "PipeStrategy pipelines exactly one call per step"
+            )
+        return value
+
+    def _criterion(
+        self, drivers: list[Driver], recorder: LogRecorder, weights: list[float], name: str
+    ) -> Callable[[Any, int], Any]:
+        """The loss of microbatch ``i``: the rest of its step, weighted by its share of the rows."""
+
+        def criterion(output: Any, index: int) -> Any:
+            recorder.weight = weights[index]
+            result = self._resume(drivers[index], output, name)
+            loss = result.get("loss") if isinstance(result, dict) else result
+            if loss is None:
+                return None
+            if not isinstance(loss, torch.Tensor):
+                raise PipeError(f"{name} must return a loss tensor, a dict with 'loss', or None; got {type(loss)}")
+            return loss * weights[index]
+
+        return criterion
+
+    def _pipelined_forward(self, *args: Any, **kwargs: Any) -> Any:
+        driver = current_driver()
+        if driver is not None:
+            return driver.call(args, kwargs)
+        # called outside a step (a callback, an epoch-end hook): run it through the pipeline, forward only
+        inputs = self._pipeline_input(args, kwargs)
+        return self._build(inputs).coordinator.forward_step([inputs]).outputs[0]
+
+    # gradients
+    def _stash_outside(self) -> None:
+        self._outside_stash = [(p, p.grad) for p in self._outside_params]
+        for p in self._outside_params:
+            p.grad = None
+
+    def _unstash_outside(self) -> None:
+        self._outside_grads = [(p, p.grad) for p, _ in self._outside_stash]
+        for p, grad in self._outside_stash:
+            p.grad = grad
+        self._outside_stash = []
+
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """Put the gradients the pipeline computed during ``training_step`` on ``p.grad``.
+
+        Lightning zeroes gradients between ``training_step`` and ``backward``, so the pipeline keeps
+        them aside until now. The precision plugin's hooks still run (``on_before_backward``,
+        ``on_after_backward``); ``LightningModule.backward`` is not called: the pipeline did the backward.
+        """
+        lightning_module = self.lightning_module
+        assert lightning_module is not None and self.pipeline is not None
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, lightning_module)
+        scale = 1.0 / self._trainer.accumulate_grad_batches
+        self.pipeline.coordinator.call("apply_grads", scale)
+        for p, grad in self._outside_grads:
+            if grad is not None:
+                grad = grad * scale
+                p.grad = grad if p.grad is None else p.grad + grad
+        self._outside_grads = []
+        closure_loss = self.precision_plugin.post_backward(closure_loss, lightning_module)
+        self.post_backward(closure_loss)
+        return closure_loss
+
+    # runtime hooks
+    def runtime_hook(self, name: str, *args: Any) -> None:
+        """Call ``runtime.<name>`` on every stage (skipped when no stage's runtime overrides it)."""
+        if self.pipeline is not None and name in self._hooked:
+            self.pipeline.coordinator.call("runtime_hook", name, args)
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        if cls.strategy_name not in strategy_registry:
+            strategy_registry.register(
+                cls.strategy_name, cls, description="Pipeline parallelism across stages (lightning_pipe)"
+            )

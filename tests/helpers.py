@@ -1,0 +1,78 @@
+"""Small models, data and Trainer settings shared by the tests."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+QUIET: dict[str, Any] = dict(
+    accelerator="cpu",
+    logger=False,
+    enable_checkpointing=False,
+    enable_progress_bar=False,
+    enable_model_summary=False,
+)
+
+
+def mlp(depth: int = 4, width: int = 16, inputs: int = 8, classes: int = 3, seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = [nn.Linear(inputs, width), nn.Tanh()]
+    for _ in range(depth - 2):
+        layers += [nn.Linear(width, width), nn.Tanh()]
+    layers.append(nn.Linear(width, classes))
+    return nn.Sequential(*layers)
+
+
+class Classifier(L.LightningModule):
+    """An ordinary LightningModule: nothing in it knows about PipeStrategy."""
+
+    def __init__(self, model: nn.Module | None = None, lr: float = 0.1) -> None:
+        super().__init__()
+        self.model = model if model is not None else mlp()
+        self.lr = lr
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = F.cross_entropy(self.model(x), y)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        logits = self.model(x)
+        self.log("val_loss", F.cross_entropy(logits, y), prog_bar=True)
+        self.log("val_acc", (logits.argmax(-1) == y).float().mean())
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("test_acc", (self.model(x).argmax(-1) == y).float().mean())
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.model(batch[0]).argmax(-1)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+def dataset(rows: int = 64, inputs: int = 8, classes: int = 3, seed: int = 1) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    return TensorDataset(torch.randn(rows, inputs, generator=g), torch.randint(0, classes, (rows,), generator=g))
+
+
+def loader(ds: TensorDataset | None = None, batch_size: int = 16) -> DataLoader:
+    return DataLoader(ds if ds is not None else dataset(), batch_size=batch_size)
+
+
+def twins(module: L.LightningModule) -> tuple[L.LightningModule, L.LightningModule]:
+    """Two identical copies (same init) of a LightningModule."""
+    return module, copy.deepcopy(module)
+
+
+def max_param_diff(a: nn.Module, b: nn.Module) -> float:
+    return max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters(), strict=True))
