@@ -191,9 +191,7 @@ def _check_complete(
                 _fail(lists, f, f"{f} has no backward ({b} or {i}); the gradient from {receiver} is never received")
 
 
-def simulate(
-    lists: Sequence[Sequence[Action]], num_stages: int, durations: Durations = UNIT
-) -> dict[Action, float]:
+def simulate(lists: Sequence[Sequence[Action]], num_stages: int, durations: Durations = UNIT) -> dict[Action, float]:
     """Start time of each action, each rank running its list in order; raises on a deadlock."""
     present = {a for actions in lists for a in actions}
     start: dict[Action, float] = {}

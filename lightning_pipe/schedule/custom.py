@@ -36,8 +36,11 @@ class ListSchedule(Schedule):
         super().__init__(num_ranks, num_microbatches, virtual_stages)
 
     def build(self) -> ActionLists:
-        lists = self._given if self._given is not None else _call(self.fn, self.num_ranks, self.num_microbatches,
-                                                                   self.virtual_stages)
+        lists = (
+            self._given
+            if self._given is not None
+            else _call(self.fn, self.num_ranks, self.num_microbatches, self.virtual_stages)
+        )
         if not isinstance(lists, Sequence) or isinstance(lists, str) or len(lists) != self.num_ranks:
             got = f"{len(lists)} lists" if isinstance(lists, Sequence) else type(lists).__name__
             raise ScheduleError(
