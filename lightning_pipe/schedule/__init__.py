@@ -9,6 +9,7 @@ from lightning_pipe.schedule.action import Action, Kind
 from lightning_pipe.schedule.base import (
     COSTS,
     UNIT,
+    ActionLists,
     Schedule,
     bubble_fraction,
     format_grid,
@@ -58,6 +59,7 @@ __all__ = [
     "COSTS",
     "UNIT",
     "Action",
+    "ActionLists",
     "GPipe",
     "Interleaved1F1B",
     "Kind",

@@ -12,7 +12,7 @@ class Interleaved1F1B(Schedule):
 
     Microbatches go through a rank's chunks in groups of ``num_ranks``: forwards of chunk 0 for
     microbatches 0..R-1, then chunk 1 for the same group, and so on; backwards visit the chunks in
-    reverse. Rank ``r`` warms up with ``2 (R - r - 1) + (V - 1) R`` forwards, then alternates one
+    reverse. Rank ``r`` warms up with ``2 (R - r - 1) + (V - 1) R`` forwards (``V > 1``), then alternates one
     forward and one backward. The bubble shrinks by ``virtual_stages`` against plain 1F1B at the
     price of more activations held and more messages. 2 ranks x 2 chunks x 4 microbatches::
 
@@ -37,7 +37,10 @@ class Interleaved1F1B(Schedule):
         total = self.num_microbatches * self.virtual_stages
         lists: ActionLists = []
         for rank in range(self.num_ranks):
-            warmup = 2 * (self.num_ranks - rank - 1) + (self.virtual_stages - 1) * self.num_ranks
+            if self.virtual_stages == 1:  # plain 1F1B
+                warmup = self.num_ranks - rank - 1
+            else:  # Megatron-LM's warm-up: enough forwards in flight to cover the other chunks
+                warmup = 2 * (self.num_ranks - rank - 1) + (self.virtual_stages - 1) * self.num_ranks
             warmup = min(warmup, total)
             actions = [F(self._stage(rank, k, True), self._microbatch(k)) for k in range(warmup)]
             for k in range(total - warmup):
