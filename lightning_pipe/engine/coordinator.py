@@ -78,7 +78,7 @@ class Coordinator:
     def close(self) -> None:
         if self._endpoint is not None:
             self._endpoint = None
-            self.communicator.shutdown(self.timeout)
+            self.communicator.shutdown(max(5.0, min(self.timeout, 30.0)))
 
     def __enter__(self) -> Coordinator:
         return self.start()

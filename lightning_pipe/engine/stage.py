@@ -17,6 +17,7 @@ from lightning_pipe.engine.split_backward import WeightGradient, backward_input,
 from lightning_pipe.engine.stash import StashMeter, signature
 from lightning_pipe.errors import PipeTimeoutError, StageError
 from lightning_pipe.executors import Activation, recompute
+from lightning_pipe.grads import GradStash
 from lightning_pipe.runtime import runtime_registry
 from lightning_pipe.schedule import Action, Kind, peak_activations
 
@@ -48,8 +49,7 @@ class StageWorker:
         self._saved: dict[tuple[int, int], Activation] = {}
         self._weight_work: dict[tuple[int, int], WeightGradient] = {}  # I done, W pending
         self.stash = StashMeter()
-        self._stashed: list[tuple[torch.nn.Parameter, torch.Tensor | None]] = []
-        self._step_grads: list[tuple[torch.nn.Parameter, torch.Tensor | None]] = []
+        self._grads = GradStash(p for shard in self.shards.values() for p in shard.module.parameters())
         self._aborted = -1
         self._stop = False
         self._initialized: set[int] = set()
@@ -88,7 +88,7 @@ class StageWorker:
         action: Action | None = None
         training = plan.mode == TRAIN
         if training:
-            self._stash_grads()
+            self._grads.begin()
             self.stash.reset()
         try:
             order = self._dataflow(step, plan.actions) if plan.dataflow else iter(plan.actions)
@@ -121,7 +121,7 @@ class StageWorker:
             self._forget(step)
         finally:
             if training:
-                self._unstash_grads()
+                self._grads.end()
 
     def _forward(self, step: int, action: Action, training: bool) -> None:
         s, m = action.stage, action.microbatch
@@ -286,34 +286,13 @@ class StageWorker:
         with torch.autocast(**self.spec.autocast.for_device(device.type)):
             yield
 
-    # gradients: a step's parameter gradients are set aside so that Lightning's zero_grad (which runs
-    # after training_step) does not wipe them; `call_apply_grads` adds them in the strategy's backward
-    def _parameters(self) -> list[torch.nn.Parameter]:
-        return [p for shard in self.shards.values() for p in shard.module.parameters() if p.requires_grad]
-
-    def _stash_grads(self) -> None:
-        self._stashed = [(p, p.grad) for p in self._parameters()]
-        for p, _ in self._stashed:
-            p.grad = None
-
-    def _unstash_grads(self) -> None:
-        self._step_grads = [(p, p.grad) for p, _ in self._stashed]
-        for p, grad in self._stashed:
-            p.grad = grad
-        self._stashed = []
-
     # control calls (``call_<name>``), run on the worker between steps
     def call_apply_grads(self, scale: float) -> None:
-        """Add the last step's gradients, times ``scale``, to ``p.grad``."""
-        for p, grad in self._step_grads:
-            if grad is None:
-                continue
-            grad = grad * scale if scale != 1.0 else grad
-            p.grad = grad if p.grad is None else p.grad + grad
-        self._step_grads = []
+        """Add the last step's gradients, times ``scale``, to ``p.grad`` (the strategy's backward)."""
+        self._grads.apply(scale)
 
     def call_discard_grads(self) -> None:
-        self._step_grads = []
+        self._grads.discard()
 
     def call_train(self, mode: bool) -> None:
         for shard in self.shards.values():

@@ -81,38 +81,8 @@ class RuntimeHooks(pl.Callback):
     ) -> None:
         self._eval_post(trainer, outputs, batch, batch_idx)
 
-    @override
-    def on_test_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
-    ) -> None:
-        self._eval_pre(trainer, batch, batch_idx)
-
-    @override
-    def on_test_batch_end(
-        self,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
-        outputs: Any,
-        batch: Any,
-        batch_idx: int,
-        dataloader_idx: int = 0,
-    ) -> None:
-        self._eval_post(trainer, outputs, batch, batch_idx)
-
-    @override
-    def on_predict_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
-    ) -> None:
-        self._eval_pre(trainer, batch, batch_idx)
-
-    @override
-    def on_predict_batch_end(
-        self,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
-        outputs: Any,
-        batch: Any,
-        batch_idx: int,
-        dataloader_idx: int = 0,
-    ) -> None:
-        self._eval_post(trainer, outputs, batch, batch_idx)
+    # test and predict batches run the same evaluation callbacks
+    on_test_batch_start = on_validation_batch_start
+    on_test_batch_end = on_validation_batch_end
+    on_predict_batch_start = on_validation_batch_start
+    on_predict_batch_end = on_validation_batch_end

@@ -71,6 +71,8 @@ class Driver:
 
     def abandon(self) -> None:
         """Unwind a driver that is waiting inside the pipelined call; joins its thread."""
+        if self._thread.ident is None:  # never started
+            return
         if self._thread.is_alive() and not self.finished:
             self._to_driver.put(("abandon", None))
         self._thread.join(self._timeout)

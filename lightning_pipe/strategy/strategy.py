@@ -17,6 +17,7 @@ from typing_extensions import override
 
 from lightning_pipe.engine import AutocastSpec
 from lightning_pipe.errors import ConfigurationError, PipeError
+from lightning_pipe.grads import GradStash
 from lightning_pipe.microbatch import batch_size, split
 from lightning_pipe.partition import Partitioner
 from lightning_pipe.pipeline import Pipeline, checkpoint_flags, resolve_partitioner
@@ -77,11 +78,11 @@ class PipeStrategy(SingleDeviceStrategy):
             raise ConfigurationError(f"stages={stages!r}: pass a positive number of stages")
         if not isinstance(microbatches, int) or microbatches < 1:
             raise ConfigurationError(f"microbatches={microbatches!r}: pass a positive number of microbatches")
-        if devices is not None:
-            devices = [str(d) for d in devices]
-            if stages is not None and len(devices) != stages:
+        device_names = [str(d) for d in devices] if devices is not None else None
+        if device_names is not None:
+            if stages is not None and len(device_names) != stages:
                 raise ConfigurationError(
-                    f"devices has {len(devices)} entries but stages={stages}; give one device per stage"
+                    f"devices has {len(device_names)} entries but stages={stages}; give one device per stage"
                 )
         if not timeout or timeout <= 0:
             raise ConfigurationError(f"timeout={timeout!r}: pass a positive number of seconds")
@@ -94,7 +95,7 @@ class PipeStrategy(SingleDeviceStrategy):
         self.schedule = schedule
         self.partitioner = resolve_partitioner(partition)
         self.module_name = module
-        self.stage_devices: list[str] | None = list(devices) if devices is not None else None
+        self.stage_devices: list[str] | None = device_names
         self.checkpoint = checkpoint
         self.runtime = runtime
         self.timeout = float(timeout)
@@ -102,11 +103,11 @@ class PipeStrategy(SingleDeviceStrategy):
         self.parallel_devices: list[torch.device] | None = None
         self.pipeline: Pipeline | None = None
         self._pipelined: nn.Module | None = None
-        self._outside_params: list[nn.Parameter] = []
-        self._outside_stash: list[tuple[nn.Parameter, torch.Tensor | None]] = []
-        self._outside_grads: list[tuple[nn.Parameter, torch.Tensor | None]] = []
+        self._outside = GradStash()  # parameters outside the pipelined module (before/after the call)
         self._hooked: set[str] = set()
         self._seen_batch = False
+        #: the last step's `StepResult` (per-rank action timings, the schedule), kept after teardown
+        self.last_step: Any = None
 
     # devices
     def resolve_devices(self) -> list[str]:
@@ -156,7 +157,7 @@ class PipeStrategy(SingleDeviceStrategy):
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         stage_ids = {id(p) for p in self._pipelined.parameters()}
-        self._outside_params = [p for p in lightning_module.parameters() if id(p) not in stage_ids]
+        self._outside = GradStash(p for p in lightning_module.parameters() if id(p) not in stage_ids)
         self._install(trainer)
         sample = getattr(lightning_module, "example_input_array", None)
         if not self.partitioner.needs_sample or sample is not None:
@@ -199,8 +200,9 @@ class PipeStrategy(SingleDeviceStrategy):
     def _install(self, trainer: pl.Trainer) -> None:
         assert self._pipelined is not None
         self._pipelined.forward = self._pipelined_forward  # type: ignore[method-assign]
-        if not any(isinstance(cb, RuntimeHooks) and cb.strategy is self for cb in trainer.callbacks):
-            trainer.callbacks.append(RuntimeHooks(self))
+        callbacks: list[pl.Callback] = trainer.callbacks  # type: ignore[attr-defined]
+        if not any(isinstance(cb, RuntimeHooks) and cb.strategy is self for cb in callbacks):
+            callbacks.append(RuntimeHooks(self))
 
     def _build(self, sample: Any) -> Pipeline:
         if self.pipeline is not None:
@@ -308,16 +310,14 @@ class PipeStrategy(SingleDeviceStrategy):
         weights = [r / sum(rows) for r in rows]
         step_fn = getattr(lightning_module, name)
         recorder = LogRecorder(lightning_module.log)
-        drivers = [
-            Driver(lambda p=p: step_fn(p, *rest, **kwargs), i, context, self.timeout) for i, p in enumerate(pieces)
-        ]
+        drivers = [Driver(_bind(step_fn, p, rest, kwargs), i, context, self.timeout) for i, p in enumerate(pieces)]
         training = name == "training_step"
         lightning_module.log = recorder  # type: ignore[method-assign]
         try:
             inputs = [self._start(driver, recorder, weights[driver.index], name) for driver in drivers]
             pipeline = self._build(inputs[0])
             if training:
-                self._stash_outside()
+                self._outside.begin()
                 try:
                     result = pipeline.coordinator.train_step(
                         inputs,
@@ -326,7 +326,7 @@ class PipeStrategy(SingleDeviceStrategy):
                         getattr(self.precision_plugin, "scaler", None),
                     )
                 finally:
-                    self._unstash_outside()
+                    self._outside.end()
             else:
                 result = pipeline.coordinator.forward_step(inputs)
                 for driver, output in zip(drivers, result.outputs, strict=True):
@@ -337,6 +337,7 @@ class PipeStrategy(SingleDeviceStrategy):
             for driver in drivers:
                 driver.abandon()
         recorder.flush()
+        self.last_step = result
         outputs = [driver.result for driver in drivers]
         if training:
             return combine_training(outputs, result.losses, weights)
@@ -398,18 +399,6 @@ class PipeStrategy(SingleDeviceStrategy):
         inputs = self._pipeline_input(args, kwargs)
         return self._build(inputs).coordinator.forward_step([inputs]).outputs[0]
 
-    # gradients
-    def _stash_outside(self) -> None:
-        self._outside_stash = [(p, p.grad) for p in self._outside_params]
-        for p in self._outside_params:
-            p.grad = None
-
-    def _unstash_outside(self) -> None:
-        self._outside_grads = [(p, p.grad) for p, _ in self._outside_stash]
-        for p, grad in self._outside_stash:
-            p.grad = grad
-        self._outside_stash = []
-
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         """Put the gradients the pipeline computed during ``training_step`` on ``p.grad``.
@@ -424,11 +413,7 @@ class PipeStrategy(SingleDeviceStrategy):
         closure_loss = self.precision_plugin.pre_backward(closure_loss, lightning_module)
         scale = 1.0 / self._trainer.accumulate_grad_batches
         self.pipeline.coordinator.call("apply_grads", scale)
-        for p, grad in self._outside_grads:
-            if grad is not None:
-                grad = grad * scale
-                p.grad = grad if p.grad is None else p.grad + grad
-        self._outside_grads = []
+        self._outside.apply(scale)
         closure_loss = self.precision_plugin.post_backward(closure_loss, lightning_module)
         self.post_backward(closure_loss)
         return closure_loss
@@ -446,3 +431,8 @@ class PipeStrategy(SingleDeviceStrategy):
             strategy_registry.register(
                 cls.strategy_name, cls, description="Pipeline parallelism across stages (lightning_pipe)"
             )
+
+
+def _bind(step_fn: Callable[..., Any], piece: Any, rest: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[[], Any]:
+    """The user's step for one microbatch, as a call without arguments."""
+    return lambda: step_fn(piece, *rest, **kwargs)

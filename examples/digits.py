@@ -1,0 +1,98 @@
+"""Train a classifier on scikit-learn's digits with PipeStrategy on CPU.
+
+    python examples/digits.py                 # 2 stages, 4 microbatches, 1F1B
+    python examples/digits.py --stages 4 --schedule gpipe
+    python examples/digits.py --no-pipe       # the same LightningModule without the strategy
+
+The data set ships with scikit-learn: nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from sklearn.datasets import load_digits
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset, random_split
+
+from lightning_pipe import PipeStrategy
+
+
+class DigitsClassifier(L.LightningModule):
+    """An ordinary LightningModule: nothing here knows about pipelines."""
+
+    def __init__(self, hidden: int = 128, lr: float = 2e-3) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.model = nn.Sequential(
+            nn.Linear(64, hidden), nn.ReLU(),
+            nn.Linear(hidden, hidden), nn.ReLU(),
+            nn.Linear(hidden, hidden), nn.ReLU(),
+            nn.Linear(hidden, 10),
+        )  # fmt: skip
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = F.cross_entropy(self.model(x), y)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        logits = self.model(x)
+        self.log("val_loss", F.cross_entropy(logits, y), prog_bar=True)
+        self.log("val_acc", (logits.argmax(-1) == y).float().mean(), prog_bar=True)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam(self.parameters(), lr=self.hparams.lr)
+
+
+def digits_loaders(batch_size: int = 64, seed: int = 0) -> tuple[DataLoader, DataLoader]:
+    x, y = load_digits(return_X_y=True)
+    data = TensorDataset(torch.tensor(x / 16.0, dtype=torch.float32), torch.tensor(y))
+    train, val = random_split(data, [1437, 360], generator=torch.Generator().manual_seed(seed))
+    return (
+        DataLoader(train, batch_size=batch_size, shuffle=True, generator=torch.Generator().manual_seed(seed)),
+        DataLoader(val, batch_size=batch_size),
+    )
+
+
+def train(
+    pipe: bool = True, stages: int = 2, microbatches: int = 4, schedule: str = "1f1b", epochs: int = 15
+) -> float:
+    """Train and return the validation accuracy."""
+    L.seed_everything(0, verbose=False)
+    model = DigitsClassifier()
+    train_loader, val_loader = digits_loaders()
+    strategy: Any = PipeStrategy(stages=stages, microbatches=microbatches, schedule=schedule) if pipe else "auto"
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=strategy,
+        max_epochs=epochs,
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model, train_loader, val_loader)
+    return float(trainer.validate(model, val_loader, verbose=False)[0]["val_acc"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--stages", type=int, default=2)
+    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--schedule", default="1f1b")
+    parser.add_argument("--epochs", type=int, default=15)
+    parser.add_argument("--no-pipe", action="store_true", help="train without PipeStrategy")
+    args = parser.parse_args()
+    accuracy = train(not args.no_pipe, args.stages, args.microbatches, args.schedule, args.epochs)
+    print(f"validation accuracy: {accuracy:.4f}")
+
+
+if __name__ == "__main__":
+    main()
