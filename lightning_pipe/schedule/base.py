@@ -158,7 +158,9 @@ def _check_order(lists: Sequence[Sequence[Action]], seen: dict[Action, tuple[int
             before = Kind.BACKWARD_INPUT if action.kind is Kind.BACKWARD_WEIGHT else Kind.FORWARD
             first = Action(action.stage, before, action.microbatch)
             if first in seen and seen[first][1] > seen[action][1]:
-                _fail(lists, action, f"{action} runs before {first}; every {first.kind.name.lower()} must come first")
+                _fail(
+                    lists, action, f"{action} runs before {first} on its rank and would wait for it forever (deadlock)"
+                )
 
 
 def _check_complete(
@@ -188,7 +190,12 @@ def _check_complete(
                 _fail(lists, w, f"{w} has no {i}: a weight gradient needs its input gradient first")
             if b not in seen and i not in seen:
                 receiver = f"the loss of microbatch {m}" if s == num_stages - 1 else f"stage {s + 1}"
-                _fail(lists, f, f"{f} has no backward ({b} or {i}); the gradient from {receiver} is never received")
+                _fail(
+                    lists,
+                    f,
+                    f"{f} has no backward (missing {b}, or {i} and {w}); "
+                    f"the gradient from {receiver} is never received",
+                )
 
 
 def simulate(lists: Sequence[Sequence[Action]], num_stages: int, durations: Durations = UNIT) -> dict[Action, float]:
