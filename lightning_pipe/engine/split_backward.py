@@ -130,7 +130,8 @@ def _grad_node(t: torch.Tensor) -> Node:
         return t.grad_fn
     node = t.view_as(t).grad_fn
     assert node is not None, "tensor does not require grad"
-    accumulator: Node = node.next_functions[0][0]
+    accumulator = node.next_functions[0][0]
+    assert accumulator is not None
     return accumulator
 
 

@@ -18,7 +18,7 @@ from lightning_pipe.engine.stash import StashMeter, signature
 from lightning_pipe.errors import PipeTimeoutError, StageError
 from lightning_pipe.executors import Activation, recompute
 from lightning_pipe.grads import GradStash
-from lightning_pipe.runtime import runtime_registry
+from lightning_pipe.runtime import BaseRuntime, runtime_registry
 from lightning_pipe.schedule import Action, Kind, peak_activations
 
 _IDLE_POLL = 1.0  # seconds between checks while waiting for the next step
@@ -38,9 +38,8 @@ class StageWorker:
         self.rank = spec.rank
         self.shards = {shard.index: shard for shard in spec.shards}
         chosen = {i: spec.runtime.get(i) if isinstance(spec.runtime, dict) else spec.runtime for i in self.shards}
-        self.runtimes = {
-            index: chosen[index] if chosen[index] is not None else runtime_registry.create(shard.device)
-            for index, shard in self.shards.items()
+        self.runtimes: dict[int, BaseRuntime] = {
+            index: chosen[index] or runtime_registry.create(shard.device) for index, shard in self.shards.items()
         }
         for index, shard in self.shards.items():
             shard.module = self.runtimes[index].move_module(shard.module)
@@ -105,6 +104,9 @@ class StageWorker:
                 records.append((str(action), start, time.perf_counter()))
             for index, shard in self.shards.items():
                 self.runtimes[index].get_pending_result(shard.module, True)
+            if training:  # before DONE: once the coordinator has it, Lightning may zero p.grad
+                training = False
+                self._grads.end()
             self.endpoint.send(COORDINATOR, Message(MessageKind.DONE, step, payload=records))
         except _Abort:
             self._forget(step)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import sys
 
 from lightning_pipe.schedule import COSTS, UNIT, get_schedule
-from lightning_pipe.schedule.base import Schedule, makespan
+from lightning_pipe.schedule.base import Durations, Schedule, makespan
 
 #: (registered name, virtual_stages, what it is)
 SHOWN = [
@@ -52,7 +52,7 @@ def page(ranks: int = 4, microbatches: int = 8) -> str:
     return "\n".join(out) + "\n"
 
 
-def _grid(schedule: Schedule, durations: dict) -> str:  # type: ignore[type-arg]
+def _grid(schedule: Schedule, durations: Durations) -> str:
     return schedule.grid(durations=durations)
 
 

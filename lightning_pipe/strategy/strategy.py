@@ -16,13 +16,14 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_pipe.engine import AutocastSpec
+from lightning_pipe.engine.runners import check_runner
 from lightning_pipe.errors import ConfigurationError, PipeError
 from lightning_pipe.grads import GradStash
 from lightning_pipe.microbatch import batch_size, split
 from lightning_pipe.partition import Partitioner
 from lightning_pipe.pipeline import Pipeline, checkpoint_flags, resolve_partitioner
 from lightning_pipe.runtime import BaseRuntime, runtime_registry
-from lightning_pipe.schedule import get_schedule
+from lightning_pipe.schedule import resolve_schedule
 from lightning_pipe.strategy.hooks import RuntimeHooks
 from lightning_pipe.strategy.outputs import combine_eval, combine_predict, combine_training
 from lightning_pipe.strategy.session import Driver, LogRecorder, MissingCall, current_driver
@@ -43,7 +44,9 @@ class PipeStrategy(SingleDeviceStrategy):
     Args:
         stages: number of stages; default: one per device.
         microbatches: how many pieces each batch is cut into (along dimension 0).
-        schedule: ``"gpipe"`` (all forwards, then losses, then backwards) or ``"1f1b"``.
+        schedule: ``"gpipe"`` (all forwards, then losses, then backwards), ``"1f1b"``,
+            ``"interleaved-1f1b"``, ``"zero-bubble"``, a `Schedule` subclass or a function returning
+            per-rank action lists (see docs/schedules.md).
         partition: ``"uniform"``, ``"params"``, ``"memory"``, ``"time"``, layer counts such as
             ``[3, 5]``, or a `Partitioner`.
         module: attribute path of the pipelined module in the LightningModule; default: the child
@@ -52,6 +55,10 @@ class PipeStrategy(SingleDeviceStrategy):
         checkpoint: activation recomputation, ``"always"``, ``"except_last"`` or ``"never"``.
         runtime: a registered device type or a `BaseRuntime` instance; default: by device type.
         timeout: seconds any wait between the coordinator and the stages may take.
+        virtual_stages: stages per worker (``interleaved-1f1b``): stage ``s`` runs on worker
+            ``s % (stages // virtual_stages)``.
+        runner: ``"parallel"`` (a thread per worker, fixed order), ``"dataflow"`` (each worker runs
+            whichever action is ready) or ``"linear"`` (one thread walks one global order).
     """
 
     strategy_name = "pipe"
@@ -60,7 +67,7 @@ class PipeStrategy(SingleDeviceStrategy):
         self,
         stages: int | None = None,
         microbatches: int = 4,
-        schedule: str = "1f1b",
+        schedule: Any = "1f1b",
         partition: str | Sequence[int] | Partitioner = "params",
         module: str | None = None,
         devices: Sequence[str | torch.device] | None = None,
@@ -70,6 +77,8 @@ class PipeStrategy(SingleDeviceStrategy):
         accelerator: pl.accelerators.Accelerator | None = None,
         checkpoint_io: Any = None,
         precision_plugin: Any = None,
+        virtual_stages: int = 1,
+        runner: str = "parallel",
     ) -> None:
         super().__init__(
             device="cpu", accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin
@@ -86,7 +95,13 @@ class PipeStrategy(SingleDeviceStrategy):
                 )
         if not timeout or timeout <= 0:
             raise ConfigurationError(f"timeout={timeout!r}: pass a positive number of seconds")
-        get_schedule(schedule)  # unknown names fail here, listing the known ones
+        resolve_schedule(schedule)  # unknown names fail here, listing the known ones
+        check_runner(runner)
+        if stages is not None and stages % virtual_stages:
+            raise ConfigurationError(
+                f"stages={stages} is not a multiple of virtual_stages={virtual_stages}; "
+                "each worker holds virtual_stages stages, so pass stages = workers * virtual_stages"
+            )
         checkpoint_flags(checkpoint, 1)
         if isinstance(runtime, str):
             runtime_registry.get_runtime_class(runtime)
@@ -99,6 +114,8 @@ class PipeStrategy(SingleDeviceStrategy):
         self.checkpoint = checkpoint
         self.runtime = runtime
         self.timeout = float(timeout)
+        self.virtual_stages = virtual_stages
+        self.runner = runner
         #: set by Lightning's accelerator connector to the Trainer's devices
         self.parallel_devices: list[torch.device] | None = None
         self.pipeline: Pipeline | None = None
@@ -221,6 +238,8 @@ class PipeStrategy(SingleDeviceStrategy):
             autocast=self._autocast(),
             sample=sample,
             coordinator_device=self.root_device,
+            virtual_stages=self.virtual_stages,
+            runner=self.runner,
         ).start()
         self._hooked = {
             name
