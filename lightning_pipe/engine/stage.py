@@ -90,8 +90,8 @@ class StageWorker:
             self._grads.begin()
             self.stash.reset()
         try:
-            order = self._dataflow(step, plan.actions) if plan.dataflow else iter(plan.actions)
-            for action in order:
+            order = self._dataflow(step, plan.actions) if plan.dataflow else self._in_order(step, plan.actions)
+            for action in order:  # each action's inputs are here: its record times the work, not the wait
                 start = time.perf_counter()
                 if action.kind is Kind.FORWARD:
                     self._forward(step, action, training)
@@ -243,6 +243,17 @@ class StageWorker:
             self._call(message)
             return
         self._pending[(message.step, message.kind, message.stage, message.microbatch)] = message
+
+    def _in_order(self, step: int, actions: list[Action]) -> Iterator[Action]:
+        """The list's order (``parallel`` and ``linear`` runners), each action once its inputs arrived."""
+        for action in actions:
+            until = deadline(self.spec.timeout)
+            while not self._ready(step, action, True, 0):
+                what = "the gradient" if action.kind.is_backward else "the activation"
+                self._receive(
+                    step, until, f"stage {action.stage} waited {{}} for {what} of microbatch {action.microbatch}"
+                )
+            yield action
 
     def _dataflow(self, step: int, actions: list[Action]) -> Iterator[Action]:
         """The dataflow runner: yield whichever action is ready, preferring the schedule's order.
