@@ -9,7 +9,8 @@ The strategy builds one of these; tests and benchmarks use it directly::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,6 +19,7 @@ from torch import nn
 from lightning_pipe.comm import Communicator, LocalCommunicator
 from lightning_pipe.engine import AutocastSpec, Coordinator, StageSpec, StepResult
 from lightning_pipe.engine.runners import worker_of_stages
+from lightning_pipe.engine.versions import Staleness
 from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.microbatch import split
 from lightning_pipe.partition import Partitioner, ShardedTask
@@ -56,6 +58,19 @@ def resolve_runtime(runtime: str | BaseRuntime | None, devices: Sequence[str]) -
         return [runtime_registry.create(d) for d in devices]
     cls = runtime_registry.get_runtime_class(runtime)
     return [cls(d) for d in devices]
+
+
+@dataclass
+class AsyncRun:
+    """What `Pipeline.train_async` returns: per-batch losses and each stage's measured staleness."""
+
+    losses: list[torch.Tensor]
+    staleness: list[Staleness]
+    step: StepResult
+
+    @property
+    def max_staleness(self) -> int:
+        return max(s.max for s in self.staleness)
 
 
 class Pipeline:
@@ -181,6 +196,37 @@ class Pipeline:
         result = self.coordinator.train_step(xs, list(enumerate(ys)), weighted, scaler)
         self.coordinator.call("apply_grads", 1.0)
         return result
+
+    def train_async(
+        self,
+        batches: Iterable[tuple[Any, Any]],
+        criterion: Callable[[Any, Any], torch.Tensor],
+        optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+        microbatches: int = 4,
+        num_batches: int | None = None,
+    ) -> AsyncRun:
+        """Train on a stream of ``(inputs, targets)`` batches with ``schedule="async"``: no flush.
+
+        Each stage owns ``optimizer(stage parameters)`` and steps it after every batch's worth of
+        its backwards, on gradients taken with the weight version each microbatch's forward used
+        (weight stashing); the parameters of the module are updated in place. ``num_batches``
+        defaults to ``len(batches)``. Returns the mean loss of every batch and each stage's staleness.
+        """
+        count = num_batches if num_batches is not None else len(batches)  # type: ignore[arg-type]
+
+        def pieces() -> Iterator[tuple[list[Any], list[Any]]]:
+            for x, y in batches:
+                xs, ys = split(x, microbatches), split(y, microbatches)
+                rows = sum(_rows(piece) for piece in xs)
+                yield xs, [(_rows(piece) / rows, target) for piece, target in zip(xs, ys, strict=True)]
+
+        def weighted(output: Any, label: tuple[float, Any]) -> torch.Tensor:
+            return criterion(output, label[1]) * label[0]
+
+        result = self.coordinator.train_stream(pieces(), count, weighted, optimizer)
+        per_batch = [sum(result.losses[b * microbatches : (b + 1) * microbatches]) for b in range(count)]
+        staleness = [s for stats in self.coordinator.call("async_stats") for s in stats]
+        return AsyncRun(losses=per_batch, staleness=sorted(staleness, key=lambda s: s.stage), step=result)
 
     def stash_peaks(self) -> list[int]:
         """Most bytes of stashed activations each worker held at once in the last training step."""

@@ -9,6 +9,7 @@ from lightning_pipe.schedule import Action
 
 TRAIN = "train"
 EVAL = "eval"
+ASYNC = "async"  # a stream of batches; each stage updates its own weights (engine/versions.py)
 
 
 @dataclass
@@ -44,3 +45,5 @@ class StepPlan:
     actions: list[Action]
     trace: bool = True
     dataflow: bool = False  # run whichever action is ready instead of the list's order
+    update_every: int = 0  # ASYNC: backwards per optimizer step of a stage (the microbatches of a batch)
+    optimizer: Any = None  # ASYNC: params -> torch.optim.Optimizer, one per stage

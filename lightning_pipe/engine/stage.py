@@ -12,9 +12,10 @@ import torch
 
 from lightning_pipe import tree
 from lightning_pipe.comm.base import COORDINATOR, Endpoint, Message, MessageKind, deadline, remaining
-from lightning_pipe.engine.plan import TRAIN, StageSpec, StepPlan
+from lightning_pipe.engine.plan import ASYNC, EVAL, TRAIN, StageSpec, StepPlan
 from lightning_pipe.engine.split_backward import WeightGradient, backward_input, backward_weight
 from lightning_pipe.engine.stash import StashMeter, signature
+from lightning_pipe.engine.versions import StageVersions, stage_versions
 from lightning_pipe.errors import PipeTimeoutError, StageError
 from lightning_pipe.executors import Activation, recompute
 from lightning_pipe.grads import GradStash
@@ -48,6 +49,8 @@ class StageWorker:
         self._saved: dict[tuple[int, int], Activation] = {}
         self._weight_work: dict[tuple[int, int], WeightGradient] = {}  # I done, W pending
         self.stash = StashMeter()
+        self._versions: dict[int, StageVersions] = {}  # ASYNC: per stage, kept across runs
+        self._asynchronous = False
         self._grads = GradStash(p for shard in self.shards.values() for p in shard.module.parameters())
         self._aborted = -1
         self._stop = False
@@ -85,11 +88,15 @@ class StageWorker:
     def _run_step(self, step: int, plan: StepPlan) -> None:
         records: list[tuple[str, float, float]] = []
         action: Action | None = None
-        training = plan.mode == TRAIN
-        if training:
+        training, set_aside = plan.mode != EVAL, plan.mode == TRAIN
+        self._asynchronous = plan.mode == ASYNC
+        if set_aside:
             self._grads.begin()
+        if training:
             self.stash.reset()
         try:
+            if self._asynchronous:
+                self._start_async(plan)
             order = self._dataflow(step, plan.actions) if plan.dataflow else self._in_order(step, plan.actions)
             for action in order:  # each action's inputs are here: its record times the work, not the wait
                 start = time.perf_counter()
@@ -104,8 +111,8 @@ class StageWorker:
                 records.append((str(action), start, time.perf_counter()))
             for index, shard in self.shards.items():
                 self.runtimes[index].get_pending_result(shard.module, True)
-            if training:  # before DONE: once the coordinator has it, Lightning may zero p.grad
-                training = False
+            if set_aside:  # before DONE: once the coordinator has it, Lightning may zero p.grad
+                set_aside = False
                 self._grads.end()
             self.endpoint.send(COORDINATOR, Message(MessageKind.DONE, step, payload=records))
         except _Abort:
@@ -122,7 +129,7 @@ class StageWorker:
             self.endpoint.send(COORDINATOR, Message(MessageKind.ERROR, step, payload=error))
             self._forget(step)
         finally:
-            if training:
+            if set_aside:
                 self._grads.end()
 
     def _forward(self, step: int, action: Action, training: bool) -> None:
@@ -143,14 +150,14 @@ class StageWorker:
                 leaves = tree.as_leaves(inputs, mask)
                 rng = torch.get_rng_state()
                 with torch.no_grad():
-                    outputs = shard.forward.run(shard.module, leaves, device)
+                    outputs = shard.forward.run(self._model(s, m), leaves, device)
                 self._saved[(s, m)] = Activation(leaves, None, rng)
                 self.stash.hold((s, m), self._stash_size(s, self._saved[(s, m)], True))
                 out_mask = [isinstance(t, torch.Tensor) and t.is_floating_point() for t in tree.flatten(outputs)[0]]
             else:
                 leaves = tree.as_leaves(inputs, mask)
                 with torch.enable_grad():
-                    outputs = shard.forward.run(shard.module, leaves, device)
+                    outputs = shard.forward.run(self._model(s, m), leaves, device)
                 self._saved[(s, m)] = Activation(leaves, outputs)
                 self.stash.hold((s, m), self._stash_size(s, self._saved[(s, m)], False))
                 out_mask = tree.grad_mask(outputs)
@@ -168,7 +175,9 @@ class StageWorker:
         grads = [runtime.move_tensor(g) if isinstance(g, torch.Tensor) else None for g in grads]
         saved = self._saved.pop((s, m))
         with self._autocast(runtime.torch_device):
-            _, input_grads = shard.backward.run(shard.module, None, saved, runtime.torch_device, grads, None)
+            _, input_grads = shard.backward.run(self._model(s, m), None, saved, runtime.torch_device, grads, None)
+        if self._asynchronous:
+            self._versions[s].backward_done(m)
         self.stash.release((s, m))
         self._send_input_grads(step, s, m, saved, input_grads)
 
@@ -202,8 +211,22 @@ class StageWorker:
         self.stash.release((s, m))
 
     def _stash_size(self, s: int, activation: Activation, checkpointed: bool) -> int:
-        params = self.shards[s].module.parameters()
+        params = list(self.shards[s].module.parameters())
+        if self._asynchronous:  # the stashed weight versions are weights, not activations
+            params += self._versions[s].weights()
         return self.stash.measure(signature(s, checkpointed, activation.inputs), activation, params)
+
+    def _model(self, s: int, m: int) -> torch.nn.Module:
+        """What runs stage ``s`` for microbatch ``m``: its module, or (async) the module on m's weight version."""
+        return self._versions[s].model(m) if self._asynchronous else self.shards[s].module
+
+    def _start_async(self, plan: StepPlan) -> None:
+        """Per-stage weight versions and optimizers, kept across asynchronous runs with the same optimizer."""
+        first = next(iter(self._versions.values()), None)
+        if first is None or first.factory is not plan.optimizer:
+            self._versions = stage_versions(self.shards.values(), plan.update_every, plan.optimizer)
+        for versions in self._versions.values():
+            versions.start_run(plan.update_every)
 
     def _send_input_grads(
         self, step: int, s: int, m: int, saved: Activation, input_grads: list[torch.Tensor | None] | None
@@ -326,6 +349,10 @@ class StageWorker:
 
     def call_ping(self) -> int:
         return self.rank
+
+    def call_async_stats(self) -> list[Any]:
+        """Each stage's `Staleness` in the last asynchronous run."""
+        return [versions.stats for versions in self._versions.values()]
 
     def call_stash_peak(self) -> int:
         """Most bytes of stashed tensors this rank held at once during the last training step."""

@@ -6,6 +6,7 @@ from typing import Any
 
 from lightning_pipe.errors import ScheduleError
 from lightning_pipe.schedule.action import Action, Kind
+from lightning_pipe.schedule.asynchronous import AsyncOneFOneB
 from lightning_pipe.schedule.base import (
     COSTS,
     UNIT,
@@ -28,6 +29,7 @@ _SCHEDULES: dict[str, ScheduleFactory] = {
     "1f1b": OneFOneB,
     "interleaved-1f1b": Interleaved1F1B,
     "zero-bubble": ZeroBubbleH1,
+    "async": AsyncOneFOneB,
 }
 
 
@@ -60,6 +62,7 @@ __all__ = [
     "UNIT",
     "Action",
     "ActionLists",
+    "AsyncOneFOneB",
     "GPipe",
     "Interleaved1F1B",
     "Kind",

@@ -28,6 +28,8 @@ class Schedule(ABC):
     name: str = "schedule"
     #: the coordinator computes every loss only after all forwards finished (synchronous training)
     loss_after_all_forwards: bool = False
+    #: stages update their own weights as gradients arrive, over a stream of batches (``stream()``)
+    asynchronous: bool = False
 
     def __init__(self, num_ranks: int, num_microbatches: int, virtual_stages: int = 1) -> None:
         if num_ranks < 1:
@@ -65,6 +67,10 @@ class Schedule(ABC):
             validate(actions, self.num_stages, self.num_microbatches, self.rank_of)
             self._actions = actions
         return self._actions
+
+    def stream(self, num_batches: int) -> ActionLists:
+        """Action lists of ``num_batches`` batches without a flush (asynchronous schedules only)."""
+        raise ScheduleError(f"schedule {self.name!r} flushes after every batch; only asynchronous schedules stream")
 
     def forward_actions(self) -> ActionLists:
         """Action lists for evaluation and prediction: every stage's forwards, in microbatch order."""
