@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import sys
 
-from lightning_pipe.schedule import COSTS, UNIT, get_schedule
+from lightning_pipe.schedule import COSTS, UNIT, AsyncOneFOneB, format_grid, get_schedule, simulate
 from lightning_pipe.schedule.base import Durations, Schedule, makespan
 
 #: (registered name, virtual_stages, what it is)
@@ -49,7 +49,39 @@ def page(ranks: int = 4, microbatches: int = 8) -> str:
         if _grid(schedule, COSTS) != _grid(schedule, UNIT):
             out += ["", "A backward costing two forwards (`---` continues an action):", "", "```"]
             out += [_grid(schedule, COSTS), "```"]
+    out += _async_section(ranks, microbatches)
     return "\n".join(out) + "\n"
+
+
+def _async_section(ranks: int, microbatches: int) -> list[str]:
+    schedule = AsyncOneFOneB(ranks, microbatches)
+    lists = schedule.stream(2)
+    out = [
+        "",
+        "## `async`: no flush between batches, each stage updates its own weights (PipeDream-2BW style)",
+        "",
+        f"Two batches of {microbatches} microbatches as one task graph (stream microbatch `{microbatches}b + i` is",
+        "microbatch `i` of batch `b`). Each stage steps its optimizer after its last backward of a batch;",
+        "a microbatch's forward and backward use the same stashed weight version, so at most two versions",
+        "per stage are alive when microbatches >= stages - 1. Train with `Pipeline.train_async`;",
+        "`AsyncRun.staleness` reports what each stage measured.",
+        "",
+        "```",
+        format_grid(lists, simulate(lists, ranks)),
+        "```",
+        "",
+        "Staleness (updates a stage is behind a synchronous schedule when a microbatch's forward runs):",
+        "stage `s` of `R` runs `R - s - 1` forwards ahead of its backwards, so the first `R - s - 1`",
+        "microbatches of every batch after the first use the previous version; the maximum staleness is",
+        "`ceil((R - s - 1) / microbatches)`.",
+        "",
+        "| stage | max staleness | stale microbatches per batch |",
+        "| --- | --- | --- |",
+    ]
+    for stage in range(ranks):
+        ahead = ranks - stage - 1
+        out.append(f"| {stage} | {-(-ahead // microbatches)} | {min(ahead, microbatches)} of {microbatches} |")
+    return out
 
 
 def _grid(schedule: Schedule, durations: Durations) -> str:
