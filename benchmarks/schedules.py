@@ -31,6 +31,7 @@ CONFIGS: list[tuple[str, int, str]] = [  # (schedule, virtual_stages, runner)
     ("1f1b", 1, "dataflow"),
     ("zero-bubble", 1, "dataflow"),
     ("1f1b", 1, "linear"),
+    ("async", 1, "parallel"),  # no flush: one stream of all the batches, per-stage SGD
 ]
 
 
@@ -52,6 +53,16 @@ def run(config: tuple[str, int, str], args: argparse.Namespace, data: list[Any])
     net = model(args.width, args.depth)
     opt = torch.optim.SGD(net.parameters(), lr=0.01)
     times, bubbles = [], []
+    if schedule == "async":
+        with Pipeline(
+            net, stages=args.stages, schedule="async", checkpoint=args.checkpoint, partition="uniform"
+        ) as pipe:
+            sgd = lambda params: torch.optim.SGD(params, lr=0.01)  # noqa: E731
+            pipe.train_async(data[:1], F.cross_entropy, sgd, args.microbatches)  # build and warm up
+            start = time.perf_counter()
+            run = pipe.train_async(data[1:], F.cross_entropy, sgd, args.microbatches)
+            step = (time.perf_counter() - start) / (len(data) - 1)
+        return {"step_s": step, "samples_per_s": args.batch / step, "bubble": bubble(run.step.records)}
     with Pipeline(
         net,
         stages=args.stages,
