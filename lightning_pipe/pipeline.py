@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_pipe.backends import BackendArg, CoordinatorOps, ExecutionTrace, resolve_backends
 from lightning_pipe.comm import Communicator, LocalCommunicator
 from lightning_pipe.engine import AutocastSpec, Coordinator, StageSpec, StepResult
 from lightning_pipe.engine.runners import worker_of_stages
@@ -98,6 +99,8 @@ class Pipeline:
         coordinator_device: torch.device | None = None,
         virtual_stages: int = 1,
         runner: str = "parallel",
+        backend: BackendArg = None,
+        strict: bool = False,
     ) -> None:
         self.worker_of_stage = worker_of_stages(runner, stages, virtual_stages)
         ranks = stages // virtual_stages
@@ -118,6 +121,8 @@ class Pipeline:
         self.runtimes = resolve_runtime(runtime, self.devices)
         self.timeout = float(timeout)
         self.autocast = autocast
+        self.backend = resolve_backends(backend, stages, strict)
+        self.coordinator_ops = CoordinatorOps(self.backend, stages - 1)  # op substitution in the loss
         self.communicator = _communicator(transport)
         self.shards: list[ShardedTask] = self.partitioner.partition(module, self.devices, sample)
         self.coordinator_device = coordinator_device or self.runtimes[-1].torch_device
@@ -136,6 +141,7 @@ class Pipeline:
                     timeout=self.timeout,
                     runtime=runtimes[held[0]] if shared else runtimes,
                     autocast=autocast,
+                    backend=self.backend,
                 )
             )
         self.coordinator = Coordinator(
@@ -173,6 +179,15 @@ class Pipeline:
     def parameters_of_stages(self) -> list[nn.Parameter]:
         return [p for shard in self.shards for p in shard.module.parameters()]
 
+    def execution_trace(self, reset: bool = False) -> ExecutionTrace:
+        """Per stage: which backend ran its forwards and which substituted ops ran where."""
+        per_rank = self.coordinator.call("execution_trace", reset)
+        stages = ExecutionTrace(sorted((t for traces in per_rank for t in traces), key=lambda t: t.stage))
+        trace = stages.merged(ExecutionTrace([self.coordinator_ops.trace]))
+        if reset:
+            self.coordinator_ops.trace.reset()
+        return trace
+
     def train_step(
         self,
         inputs: Any,
@@ -191,7 +206,8 @@ class Pipeline:
 
         def weighted(output: Any, label: tuple[int, Any]) -> torch.Tensor:
             index, target = label
-            return criterion(output, target) * (_rows(xs[index]) / rows)
+            with self.coordinator_ops.context("train"):
+                return criterion(output, target) * (_rows(xs[index]) / rows)
 
         result = self.coordinator.train_step(xs, list(enumerate(ys)), weighted, scaler)
         self.coordinator.call("apply_grads", 1.0)

@@ -76,3 +76,24 @@ def test_trainer_gradients_and_parameters_equal_unsplit(
     for g, w in zip(got.grads[0], want.grads[0], strict=True):
         torch.testing.assert_close(g, w, atol=1e-5, rtol=0)
     assert max_param_diff(piped, plain) < 1e-5
+
+
+def test_gradients_survive_a_slow_stage_after_its_last_action(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stage sets its step's gradients aside before telling the coordinator it is done: Lightning
+    zeroes p.grad as soon as the step returns, so the other order loses gradients under load."""
+    import time
+
+    from lightning_pipe.grads import GradStash
+
+    original = GradStash.end
+
+    def slow_end(self: GradStash) -> None:
+        time.sleep(0.05)
+        original(self)
+
+    monkeypatch.setattr(GradStash, "end", slow_end)
+    piped, plain = Classifier(mlp(depth=4)), Classifier(mlp(depth=4))
+    got, want = fit(piped, PipeStrategy(stages=3, microbatches=2)), fit(plain, None)
+    for g, w in zip(got.grads[0], want.grads[0], strict=True):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=0)
+    assert max_param_diff(piped, plain) < 1e-5

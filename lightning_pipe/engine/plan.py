@@ -34,6 +34,7 @@ class StageSpec:
     timeout: float
     runtime: Any = None  # a BaseRuntime for every shard, {stage: BaseRuntime}, or None: chosen by device type
     autocast: AutocastSpec | None = None
+    backend: Any = None  # a backends.BackendPlan (names and op maps, no compiled objects), None: defaults
     options: dict[str, Any] = field(default_factory=dict)
 
 

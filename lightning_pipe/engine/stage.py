@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import time
 import traceback
 from collections.abc import Iterator
@@ -11,6 +12,7 @@ from typing import Any
 import torch
 
 from lightning_pipe import tree
+from lightning_pipe.backends import StageTrace, build_executables
 from lightning_pipe.comm.base import COORDINATOR, Endpoint, Message, MessageKind, deadline, remaining
 from lightning_pipe.engine.plan import ASYNC, EVAL, TRAIN, StageSpec, StepPlan
 from lightning_pipe.engine.split_backward import WeightGradient, backward_input, backward_weight
@@ -45,6 +47,9 @@ class StageWorker:
         for index, shard in self.shards.items():
             shard.module = self.runtimes[index].move_module(shard.module)
             shard.module._pipe_runtime = self.runtimes[index]
+        # each shard's forward per mode, run by its backend; executor modules get these as their model
+        devices = {index: runtime.torch_device for index, runtime in self.runtimes.items()}
+        self.executables, self.traces = build_executables(self.shards.values(), spec.backend, devices)
         self._pending: dict[Key, Message] = {}
         self._saved: dict[tuple[int, int], Activation] = {}
         self._weight_work: dict[tuple[int, int], WeightGradient] = {}  # I done, W pending
@@ -90,6 +95,7 @@ class StageWorker:
         action: Action | None = None
         training, set_aside = plan.mode != EVAL, plan.mode == TRAIN
         self._asynchronous = plan.mode == ASYNC
+        outcome: Message | None = None
         if set_aside:
             self._grads.begin()
         if training:
@@ -111,10 +117,7 @@ class StageWorker:
                 records.append((str(action), start, time.perf_counter()))
             for index, shard in self.shards.items():
                 self.runtimes[index].get_pending_result(shard.module, True)
-            if set_aside:  # before DONE: once the coordinator has it, Lightning may zero p.grad
-                set_aside = False
-                self._grads.end()
-            self.endpoint.send(COORDINATOR, Message(MessageKind.DONE, step, payload=records))
+            outcome = Message(MessageKind.DONE, step, payload=records)
         except _Abort:
             self._forget(step)
         except Exception as exc:
@@ -126,15 +129,19 @@ class StageWorker:
                 traceback.format_exc(),
                 self.endpoint.host(self.rank),
             )
-            self.endpoint.send(COORDINATOR, Message(MessageKind.ERROR, step, payload=error))
+            outcome = Message(MessageKind.ERROR, step, payload=error)
             self._forget(step)
         finally:
             if set_aside:
+                # before telling the coordinator: once it hears DONE, Lightning may zero p.grad
                 self._grads.end()
+        if outcome is not None:
+            self.endpoint.send(COORDINATOR, outcome)
 
     def _forward(self, step: int, action: Action, training: bool) -> None:
         s, m = action.stage, action.microbatch
         shard, runtime = self.shards[s], self.runtimes[s]
+        model = self.executables[(s, TRAIN if training else EVAL)]
         inputs, mask = self._wait(step, MessageKind.ACTIVATION, s, m).payload
         inputs = runtime.convert_batch(inputs)
         device = runtime.torch_device
@@ -144,7 +151,7 @@ class StageWorker:
         with self._autocast(device):
             if not training:
                 with torch.no_grad():
-                    outputs = shard.forward.run(shard.module, inputs, device)
+                    outputs = shard.forward.run(model, inputs, device)
                 out_mask = [False] * len(tree.flatten(outputs)[0])
             elif self.spec.checkpoint[s]:
                 leaves = tree.as_leaves(inputs, mask)
@@ -191,7 +198,7 @@ class StageWorker:
         with self._autocast(runtime.torch_device):
             outputs = saved.outputs
             if outputs is None:  # checkpointed: the recomputed graph is kept until W
-                outputs = saved.outputs = recompute(shard.module, saved)
+                outputs = saved.outputs = recompute(self._model(s, m), saved)
                 graph = self._stash_size(s, saved, False) - self._stash_size(s, Activation(saved.inputs), True)
                 self.stash.hold((s, m), graph)
             input_grads, work = backward_input(
@@ -218,7 +225,7 @@ class StageWorker:
 
     def _model(self, s: int, m: int) -> torch.nn.Module:
         """What runs stage ``s`` for microbatch ``m``: its module, or (async) the module on m's weight version."""
-        return self._versions[s].model(m) if self._asynchronous else self.shards[s].module
+        return self._versions[s].model(m) if self._asynchronous else self.executables[(s, TRAIN)]
 
     def _start_async(self, plan: StepPlan) -> None:
         """Per-stage weight versions and optimizers, kept across asynchronous runs with the same optimizer."""
@@ -346,6 +353,14 @@ class StageWorker:
                 hook(shard.module, *args)
             else:  # pre/post step hooks: (trainer, module, batch_idx, batch[, outputs])
                 hook(args[0], shard.module, *args[1:])
+
+    def call_execution_trace(self, reset: bool = False) -> list[StageTrace]:
+        """A copy of each shard's backend trace; ``reset`` zeroes the counts afterwards."""
+        traces = [copy.deepcopy(trace) for trace in self.traces.values()]
+        if reset:
+            for trace in self.traces.values():
+                trace.reset()
+        return traces
 
     def call_ping(self) -> int:
         return self.rank

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import lightning.pytorch as pl
@@ -15,6 +15,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
+from lightning_pipe.backends import BackendArg, CoordinatorOps, ExecutionTrace, resolve_backends
 from lightning_pipe.engine import AutocastSpec
 from lightning_pipe.engine.runners import check_runner
 from lightning_pipe.errors import ConfigurationError, PipeError
@@ -55,6 +56,11 @@ class PipeStrategy(SingleDeviceStrategy):
         checkpoint: activation recomputation, ``"always"``, ``"except_last"`` or ``"never"``.
         runtime: a registered device type or a `BaseRuntime` instance; default: by device type.
         timeout: seconds any wait between the coordinator and the stages may take.
+        backend: how stage forwards run: ``"eager"``, ``"inductor"``, ``"tensorrt"`` or a registered
+            backend; a list gives one per stage, a tuple a fallback chain, a dict one per mode
+            (``{"train": "inductor", "eval": "tensorrt"}``). See `lightning_pipe.backends`.
+        strict: raise instead of falling back (with a logged reason) when a requested backend
+            cannot run a stage.
         virtual_stages: stages per worker (``interleaved-1f1b``): stage ``s`` runs on worker
             ``s % (stages // virtual_stages)``.
         runner: ``"parallel"`` (a thread per worker, fixed order), ``"dataflow"`` (each worker runs
@@ -74,6 +80,8 @@ class PipeStrategy(SingleDeviceStrategy):
         checkpoint: str = "except_last",
         runtime: str | BaseRuntime | None = None,
         timeout: float = 300.0,
+        backend: BackendArg = None,
+        strict: bool = False,
         accelerator: pl.accelerators.Accelerator | None = None,
         checkpoint_io: Any = None,
         precision_plugin: Any = None,
@@ -105,6 +113,7 @@ class PipeStrategy(SingleDeviceStrategy):
         checkpoint_flags(checkpoint, 1)
         if isinstance(runtime, str):
             runtime_registry.get_runtime_class(runtime)
+        resolve_backends(backend, stages or (len(device_names) if device_names else None), strict)
         self.stages = stages
         self.microbatches = microbatches
         self.schedule = schedule
@@ -116,6 +125,10 @@ class PipeStrategy(SingleDeviceStrategy):
         self.timeout = float(timeout)
         self.virtual_stages = virtual_stages
         self.runner = runner
+        self.backend = backend
+        self.strict = strict
+        self._trace = ExecutionTrace([])  # the traces of pipelines already closed
+        self._coordinator_ops: CoordinatorOps | None = None  # op substitution in the user's step code
         #: set by Lightning's accelerator connector to the Trainer's devices
         self.parallel_devices: list[torch.device] | None = None
         self.pipeline: Pipeline | None = None
@@ -166,6 +179,7 @@ class PipeStrategy(SingleDeviceStrategy):
         self._pipelined = self._find_pipelined(lightning_module)
         devices = self.resolve_devices()
         self.partitioner.check(self._pipelined, len(devices))
+        self._coordinator_ops = CoordinatorOps(resolve_backends(self.backend, len(devices)), len(devices) - 1)
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -240,6 +254,8 @@ class PipeStrategy(SingleDeviceStrategy):
             coordinator_device=self.root_device,
             virtual_stages=self.virtual_stages,
             runner=self.runner,
+            backend=self.backend,
+            strict=self.strict,
         ).start()
         self._hooked = {
             name
@@ -254,8 +270,22 @@ class PipeStrategy(SingleDeviceStrategy):
             return AutocastSpec(torch.bfloat16 if plugin.precision == "bf16-mixed" else torch.float16)
         return None
 
+    def execution_trace(self) -> ExecutionTrace:
+        """Per stage: which backend ran its forwards and which substituted ops ran where (``print`` it).
+
+        Ops of the user's step code (the loss) count under the last stage, mode ``"coordinator"``.
+        """
+        trace = self._trace
+        if self.pipeline is not None:
+            trace = trace.merged(self.pipeline.execution_trace())
+        if self._coordinator_ops is not None:
+            trace = trace.merged(ExecutionTrace([self._coordinator_ops.trace]))
+        return trace
+
     @override
     def teardown(self) -> None:
+        self._trace = self.execution_trace()  # kept after this fit/validate/test/predict
+        self._coordinator_ops = None
         self._shutdown()
         super().teardown()
 
@@ -329,8 +359,9 @@ class PipeStrategy(SingleDeviceStrategy):
         weights = [r / sum(rows) for r in rows]
         step_fn = getattr(lightning_module, name)
         recorder = LogRecorder(lightning_module.log)
-        drivers = [Driver(_bind(step_fn, p, rest, kwargs), i, context, self.timeout) for i, p in enumerate(pieces)]
         training = name == "training_step"
+        context = _with_ops(context, self._coordinator_ops, "train" if training else "eval")
+        drivers = [Driver(_bind(step_fn, p, rest, kwargs), i, context, self.timeout) for i, p in enumerate(pieces)]
         lightning_module.log = recorder  # type: ignore[method-assign]
         try:
             inputs = [self._start(driver, recorder, weights[driver.index], name) for driver in drivers]
@@ -455,3 +486,18 @@ class PipeStrategy(SingleDeviceStrategy):
 def _bind(step_fn: Callable[..., Any], piece: Any, rest: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[[], Any]:
     """The user's step for one microbatch, as a call without arguments."""
     return lambda: step_fn(piece, *rest, **kwargs)
+
+
+def _with_ops(
+    context: Callable[[], AbstractContextManager[Any]], ops: CoordinatorOps | None, mode: str
+) -> Callable[[], AbstractContextManager[Any]]:
+    """``context`` plus the backends' op substitution, entered in the thread that runs the step."""
+    if ops is None:
+        return context
+
+    @contextmanager
+    def both() -> Iterator[None]:
+        with context(), ops.context(mode):
+            yield
+
+    return both

@@ -1,0 +1,114 @@
+"""Stage compilers: how a stage backend runs a shard's forward (eager, inductor).
+
+A compiler is built once per stage and mode. `check` sees the inputs' metadata and a
+`StageContext` and returns None to accept or the reason it declines; `build` returns the callable
+that runs the forward, built the first time the compiler is chosen.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from lightning_pipe.backends.base import BackendUnavailableError, StageContext
+from lightning_pipe.backends.ops import OpTable, SubstitutionMode, rewrite_graph
+from lightning_pipe.backends.trace import OpCounter
+
+
+class EagerCompiler:
+    """Runs the module as it is; ops of the chain's op maps are substituted by a TorchFunctionMode."""
+
+    always_accepts: ClassVar[bool] = True  # decided once at build time, no per-signature check
+
+    def __init__(
+        self, module: nn.Module, table: OpTable, counter: OpCounter, name: str, label: str, options: dict[str, Any]
+    ) -> None:
+        self.module = module
+        self.table = table
+        self.counter = counter
+        self.name = name  # the backend's name, recorded for ops no op backend took
+        self.label = label  # "stage1_train": names compiled code
+        self.options = dict(options)
+
+    def check(self, inputs: Any, ctx: StageContext) -> str | None:
+        """None if this backend can run the stage on inputs with this metadata, else why not."""
+        return None
+
+    def build(self) -> Callable[..., Any]:
+        if not self.table:
+            return self.module
+        module, table, counter, name = self.module, self.table, self.counter, self.name
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            with SubstitutionMode(table, counter, name):
+                return module(*args, **kwargs)
+
+        return run
+
+
+class InductorCompiler(EagerCompiler):
+    """``torch.compile`` with inductor; op substitutions are rewritten into the traced graph first.
+
+    ``options`` go to ``torch.compile`` (``mode``, ``dynamic``, ``fullgraph``, ``options``).
+    """
+
+    always_accepts = False
+
+    def check(self, inputs: Any, ctx: StageContext) -> str | None:
+        from torch._dynamo.eval_frame import is_dynamo_supported
+
+        if not is_dynamo_supported():
+            return "torch.compile does not support this Python version"
+        if ctx.device.type == "cpu":
+            try:
+                from torch._inductor.cpp_builder import get_cpp_compiler
+
+                get_cpp_compiler()
+            except Exception as exc:
+                return f"inductor needs a C++ compiler on CPU ({type(exc).__name__}: {exc}); install g++ or set CXX"
+        return None
+
+    def build(self) -> Callable[..., Any]:
+        entry = _entry(self.module, f"lightning_pipe_{self.label}")
+        compiled = torch.compile(entry, backend=self._compile_graph, **self.options)
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return compiled(*args, **kwargs)
+            except torch._dynamo.exc.BackendCompilerFailed as exc:
+                raise BackendUnavailableError(f"inductor failed to compile: {exc}") from exc
+
+        return run
+
+    def _compile_graph(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        """The Dynamo backend: substitute ops in the graph, hand it to inductor, count ops per call."""
+        per_call = rewrite_graph(gm, self.table, self.name) if self.table else OpCounter()
+        compiled = torch._dynamo.lookup_backend("inductor")(gm, example_inputs)
+        if not per_call.counts:
+            return compiled
+        counter = self.counter
+
+        def run(*args: Any) -> Any:
+            counter.merge(per_call)
+            return compiled(*args)
+
+        run._boxed_call = getattr(compiled, "_boxed_call", False)  # type: ignore[attr-defined]
+        return run
+
+
+def _entry(module: nn.Module, name: str) -> Callable[..., Any]:
+    """``module(*args)`` as a function with a code object of its own.
+
+    Dynamo keeps its compiled variants (and its recompile limit of 8) per code object; every
+    stage would otherwise share ``nn.Module.__call__``'s and run out after a few stages and modes.
+    """
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return module(*args, **kwargs)
+
+    code = call.__code__.replace(co_name=name)
+    return types.FunctionType(code, call.__globals__, name, call.__defaults__, call.__closure__)
