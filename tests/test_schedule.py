@@ -38,7 +38,8 @@ def expected_rejection(name: str, ranks: int, microbatches: int, virtual: int) -
 
 def test_every_built_in_schedule_is_registered() -> None:
     assert set(BUILT_IN) <= set(available_schedules())
-    with pytest.raises(ScheduleError, match="unknown schedule 'nope'; available: 1f1b, gpipe"):
+    known = "1f1b, async, gpipe, interleaved-1f1b, zero-bubble"
+    with pytest.raises(ScheduleError, match=f"unknown schedule 'nope'; available: {known}"):
         get_schedule("nope")
 
 
