@@ -84,6 +84,16 @@ def test_weight_stashing_matches_a_plain_replay(stages: int, per_batch: int, che
     assert all(p.grad is None for p in model.parameters())  # every gradient went into an update
 
 
+@pytest.mark.parametrize("runner", ["linear", "dataflow"])
+def test_weight_stashing_under_the_other_runners(runner: str) -> None:
+    model, split, batches = mlp(depth=4), [2, 2, 3], data(5)
+    expected = reference_2bw(model, split, batches, 2, lr=0.3)
+    with Pipeline(model, stages=3, schedule="async", partition=split, runner=runner) as pipe:
+        pipe.train_async(batches, F.cross_entropy, lambda ps: torch.optim.SGD(ps, lr=0.3), 2)
+    for p, q in zip(model.parameters(), expected.parameters(), strict=True):
+        torch.testing.assert_close(p, q, atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("per_batch", [1, 2, 3, 8])
 def test_staleness_is_as_documented(per_batch: int) -> None:
     """Stage s of R is at most ceil((R - s - 1) / microbatches) updates behind, the last stage never."""
