@@ -46,3 +46,5 @@ def test_strategy_rejects_bad_schedule_settings_early() -> None:
         PipeStrategy(stages=3, virtual_stages=2, schedule="interleaved-1f1b")
     with pytest.raises(ScheduleError, match="unknown schedule"):
         PipeStrategy(stages=2, schedule="zero_bubble")
+    with pytest.raises(ConfigurationError, match="train_async"):
+        PipeStrategy(stages=2, schedule="async")

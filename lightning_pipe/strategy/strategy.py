@@ -103,7 +103,11 @@ class PipeStrategy(SingleDeviceStrategy):
                 )
         if not timeout or timeout <= 0:
             raise ConfigurationError(f"timeout={timeout!r}: pass a positive number of seconds")
-        resolve_schedule(schedule)  # unknown names fail here, listing the known ones
+        if getattr(resolve_schedule(schedule), "asynchronous", False):  # unknown names fail here too
+            raise ConfigurationError(
+                "schedule='async' updates each stage's weights inside the pipeline, which PipeStrategy does not "
+                "support yet; train with lightning_pipe.Pipeline(...).train_async(...) or pick schedule='1f1b'"
+            )
         check_runner(runner)
         if stages is not None and stages % virtual_stages:
             raise ConfigurationError(
