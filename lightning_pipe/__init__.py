@@ -4,7 +4,9 @@
 ``Trainer(strategy="pipe")`` works as well as ``Trainer(strategy=PipeStrategy(...))``.
 """
 
-from lightning.pytorch.strategies import StrategyRegistry
+import os
+import sys
+from typing import Any
 
 from lightning_pipe.errors import (
     ConfigurationError,
@@ -16,21 +18,49 @@ from lightning_pipe.errors import (
     TransportError,
 )
 from lightning_pipe.executors import Activation, BackwardModule, ForwardLossModule, ForwardModule
-from lightning_pipe.partition import Partitioner, ShardedTask
+from lightning_pipe.partition import CallArgs, Partitioner, ShardedTask, TracedPartitioner, TraceError
 from lightning_pipe.pipeline import Pipeline
 from lightning_pipe.runtime import BaseRuntime, PyTorchRuntime, runtime_registry, to
 from lightning_pipe.schedule import Action, Schedule, get_schedule, register_schedule
-from lightning_pipe.strategy import PipeStrategy
 
 __version__ = "0.1.0"
 
-PipeStrategy.register_strategies(StrategyRegistry)
+
+def _stage_worker_process() -> bool:
+    """A stage worker process (``lightning-pipe worker``, or spawned by transport="rpc") serves stages only."""
+    if os.environ.get("LIGHTNING_PIPE_WORKER") == "1":
+        return True
+    argv = list(getattr(sys, "orig_argv", sys.argv))
+    for i, arg in enumerate(argv[:-1]):
+        if arg == "-m" and (
+            argv[i + 1] == "lightning_pipe.worker" or argv[i + 1 : i + 3] == ["lightning_pipe", "worker"]
+        ):
+            return True
+    return os.path.basename(sys.argv[0]) == "lightning-pipe" and sys.argv[1:2] == ["worker"]
+
+
+if _stage_worker_process():  # importing Lightning costs seconds per process; a stage never needs it
+
+    def __getattr__(name: str) -> Any:
+        if name == "PipeStrategy":
+            from lightning_pipe.strategy import PipeStrategy
+
+            return PipeStrategy
+        raise AttributeError(f"module 'lightning_pipe' has no attribute {name!r}")
+
+else:
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from lightning_pipe.strategy import PipeStrategy
+
+    PipeStrategy.register_strategies(StrategyRegistry)
 
 __all__ = [
     "Action",
     "Activation",
     "BackwardModule",
     "BaseRuntime",
+    "CallArgs",
     "ConfigurationError",
     "ForwardLossModule",
     "ForwardModule",
@@ -45,6 +75,8 @@ __all__ = [
     "ScheduleError",
     "ShardedTask",
     "StageError",
+    "TraceError",
+    "TracedPartitioner",
     "TransportError",
     "get_schedule",
     "register_schedule",

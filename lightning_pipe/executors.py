@@ -6,6 +6,8 @@ replace any of them by handing their own classes to the `Partitioner`.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -125,7 +127,27 @@ class BackwardModule:
 
 def recompute(model: nn.Module, activation: Activation) -> Any:
     """Run the forward again from a checkpointed input, with the original random state."""
-    with torch.random.fork_rng(devices=[]), torch.enable_grad():
+    with torch.random.fork_rng(devices=[]), torch.enable_grad(), frozen_running_stats(model):
         if activation.rng_state is not None:
             torch.set_rng_state(activation.rng_state)
         return call_module(model, activation.inputs)
+
+
+@contextlib.contextmanager
+def frozen_running_stats(model: nn.Module) -> Iterator[None]:
+    """Normalisation layers use the batch's statistics but leave their running statistics alone.
+
+    The original forward already updated them; a recomputed forward would count the batch twice.
+    """
+    norms = [
+        m
+        for m in model.modules()
+        if isinstance(m, nn.modules.batchnorm._NormBase) and m.training and m.track_running_stats
+    ]
+    for m in norms:
+        m.track_running_stats = False
+    try:
+        yield
+    finally:
+        for m in norms:
+            m.track_running_stats = True

@@ -5,13 +5,19 @@ The strategy builds one of these; tests and benchmarks use it directly::
     pipe = Pipeline(nn.Sequential(...), stages=2, schedule="1f1b")
     with pipe:
         losses = pipe.train_step(x, y, F.cross_entropy, microbatches=4)  # grads land on p.grad
+
+Any other module is traced and cut (`TracedPartitioner`), before ``split_points`` or where
+``partition`` balances it; its forward may take several positional and keyword arguments::
+
+    pipe = Pipeline(gpt, stages=2, split_points=["blocks.2"])
+    pipe.train_step((ids,), targets, loss_fn, kwargs={"mask": mask})
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -24,8 +30,13 @@ from lightning_pipe.engine.versions import Staleness
 from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.microbatch import split
 from lightning_pipe.partition import Partitioner, ShardedTask
+from lightning_pipe.partition.traced import TracedPartitioner, for_module
+from lightning_pipe.partition.tracer import CallArgs
 from lightning_pipe.runtime import BaseRuntime, runtime_registry
 from lightning_pipe.schedule import resolve_schedule
+
+if TYPE_CHECKING:
+    from lightning_pipe.optim import StageOptimizers
 
 CHECKPOINT_MODES = ("always", "except_last", "never")
 TRANSPORTS: dict[str, Callable[..., Communicator]] = {"local": LocalCommunicator}
@@ -34,6 +45,15 @@ TRANSPORTS: dict[str, Callable[..., Communicator]] = {"local": LocalCommunicator
 def register_transport(name: str, factory: Callable[..., Communicator]) -> None:
     """Make ``factory(**options)`` available as ``transport=name``."""
     TRANSPORTS[name] = factory
+
+
+def _rpc(**options: Any) -> Communicator:
+    from lightning_pipe.comm.rpc import RpcCommunicator
+
+    return RpcCommunicator(**options)
+
+
+register_transport("rpc", _rpc)
 
 
 def checkpoint_flags(mode: str, num_stages: int) -> list[bool]:
@@ -47,8 +67,14 @@ def checkpoint_flags(mode: str, num_stages: int) -> list[bool]:
     return [True] * (num_stages - 1) + [False]
 
 
-def resolve_partitioner(partition: str | Sequence[int] | Partitioner) -> Partitioner:
-    return partition if isinstance(partition, Partitioner) else Partitioner(partition)
+def resolve_partitioner(
+    partition: str | Sequence[int] | Partitioner,
+    module: nn.Module | None = None,
+    split_points: Sequence[str] | None = None,
+) -> Partitioner:
+    """A partitioner instance; a `TracedPartitioner` for split points or a module that is not nn.Sequential."""
+    partitioner = partition if isinstance(partition, Partitioner) else Partitioner(partition)
+    return for_module(partitioner, module, split_points)
 
 
 def resolve_runtime(runtime: str | BaseRuntime | None, devices: Sequence[str]) -> list[BaseRuntime]:
@@ -97,10 +123,12 @@ class Pipeline:
         autocast: AutocastSpec | None = None,
         sample: Any = None,
         coordinator_device: torch.device | None = None,
-        virtual_stages: int = 1,
-        runner: str = "parallel",
         backend: BackendArg = None,
         strict: bool = False,
+        split_points: Sequence[str] | None = None,
+        virtual_stages: int = 1,
+        runner: str = "parallel",
+        **transport_options: Any,
     ) -> None:
         self.worker_of_stage = worker_of_stages(runner, stages, virtual_stages)
         ranks = stages // virtual_stages
@@ -116,16 +144,45 @@ class Pipeline:
         self.virtual_stages = virtual_stages
         self.runner = runner
         self.schedule_factory = resolve_schedule(schedule)
-        self.partitioner = resolve_partitioner(partition)
+        self.partitioner = resolve_partitioner(partition, module, split_points)
         self.checkpoint = checkpoint_flags(checkpoint, stages)
         self.runtimes = resolve_runtime(runtime, self.devices)
         self.timeout = float(timeout)
         self.autocast = autocast
         self.backend = resolve_backends(backend, stages, strict)
         self.coordinator_ops = CoordinatorOps(self.backend, stages - 1)  # op substitution in the loss
-        self.communicator = _communicator(transport)
-        self.shards: list[ShardedTask] = self.partitioner.partition(module, self.devices, sample)
+        self.communicator = _communicator(transport, transport_options)
         self.coordinator_device = coordinator_device or self.runtimes[-1].torch_device
+        self.shards: list[ShardedTask] = []
+        self._coordinator: Coordinator | None = None
+        self._started = False
+        if sample is not None or not self.partitioner.needs_sample:
+            self.build(sample)
+
+    @property
+    def traced(self) -> bool:
+        """Whether the module is split through its traced graph (inputs and outputs are packed)."""
+        return isinstance(self.partitioner, TracedPartitioner)
+
+    @property
+    def built(self) -> bool:
+        return self._coordinator is not None
+
+    @property
+    def coordinator(self) -> Coordinator:
+        if self._coordinator is None:
+            raise ConfigurationError(
+                "the pipeline is built on its first step (its partitioner needs an example batch); "
+                "pass sample=... to build it earlier"
+            )
+        return self._coordinator
+
+    def build(self, sample: Any = None) -> Pipeline:
+        """Partition the module (a traced module: on the example call ``sample``) and make the stages."""
+        if self._coordinator is not None:
+            return self
+        stages = len(self.devices)
+        self.shards = self.partitioner.partition(self.module, self.devices, sample)
         specs = []
         for worker in range(max(self.worker_of_stage) + 1):
             held = [s for s in range(stages) if self.worker_of_stage[s] == worker]
@@ -140,20 +197,22 @@ class Pipeline:
                     checkpoint=self.checkpoint,
                     timeout=self.timeout,
                     runtime=runtimes[held[0]] if shared else runtimes,
-                    autocast=autocast,
+                    autocast=self.autocast,
                     backend=self.backend,
                 )
             )
-        self.coordinator = Coordinator(
+        self._coordinator = Coordinator(
             self.communicator,
             specs,
             self.schedule_factory,
             self.timeout,
             self.coordinator_device,
-            virtual_stages=virtual_stages,
-            runner=runner,
+            virtual_stages=self.virtual_stages,
+            runner=self.runner,
         )
-        self._started = False
+        if self._started:
+            self._coordinator.start()
+        return self
 
     @property
     def balance(self) -> list[int]:
@@ -161,14 +220,33 @@ class Pipeline:
 
     def start(self) -> Pipeline:
         if not self._started:
-            self.coordinator.start()
+            if self._coordinator is not None:
+                self._coordinator.start()
             self._started = True
         return self
 
     def close(self) -> None:
         if self._started:
             self._started = False
-            self.coordinator.close()
+            if self._coordinator is not None:
+                self._coordinator.close()
+
+    def pack(self, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> Any:
+        """The first stage's input for the call ``module(*args, **kwargs)``."""
+        if self.traced:
+            call = CallArgs(tuple(args), dict(kwargs or {}))
+            self.build(call)
+            return self.partitioner.pack(call.args, call.kwargs)  # type: ignore[attr-defined]
+        if kwargs:
+            raise ConfigurationError(
+                f"the pipelined nn.Sequential was called with keyword arguments ({', '.join(kwargs)}); "
+                "an nn.Sequential takes one input (pass split_points=... to trace a module with keyword arguments)"
+            )
+        return args[0] if len(args) == 1 else tuple(args)
+
+    def unpack(self, output: Any) -> Any:
+        """The module's output (tensor, tuple, dict...) from the last stage's output."""
+        return self.partitioner.unpack(output) if self.traced else output  # type: ignore[attr-defined]
 
     def __enter__(self) -> Pipeline:
         return self.start()
@@ -195,19 +273,22 @@ class Pipeline:
         criterion: Callable[[Any, Any], torch.Tensor],
         microbatches: int = 4,
         scaler: Any = None,
+        kwargs: dict[str, Any] | None = None,
     ) -> StepResult:
         """One training step on a whole batch; gradients of the mean loss land on ``p.grad``.
 
         Microbatch ``i``'s loss is weighted by its share of the rows, so the gradients equal those
-        of ``criterion(model(inputs), targets)`` for a mean-reduced criterion.
+        of ``criterion(model(inputs), targets)`` for a mean-reduced criterion. A traced module is
+        called as ``module(*inputs, **kwargs)`` (``inputs`` a tuple) and ``criterion`` receives its
+        output as the module returns it.
         """
-        xs, ys = split(inputs, microbatches), split(targets, microbatches)
+        xs, ys = self._microbatches(inputs, kwargs, microbatches), split(targets, microbatches)
         rows = sum(_rows(x) for x in xs)
 
         def weighted(output: Any, label: tuple[int, Any]) -> torch.Tensor:
             index, target = label
             with self.coordinator_ops.context("train"):
-                return criterion(output, target) * (_rows(xs[index]) / rows)
+                return criterion(self.unpack(output), target) * (_rows(xs[index]) / rows)
 
         result = self.coordinator.train_step(xs, list(enumerate(ys)), weighted, scaler)
         self.coordinator.call("apply_grads", 1.0)
@@ -232,14 +313,18 @@ class Pipeline:
 
         def pieces() -> Iterator[tuple[list[Any], list[Any]]]:
             for x, y in batches:
-                xs, ys = split(x, microbatches), split(y, microbatches)
+                xs, ys = self._microbatches(x, None, microbatches), split(y, microbatches)
                 rows = sum(_rows(piece) for piece in xs)
                 yield xs, [(_rows(piece) / rows, target) for piece, target in zip(xs, ys, strict=True)]
 
         def weighted(output: Any, label: tuple[float, Any]) -> torch.Tensor:
-            return criterion(output, label[1]) * label[0]
+            return criterion(self.unpack(output), label[1]) * label[0]
 
-        result = self.coordinator.train_stream(pieces(), count, weighted, optimizer)
+        stream = pieces()
+        first = next(stream, None)  # builds the pipeline
+        if first is None:
+            raise ConfigurationError("train_async needs at least one batch")
+        result = self.coordinator.train_stream(_chain(first, stream), count, weighted, optimizer)
         per_batch = [sum(result.losses[b * microbatches : (b + 1) * microbatches]) for b in range(count)]
         staleness = [s for stats in self.coordinator.call("async_stats") for s in stats]
         return AsyncRun(losses=per_batch, staleness=sorted(staleness, key=lambda s: s.stage), step=result)
@@ -248,22 +333,86 @@ class Pipeline:
         """Most bytes of stashed activations each worker held at once in the last training step."""
         return [int(peak) for peak in self.coordinator.call("stash_peak")]
 
-    def forward(self, inputs: Any, microbatches: int = 1) -> Any:
+    def forward(self, inputs: Any, microbatches: int = 1, kwargs: dict[str, Any] | None = None) -> Any:
         """Forward only, no autograd; outputs are concatenated in batch order."""
         from lightning_pipe.microbatch import gather
 
-        result = self.coordinator.forward_step(split(inputs, microbatches))
-        return gather(result.outputs)
+        xs = self._microbatches(inputs, kwargs, microbatches)
+        result = self.coordinator.forward_step(xs)
+        return gather([self.unpack(output) for output in result.outputs])
+
+    def _microbatches(self, inputs: Any, kwargs: dict[str, Any] | None, microbatches: int) -> list[Any]:
+        """The first stage's input for each microbatch; builds the pipeline on the first one."""
+        if not self.traced and not kwargs:
+            xs = split(inputs, microbatches)
+            self.build(xs[0])
+            return xs
+        call = CallArgs.of(inputs)
+        pieces = split((call.args, dict(kwargs or {})), microbatches)
+        return [self.pack(args, kw) for args, kw in pieces]
+
+    # state that lives on the stages (with transport="rpc", only there)
+    def parameter_locations(self) -> dict[int, tuple[int, str]]:
+        """``id(p)`` of each parameter of ``module`` -> (rank, name) of the stage that owns it."""
+        rank_of = self.coordinator.rank_of_stage
+        return {
+            id(p): (rank_of[shard.index], name) for shard in self.shards for name, p in shard.module.named_parameters()
+        }
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The module's parameters and buffers as the stages hold them, under ``module.state_dict()``'s keys."""
+        state: dict[str, torch.Tensor] = {}
+        for part in self.coordinator.call("state_dict"):
+            state.update(part)
+        return {k: state[k] for k in self.module.state_dict() if k in state}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load ``state`` (keys of ``module.state_dict()``) into ``module`` and send each stage its part."""
+        self.module.load_state_dict(state)
+        keys: list[list[str]] = [[] for _ in range(self.coordinator.num_ranks)]
+        for shard in self.shards:
+            keys[self.coordinator.rank_of_stage[shard.index]] += list(shard.module.state_dict())
+        self.coordinator.call("load_state_dict", each=[({k: state[k] for k in own},) for own in keys])
+
+    def sync_module(self) -> None:
+        """Copy the stages' parameters and buffers into ``module`` (with transport="rpc" they train apart)."""
+        self.module.load_state_dict(self.state_dict())
+
+    def grads(self) -> dict[str, torch.Tensor | None]:
+        """Each parameter's gradient as its stage holds it, by name."""
+        grads: dict[str, torch.Tensor | None] = {}
+        for part in self.coordinator.call("grads"):
+            grads.update(part)
+        return grads
+
+    def optimizer(self, template: torch.optim.Optimizer) -> StageOptimizers:
+        """Per-stage parts of ``template`` (an optimizer over ``module``'s parameters); see `StageOptimizers`."""
+        from lightning_pipe.optim import StageOptimizers
+
+        return StageOptimizers(self, template)
 
 
-def _communicator(transport: str | Communicator) -> Communicator:
+def _communicator(transport: str | Communicator, options: dict[str, Any]) -> Communicator:
     if isinstance(transport, Communicator):
+        if options:
+            raise ConfigurationError(
+                f"transport options {sorted(options)} belong in the constructor of the communicator passed as transport"
+            )
         return transport
     try:
-        return TRANSPORTS[transport]()
+        factory = TRANSPORTS[transport]
     except KeyError:
         known = ", ".join(sorted(TRANSPORTS))
         raise ConfigurationError(f"unknown transport {transport!r}; available: {known}") from None
+    try:
+        return factory(**options)
+    except TypeError as exc:
+        raise ConfigurationError(f"transport={transport!r} does not take these options: {exc}") from None
+
+
+def _chain(first: Any, rest: Iterator[Any]) -> Iterator[Any]:
+    yield first
+    yield from rest
 
 
 def _rows(batch: Any) -> int:

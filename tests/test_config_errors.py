@@ -9,7 +9,7 @@ import pytest
 from helpers import QUIET, Classifier, dataset, loader, mlp
 from torch import nn
 
-from lightning_pipe import ConfigurationError, PartitionError, PipeStrategy, ScheduleError
+from lightning_pipe import ConfigurationError, Partitioner, PartitionError, PipeStrategy, ScheduleError
 
 
 def fit(strategy: PipeStrategy, module: Any = None, data: Any = None) -> None:
@@ -58,14 +58,20 @@ def test_module_name_that_does_not_exist() -> None:
         fit(PipeStrategy(stages=2, module="encoder"))
 
 
-def test_pipelined_module_must_be_sequential() -> None:
+def test_a_custom_partitioner_needs_an_nn_sequential() -> None:
+    """Any other module is traced (tests/test_traced*.py) unless the user's own Partitioner splits it."""
+
     class Wrapped(Classifier):
         def __init__(self) -> None:
             super().__init__()
             self.model = nn.Linear(8, 3)  # type: ignore[assignment]
 
+    class Mine(Partitioner):
+        pass
+
     with pytest.raises(PartitionError, match="not an nn.Sequential"):
-        fit(PipeStrategy(stages=1), Wrapped())
+        fit(PipeStrategy(stages=1, partition=Mine("uniform")), Wrapped())
+    fit(PipeStrategy(stages=1), Wrapped())  # the default partitioner traces it
 
 
 def test_bad_numbers() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import threading
 import warnings
 from typing import Any
@@ -16,7 +17,7 @@ from lightning_pipe.comm.base import (
     deadline,
     remaining,
 )
-from lightning_pipe.errors import TransportError
+from lightning_pipe.errors import ConfigurationError, TransportError
 
 
 class LocalEndpoint(Endpoint):
@@ -47,6 +48,7 @@ class LocalCommunicator(Communicator):
     def launch(self, specs: list[Any], worker_cls: Any) -> Endpoint:
         if self._threads:
             raise TransportError("this communicator already runs stage workers; shut it down first")
+        _check_shared_tensors(specs)
         self._inboxes = {COORDINATOR: QueueInbox()} | {rank: QueueInbox() for rank in range(len(specs))}
         for rank, spec in enumerate(specs):
             worker = worker_cls(spec, LocalEndpoint(rank, self._inboxes))
@@ -75,3 +77,21 @@ class LocalCommunicator(Communicator):
         dead = [t.name for t in self._threads if not t.is_alive()]
         if dead:
             raise TransportError(f"stage worker thread ended unexpectedly: {', '.join(dead)}")
+
+
+def _check_shared_tensors(specs: list[Any]) -> None:
+    """Stages of this process share module objects: a tensor used by shards on two devices cannot work."""
+    holders: dict[int, list[tuple[int, str, str]]] = {}
+    for spec in specs:
+        for shard in spec.shards:
+            named = itertools.chain(shard.module.named_parameters(), shard.module.named_buffers())
+            for name, tensor in named:
+                holders.setdefault(id(tensor), []).append((shard.index, str(shard.device), name))
+    for places in holders.values():
+        if len({device for _, device, _ in places}) > 1:
+            where = ", ".join(f"stage {i} ({device}) as {name!r}" for i, device, name in places)
+            raise ConfigurationError(
+                f"one tensor is used by stages on different devices: {where}; with the local transport the stages "
+                "share it, so keep the layers using it in one stage (split_points=...) or put those stages on one "
+                "device"
+            )

@@ -62,7 +62,7 @@ class Coordinator:
         self.runner = check_runner(runner)
         last = [shard for spec in self.specs for shard in spec.shards if shard.index == self.num_stages - 1][0]
         self.loss_module = last.forward_loss
-        self._head = nn.Identity()
+        self._head = _Received()
         self._worker_cls = worker_cls
         self._endpoint: Endpoint | None = None
         self._step = 0
@@ -220,12 +220,16 @@ class Coordinator:
         self.last_result = StepResult(outputs=outputs, records=records, schedule=schedule)
         return self.last_result
 
-    def call(self, name: str, *args: Any) -> list[Any]:
-        """Run ``StageWorker.call_<name>(*args)`` on every rank; returns their results in rank order."""
+    def call(self, name: str, *args: Any, each: Sequence[tuple[Any, ...]] | None = None) -> list[Any]:
+        """Run ``StageWorker.call_<name>(*args)`` on every rank; returns their results in rank order.
+
+        With ``each``, rank ``r`` gets ``*args, *each[r]``: what only that rank needs.
+        """
         self._step += 1
         step = self._step
         for rank in range(self.num_ranks):
-            self.endpoint.send(rank, Message(MessageKind.CALL, step, payload=(name, args)))
+            rank_args = args + tuple(each[rank]) if each is not None else args
+            self.endpoint.send(rank, Message(MessageKind.CALL, step, payload=(name, rank_args)))
         results: list[Any] = [None] * self.num_ranks
         for _ in range(self.num_ranks):
             message = self._next(step, f"the reply to {name!r}")
@@ -315,6 +319,13 @@ class Coordinator:
         for rank in range(self.num_ranks):
             self._endpoint.send(rank, Message(MessageKind.ABORT, step))
         self._pending.clear()
+
+
+class _Received(nn.Module):
+    """The loss module's model: hands the last stage's output to the criterion as received (a tuple stays a tuple)."""
+
+    def forward(self, *output: Any) -> Any:
+        return output[0] if len(output) == 1 else output
 
 
 def _describe(kind: str, stage: int, microbatch: int) -> str:

@@ -16,6 +16,7 @@ from lightning_pipe.backends import StageTrace, build_executables
 from lightning_pipe.comm.base import COORDINATOR, Endpoint, Message, MessageKind, deadline, remaining
 from lightning_pipe.engine.plan import ASYNC, EVAL, TRAIN, StageSpec, StepPlan
 from lightning_pipe.engine.split_backward import WeightGradient, backward_input, backward_weight
+from lightning_pipe.engine.stage_state import StageStateCalls
 from lightning_pipe.engine.stash import StashMeter, signature
 from lightning_pipe.engine.versions import StageVersions, stage_versions
 from lightning_pipe.errors import PipeTimeoutError, StageError
@@ -32,7 +33,7 @@ class _Abort(Exception):
     """The coordinator dropped the current step."""
 
 
-class StageWorker:
+class StageWorker(StageStateCalls):
     """Holds one or more shards on a device, serves steps, control calls and stop requests."""
 
     def __init__(self, spec: StageSpec, endpoint: Endpoint) -> None:

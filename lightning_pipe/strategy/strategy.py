@@ -22,11 +22,14 @@ from lightning_pipe.errors import ConfigurationError, PipeError
 from lightning_pipe.grads import GradStash
 from lightning_pipe.microbatch import batch_size, split
 from lightning_pipe.partition import Partitioner
-from lightning_pipe.pipeline import Pipeline, checkpoint_flags, resolve_partitioner
+from lightning_pipe.partition.traced import TracedPartitioner
+from lightning_pipe.partition.tracer import CallArgs
+from lightning_pipe.pipeline import TRANSPORTS, Pipeline, checkpoint_flags, resolve_partitioner
 from lightning_pipe.runtime import BaseRuntime, runtime_registry
 from lightning_pipe.schedule import resolve_schedule
 from lightning_pipe.strategy.hooks import RuntimeHooks
 from lightning_pipe.strategy.outputs import combine_eval, combine_predict, combine_training
+from lightning_pipe.strategy.remote import StageGradZeroing, StageParameters
 from lightning_pipe.strategy.session import Driver, LogRecorder, MissingCall, current_driver
 
 _RUNTIME_HOOKS = (
@@ -61,6 +64,16 @@ class PipeStrategy(SingleDeviceStrategy):
             (``{"train": "inductor", "eval": "tensorrt"}``). See `lightning_pipe.backends`.
         strict: raise instead of falling back (with a logged reason) when a requested backend
             cannot run a stage.
+        split_points: names of submodules before which a new stage starts (``["blocks.2"]``). A
+            pipelined module that is not an ``nn.Sequential`` is traced on its first call and cut
+            there, or where ``partition`` balances it; its forward may take several positional and
+            keyword arguments and return a tensor, tuple or dict. Without ``stages``, one stage more
+            than split points.
+        transport: ``"local"`` (stages are threads of this process) or ``"rpc"`` (stage worker
+            processes: one per stage on this machine, or ``lightning-pipe worker`` processes that
+            join ``coordinator``); see `lightning_pipe.comm.rpc`.
+        coordinator: with ``transport="rpc"``, ``"HOST:PORT"`` where workers on other machines join.
+        token: with ``transport="rpc"``, the secret workers must present (default ``$LIGHTNING_PIPE_TOKEN``).
         virtual_stages: stages per worker (``interleaved-1f1b``): stage ``s`` runs on worker
             ``s % (stages // virtual_stages)``.
         runner: ``"parallel"`` (a thread per worker, fixed order), ``"dataflow"`` (each worker runs
@@ -82,6 +95,10 @@ class PipeStrategy(SingleDeviceStrategy):
         timeout: float = 300.0,
         backend: BackendArg = None,
         strict: bool = False,
+        transport: str = "local",
+        coordinator: str | None = None,
+        token: str | None = None,
+        split_points: Sequence[str] | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         checkpoint_io: Any = None,
         precision_plugin: Any = None,
@@ -117,11 +134,18 @@ class PipeStrategy(SingleDeviceStrategy):
         checkpoint_flags(checkpoint, 1)
         if isinstance(runtime, str):
             runtime_registry.get_runtime_class(runtime)
+        if stages is None and split_points:
+            stages = len(split_points) + 1
         resolve_backends(backend, stages or (len(device_names) if device_names else None), strict)
+        if transport not in TRANSPORTS:
+            raise ConfigurationError(f"unknown transport {transport!r}; available: {', '.join(sorted(TRANSPORTS))}")
+        options = {k: v for k, v in (("coordinator", coordinator), ("token", token)) if v is not None}
+        if options and transport == "local":
+            raise ConfigurationError(f"{' and '.join(options)} need transport='rpc' (stages in worker processes)")
         self.stages = stages
         self.microbatches = microbatches
         self.schedule = schedule
-        self.partitioner = resolve_partitioner(partition)
+        self.partitioner = resolve_partitioner(partition, split_points=split_points)
         self.module_name = module
         self.stage_devices: list[str] | None = device_names
         self.checkpoint = checkpoint
@@ -131,6 +155,10 @@ class PipeStrategy(SingleDeviceStrategy):
         self.runner = runner
         self.backend = backend
         self.strict = strict
+        self.transport = transport
+        self._transport_options = options
+        #: with stages that own their parameters (not "local"): Lightning's optimizers, stepped on the stages
+        self._stage_params = StageParameters() if transport != "local" else None
         self._trace = ExecutionTrace([])  # the traces of pipelines already closed
         self._coordinator_ops: CoordinatorOps | None = None  # op substitution in the user's step code
         #: set by Lightning's accelerator connector to the Trainer's devices
@@ -181,6 +209,7 @@ class PipeStrategy(SingleDeviceStrategy):
                 "set self.automatic_optimization = True"
             )
         self._pipelined = self._find_pipelined(lightning_module)
+        self.partitioner = resolve_partitioner(self.partitioner, self._pipelined)
         devices = self.resolve_devices()
         self.partitioner.check(self._pipelined, len(devices))
         self._coordinator_ops = CoordinatorOps(resolve_backends(self.backend, len(devices)), len(devices) - 1)
@@ -195,7 +224,8 @@ class PipeStrategy(SingleDeviceStrategy):
         self._outside = GradStash(p for p in lightning_module.parameters() if id(p) not in stage_ids)
         self._install(trainer)
         sample = getattr(lightning_module, "example_input_array", None)
-        if not self.partitioner.needs_sample or sample is not None:
+        traced = isinstance(self.partitioner, TracedPartitioner)  # traced on its first call, as it is called
+        if not self.partitioner.needs_sample or (sample is not None and not traced):
             self._build(sample)
 
     def _find_pipelined(self, lightning_module: pl.LightningModule) -> nn.Module:
@@ -238,6 +268,10 @@ class PipeStrategy(SingleDeviceStrategy):
         callbacks: list[pl.Callback] = trainer.callbacks  # type: ignore[attr-defined]
         if not any(isinstance(cb, RuntimeHooks) and cb.strategy is self for cb in callbacks):
             callbacks.append(RuntimeHooks(self))
+        if self._stage_params is not None:
+            if not any(isinstance(cb, StageGradZeroing) and cb.parameters is self._stage_params for cb in callbacks):
+                callbacks.append(StageGradZeroing(self._stage_params))
+            StageParameters.patch_clipping(self.precision_plugin)
 
     def _build(self, sample: Any) -> Pipeline:
         if self.pipeline is not None:
@@ -260,7 +294,11 @@ class PipeStrategy(SingleDeviceStrategy):
             runner=self.runner,
             backend=self.backend,
             strict=self.strict,
+            transport=self.transport,
+            **self._transport_options,
         ).start()
+        if self._stage_params is not None and self.optimizers:
+            self._stage_params.attach(self.pipeline, self.optimizers, self.root_device)
         self._hooked = {
             name
             for name in _RUNTIME_HOOKS
@@ -294,6 +332,9 @@ class PipeStrategy(SingleDeviceStrategy):
         super().teardown()
 
     def _shutdown(self) -> None:
+        if self._stage_params is not None and self._stage_params.views and self.pipeline is not None:
+            self.pipeline.sync_module()  # the LightningModule and its optimizer end up trained, as usual
+            self._stage_params.fold_into_templates()
         if self._pipelined is not None:
             self._pipelined.__dict__.pop("forward", None)
         if self.pipeline is not None:
@@ -303,6 +344,8 @@ class PipeStrategy(SingleDeviceStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
+        if self._stage_params is not None:
+            self._stage_params.views = {}  # stages may be gone: nothing to gather
         self._shutdown()
 
     @override
@@ -311,9 +354,31 @@ class PipeStrategy(SingleDeviceStrategy):
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        if self._stage_params is not None:  # the stages' parts, now or once the stages are built
+            self._stage_params.load(self.optimizers, checkpoint["optimizer_states"])
+            return
         # torch moves each state to its parameter's device; Lightning's version would move it to one device
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"], strict=False):
             optimizer.load_state_dict(state)
+
+    # stages that own their parameters (transport="rpc"): steps and checkpoints go through them
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        if self._stage_params is None or self._stage_params.view(optimizer) is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        model = model or self.lightning_module
+        return self._stage_params.optimizer_step(self.precision_plugin, optimizer, model, closure, **kwargs)
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        state = self._stage_params.state(optimizer) if self._stage_params is not None else None
+        return state if state is not None else super().optimizer_state(optimizer)
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        if self._stage_params is not None and self.pipeline is not None:
+            self.pipeline.sync_module()
+        return super().lightning_module_state_dict()
 
     # steps
     @override
@@ -370,6 +435,7 @@ class PipeStrategy(SingleDeviceStrategy):
         try:
             inputs = [self._start(driver, recorder, weights[driver.index], name) for driver in drivers]
             pipeline = self._build(inputs[0])
+            inputs = [_packed(pipeline, x) for x in inputs]
             if training:
                 self._outside.begin()
                 try:
@@ -385,7 +451,7 @@ class PipeStrategy(SingleDeviceStrategy):
                 result = pipeline.coordinator.forward_step(inputs)
                 for driver, output in zip(drivers, result.outputs, strict=True):
                     recorder.weight = weights[driver.index]
-                    self._resume(driver, output, name)
+                    self._resume(driver, pipeline.unpack(output), name)
         finally:
             lightning_module.__dict__.pop("log", None)
             for driver in drivers:
@@ -410,8 +476,9 @@ class PipeStrategy(SingleDeviceStrategy):
         call_args, call_kwargs = value
         return self._pipeline_input(call_args, call_kwargs)
 
-    @staticmethod
-    def _pipeline_input(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _pipeline_input(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if isinstance(self.partitioner, TracedPartitioner):
+            return CallArgs(tuple(args), dict(kwargs))  # packed into the first stage's inputs once traced
         if kwargs:
             raise ConfigurationError(
                 f"the pipelined nn.Sequential was called with keyword arguments ({', '.join(kwargs)}); "
@@ -435,7 +502,8 @@ class PipeStrategy(SingleDeviceStrategy):
 
         def criterion(output: Any, index: int) -> Any:
             recorder.weight = weights[index]
-            result = self._resume(drivers[index], output, name)
+            assert self.pipeline is not None
+            result = self._resume(drivers[index], self.pipeline.unpack(output), name)
             loss = result.get("loss") if isinstance(result, dict) else result
             if loss is None:
                 return None
@@ -451,7 +519,8 @@ class PipeStrategy(SingleDeviceStrategy):
             return driver.call(args, kwargs)
         # called outside a step (a callback, an epoch-end hook): run it through the pipeline, forward only
         inputs = self._pipeline_input(args, kwargs)
-        return self._build(inputs).coordinator.forward_step([inputs]).outputs[0]
+        pipeline = self._build(inputs)
+        return pipeline.unpack(pipeline.coordinator.forward_step([_packed(pipeline, inputs)]).outputs[0])
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -490,6 +559,11 @@ class PipeStrategy(SingleDeviceStrategy):
 def _bind(step_fn: Callable[..., Any], piece: Any, rest: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[[], Any]:
     """The user's step for one microbatch, as a call without arguments."""
     return lambda: step_fn(piece, *rest, **kwargs)
+
+
+def _packed(pipeline: Pipeline, inputs: Any) -> Any:
+    """The first stage's input: a traced module's call arguments packed into its flat inputs."""
+    return pipeline.pack(inputs.args, inputs.kwargs) if isinstance(inputs, CallArgs) else inputs
 
 
 def _with_ops(

@@ -1,0 +1,702 @@
+"""The RPC communicator: stage workers in other processes, on this machine or others.
+
+Built on ``torch.distributed.rpc`` (TensorPipe). The coordinator owns a private RPC world, apart
+from Lightning's: it listens on a control port (`control.ControlServer`), waits for enough stage
+slots (worker processes it spawned itself, or ``lightning-pipe worker`` processes on other
+machines), handshakes, hands out ranks, and then every participant joins an RPC world whose
+rendezvous store the coordinator hosts. Each stage is built remotely from its pickled `StageSpec`
+and pings back when ready.
+
+A message is one ``rpc_async`` call of `_deliver` on the receiving process: TensorPipe's I/O
+threads decode it and put it into the stage's inbox, which wakes its event loop (the seed's
+"I/O thread and callback"). Activations go from stage to stage directly; only the last stage's
+outputs go to the coordinator. Parameters never travel: they are built into the stage once.
+
+    coordinator (rank -1) --activation--> rank 0 --activation--> rank 1 --output--> coordinator
+                          <--input grad--        <----grad------        <--grad---
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import multiprocessing as mp
+import os
+import secrets
+import signal
+import threading
+import time
+import traceback
+import warnings
+import weakref
+from collections import Counter, defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.rpc as rpc
+from torch.distributed import autograd as dist_autograd
+from torch.distributed.rpc import constants
+
+from lightning_pipe import tree
+from lightning_pipe.comm.base import (
+    COORDINATOR,
+    Communicator,
+    Endpoint,
+    Message,
+    MessageKind,
+    QueueInbox,
+    deadline,
+    remaining,
+)
+from lightning_pipe.comm.control import ControlServer, Slot, interface_of, parse_address
+from lightning_pipe.errors import PipeTimeoutError, StageError, TransportError
+
+WORKER_ENV = "LIGHTNING_PIPE_WORKER"  # set in stage worker processes: `import lightning_pipe` skips Lightning
+TOKEN_ENV = "LIGHTNING_PIPE_TOKEN"
+HEARTBEAT_TIMEOUT = 20.0  # seconds without a heartbeat before a worker counts as lost
+RPC_THREADS = 4
+
+
+# inboxes and stages of this process, by (launch, rank)
+_INBOXES: dict[tuple[str, int], OrderedInbox] = {}
+_STAGES: dict[tuple[str, int], tuple[Any, threading.Thread, RpcEndpoint]] = {}
+_EXIT = threading.Event()  # a worker process leaves when the coordinator asks
+_REPORT: list[Any] = []  # in a worker process: sends a failure to the coordinator over the control link
+_LOCK = threading.Lock()
+
+
+class OrderedInbox(QueueInbox):
+    """An inbox that puts each sender's messages in the order they were sent.
+
+    RPC handlers run on a thread pool, so two messages of one sender may be handled out of order;
+    a sequence number per sender restores it (the engine relies on STEP arriving before ABORT).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._order = threading.Lock()
+        self._next: dict[int, int] = defaultdict(int)
+        self._early: dict[int, dict[int, Message]] = defaultdict(dict)
+
+    def put_in_order(self, source: int, seq: int, message: Message) -> None:
+        with self._order:
+            if seq != self._next[source]:
+                self._early[source][seq] = message
+                return
+            self.put(message)
+            self._next[source] += 1
+            early = self._early[source]
+            while self._next[source] in early:
+                self.put(early.pop(self._next[source]))
+                self._next[source] += 1
+
+
+@dataclass
+class TransportStats:
+    """What one endpoint sent: messages and tensor bytes by message kind."""
+
+    messages: Counter[str] = field(default_factory=Counter)
+    tensor_bytes: Counter[str] = field(default_factory=Counter)
+    parameter_tensors: int = 0  # tensors that were (views of) this process's parameters
+    failures: list[str] = field(default_factory=list)
+
+    def total_bytes(self) -> int:
+        return sum(self.tensor_bytes.values())
+
+
+class RpcEndpoint(Endpoint):
+    """One participant: an ordered inbox filled by RPC, and ``rpc_async`` to anyone else."""
+
+    def __init__(self, rank: int, launch: str, names: dict[int, str], hosts: dict[int, str]) -> None:
+        self.rank = rank
+        self.launch = launch
+        self.names = names
+        self.hosts = hosts
+        self.inbox = OrderedInbox()
+        self.stats = TransportStats()
+        self._seq: dict[int, int] = defaultdict(int)
+        self._lock = threading.Lock()
+        self._watched: set[int] = set()
+
+    def watch(self, tensors: Iterator[torch.Tensor]) -> None:
+        """Count sends of these tensors' storages (a stage's parameters) in ``stats.parameter_tensors``."""
+        self._watched |= {t.untyped_storage().data_ptr() for t in tensors}
+
+    def send(self, rank: int, message: Message) -> None:
+        message = replace(message, source=self.rank, payload=self._account(message))
+        with self._lock:
+            seq = self._seq[rank]
+            self._seq[rank] += 1
+        try:
+            future = rpc.rpc_async(self.names[rank], _deliver, args=(self.launch, rank, self.rank, seq, message))
+        except Exception as exc:  # the agent is gone or the peer unknown: check_alive reports it
+            self._failed(rank, exc)
+            return
+        future.add_done_callback(lambda f: self._delivered(rank, f))
+
+    def recv(self, timeout: float | None) -> Message | None:
+        return self.inbox.get(timeout)
+
+    def host(self, rank: int) -> str:
+        return self.hosts.get(rank, "?")
+
+    def _account(self, message: Message) -> Any:
+        """Count the payload's tensors and make them portable: detached, on the CPU, compact."""
+        nbytes = 0
+
+        def portable(t: torch.Tensor) -> torch.Tensor:
+            nonlocal nbytes
+            if t.untyped_storage().data_ptr() in self._watched and t.numel() > 0:
+                self.stats.parameter_tensors += 1
+            nbytes += t.numel() * t.element_size()
+            t = t.detach()
+            if t.device.type != "cpu":
+                t = t.cpu()
+            if t.untyped_storage().nbytes() > t.numel() * t.element_size():
+                t = t.clone()  # a view would drag its whole storage along
+            return t
+
+        payload = tree.map_tensors(portable, message.payload)
+        self.stats.messages[message.kind] += 1
+        self.stats.tensor_bytes[message.kind] += nbytes
+        return payload
+
+    def _delivered(self, rank: int, future: Any) -> None:
+        try:
+            future.value()
+        except Exception as exc:
+            self._failed(rank, exc)
+
+    def _failed(self, rank: int, exc: BaseException) -> None:
+        text = str(exc).strip().splitlines()
+        self.stats.failures.append(f"rank {rank}: {text[0] if text else type(exc).__name__}")
+
+
+# functions that run in the receiving process (called through RPC)
+def _deliver(launch: str, rank: int, source: int, seq: int, message: Message) -> None:
+    inbox = _INBOXES.get((launch, rank))
+    if inbox is not None:  # else: a message of a pipeline that has already stopped
+        inbox.put_in_order(source, seq, message)
+
+
+def _build_stage(
+    launch: str,
+    spec: Any,
+    worker_cls: type,
+    names: dict[int, str],
+    hosts: dict[int, str],
+    device: str | None,
+) -> dict[str, Any]:
+    """Build the stage worker of ``spec`` in this process and start its event loop."""
+    if device is not None:
+        _retarget(spec, device)
+    endpoint = RpcEndpoint(spec.rank, launch, names, hosts)
+    worker = worker_cls(spec, endpoint)
+    endpoint.watch(p for shard in worker.shards.values() for p in shard.module.parameters())
+    thread = threading.Thread(target=_serve, args=(worker,), name=f"lightning_pipe-stage-{spec.rank}", daemon=True)
+    with _LOCK:
+        _INBOXES[(launch, spec.rank)] = endpoint.inbox
+        _STAGES[(launch, spec.rank)] = (worker, thread, endpoint)
+    thread.start()
+    devices = sorted({str(runtime.torch_device) for runtime in worker.runtimes.values()})
+    return {"rank": spec.rank, "pid": os.getpid(), "devices": devices}
+
+
+def _serve(worker: Any) -> None:
+    try:
+        worker.serve()
+    except BaseException:  # the event loop itself broke: tell the coordinator through the control link
+        report = _REPORT[0] if _REPORT else None
+        if report is not None:
+            report(f"the event loop of rank {worker.rank} crashed:\n{traceback.format_exc()}")
+        raise
+
+
+def _retarget(spec: Any, device: str) -> None:
+    """Place a spec's shards on the device the worker offered."""
+    for shard in spec.shards:
+        shard.device = device
+    runtime = spec.runtime
+    if runtime is not None and runtime.device_spec != device:
+        spec.runtime = type(runtime)(device, runtime.config)
+
+
+def _stop_stage(launch: str, rank: int, timeout: float) -> bool:
+    """Stop a stage's event loop; True once its thread has ended."""
+    with _LOCK:
+        entry = _STAGES.pop((launch, rank), None)
+        inbox = _INBOXES.pop((launch, rank), None)
+    if entry is None or inbox is None:
+        return True
+    _, thread, _ = entry
+    inbox.put(Message(MessageKind.STOP))
+    thread.join(timeout)
+    return not thread.is_alive()
+
+
+def _stage_stats(launch: str, rank: int, reset: bool) -> TransportStats:
+    entry = _STAGES.get((launch, rank))
+    if entry is None:
+        return TransportStats()
+    endpoint = entry[2]
+    stats = endpoint.stats
+    if reset:
+        endpoint.stats = TransportStats()
+    return stats
+
+
+def _request_exit() -> None:
+    _EXIT.set()
+
+
+# joining and leaving an RPC world
+@contextlib.contextmanager
+def _interface(name: str | None) -> Iterator[None]:
+    """Make TensorPipe and gloo listen on interface ``name`` while the agent starts."""
+    keys = ("TP_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
+    saved = {k: os.environ.get(k) for k in keys}
+    if name:
+        for k in keys:
+            os.environ[k] = name
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def host_store(host: str, timeout: float) -> dist.TCPStore:
+    """The rendezvous store of a new RPC world, on a free port of ``host`` (read ``.port``)."""
+    return dist.TCPStore(host, 0, None, True, timedelta(seconds=timeout), wait_for_workers=False)
+
+
+def join_world(
+    name: str,
+    rank: int,
+    world_size: int,
+    store: dist.Store,
+    timeout: float,
+    interface: str | None,
+    prefix: str,
+) -> None:
+    """Start this process's RPC agent; every wait is bounded by ``timeout``.
+
+    ``rpc.init_rpc`` would rendezvous through a store that waits up to 30 minutes for missing
+    ranks, so the agent is started here from our own store (the same steps init_rpc takes).
+    """
+    options = rpc.TensorPipeRpcBackendOptions(num_worker_threads=RPC_THREADS, rpc_timeout=timeout)
+    store.set_timeout(timedelta(seconds=timeout))
+    with _interface(interface), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*ProcessGroupGloo.*as a ProcessGroup")  # torch's own use
+        saved = constants.DEFAULT_PROCESS_GROUP_TIMEOUT
+        constants.DEFAULT_PROCESS_GROUP_TIMEOUT = timedelta(seconds=timeout)  # the agent's gloo group
+        try:
+            dist_autograd._init(rank)
+            rpc._set_profiler_node_id(rank)  # type: ignore[attr-defined]
+            backend = rpc.BackendType.TENSORPIPE  # type: ignore[attr-defined]
+            rpc._init_rpc_backend(backend, dist.PrefixStore(prefix, store), name, rank, world_size, options)  # type: ignore[attr-defined]
+        finally:
+            constants.DEFAULT_PROCESS_GROUP_TIMEOUT = saved
+
+
+def leave_world() -> None:
+    """Stop this process's RPC agent without waiting for the others."""
+    with contextlib.suppress(Exception):
+        rpc.shutdown(graceful=False)
+
+
+# the coordinator's side
+@dataclass
+class _World:
+    tag: str
+    server: ControlServer
+    slots: list[Slot]
+    names: dict[int, str]
+    hosts: dict[int, str]
+    store: Any
+    processes: list[Any] = field(default_factory=list)
+    joined: bool = False  # this process's RPC agent runs in this world
+
+
+_ACTIVE: RpcCommunicator | None = None  # RPC allows one agent per process: the communicator whose world runs
+
+
+class RpcCommunicator(Communicator):
+    """Stage workers in processes of a private torch.distributed.rpc world.
+
+    Args:
+        coordinator: ``"HOST:PORT"`` where ``lightning-pipe worker`` processes (on this or other
+            machines) join; HOST must be an address of this machine they can reach. Without it the
+            communicator starts one worker process per stage on this machine (127.0.0.1).
+        token: shared secret a worker must present (default: ``$LIGHTNING_PIPE_TOKEN``, or a
+            random one for local workers); workers of another run are refused.
+        workers: local mode: how many worker processes to start (default: one per stage); more
+            lets pipelines with more stages reuse the same processes (with ``keep_alive``).
+        keep_alive: keep the worker processes between pipelines; `close` ends them.
+        threads: torch intra-op threads per local worker (default: this machine's cores / workers).
+        heartbeat_timeout: seconds without a heartbeat before a worker counts as lost.
+    """
+
+    name = "rpc"
+
+    def __init__(
+        self,
+        coordinator: str | None = None,
+        token: str | None = None,
+        workers: int | None = None,
+        keep_alive: bool = False,
+        threads: int | None = None,
+        heartbeat_timeout: float = HEARTBEAT_TIMEOUT,
+    ) -> None:
+        self.address = coordinator
+        self.token = token if token is not None else os.environ.get(TOKEN_ENV)
+        self.workers = workers
+        self.keep_alive = keep_alive
+        self.threads = threads
+        self.heartbeat_timeout = heartbeat_timeout
+        self._world: _World | None = None
+        self._endpoint: RpcEndpoint | None = None
+        self._stages_of: dict[int, list[int]] = {}
+        self._lost: str | None = None
+        self._refused: list[str] = []
+        _OPEN.add(self)
+
+    @property
+    def local(self) -> bool:
+        return self.address is None
+
+    @property
+    def pids(self) -> dict[int, int]:
+        """Process id of each rank's worker (on its own machine)."""
+        return {rank: slot.pid for rank, slot in enumerate(self._world.slots)} if self._world else {}
+
+    @property
+    def refused(self) -> list[str]:
+        """Why workers were turned away (wrong token, other versions, too late), this world and earlier ones."""
+        return self._refused + (self._world.server.refused if self._world else [])
+
+    # Communicator
+    def launch(self, specs: list[Any], worker_cls: Any) -> Endpoint:
+        if self._endpoint is not None:
+            raise TransportError("this communicator already runs a pipeline; shut it down first")
+        timeout = float(specs[0].timeout)
+        until = deadline(timeout)
+        try:
+            world = self._world or self._open(len(specs), timeout, [_device_of(s) for s in specs])
+            if len(specs) > len(world.slots):
+                raise TransportError(
+                    f"the pipeline has {len(specs)} ranks but this communicator's workers offer {len(world.slots)} "
+                    "slots; create it with workers=... large enough"
+                )
+            self._stages_of = {spec.rank: [shard.index for shard in spec.shards] for spec in specs}
+            return self._build(world, specs, worker_cls, until, timeout)
+        except BaseException:
+            self._endpoint = None
+            self.close()
+            raise
+
+    def shutdown(self, timeout: float) -> None:
+        endpoint, self._endpoint = self._endpoint, None
+        if endpoint is not None:
+            _INBOXES.pop((endpoint.launch, COORDINATOR), None)
+            until = deadline(timeout)
+            futures = []
+            lost = {slot.rank for slot, _ in self._world.server.lost(self.heartbeat_timeout)} if self._world else set()
+            for rank in self._stages_of:
+                if rank in lost:
+                    continue
+                with contextlib.suppress(Exception):
+                    args = (endpoint.launch, rank, max(1.0, timeout - 1.0))
+                    futures.append(rpc.rpc_async(endpoint.names[rank], _stop_stage, args=args))
+            _wait_all(futures, until)
+        if not self.keep_alive or self._lost is not None:
+            self.close(timeout)
+
+    def check_alive(self) -> None:
+        world = self._world
+        if world is None:
+            return
+        problems = []
+        for slot, reason in world.server.lost(self.heartbeat_timeout):
+            problems.append(self._describe(slot, self._exit_reason(slot) or reason))
+        endpoint = self._endpoint
+        if endpoint is not None and endpoint.stats.failures and not problems:
+            problems.append("messages could not be delivered: " + "; ".join(endpoint.stats.failures[:3]))
+        if problems:
+            self._lost = "; ".join(problems)
+            raise TransportError(f"lost a stage worker, the pipeline stops: {self._lost}")
+
+    # beyond the Communicator interface
+    def start(self, timeout: float = 300.0) -> RpcCommunicator:
+        """Start (or wait for) the workers now instead of at the first launch; a pool to reuse with ``keep_alive``."""
+        if self._world is None:
+            count = self.workers or 1
+            try:
+                self._open(count, timeout, ["cpu"] * count)
+            except BaseException:
+                self.close()
+                raise
+        return self
+
+    def stats(self, reset: bool = False) -> dict[int, TransportStats]:
+        """What each participant sent (``COORDINATOR`` and every rank) since the launch or the last reset."""
+        endpoint = self._endpoint
+        if endpoint is None:
+            raise TransportError("no pipeline is running on this communicator")
+        out = {COORDINATOR: endpoint.stats}
+        if reset:
+            endpoint.stats = TransportStats()
+        for rank in self._stages_of:
+            future = rpc.rpc_async(endpoint.names[rank], _stage_stats, args=(endpoint.launch, rank, reset))
+            out[rank] = future.wait()
+        return out
+
+    def close(self, timeout: float = 30.0) -> None:
+        """End the RPC world and every worker process (nothing is left behind, also after errors)."""
+        world, self._world = self._world, None
+        if world is None:
+            return
+        until = deadline(timeout)
+        lost = {slot.pid for slot, _ in world.server.lost(self.heartbeat_timeout)}
+        if world.joined:
+            futures = []
+            for rank, slot in enumerate(world.slots):
+                if slot.pid not in lost:
+                    with contextlib.suppress(Exception):
+                        futures.append(rpc.rpc_async(world.names[rank], _request_exit))
+            _wait_all(futures, deadline(min(5.0, remaining(until))))
+            # let workers leave on their own (their control connections close), then stop ours
+            leaving = deadline(min(5.0, remaining(until)))
+            while remaining(leaving) > 0 and any(s.gone is None and s.pid not in lost for s in world.slots):
+                time.sleep(0.05)
+            leave_world()
+        world.server.close()
+        self._refused += world.server.refused
+        _reap(world.processes, until, lost)
+        self._lost = None
+        global _ACTIVE
+        if _ACTIVE is self:
+            _ACTIVE = None
+
+    def __enter__(self) -> RpcCommunicator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # opening a world
+    def _open(self, count: int, timeout: float, devices: list[str]) -> _World:
+        global _ACTIVE
+        if _ACTIVE is not None and _ACTIVE is not self:
+            raise TransportError(
+                "another RpcCommunicator's world is running in this process (torch.distributed.rpc allows one "
+                "per process); close that pipeline or communicator first"
+            )
+        _ACTIVE = self
+        tag = secrets.token_hex(4)
+        if self.local:
+            host, port, token = "127.0.0.1", 0, self.token or secrets.token_hex(16)
+        else:
+            assert self.address is not None
+            host, port = parse_address(self.address)
+            token = self.token or ""
+            if not token:
+                warnings.warn(
+                    f"transport='rpc' without a token: any worker that reaches {host}:{port} can join this run; "
+                    f"pass token=... or set ${TOKEN_ENV} on the coordinator and the workers",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
+        try:
+            server = ControlServer(host, port, token)
+        except OSError as exc:
+            raise TransportError(f"cannot listen for workers on {host}:{port}: {exc}") from None
+        processes: list[Any] = []
+        world = _World(tag, server, [], {}, {}, None, processes)
+        self._world = world
+        until = deadline(timeout)
+        if self.local:
+            total = max(count, self.workers or 0)
+            devices = devices + ["cpu"] * (total - len(devices))
+            threads = self.threads or max(1, (os.cpu_count() or 1) // total)
+            processes += _spawn(f"127.0.0.1:{server.port}", token, devices, threads, timeout)
+            count = total
+        slots = server.wait_for(count, until, lambda: _check_spawned(processes))
+        used, unused = slots[:count], slots[count:]
+        store = host_store(host, timeout)
+        world.store, world.slots = store, used
+        world.names = {COORDINATOR: f"lp{tag}-coordinator"} | {r: f"lp{tag}-{r}" for r in range(len(used))}
+        world.hosts = {COORDINATOR: "the coordinator"} | {r: s.where() for r, s in enumerate(used)}
+        # a worker reaches the store where it reached us (HOST may be a wildcard such as 0.0.0.0)
+        assignment = {"world_size": len(used) + 1, "store_port": store.port, "tag": tag, "timeout": timeout}
+        server.assign(used, unused, assignment)
+        join_world(world.names[COORDINATOR], 0, len(used) + 1, store, timeout, interface_of(host), f"lp{tag}")
+        world.joined = True
+        return world
+
+    def _build(self, world: _World, specs: list[Any], worker_cls: Any, until: float, timeout: float) -> RpcEndpoint:
+        launch = f"{world.tag}-{secrets.token_hex(3)}"
+        endpoint = RpcEndpoint(COORDINATOR, launch, world.names, world.hosts)
+        _INBOXES[(launch, COORDINATOR)] = endpoint.inbox
+        self._endpoint = endpoint
+        futures = []
+        for spec in specs:
+            device = None if self.local else world.slots[spec.rank].device
+            args = (launch, spec, worker_cls, world.names, world.hosts, device)
+            futures.append(rpc.rpc_async(world.names[spec.rank], _build_stage, args=args))
+        for rank, future in enumerate(futures):
+            while not _wait(future, min(0.5, remaining(until))):
+                self._wait_step(until, f"rank {rank} to build its stage")
+            try:
+                future.wait()
+            except Exception as exc:
+                raise StageError(
+                    self._stages_of[rank][0], None, "build", f"building the stage failed: {_first_line(exc)}",
+                    str(exc), world.hosts[rank],
+                ) from None  # fmt: skip
+        for rank in range(len(specs)):  # the ready ping, through the same path as every later message
+            endpoint.send(rank, Message(MessageKind.CALL, 0, payload=("ping", ())))
+        ready: set[int] = set()
+        while len(ready) < len(specs):
+            message = endpoint.recv(min(0.5, remaining(until)))
+            if message is None:
+                self._wait_step(until, f"the ready ping of ranks {sorted(set(range(len(specs))) - ready)}")
+                continue
+            if message.kind == MessageKind.REPLY and message.step == 0:
+                ok, value = message.payload
+                if not ok:
+                    raise value
+                ready.add(message.source)
+        return endpoint
+
+    def _wait_step(self, until: float, what: str) -> None:
+        self.check_alive()
+        if remaining(until) <= 0:
+            raise PipeTimeoutError(f"the coordinator waited too long for {what}; raise timeout=... if needed")
+
+    # describing losses
+    def _describe(self, slot: Slot, reason: str) -> str:
+        rank = slot.rank if slot.rank is not None else -1
+        stages = self._stages_of.get(rank)
+        what = f"stage {', '.join(map(str, stages))}" if stages else "an idle worker"
+        return f"{what} (rank {rank}) on {slot.where()}: {reason}"
+
+    def _exit_reason(self, slot: Slot) -> str | None:
+        world = self._world
+        for process in world.processes if world else []:
+            if process.pid == slot.pid:
+                process.join(0.5)
+                if process.exitcode is not None:
+                    return _exitcode_text(process.exitcode)
+        return None
+
+
+_OPEN: weakref.WeakSet[RpcCommunicator] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    for communicator in list(_OPEN):
+        with contextlib.suppress(Exception):
+            communicator.close(5.0)
+
+
+def _device_of(spec: Any) -> str:
+    return str(spec.shards[0].device) if spec.shards else "cpu"
+
+
+def _spawn(coordinator: str, token: str, devices: list[str], threads: int, timeout: float) -> list[Any]:
+    """Start one worker process per device on this machine (spawned, so CUDA is safe to use)."""
+    from lightning_pipe.worker import _run_slot_process
+
+    context = mp.get_context("spawn")
+    processes = []
+    group = f"local-{os.getpid()}-{secrets.token_hex(2)}"
+    with _LOCK, _environment({WORKER_ENV: "1"}):  # `import lightning_pipe` in the child skips Lightning
+        for index, device in enumerate(devices):
+            kwargs = dict(
+                coordinator=coordinator, device=device, token=token, group=group, index=index,
+                threads=threads, wait=timeout, interface="lo", local=True,
+            )  # fmt: skip
+            process = context.Process(
+                target=_run_slot_process, kwargs=kwargs, name=f"lightning_pipe-worker-{index}", daemon=True
+            )
+            process.start()
+            processes.append(process)
+    return processes
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _check_spawned(processes: list[Any]) -> None:
+    for index, process in enumerate(processes):
+        if process.exitcode is not None:
+            raise TransportError(
+                f"stage worker process {index} (pid {process.pid}) {_exitcode_text(process.exitcode)} "
+                "before joining the coordinator; its output above says why"
+            )
+
+
+def _exitcode_text(code: int) -> str:
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"was killed by {signal.Signals(-code).name}"
+        return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def _reap(processes: list[Any], until: float, lost: set[int]) -> None:
+    """Join local worker processes; kill lost ones at once, terminate and then kill whatever still runs."""
+    for process in processes:
+        if process.pid in lost and process.is_alive():
+            process.kill()  # hung or stopped: it would not answer a terminate either
+    joining = deadline(min(5.0, remaining(until)))
+    for process in processes:
+        process.join(remaining(joining))
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+            process.join(2.0)
+        if process.is_alive():
+            process.kill()
+            process.join(2.0)
+
+
+def _wait_all(futures: list[Any], until: float) -> None:
+    """Wait for RPC futures until ``until``; their errors are the caller's to find elsewhere."""
+    for future in futures:
+        if _wait(future, remaining(until)):
+            with contextlib.suppress(Exception):
+                future.wait()
+
+
+def _wait(future: Any, timeout: float) -> bool:
+    """Whether ``future`` finished within ``timeout`` seconds."""
+    done = threading.Event()
+    future.add_done_callback(lambda _: done.set())
+    return done.wait(timeout)
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = [line for line in str(exc).splitlines() if line.strip()]
+    errors = [line for line in lines if "Error" in line or "Exception" in line]
+    return (errors[-1] if errors else lines[0] if lines else type(exc).__name__).strip()

@@ -1,0 +1,137 @@
+"""Control calls for the state a stage owns: parameters, buffers, gradients and its part of the optimizer.
+
+With the RPC transport a stage's parameters exist only in its worker process. The coordinator
+reaches them through these calls (``Coordinator.call("<name>", ...)``) between steps; nothing here
+moves parameters during a step. Names are the unsplit module's: a shard keeps its layers' names.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_pipe.errors import PipeError
+
+GroupSpec = dict[str, Any]  # {"hparams": {...}, "names": [...]}: one param group, this rank's part of it
+
+
+class StageStateCalls:
+    """Mixed into `StageWorker`: ``call_<name>`` methods over the shards' state."""
+
+    shards: dict[int, Any]
+    rank: int
+    _optimizer: torch.optim.Optimizer | None = None
+    _optimizer_names: list[list[str]] = []
+
+    def _named_parameters(self) -> dict[str, nn.Parameter]:
+        return {name: p for shard in self.shards.values() for name, p in shard.module.named_parameters()}
+
+    def _param_grads(self) -> list[torch.Tensor]:
+        return [p.grad for p in self._named_parameters().values() if p.grad is not None]
+
+    # module state
+    def call_state_dict(self) -> dict[str, torch.Tensor]:
+        """Parameters and buffers of this rank's shards, under the unsplit module's keys."""
+        state: dict[str, torch.Tensor] = {}
+        for shard in self.shards.values():
+            state.update(shard.module.state_dict())
+        return state
+
+    def call_load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load this rank's keys of ``state`` (only its own keys are sent)."""
+        for shard in self.shards.values():
+            own = shard.module.state_dict().keys()
+            missing = [k for k in own if k not in state]
+            if missing:
+                raise PipeError(f"the state to load lacks keys of stage {shard.index}: {', '.join(missing[:5])}")
+            shard.module.load_state_dict({k: state[k] for k in own})
+
+    def call_grads(self) -> dict[str, torch.Tensor | None]:
+        return {name: p.grad for name, p in self._named_parameters().items()}
+
+    # gradients
+    def call_zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self._named_parameters().values():
+            if p.grad is None:
+                continue
+            if set_to_none:
+                p.grad = None
+            else:
+                p.grad.detach_()
+                p.grad.zero_()
+
+    def call_grad_norm(self, norm_type: float) -> float:
+        """This rank's share of the global norm: the sum of ``|g|^p`` (or the max of ``|g|`` for inf)."""
+        grads = self._param_grads()
+        if not grads:
+            return 0.0
+        if math.isinf(norm_type):
+            return max(g.detach().abs().max().item() for g in grads)
+        norms = torch.stack([torch.linalg.vector_norm(g.detach(), norm_type).float().cpu() for g in grads])
+        return float((norms**norm_type).sum())
+
+    def call_scale_grads(self, factor: float) -> None:
+        for g in self._param_grads():
+            g.detach().mul_(factor)
+
+    def call_clamp_grads(self, value: float) -> None:
+        for g in self._param_grads():
+            g.detach().clamp_(-value, value)
+
+    def call_unscale_grads(self, inv_scale: float) -> bool:
+        """A GradScaler's unscale on this rank: multiply by ``inv_scale``; True if any gradient is inf/nan."""
+        found = False
+        for g in self._param_grads():
+            g.detach().mul_(inv_scale)
+            found = found or not bool(torch.isfinite(g).all())
+        return found
+
+    # the optimizer
+    def call_build_optimizer(self, cls: type, defaults: dict[str, Any], groups: list[GroupSpec]) -> None:
+        """This rank's part of the optimizer: same class, same hyperparameters per group (groups may be empty)."""
+        params = self._named_parameters()
+        param_groups = [{**g["hparams"], "params": [params[n] for n in g["names"]]} for g in groups]
+        try:
+            self._optimizer = cls(param_groups, **defaults)
+        except TypeError:  # an optimizer whose defaults are not all constructor arguments
+            self._optimizer = cls(param_groups)
+        self._optimizer_names = [list(g["names"]) for g in groups]
+
+    def _stage_optimizer(self) -> torch.optim.Optimizer:
+        if self._optimizer is None:
+            raise PipeError(f"rank {self.rank} has no optimizer; build it first (StageOptimizers)")
+        return self._optimizer
+
+    def call_set_hparams(self, hparams: list[dict[str, Any]]) -> None:
+        for group, values in zip(self._stage_optimizer().param_groups, hparams, strict=True):
+            group.update(values)
+
+    def call_optimizer_step(self, hparams: list[dict[str, Any]] | None) -> None:
+        """Step this rank's optimizer, after taking over changed hyperparameters (an LR scheduler's)."""
+        if hparams is not None:
+            self.call_set_hparams(hparams)
+        self._stage_optimizer().step()
+
+    def call_optimizer_state(self) -> dict[str, Any]:
+        """The optimizer's state by parameter name, and its groups' hyperparameters."""
+        state = self._stage_optimizer().state_dict()
+        names = [n for group in self._optimizer_names for n in group]
+        return {
+            "state": {names[i]: s for i, s in state["state"].items()},
+            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in state["param_groups"]],
+        }
+
+    def call_load_optimizer_state(self, state: dict[str, Any], hparams: list[dict[str, Any]]) -> None:
+        """Load state given by parameter name (this rank's only) and the groups' hyperparameters."""
+        optimizer = self._stage_optimizer()
+        index, groups = 0, []
+        flat: list[str] = []
+        for names, values in zip(self._optimizer_names, hparams, strict=True):
+            groups.append({**values, "params": list(range(index, index + len(names)))})
+            index += len(names)
+            flat += names
+        by_index = {i: state[n] for i, n in enumerate(flat) if n in state}
+        optimizer.load_state_dict({"state": by_index, "param_groups": groups})

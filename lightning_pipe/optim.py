@@ -1,0 +1,178 @@
+"""`StageOptimizers`: an optimizer whose parameters live on the stages, each stage stepping its own part.
+
+With ``transport="rpc"`` a stage's parameters, gradients and optimizer state stay in its worker
+process. This object stands in for the optimizer the user built over the unsplit module (the
+*template*, e.g. what ``configure_optimizers`` returns): every stage builds the same optimizer class
+with the same hyperparameters per parameter group over its own parameters; the template's
+``param_groups`` stay the place where hyperparameters change (LR schedulers write there) and changes
+travel with the next step. Clipping uses the global norm over all stages, a GradScaler's inf check
+covers all stages, and `state_dict` is the template's layout, so a checkpoint does not depend on
+the transport.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from lightning_pipe.comm.local import LocalCommunicator
+from lightning_pipe.errors import ConfigurationError
+
+if TYPE_CHECKING:
+    from lightning_pipe.pipeline import Pipeline
+
+Location = tuple[int, str]  # (rank, parameter name)
+
+
+class StageOptimizers:
+    """The per-stage parts of ``template``; parameters of ``template`` outside the pipeline stay with it."""
+
+    def __init__(self, pipeline: Pipeline, template: torch.optim.Optimizer) -> None:
+        if isinstance(pipeline.communicator, LocalCommunicator):
+            raise ConfigurationError(
+                "with transport='local' the stages share the module's parameters: step the optimizer itself"
+            )
+        self.pipeline = pipeline
+        self.template = template
+        locations = pipeline.parameter_locations()
+        self._layout: list[list[Location | None]] = [
+            [locations.get(id(p)) for p in group["params"]] for group in template.param_groups
+        ]
+        self._outside = any(loc is None for layout in self._layout for loc in layout)
+        ranks = pipeline.coordinator.num_ranks
+        per_rank = [
+            [
+                {"hparams": hparams, "names": [loc[1] for loc in layout if loc is not None and loc[0] == rank]}
+                for hparams, layout in zip(self._hparams(), self._layout, strict=True)
+            ]
+            for rank in range(ranks)
+        ]
+        self._call("build_optimizer", type(template), dict(template.defaults), each=[(g,) for g in per_rank])
+        self._pushed = copy.deepcopy(self._hparams())
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.template.param_groups
+
+    def _call(self, name: str, *args: Any, each: Any = None) -> list[Any]:
+        return self.pipeline.coordinator.call(name, *args, each=each)
+
+    def _hparams(self) -> list[dict[str, Any]]:
+        return [{k: v for k, v in group.items() if k != "params"} for group in self.template.param_groups]
+
+    def _changed(self) -> list[dict[str, Any]] | None:
+        """The groups' hyperparameters if they changed since the stages last got them."""
+        now = self._hparams()
+        try:
+            same = now == self._pushed
+        except RuntimeError:  # tensors as hyperparameters: send them
+            same = False
+        if same:
+            return None
+        self._pushed = copy.deepcopy(now)
+        return now
+
+    def _local_grads(self) -> list[torch.Tensor]:
+        """Gradients of the template's parameters that are not on a stage."""
+        return [
+            p.grad
+            for group, layout in zip(self.template.param_groups, self._layout, strict=True)
+            for p, loc in zip(group["params"], layout, strict=True)
+            if loc is None and p.grad is not None
+        ]
+
+    # an optimizer's interface
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._call("optimizer_step", self._changed())
+        # the parameters outside the pipeline; the stages' copies here have no gradient and are skipped
+        # (an LR scheduler also learns that its optimizer stepped)
+        self.template.step()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._call("zero_grad", set_to_none)
+        self.template.zero_grad(set_to_none)
+
+    # what Lightning's precision plugins do to gradients, over all stages
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Like ``torch.nn.utils.clip_grad_norm_`` over every stage's gradients; returns the total norm."""
+        norm_type = float(norm_type)
+        parts = self._call("grad_norm", norm_type)
+        local = self._local_grads()
+        if math.isinf(norm_type):
+            total = max(parts + [g.detach().abs().max().item() for g in local])
+        else:
+            local_sum = sum(float(torch.linalg.vector_norm(g.detach(), norm_type)) ** norm_type for g in local)
+            total = (sum(parts) + local_sum) ** (1.0 / norm_type)
+        coef = max_norm / (total + 1e-6)
+        if coef < 1.0:
+            self._call("scale_grads", coef)
+            for g in local:
+                g.detach().mul_(coef)
+        return torch.tensor(total)
+
+    def clip_grad_value_(self, value: float) -> None:
+        self._call("clamp_grads", float(value))
+        for g in self._local_grads():
+            g.detach().clamp_(-value, value)
+
+    def unscale_(self, inv_scale: float) -> bool:
+        """A GradScaler's unscale over all stages; True if any stage found an inf or nan."""
+        found = any(self._call("unscale_grads", float(inv_scale)))
+        for g in self._local_grads():
+            g.detach().mul_(inv_scale)
+            found = found or not bool(torch.isfinite(g).all())
+        return found
+
+    # checkpoints: the template's layout, gathered from the stages
+    def state_dict(self) -> dict[str, Any]:
+        parts = self._call("optimizer_state")
+        local = self.template.state_dict() if self._outside else {"state": {}}
+        state: dict[int, Any] = {}
+        groups, index = [], 0
+        for hparams, layout in zip(self._hparams(), self._layout, strict=True):
+            ids = []
+            for loc in layout:
+                saved = local["state"].get(index) if loc is None else parts[loc[0]]["state"].get(loc[1])
+                if saved is not None:
+                    state[index] = saved
+                ids.append(index)
+                index += 1
+            groups.append({**hparams, "params": ids})
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        groups = state_dict["param_groups"]
+        sizes = [len(layout) for layout in self._layout]
+        if [len(g["params"]) for g in groups] != sizes:
+            raise ConfigurationError(
+                f"the optimizer state has groups of {[len(g['params']) for g in groups]} parameters "
+                f"but this optimizer's groups have {sizes}"
+            )
+        per_rank: list[dict[str, Any]] = [{} for _ in range(self.pipeline.coordinator.num_ranks)]
+        local: dict[int, Any] = {}
+        for layout, group in zip(self._layout, groups, strict=True):
+            for loc, index in zip(layout, group["params"], strict=True):
+                saved = state_dict["state"].get(index)
+                if saved is None:
+                    continue
+                if loc is None:
+                    local[index] = saved
+                else:
+                    per_rank[loc[0]][loc[1]] = saved
+        hparams = [{k: v for k, v in g.items() if k != "params"} for g in groups]
+        self._call("load_optimizer_state", each=[(part, hparams) for part in per_rank])
+        if self._outside:
+            self.template.load_state_dict({"state": local, "param_groups": groups})
+        else:
+            for group, values in zip(self.template.param_groups, hparams, strict=True):
+                group.update(values)
+        self._pushed = copy.deepcopy(self._hparams())

@@ -1,0 +1,411 @@
+"""`TracedPartitioner`: splits any ``nn.Module`` (not only ``nn.Sequential``) through its traced graph.
+
+The model is traced on one example call (`tracer.trace`), cut before the named ``split_points`` or
+at leaf-module calls chosen by the same balancing methods as for ``nn.Sequential`` (``uniform``,
+``params``, ``memory``, ``time`` or a list of leaf-call counts), and each part becomes a
+`TracedShard`. The shards take and return flat tuples; `pack` turns a call's ``(args, kwargs)`` into
+the first shard's inputs and `unpack` rebuilds the model's output (tensor, tuple, dict, dataclass)
+from the last shard's outputs.
+
+Tied weights (an embedding and an output head sharing one ``Parameter``) stay one object in every
+shard that uses them. With the local transport all stages are threads of one process, so autograd
+sums both stages' contributions into the one ``.grad`` and the optimizer updates it once; the
+LightningModule's ``state_dict`` is untouched and holds it under the original keys (the local
+transport refuses stages that share a tensor but sit on different devices). With a transport that
+gives every stage its own copy (RPC workers unpickle each shard separately), `tied` lists, per shared
+weight, the shards and local names that hold it, and the design is:
+
+- after ``apply_grads`` the coordinator fetches each holder's gradient of the weight, sums them and
+  sends the sum back to every holder, before the optimizer step;
+- every holder's optimizer then applies the same update to its copy from the same state, so the
+  copies stay equal (the equality is cheap to assert after a step);
+- gradient clipping counts a tied weight once (the first holder's copy) when it computes the norm;
+- a checkpoint takes the weight from the first holder; each shard's ``state_dict`` already uses the
+  model's own keys, so the merged dictionary is the unsplit model's.
+"""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from lightning_pipe import tree
+from lightning_pipe.errors import PartitionError
+from lightning_pipe.executors import BackwardModule, ForwardLossModule, ForwardModule, call_module
+from lightning_pipe.partition import cut
+from lightning_pipe.partition.balance import balance_by_cost, memory_costs, param_costs, time_costs
+from lightning_pipe.partition.partitioner import Partitioner, ShardedTask
+from lightning_pipe.partition.tracer import (
+    CallArgs,
+    LeafSpec,
+    Signature,
+    Traced,
+    TraceError,
+    class_forward,
+    preserved,
+    trace,
+)
+
+_RTOL, _ATOL = 1e-4, 1e-5
+
+
+class TracedPartitioner(Partitioner):
+    """Splits any module by tracing it on an example call (the ``sample`` given to `partition`).
+
+    ``split_points`` names the submodules before which a new stage starts (``["blocks.2",
+    "blocks.4"]`` gives three stages); without them ``method`` balances the leaf-module calls.
+    ``leaf_modules`` (qualified names or classes) are kept whole: tracing does not enter them, and no
+    stage boundary falls inside them. ``check=True`` runs the split model on the example and compares
+    its output with the unsplit model's before any stage is started.
+
+    A call that differs from the example in its arguments (keywords given or left out, other
+    constants such as ``scale=0.5``) is traced as one more *variant* and cut at the same places; every
+    stage keeps the code of each variant, and the variant's index travels with the microbatch.
+    """
+
+    max_variants = 8
+
+    def __init__(
+        self,
+        method: str | Sequence[int] = "params",
+        split_points: Sequence[str] | None = None,
+        leaf_modules: Sequence[LeafSpec] = (),
+        forward_cls: type = ForwardModule,
+        backward_cls: type = BackwardModule,
+        forward_loss_cls: type = ForwardLossModule,
+        check: bool = True,
+    ) -> None:
+        super().__init__(method, forward_cls, backward_cls, forward_loss_cls)
+        self.split_points = list(split_points) if split_points else None
+        self.leaf_modules = list(leaf_modules)
+        self.validate = check
+        self.variants: list[dict[bool, Traced]] = []  # per way of calling the module: its traces by mode
+        self.tied: list[list[tuple[int, str]]] = []
+        self._module: nn.Module | None = None
+        self._shards: list[cut.TracedShard] = []
+        self._keys: list[cut.CutKey] = []  # where the stages start, found again in every variant's graphs
+
+    @property
+    def needs_sample(self) -> bool:
+        return True
+
+    @property
+    def traced(self) -> dict[bool, Traced]:
+        """The traces of the first call (training and eval mode)."""
+        return self.variants[0] if self.variants else {}
+
+    @property
+    def signature(self) -> Signature | None:
+        return self.variants[0][True].signature if self.variants else None
+
+    def check(self, module: nn.Module, num_shards: int) -> None:
+        if self.split_points is not None and len(self.split_points) != num_shards - 1:
+            raise PartitionError(
+                f"split_points={self.split_points} make {len(self.split_points) + 1} stages but stages={num_shards}; "
+                f"give stages - 1 = {num_shards - 1} split points"
+            )
+        if isinstance(self.method, list) and len(self.method) != num_shards:
+            raise PartitionError(
+                f"partition={self.method} has {len(self.method)} entries but stages={num_shards}; "
+                "give one leaf-call count per stage"
+            )
+
+    # tracing
+    def trace(self, module: nn.Module, sample: Any) -> Traced:
+        """Trace ``module`` on ``sample`` (a tensor, a tuple of positional arguments or a `CallArgs`)."""
+        if sample is None:
+            raise PartitionError(
+                f"splitting a {type(module).__name__} (not an nn.Sequential) traces it on an example call; "
+                "pass sample=CallArgs(args, kwargs) (or a tensor / tuple of positional arguments)"
+            )
+        self.variants = []
+        self.variants.append(self._trace(module, CallArgs.of(sample)))
+        return self.variants[0][True]
+
+    def _trace(self, module: nn.Module, call: CallArgs) -> dict[bool, Traced]:
+        call = _on_module_device(call, module)
+        points = self.split_points or ()
+        traced = {mode: trace(module, call, self.leaf_modules, mode, points) for mode in (True, False)}
+        for mode, t in traced.items():  # each trace numbers its constants from 0: make the names unique
+            _rename_constants(t, f"_v{len(self.variants)}_{'train' if mode else 'eval'}")
+        _warn_about(module, traced[True])
+        return traced
+
+    def pack(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+        """The first shard's inputs for the call ``module(*args, **kwargs)``: ``(variant, *tensors)``."""
+        if not self.variants:
+            raise PartitionError("the model is not traced yet; call partition() first")
+        call = CallArgs(tuple(args), dict(kwargs))
+        for variant, traced in enumerate(self.variants):
+            signature = traced[True].signature
+            if signature.matches(call):
+                return (variant, *signature.tensors(call))
+        variant = self._add_variant(call)
+        return (variant, *self.variants[variant][True].signature.tensors(call))
+
+    def unpack(self, outputs: Any) -> Any:
+        """The model's output rebuilt from the last shard's outputs ``(variant, *values)``."""
+        variant, *flat = outputs
+        return self.variants[variant][True].signature.unflatten_output(flat)
+
+    # cutting
+    def cuts(self, module: nn.Module, num_shards: int, sample: Any = None) -> list[int]:
+        """Node positions in the first call's training graph where stages 1.. start."""
+        self.check(module, num_shards)
+        graph = self.traced[True].graph
+        if self.split_points is not None:
+            return self._split_positions(graph)
+        counts = self.balance(module, num_shards, sample)
+        calls = [i for i, n in enumerate(graph.nodes) if n.op == "call_module"]
+        return [calls[c] for c in itertools.accumulate(counts[:-1])]
+
+    def _split_positions(self, graph: fx.Graph) -> list[int]:
+        assert self.split_points is not None
+        positions = [cut.scope_start(graph, name) for name in self.split_points]
+        if positions != sorted(set(positions)):
+            raise PartitionError(
+                f"split_points={self.split_points} are not in the order the forward calls them "
+                f"(or name the same stage boundary twice); order them as called: {_order(graph, self.split_points)}"
+            )
+        if positions and positions[0] <= _first_call(graph):
+            raise PartitionError(
+                f"split point {self.split_points[0]!r} is the first layer the forward calls: stage 0 would be "
+                "empty; split after it"
+            )
+        return positions
+
+    def _positions(self, graph: fx.Graph) -> list[int]:
+        """The stage boundaries in any variant's graph."""
+        if self.split_points is not None:
+            return self._split_positions(graph)
+        return [cut.find_key(graph, key) for key in self._keys]
+
+    def balance(self, module: nn.Module, num_shards: int, sample: Any = None) -> list[int]:
+        """Leaf-module calls per shard."""
+        self.check(module, num_shards)
+        if not self.variants:
+            self.trace(module, sample)
+        graph = self.traced[True].graph
+        names = cut.unit_names(graph)
+        if num_shards == 1:
+            return [len(names)]
+        if num_shards > len(names):
+            raise PartitionError(
+                f"stages={num_shards} but the traced {type(module).__name__} calls only {len(names)} layers "
+                f"({', '.join(names)}); pass stages <= {len(names)}, or trace into bigger layers by naming their "
+                "children as split points"
+            )
+        if isinstance(self.method, list):
+            if sum(self.method) != len(names) or any(n < 1 for n in self.method):
+                raise PartitionError(
+                    f"partition={self.method} must give each stage at least one layer and sum to the {len(names)} "
+                    f"layers the traced forward calls ({', '.join(names)})"
+                )
+            return list(self.method)
+        if self.method == "uniform":
+            costs = [1.0] * len(names)
+        else:
+            units = self._units(module)
+            flat = self._example_inputs()
+            with preserved(module):
+                if self.method == "params":
+                    costs = param_costs(units)
+                elif self.method == "memory":
+                    costs = memory_costs(units, flat)
+                else:
+                    costs = time_costs(units, flat)
+        return balance_by_cost(costs, num_shards)
+
+    def partition(self, module: nn.Module, devices: Sequence[str], sample: Any = None) -> list[ShardedTask]:
+        """Trace ``module`` on ``sample`` and cut it into ``len(devices)`` shards sharing its parameters."""
+        num_shards = len(devices)
+        self.check(module, num_shards)
+        self.trace(module, sample)
+        graph = self.traced[True].graph
+        self._keys = [cut.key_of(graph, p) for p in self.cuts(module, num_shards, sample)]
+        graphs = self._stage_graphs(self.traced)
+        constants = _constants(self.traced)
+        self._module = module
+        self._shards = [
+            cut.TracedShard(module, {mode: graphs[mode][k] for mode in graphs}, constants) for k in range(num_shards)
+        ]
+        if self.validate:
+            self._compare(module, 0)
+        self.tied = tied_parameters(self._shards)
+        shards = []
+        for index, (shard, device) in enumerate(zip(self._shards, devices, strict=True)):
+            forward, backward, forward_loss = self.executors(index, num_shards)
+            shards.append(ShardedTask(index, shard, str(device), forward, backward, forward_loss, shard.leaf_calls))
+        return shards
+
+    def _stage_graphs(self, traced: dict[bool, Traced]) -> dict[bool, list[fx.Graph]]:
+        return {mode: cut.split(t.graph, self._positions(t.graph)) for mode, t in traced.items()}
+
+    def _add_variant(self, call: CallArgs) -> int:
+        """Trace another way of calling the module and give every shard its code (shards of this process)."""
+        module = self._module
+        if module is None:
+            raise PartitionError("the model is not partitioned yet; call partition() first")
+        if len(self.variants) >= self.max_variants:
+            raise PartitionError(
+                f"the pipelined module was called in {len(self.variants) + 1} different ways (other keyword "
+                "arguments or other non-tensor values); each way is traced once, so non-tensor arguments that change "
+                "every call (a step counter) cannot be pipelined: pass them as tensors"
+            )
+        traced = self._trace(module, call)
+        graphs = self._stage_graphs(traced)
+        variant = len(self.variants)
+        self.variants.append(traced)
+        for k, shard in enumerate(self._shards):
+            shard.add_variant(variant, module, {mode: graphs[mode][k] for mode in graphs}, _constants(traced))
+        if self.validate:
+            self._compare(module, variant)
+        return variant
+
+    # helpers
+    def _units(self, module: nn.Module) -> list[nn.Module]:
+        graph = self.traced[True].graph
+        return [
+            cut.TracedShard(module, {True: g, False: g}, self.traced[True].constants)
+            for g in cut.split(graph, cut.candidates(graph))
+        ]
+
+    def _example_inputs(self) -> tuple[Any, ...]:
+        traced = self.traced[True]
+        return (0, *traced.signature.tensors(traced.call))
+
+    def _compare(self, module: nn.Module, variant: int) -> None:
+        """Run the stages one after another on the example and compare with the unsplit model."""
+        traced = self.variants[variant][True]
+        for training in (False, True):
+            with preserved(module), torch.no_grad():
+                module.train(training)
+                for shard in self._shards:
+                    shard.train(training)
+                with torch.random.fork_rng(devices=[]):
+                    expected = class_forward(module)(*traced.call.args, **traced.call.kwargs)
+                with torch.random.fork_rng(devices=[]):
+                    x: Any = (variant, *traced.signature.tensors(traced.call))
+                    for shard in self._shards:
+                        x = call_module(shard, x)
+                    got = self.unpack(x)
+            _check_close(module, expected, got, training)
+        for shard in self._shards:
+            shard.train(module.training)
+
+
+def _rename_constants(traced: Traced, prefix: str) -> None:
+    for node in traced.graph.nodes:
+        if node.op == "get_attr" and node.target in traced.constants:
+            node.target = prefix + node.target
+    traced.constants = {prefix + name: value for name, value in traced.constants.items()}
+
+
+def _constants(traced: dict[bool, Traced]) -> dict[str, Any]:
+    return {**traced[False].constants, **traced[True].constants}
+
+
+def for_module(
+    partitioner: Partitioner, module: nn.Module | None = None, split_points: Sequence[str] | None = None
+) -> Partitioner:
+    """``partitioner``, or a `TracedPartitioner` with its method when the module needs tracing.
+
+    A module that is not an ``nn.Sequential``, or any module with ``split_points``, is traced; a
+    custom `Partitioner` subclass is kept as it is.
+    """
+    if isinstance(partitioner, TracedPartitioner):
+        if split_points is not None and partitioner.split_points != list(split_points):
+            if partitioner.split_points is not None:
+                raise PartitionError(
+                    f"split_points={list(split_points)} conflicts with the partitioner's {partitioner.split_points}"
+                )
+            partitioner.split_points = list(split_points)
+        return partitioner
+    wants_trace = split_points is not None or (module is not None and not isinstance(module, nn.Sequential))
+    if not wants_trace or type(partitioner) is not Partitioner:
+        return partitioner
+    return TracedPartitioner(
+        partitioner.method,
+        split_points,
+        forward_cls=partitioner.forward_cls,
+        backward_cls=partitioner.backward_cls,
+        forward_loss_cls=partitioner.forward_loss_cls,
+    )
+
+
+def tied_parameters(shards: Sequence[nn.Module]) -> list[list[tuple[int, str]]]:
+    """Parameters held by more than one shard: for each, the (shard index, local name) holding it."""
+    holders: dict[int, list[tuple[int, str]]] = {}
+    for index, shard in enumerate(shards):
+        for name, p in shard.named_parameters():
+            holders.setdefault(id(p), []).append((index, name))
+    return [places for places in holders.values() if len({i for i, _ in places}) > 1]
+
+
+def _check_close(module: nn.Module, expected: Any, got: Any, training: bool) -> None:
+    mode = "training" if training else "eval"
+    want, want_spec = tree.flatten(expected)
+    have, have_spec = tree.flatten(got)
+    if want_spec != have_spec:
+        raise TraceError(
+            f"the split {type(module).__name__} returns {have_spec} in {mode} mode but the model returns {want_spec}"
+        )
+    for i, (a, b) in enumerate(zip(want, have, strict=True)):
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+            if a.shape != b.shape or not torch.allclose(a.float(), b.float(), rtol=_RTOL, atol=_ATOL, equal_nan=True):
+                diff = (a.float() - b.float()).abs().max().item() if a.shape == b.shape else "shape mismatch"
+                raise TraceError(
+                    f"the split {type(module).__name__} does not reproduce the model's output {i} on the example in "
+                    f"{mode} mode (max difference {diff}). The forward probably keeps state between calls or changes "
+                    "tensors in place in a way the trace does not record; mark the submodule doing it as a leaf "
+                    "(leaf_modules=[...]) or pass check=False if the difference is expected (e.g. random ops)"
+                )
+
+
+def _on_module_device(call: CallArgs, module: nn.Module) -> CallArgs:
+    """The example where the module is: the strategy hands over batches on the last stage's device while the
+    module waits on the cpu for its stages to place it."""
+    first = next(itertools.chain(module.parameters(), module.buffers()), None)
+    if first is None:
+        return call
+    args, kwargs = tree.map_tensors(lambda t: t.to(first.device), (call.args, call.kwargs))
+    return CallArgs(tuple(args), dict(kwargs))
+
+
+def _warn_about(module: nn.Module, traced: Traced) -> None:
+    name = type(module).__name__
+    for inside, reason in traced.kept_whole:
+        warnings.warn(
+            f"{name}: could not trace into {inside!r} ({reason}); it runs whole inside one stage",
+            stacklevel=3,
+        )
+    if traced.unrolled:
+        lines = "\n".join(f"  {where}" for where in traced.unrolled[:5])
+        warnings.warn(
+            f"{name}: len() of a tensor, or a loop over its rows, is fixed to the example's size while tracing at:\n"
+            f"{lines}\nCalls with another first dimension will fail; use x.size(0) / tensor ops, or mark the "
+            "module holding that code as a leaf (leaf_modules=[...])",
+            stacklevel=3,
+        )
+    if traced.data_dependent:
+        lines = "\n".join(f"  {where}" for where in traced.data_dependent[:5])
+        more = f"\n  (and {len(traced.data_dependent) - 5} more)" if len(traced.data_dependent) > 5 else ""
+        warnings.warn(
+            f"{name}: Python code read tensor values while tracing (an `if` on a tensor, float(), .item()); the split "
+            f"model keeps what the example gave there on every call:\n{lines}{more}\nIf that can differ between "
+            "batches, mark the module holding that code as a leaf (leaf_modules=[...])",
+            stacklevel=3,
+        )
+
+
+def _first_call(graph: fx.Graph) -> int:
+    return next(i for i, n in enumerate(graph.nodes) if n.op == "call_module")
+
+
+def _order(graph: fx.Graph, names: Sequence[str]) -> list[str]:
+    return sorted(names, key=lambda name: cut.scope_start(graph, name))

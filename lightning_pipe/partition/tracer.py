@@ -1,0 +1,367 @@
+"""Tracing any ``nn.Module`` into an fx graph of leaf-module calls, driven by one example call.
+
+`trace` runs the model's forward once with `ConcreteProxy` values: each proxy records its operation
+in a ``torch.fx`` graph *and* carries the real value computed on the example. Python control flow
+(``if mask is None``, ``len(x)``, loops over ``x.shape``) therefore follows the example instead of
+failing as in plain symbolic tracing, while shapes and tensor arithmetic stay symbolic. Big layers
+(elements of ``nn.ModuleList``/``nn.Sequential``, ``torch.nn`` layers without such lists) stay
+*leaf* calls: they are where the graph can be cut into stages.
+
+The graph is specialised to the example's control flow and non-tensor arguments. It is traced twice,
+in training mode (grad enabled) and in eval mode (``no_grad``), so code that branches on
+``self.training`` behaves as in the unsplit model in validation too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import math
+import operator
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx, nn
+from torch.fx._symbolic_trace import _maybe_revert_all_patches
+from torch.utils import _pytree as pytree
+
+from lightning_pipe.partition.explain import TraceError, UntraceableError, explained, user_frame_of
+from lightning_pipe.partition.signature import CallArgs, Signature, class_forward
+
+__all__ = ["CallArgs", "ConcreteTracer", "LeafSpec", "Signature", "TraceError", "Traced", "class_forward", "trace"]
+
+# torch functions that take sizes or scalars (not tensors) and so do not dispatch on a proxy argument;
+# they are wrapped while tracing so that ``torch.ones(t, t)`` with a traced ``t`` is recorded
+FACTORIES: tuple[Callable[..., Any], ...] = (
+    torch.arange, torch.ones, torch.zeros, torch.full, torch.empty, torch.eye, torch.rand, torch.randn,
+    torch.randint, torch.tensor, torch.as_tensor, torch.finfo, torch.iinfo,
+)  # fmt: skip
+LeafSpec = str | type[nn.Module]
+
+
+# proxies carrying concrete values
+class _Concrete:
+    """Value-based behaviour shared by `ConcreteProxy` and `ConcreteAttribute`."""
+
+    value: Any
+    tracer: Any  # the ConcreteTracer that made it
+    static: bool  # derived only from shapes, dtypes and devices, not from tensor contents
+
+    def __getattr__(self, name: str) -> ConcreteAttribute:
+        if name in ("value", "tracer", "node", "root", "attr", "_node", "static") or name.startswith("__"):
+            raise AttributeError(name)
+        value = getattr(self.value, name)  # raises AttributeError as the real object would
+        return ConcreteAttribute(self, name, value)  # type: ignore[arg-type]
+
+    def __bool__(self) -> bool:
+        return bool(self.tracer.specialise(self))
+
+    def __len__(self) -> int:
+        if isinstance(self.value, torch.Tensor):
+            self.tracer.note_unrolled()
+        return len(self.value)
+
+    def __index__(self) -> int:
+        return operator.index(self.tracer.specialise(self))
+
+    def __int__(self) -> int:
+        return int(self.tracer.specialise(self))
+
+    def __float__(self) -> float:
+        return float(self.tracer.specialise(self))
+
+    def __contains__(self, item: Any) -> bool:
+        return bool(_concrete(item) in self.tracer.specialise(self))
+
+    def __iter__(self) -> Iterator[Any]:
+        value = self.value
+        if isinstance(value, dict):
+            return iter(list(value.keys()))
+        if isinstance(value, torch.Tensor):
+            self.tracer.note_unrolled()
+        return iter([self[i] for i in range(len(value))])  # type: ignore[index]
+
+    def __setitem__(self, key: Any, item: Any) -> None:
+        self.tracer.create_proxy("call_function", operator.setitem, (self, key, item), {})
+
+    def keys(self) -> Any:
+        return self.value.keys()
+
+
+class ConcreteProxy(_Concrete, fx.Proxy):
+    """An fx proxy that also holds the value computed on the example call."""
+
+    def __init__(self, node: fx.Node, tracer: ConcreteTracer, value: Any, static: bool = False) -> None:
+        fx.Proxy.__init__(self, node, tracer)
+        self.value = value
+        self.static = static
+
+    def __repr__(self) -> str:
+        return f"ConcreteProxy({self.node.name})"
+
+
+class ConcreteAttribute(_Concrete, fx.proxy.Attribute):
+    """``proxy.name``: recorded lazily (most attributes are method calls), with its value."""
+
+    def __init__(self, root: ConcreteProxy, attr: str, value: Any) -> None:
+        fx.proxy.Attribute.__init__(self, root, attr)
+        self.value = value
+        self.static = root.static or attr in _SHAPE_ATTRIBUTES
+
+
+# tensor metadata: Python code may branch on it freely, it does not depend on what the tensor holds
+_SHAPE_ATTRIBUTES = frozenset({
+    "shape", "dtype", "device", "ndim", "layout", "size", "dim", "numel", "nelement", "stride", "element_size",
+    "itemsize", "nbytes", "names", "requires_grad", "is_cuda", "is_cpu", "is_nested", "is_sparse", "is_quantized",
+    "is_meta", "is_mps", "is_complex", "is_floating_point", "is_contiguous", "is_leaf", "get_device",
+})  # fmt: skip
+
+
+def _concrete(tree: Any) -> Any:
+    return pytree.tree_map(lambda x: x.value if isinstance(x, _Concrete) else x, tree)
+
+
+def _fetch(root: nn.Module, target: str) -> Any:
+    obj: Any = root
+    for atom in target.split("."):
+        obj = getattr(obj, atom)
+    return obj
+
+
+# the tracer
+class ConcreteTracer(fx.Tracer):
+    """``fx.Tracer`` whose proxies carry the values of one example call (see the module docstring)."""
+
+    def __init__(self, leaves: Callable[[nn.Module, str], bool]) -> None:
+        super().__init__(autowrap_modules=(math,), autowrap_functions=FACTORIES)
+        self._autowrap_search.append(torch)
+        self._leaves = leaves
+        self._values: dict[str, Any] = {}
+        self.data_dependent: list[str] = []  # where control flow read a value computed from tensor contents
+        self.unrolled: list[str] = []  # where code took len() of a tensor or looped over its rows
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return self._leaves(m, module_qualified_name)
+
+    def specialise(self, proxy: _Concrete) -> Any:
+        """A traced value decides Python control flow: the graph keeps the example's branch."""
+        if not proxy.static:
+            where = user_frame_of(inspect.currentframe())
+            if where and where not in self.data_dependent:
+                self.data_dependent.append(where)
+        return proxy.value
+
+    def note_unrolled(self) -> None:
+        """``len(x)`` or ``for row in x``: the graph keeps the example's first dimension."""
+        where = user_frame_of(inspect.currentframe())
+        if where and where not in self.unrolled:
+            self.unrolled.append(where)
+
+    def create_proxy(  # type: ignore[override]
+        self,
+        kind: str,
+        target: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        name: str | None = None,
+        type_expr: Any | None = None,
+        proxy_factory_fn: Callable[[fx.Node], fx.Proxy] | None = None,
+    ) -> fx.Proxy:
+        value = self._evaluate(kind, target, args, kwargs, name)
+        static = _is_static(kind, target, args, kwargs)
+        return super().create_proxy(
+            kind, target, args, kwargs, name, type_expr, lambda node: ConcreteProxy(node, self, value, static)
+        )
+
+    def _evaluate(self, kind: str, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any], name: str | None) -> Any:
+        if kind == "placeholder":
+            return self._values[name or target]
+        args, kwargs = _concrete(args), _concrete(kwargs)
+        with _maybe_revert_all_patches():
+            if kind == "call_function":
+                return target(*args, **kwargs)
+            if kind == "call_method":
+                return getattr(args[0], target)(*args[1:], **kwargs)
+            if kind == "call_module":
+                return self.root.get_submodule(target)(*args, **kwargs)
+            if kind == "get_attr":
+                return _fetch(self.root, target)
+        raise AssertionError(f"unexpected node kind {kind!r}")
+
+    def trace_call(self, root: nn.Module, call: CallArgs) -> tuple[fx.Graph, Signature]:
+        """Trace ``root(*call.args, **call.kwargs)``; the graph takes and returns flat tuples."""
+        signature = Signature.of(root, call)
+        self._values = {name: value for name, value in zip(signature.input_names, signature.tensors(call), strict=True)}
+        tracer = self
+
+        def create_args_for_root(root_fn: Any, is_module: bool, concrete_args: Any = None) -> tuple[Any, list[Any]]:
+            placeholders = [tracer.create_proxy("placeholder", n, (), {}) for n in signature.input_names]
+
+            def flat_forward(*flat: Any) -> tuple[Any, ...]:
+                args, kwargs = signature.rebuild(flat)
+                return signature.flatten_output(_expand(tracer, root_fn(root, *args, **kwargs)))
+
+            return flat_forward, placeholders
+
+        self.create_args_for_root = create_args_for_root  # type: ignore[method-assign]
+        return self.trace(root), signature
+
+
+def _is_static(kind: str, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether a new value depends only on shapes, dtypes and devices (not on what tensors hold)."""
+    if kind in ("placeholder", "get_attr", "call_module"):
+        return False
+    if kind == "call_function" and target is getattr:
+        return args[1] in _SHAPE_ATTRIBUTES or _all_static(args[0])
+    if kind == "call_method" and target in _SHAPE_ATTRIBUTES:
+        return True
+    return _all_static((args, kwargs))
+
+
+def _all_static(tree: Any) -> bool:
+    return all(x.static for x in pytree.tree_leaves(tree) if isinstance(x, _Concrete))
+
+
+def _expand(tracer: ConcreteTracer, output: Any) -> Any:
+    """Replace proxies whose value is a container by containers of item proxies."""
+
+    def expand(x: Any) -> Any:
+        if isinstance(x, _Concrete) and isinstance(x.value, (tuple, list)) and not isinstance(x.value, torch.Size):
+            return type(x.value)(expand(x[i]) for i in range(len(x.value)))  # type: ignore[index]
+        if isinstance(x, _Concrete) and isinstance(x.value, dict):
+            return {k: expand(x[k]) for k in x.value}  # type: ignore[index]
+        return x
+
+    return pytree.tree_map(expand, output)
+
+
+# leaves: the layers the graph is cut between
+def default_leaves(
+    root: nn.Module, extra: Sequence[LeafSpec] = (), inside: Sequence[str] = ()
+) -> Callable[[nn.Module, str], bool]:
+    """Elements of ``nn.ModuleList``/``nn.Sequential`` containers, ``torch.nn`` layers that hold no such
+    containers (``nn.Transformer`` is traced into, ``nn.MultiheadAttention`` is not), and ``extra``
+    (qualified names or classes); never a module that contains one of the names in ``inside`` (a split
+    point inside a block makes the tracer enter the block)."""
+    in_list = {id(child) for m in root.modules() if isinstance(m, (nn.ModuleList, nn.Sequential)) for child in m}
+    names = {x for x in extra if isinstance(x, str)}
+    types = tuple(x for x in extra if isinstance(x, type))
+
+    def is_leaf(m: nn.Module, name: str) -> bool:
+        if m is root:
+            return False
+        if name in names or (types and isinstance(m, types)):
+            return True
+        if any(point.startswith(name + ".") for point in inside):
+            return False
+        if isinstance(m, (nn.ModuleList, nn.Sequential, nn.ModuleDict)):
+            return False
+        if id(m) in in_list:
+            return True
+        if m.__module__.startswith(("torch.nn", "torch.ao.nn")):
+            return not any(isinstance(c, (nn.ModuleList, nn.Sequential)) for c in m.modules() if c is not m)
+        return False
+
+    return is_leaf
+
+
+# running a trace without side effects on the model
+@contextlib.contextmanager
+def preserved(module: nn.Module) -> Iterator[None]:
+    """Restore buffers, training flags, random state and module attributes after tracing.
+
+    Tracing runs the model once: BatchNorm statistics, dropout's random numbers and attributes that a
+    forward caches (``self.mask = ...``, which would keep a proxy) must look untouched afterwards.
+    """
+    buffers = [(b, b.detach().clone()) for b in module.buffers()]
+    attributes = [(m, dict(m.__dict__)) for m in module.modules()]
+    modes = [(m, m.training) for m in module.modules()]
+    with torch.random.fork_rng(devices=[]):
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for buffer, saved in buffers:
+                    buffer.copy_(saved)
+            for m, saved_dict in attributes:
+                for key in [k for k in m.__dict__ if k not in saved_dict]:
+                    del m.__dict__[key]
+                m.__dict__.update(saved_dict)
+            for m, mode in modes:
+                m.training = mode
+
+
+@dataclass
+class Traced:
+    """A traced forward: its graph, the tracer's constants, and the call signature."""
+
+    graph: fx.Graph
+    constants: dict[str, Any]  # qualified name -> tensor stored by the tracer (``_tensor_constant0``)
+    signature: Signature
+    call: CallArgs  # the example it was traced on
+    data_dependent: list[str] = field(default_factory=list)  # lines whose control flow read tensor contents
+    unrolled: list[str] = field(default_factory=list)  # lines that took len() of a tensor or iterated it
+    kept_whole: list[tuple[str, str]] = field(default_factory=list)  # (module, why) made leaves automatically
+
+
+_RETRIES = 16
+
+
+def trace(
+    module: nn.Module,
+    call: CallArgs,
+    leaf_modules: Sequence[LeafSpec] = (),
+    training: bool = True,
+    split_points: Sequence[str] = (),
+) -> Traced:
+    """Trace ``module(*call.args, **call.kwargs)`` in training (or eval) mode; leaves the module unchanged.
+
+    A submodule that cannot be traced into is kept whole (a leaf) and tracing starts again; code in
+    the top-level forward that cannot be traced raises `TraceError`, naming the line and what to do.
+    """
+    leaves, kept = list(leaf_modules), []
+    for _ in range(_RETRIES):
+        try:
+            traced = _trace_once(module, call, leaves, training, split_points)
+        except UntraceableError as failure:
+            if not failure.inside or failure.inside in leaves:
+                raise TraceError(failure.message) from failure.__cause__
+            leaves.append(failure.inside)
+            kept.append((failure.inside, failure.reason))
+            continue
+        traced.kept_whole = kept
+        return traced
+    raise TraceError(f"gave up tracing {type(module).__name__} after keeping {len(kept)} submodules whole: {kept}")
+
+
+def _trace_once(
+    module: nn.Module, call: CallArgs, leaves: Sequence[LeafSpec], training: bool, split_points: Sequence[str]
+) -> Traced:
+    tracer = ConcreteTracer(default_leaves(module, leaves, split_points))
+    with preserved(module), explained(module, tracer):
+        module.train(training)
+        with torch.set_grad_enabled(training):
+            graph, signature = tracer.trace_call(module, call)
+        constants = {
+            n.target: _fetch(module, n.target)
+            for n in graph.nodes
+            if n.op == "get_attr" and isinstance(n.target, str) and n.target.startswith("_tensor_constant")
+        }
+    graph.eliminate_dead_code(_is_impure)
+    for node in graph.nodes:  # else the generated code calls fx.wrap("torch.ones") when it is loaded
+        node.meta.pop("is_wrapped", None)
+    return Traced(graph, constants, signature, call, tracer.data_dependent, tracer.unrolled)
+
+
+def _is_impure(node: fx.Node) -> bool:
+    """Kept even when unused: leaf calls (they may update state), in-place ops, side-effecting functions."""
+    if node.op in ("placeholder", "output", "call_module"):
+        return True
+    if node.op == "call_method":
+        return str(node.target).endswith("_")
+    if node.op == "call_function":
+        name = getattr(node.target, "__name__", "")
+        return name.endswith("_") or node.target is operator.setitem or node.is_impure()
+    return False

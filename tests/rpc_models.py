@@ -1,0 +1,123 @@
+"""Layers and helpers for the RPC tests; stage worker processes import this module (it must not import Lightning)."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class FailsOn(nn.Module):
+    """Raises on rows whose first feature is exactly ``marker``."""
+
+    def __init__(self, marker: float) -> None:
+        super().__init__()
+        self.marker = marker
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (x[:, 0] == self.marker).any():
+            raise ValueError("bad row reached the stage")
+        return x
+
+
+class Sleeps(nn.Module):
+    """Sleeps ``seconds`` in every forward (a stage that is busy when it gets killed)."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(self.seconds)
+        return x
+
+
+def children_of(pid: int) -> list[int]:
+    """Live (not zombie) child processes of ``pid``, from /proc (multiprocessing's resource tracker aside)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        state, ppid = fields[0], int(fields[1])
+        if ppid == pid and state != "Z" and b"resource_tracker" not in _cmdline(entry):
+            out.append(int(entry))
+    return out
+
+
+def _cmdline(pid: str) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
+def wait_no_children(pid: int, timeout: float = 15.0) -> list[int]:
+    """Children of ``pid`` still alive after ``timeout`` seconds (empty when all ended)."""
+    until = time.monotonic() + timeout
+    while True:
+        left = children_of(pid)
+        if not left or time.monotonic() > until:
+            return left
+        time.sleep(0.05)
+
+
+def worker_env() -> dict[str, str]:
+    """Environment of a `lightning-pipe worker` subprocess: this checkout and the tests importable."""
+    env = dict(os.environ)
+    paths = [str(ROOT), str(ROOT / "tests")] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    return env
+
+
+class _Overflow(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
+        return grad * float("inf")
+
+
+class OverflowsBackward(nn.Module):
+    """The identity forward; its backward overflows, so only the layers before it get inf gradients."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Overflow.apply(x)
+
+
+class _OverflowIf(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor, overflow: bool) -> torch.Tensor:
+        ctx.overflow = overflow  # type: ignore[attr-defined]
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return (grad * float("inf") if ctx.overflow else grad), None  # type: ignore[attr-defined]
+
+
+class OverflowsAtStep(nn.Module):
+    """The identity; the backwards of optimizer step ``step`` (counting ``calls_per_step`` forwards a step) overflow."""
+
+    def __init__(self, step: int, calls_per_step: int) -> None:
+        super().__init__()
+        self.step, self.calls_per_step, self.calls = step, calls_per_step, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled():  # evaluation, or a checkpointed stage's first forward
+            return x
+        overflow = self.calls // self.calls_per_step == self.step
+        self.calls += 1
+        return _OverflowIf.apply(x, overflow)

@@ -1,0 +1,212 @@
+"""transport="rpc": stages in worker processes compute what the unsplit model computes.
+
+One pool of four worker processes serves every pipeline of this module (``keep_alive``), so the
+processes start once; each test builds its stages on them afresh.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.nn.functional as F
+from rpc_models import OverflowsBackward, wait_no_children
+from torch import nn
+
+from lightning_pipe import Pipeline
+from lightning_pipe.comm import COORDINATOR, MessageKind
+from lightning_pipe.comm.rpc import RpcCommunicator
+
+
+def mlp(depth: int = 4, width: int = 16, inputs: int = 8, classes: int = 3, seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = [nn.Linear(inputs, width), nn.Tanh()]
+    for _ in range(depth - 2):
+        layers += [nn.Linear(width, width), nn.Tanh()]
+    layers.append(nn.Linear(width, classes))
+    return nn.Sequential(*layers)
+
+
+def data(rows: int = 24, seed: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, 8, generator=g), torch.randint(0, 3, (rows,), generator=g)
+
+
+@pytest.fixture(scope="module")
+def pool() -> Iterator[RpcCommunicator]:
+    communicator = RpcCommunicator(workers=4, keep_alive=True).start(timeout=120)
+    try:
+        yield communicator
+    finally:
+        communicator.close()
+        assert wait_no_children(os.getpid()) == [], "worker processes left behind"
+
+
+def rpc_pipeline(pool: RpcCommunicator, model: nn.Module, stages: int, **kwargs: object) -> Pipeline:
+    return Pipeline(model, stages=stages, transport=pool, partition="uniform", timeout=60, **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("stages", [2, 4])
+def test_gradients_equal_unsplit(pool: RpcCommunicator, schedule: str, stages: int) -> None:
+    model = mlp()
+    x, y = data()
+    reference = copy.deepcopy(model)
+    F.cross_entropy(reference(x), y).backward()
+    expected = {name: p.grad for name, p in reference.named_parameters()}
+    checkpoint = "always" if schedule == "gpipe" else "never"  # recomputation happens on the workers too
+    with rpc_pipeline(pool, model, stages, schedule=schedule, checkpoint=checkpoint) as pipe:
+        for microbatches in (1, 3, 4, 8):
+            pipe.coordinator.call("zero_grad", True)
+            pipe.train_step(x, y, F.cross_entropy, microbatches=microbatches)
+            got = pipe.grads()
+            assert got.keys() == expected.keys()
+            for name, want in expected.items():
+                torch.testing.assert_close(got[name], want, atol=1e-5, rtol=0, msg=f"{name}, {microbatches} mb")
+        assert all(p.grad is None for p in model.parameters()), "gradients stay on the stages"
+        torch.testing.assert_close(pipe.forward(x, microbatches=3), reference(x), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("stages", [2, 4])
+def test_parameters_after_three_steps_equal_unsplit(pool: RpcCommunicator, schedule: str, stages: int) -> None:
+    """Per-stage Adam over two parameter groups, an LR change before step 3, clipping by the global norm."""
+    model = mlp()
+    reference = copy.deepcopy(model)
+
+    def groups(m: nn.Module) -> list[dict[str, object]]:
+        return [
+            {"params": [p for n, p in m.named_parameters() if n.endswith("weight")], "lr": 0.01},
+            {"params": [p for n, p in m.named_parameters() if n.endswith("bias")], "lr": 0.02, "weight_decay": 0.1},
+        ]
+
+    ref_opt = torch.optim.Adam(groups(reference), betas=(0.8, 0.9))
+    with rpc_pipeline(pool, model, stages, schedule=schedule) as pipe:
+        opt = pipe.optimizer(torch.optim.Adam(groups(model), betas=(0.8, 0.9)))
+        for step in range(3):
+            x, y = data(seed=step)
+            if step == 2:  # what an LR scheduler does: write the template's param_groups
+                for o in (opt, ref_opt):
+                    o.param_groups[0]["lr"] = 0.005
+            opt.zero_grad()
+            ref_opt.zero_grad()
+            pipe.train_step(x, y, F.cross_entropy, microbatches=4)
+            F.cross_entropy(reference(x), y).backward()
+            norm = opt.clip_grad_norm_(0.5)
+            ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
+            torch.testing.assert_close(norm, ref_norm, atol=1e-5, rtol=1e-5)
+            opt.step()
+            ref_opt.step()
+        state = pipe.state_dict()
+        assert list(state) == list(reference.state_dict())
+        for name, want in reference.state_dict().items():
+            torch.testing.assert_close(state[name], want, atol=1e-5, rtol=0, msg=name)
+        # the optimizer's state comes back in the unsplit optimizer's layout
+        got, want = opt.state_dict(), ref_opt.state_dict()
+        assert [g["params"] for g in got["param_groups"]] == [g["params"] for g in want["param_groups"]]
+        assert [g["lr"] for g in got["param_groups"]] == [0.005, 0.02]
+        for index, ref_state in want["state"].items():
+            for key, value in ref_state.items():
+                torch.testing.assert_close(got["state"][index][key], value, atol=1e-5, rtol=0)
+
+
+def test_checkpoint_resume_continues_like_unsplit(pool: RpcCommunicator) -> None:
+    """State gathered from one pipeline and loaded into another (other init) continues identically."""
+    trained = mlp(seed=0)
+    opt = torch.optim.SGD(trained.parameters(), lr=0.1, momentum=0.9)
+    x, y = data()
+    with rpc_pipeline(pool, trained, 2) as pipe:
+        stage_opt = pipe.optimizer(opt)
+        pipe.train_step(x, y, F.cross_entropy)
+        stage_opt.step()
+        module_state, optimizer_state = pipe.state_dict(), stage_opt.state_dict()
+    reference = mlp(seed=5)
+    reference.load_state_dict(module_state)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    ref_opt.load_state_dict(optimizer_state)
+    resumed = mlp(seed=7)  # other initial values: everything must come from the checkpoint
+    with rpc_pipeline(pool, resumed, 4, schedule="gpipe") as pipe:
+        stage_opt = pipe.optimizer(torch.optim.SGD(resumed.parameters(), lr=0.3, momentum=0.9))
+        pipe.load_state_dict(module_state)
+        stage_opt.load_state_dict(optimizer_state)
+        assert stage_opt.param_groups[0]["lr"] == 0.1
+        pipe.train_step(x, y, F.cross_entropy)
+        stage_opt.step()
+        F.cross_entropy(reference(x), y).backward()
+        ref_opt.step()
+        pipe.sync_module()
+    for p, q in zip(resumed.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=0)
+
+
+def test_grad_scaler_check_covers_every_stage(pool: RpcCommunicator) -> None:
+    model = mlp()
+    reference = copy.deepcopy(model)
+    x, y = data()
+    F.cross_entropy(reference(x), y).backward()
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    with rpc_pipeline(pool, model, 4) as pipe:
+        opt = pipe.optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        pipe.train_step(x, y, F.cross_entropy, scaler=scaler)
+        assert opt.unscale_(1.0 / scaler.get_scale()) is False
+        for name, p in reference.named_parameters():
+            torch.testing.assert_close(pipe.grads()[name], p.grad, atol=1e-5, rtol=0)
+
+
+def test_grad_scaler_sees_an_overflow_in_one_stage(pool: RpcCommunicator) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), OverflowsBackward(), nn.Linear(16, 16), nn.Linear(16, 3))
+    x, y = data()
+    with Pipeline(model, stages=2, partition=[2, 3], transport=pool, timeout=60) as pipe:
+        opt = pipe.optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        pipe.train_step(x, y, F.cross_entropy, scaler=torch.amp.GradScaler("cpu", init_scale=2.0))
+        finite = [all(torch.isfinite(g).all() for g in part.values()) for part in pipe.coordinator.call("grads")]
+        assert finite == [False, True]  # only the first stage overflowed
+        assert opt.unscale_(0.5) is True
+
+
+def test_no_parameter_crosses_processes_during_a_step(pool: RpcCommunicator) -> None:
+    """Per step: one message per activation/gradient hand-off, and exactly their bytes, nothing else."""
+    model = mlp(depth=4, width=32)
+    x, y = data(rows=32)
+    stages, microbatches = 4, 4
+    with rpc_pipeline(pool, model, stages, schedule="1f1b") as pipe:
+        pipe.train_step(x, y, F.cross_entropy, microbatches=microbatches)  # warm-up
+        pool.stats(reset=True)
+        pipe.train_step(x, y, F.cross_entropy, microbatches=microbatches)
+        stats = pool.stats(reset=True)
+        boundary = []  # bytes of each stage's output for the whole batch
+        h = x
+        for shard in pipe.shards:
+            h = shard.module(h)
+            boundary.append(h.numel() * h.element_size())
+        coordinator = stats[COORDINATOR]
+        assert coordinator.messages == {
+            MessageKind.STEP: stages,
+            MessageKind.ACTIVATION: microbatches,
+            MessageKind.GRAD: microbatches,
+            MessageKind.CALL: stages,  # apply_grads
+        }
+        assert coordinator.tensor_bytes[MessageKind.ACTIVATION] == x.numel() * x.element_size()
+        assert coordinator.tensor_bytes[MessageKind.GRAD] == boundary[-1]
+        for rank in range(stages):
+            s = stats[rank]
+            forward_kind = MessageKind.OUTPUT if rank == stages - 1 else MessageKind.ACTIVATION
+            expected = {forward_kind: microbatches, MessageKind.DONE: 1, MessageKind.REPLY: 1}
+            if rank > 0:
+                expected[MessageKind.GRAD] = microbatches
+            assert s.messages == expected, f"rank {rank}"
+            assert s.tensor_bytes[forward_kind] == boundary[rank]
+            assert s.tensor_bytes[MessageKind.GRAD] == (boundary[rank - 1] if rank > 0 else 0)
+            assert s.parameter_tensors == 0 and not s.failures
+        param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        moved = sum(s.total_bytes() for s in stats.values())
+        assert moved == 2 * sum(boundary[:-1]) + 2 * boundary[-1] + x.numel() * x.element_size()
+        # the detector works: gathering the state does send every parameter once
+        pipe.state_dict()
+        after = pool.stats()
+        assert sum(after[r].parameter_tensors for r in range(stages)) == len(list(model.parameters()))
+        assert sum(after[r].total_bytes() for r in range(stages)) == param_bytes
