@@ -17,6 +17,7 @@ from typing_extensions import override
 
 from lightning_pipe.backends import BackendArg, CoordinatorOps, ExecutionTrace, resolve_backends
 from lightning_pipe.engine import AutocastSpec
+from lightning_pipe.engine.runners import check_runner
 from lightning_pipe.errors import ConfigurationError, PipeError
 from lightning_pipe.grads import GradStash
 from lightning_pipe.microbatch import batch_size, split
@@ -25,7 +26,7 @@ from lightning_pipe.partition.traced import TracedPartitioner
 from lightning_pipe.partition.tracer import CallArgs
 from lightning_pipe.pipeline import TRANSPORTS, Pipeline, checkpoint_flags, resolve_partitioner
 from lightning_pipe.runtime import BaseRuntime, runtime_registry
-from lightning_pipe.schedule import get_schedule
+from lightning_pipe.schedule import resolve_schedule
 from lightning_pipe.strategy.hooks import RuntimeHooks
 from lightning_pipe.strategy.outputs import combine_eval, combine_predict, combine_training
 from lightning_pipe.strategy.remote import StageGradZeroing, StageParameters
@@ -47,7 +48,9 @@ class PipeStrategy(SingleDeviceStrategy):
     Args:
         stages: number of stages; default: one per device.
         microbatches: how many pieces each batch is cut into (along dimension 0).
-        schedule: ``"gpipe"`` (all forwards, then losses, then backwards) or ``"1f1b"``.
+        schedule: ``"gpipe"`` (all forwards, then losses, then backwards), ``"1f1b"``,
+            ``"interleaved-1f1b"``, ``"zero-bubble"``, a `Schedule` subclass or a function returning
+            per-rank action lists (see docs/schedules.md).
         partition: ``"uniform"``, ``"params"``, ``"memory"``, ``"time"``, layer counts such as
             ``[3, 5]``, or a `Partitioner`.
         module: attribute path of the pipelined module in the LightningModule; default: the child
@@ -71,6 +74,10 @@ class PipeStrategy(SingleDeviceStrategy):
             join ``coordinator``); see `lightning_pipe.comm.rpc`.
         coordinator: with ``transport="rpc"``, ``"HOST:PORT"`` where workers on other machines join.
         token: with ``transport="rpc"``, the secret workers must present (default ``$LIGHTNING_PIPE_TOKEN``).
+        virtual_stages: stages per worker (``interleaved-1f1b``): stage ``s`` runs on worker
+            ``s % (stages // virtual_stages)``.
+        runner: ``"parallel"`` (a thread per worker, fixed order), ``"dataflow"`` (each worker runs
+            whichever action is ready) or ``"linear"`` (one thread walks one global order).
     """
 
     strategy_name = "pipe"
@@ -79,7 +86,7 @@ class PipeStrategy(SingleDeviceStrategy):
         self,
         stages: int | None = None,
         microbatches: int = 4,
-        schedule: str = "1f1b",
+        schedule: Any = "1f1b",
         partition: str | Sequence[int] | Partitioner = "params",
         module: str | None = None,
         devices: Sequence[str | torch.device] | None = None,
@@ -95,6 +102,8 @@ class PipeStrategy(SingleDeviceStrategy):
         accelerator: pl.accelerators.Accelerator | None = None,
         checkpoint_io: Any = None,
         precision_plugin: Any = None,
+        virtual_stages: int = 1,
+        runner: str = "parallel",
     ) -> None:
         super().__init__(
             device="cpu", accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin
@@ -111,7 +120,17 @@ class PipeStrategy(SingleDeviceStrategy):
                 )
         if not timeout or timeout <= 0:
             raise ConfigurationError(f"timeout={timeout!r}: pass a positive number of seconds")
-        get_schedule(schedule)  # unknown names fail here, listing the known ones
+        if getattr(resolve_schedule(schedule), "asynchronous", False):  # unknown names fail here too
+            raise ConfigurationError(
+                "schedule='async' updates each stage's weights inside the pipeline, which PipeStrategy does not "
+                "support yet; train with lightning_pipe.Pipeline(...).train_async(...) or pick schedule='1f1b'"
+            )
+        check_runner(runner)
+        if stages is not None and stages % virtual_stages:
+            raise ConfigurationError(
+                f"stages={stages} is not a multiple of virtual_stages={virtual_stages}; "
+                "each worker holds virtual_stages stages, so pass stages = workers * virtual_stages"
+            )
         checkpoint_flags(checkpoint, 1)
         if isinstance(runtime, str):
             runtime_registry.get_runtime_class(runtime)
@@ -132,6 +151,8 @@ class PipeStrategy(SingleDeviceStrategy):
         self.checkpoint = checkpoint
         self.runtime = runtime
         self.timeout = float(timeout)
+        self.virtual_stages = virtual_stages
+        self.runner = runner
         self.backend = backend
         self.strict = strict
         self.transport = transport
@@ -269,6 +290,8 @@ class PipeStrategy(SingleDeviceStrategy):
             autocast=self._autocast(),
             sample=sample,
             coordinator_device=self.root_device,
+            virtual_stages=self.virtual_stages,
+            runner=self.runner,
             backend=self.backend,
             strict=self.strict,
             transport=self.transport,
