@@ -47,4 +47,4 @@ def test_strategy_rejects_bad_schedule_settings_early() -> None:
     with pytest.raises(ScheduleError, match="unknown schedule"):
         PipeStrategy(stages=2, schedule="zero_bubble")
     with pytest.raises(ConfigurationError, match="train_async"):
-        PipeStrategy(stages=2, schedule="async")
+        PipeStrategy(stages=2, schedule="async", transport="rpc")
