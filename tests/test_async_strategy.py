@@ -144,3 +144,29 @@ def test_stopping_in_the_middle_of_a_stream_ends_cleanly() -> None:
     assert t.global_step == 2
     (metrics,) = t.validate(module, DataLoader(ds, batch_size=16), verbose=False)
     assert metrics["val_acc"] == pytest.approx(accuracy(module.model, ds), abs=1e-6)
+
+
+class Momentum(Classifier):
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+
+
+def test_checkpoint_resume_carries_the_stage_optimizers_state(tmp_path: Any) -> None:
+    """2 epochs straight equal 1 epoch, a checkpoint, and a resumed second epoch: the stages' momentum
+    buffers are in the checkpoint at the stage parameters' indices and reach the new stage optimizers."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    ds = separable(64, seed=6)
+    straight, first, resumed = Momentum(mlp(depth=4)), Momentum(mlp(depth=4)), Momentum(mlp(depth=4))
+    fit(straight, "async", DataLoader(ds, batch_size=16), limit_val_batches=0, max_epochs=2)
+    saver = ModelCheckpoint(dirpath=str(tmp_path), save_last=True)
+    fit(first, "async", DataLoader(ds, batch_size=16), limit_val_batches=0, enable_checkpointing=True,
+        callbacks=[saver])  # fmt: skip
+    state = torch.load(saver.last_model_path, weights_only=False)["optimizer_states"][0]
+    assert sorted(state["state"]) == list(range(len(list(first.parameters()))))
+    assert all(v["momentum_buffer"].abs().sum() > 0 for v in state["state"].values())
+    t = L.Trainer(**(dict(QUIET, max_epochs=2, limit_val_batches=0) | {"strategy": PipeStrategy(
+        stages=3, microbatches=4, schedule="async", partition=SPLIT)}))  # fmt: skip
+    t.fit(resumed, DataLoader(ds, batch_size=16), ckpt_path=saver.last_model_path)
+    for p, q in zip(resumed.parameters(), straight.parameters(), strict=True):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-6)

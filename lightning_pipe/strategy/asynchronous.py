@@ -40,6 +40,8 @@ class AsyncTraining:
         #: the template's hyperparameters when each batch was fed: a stage's update n uses entry n
         self.fed_hparams: list[list[dict[str, Any]]] = []
         self._updates: dict[int, int] = {}  # id(stage optimizer) -> its updates so far
+        self._index: dict[int, int] = {}  # id(stage parameter) -> its index in the template's state_dict
+        self._loaded: dict[int, Any] = {}  # state of a checkpoint for stage optimizers not built yet, by index
         self.stream: BatchStream | None = None
         self.totals: dict[int, Staleness] = {}
         self._factory = self.factory  # one object: the stages keep their optimizers while it stays the same
@@ -57,9 +59,14 @@ class AsyncTraining:
             return
         self.template = holders[0]
         self.stage_optimizers, self.fed_hparams, self._updates = [], [], {}
-        self._groups = []
+        self._groups, self._index, self._loaded = [], {}, {}
+        index = 0
         for group in self.template.param_groups:
             self._groups.append({id(p) for p in group["params"] if id(p) in ids})
+            for p in group["params"]:
+                if id(p) in ids:
+                    self._index[id(p)] = index
+                index += 1
             # a placeholder never gets a gradient, so Lightning's optimizer skips it; the layout stays the same
             group["params"] = [
                 nn.Parameter(torch.empty(0, device=p.device, dtype=p.dtype)) if id(p) in ids else p
@@ -76,6 +83,10 @@ class AsyncTraining:
                 groups.append({**_hparams(group), "params": mine})
                 used.append(index)
         optimizer = type(self.template)(groups, **self.template.defaults)
+        for p in params:  # a checkpoint's state (momentum, Adam's moments) for these parameters
+            saved = self._loaded.pop(self._index.get(id(p), -1), None)
+            if saved is not None:
+                optimizer.state[p] = {k: v.to(p.device) if isinstance(v, torch.Tensor) else v for k, v in saved.items()}
         self.stage_optimizers.append((optimizer, used))
         self._updates[id(optimizer)] = 0  # built at the first stream of a fit, before its first update
 
@@ -90,6 +101,27 @@ class AsyncTraining:
 
         optimizer.register_step_pre_hook(batch_hparams)
         return optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        """The template's state_dict with the stage optimizers' state at the stage parameters' indices."""
+        assert self.template is not None
+        state = self.template.state_dict()
+        state["state"].update(self._loaded)
+        for optimizer, _ in self.stage_optimizers:
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    if p in optimizer.state and id(p) in self._index:
+                        state["state"][self._index[id(p)]] = optimizer.state[p]
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """The template's part now; the stages' part when their optimizers are built (the next stream)."""
+        assert self.template is not None
+        stage = set(self._index.values())
+        saved = state_dict["state"]
+        self._loaded = {i: v for i, v in saved.items() if i in stage}
+        rest = {i: v for i, v in saved.items() if i not in stage}
+        self.template.load_state_dict({"state": rest, "param_groups": state_dict["param_groups"]})
 
     def sync_hparams(self) -> None:
         """Note the template's hyperparameters (an LR scheduler's lr) for the batch about to be fed: each

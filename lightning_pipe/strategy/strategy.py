@@ -376,6 +376,13 @@ class PipeStrategy(SingleDeviceStrategy):
         if self._stage_params is not None:  # the stages' parts, now or once the stages are built
             self._stage_params.load(self.optimizers, checkpoint["optimizer_states"])
             return
+        if self._async is not None and self._async.template is not None:
+            for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"], strict=False):
+                if optimizer is self._async.template:
+                    self._async.load_state_dict(state)
+                else:
+                    optimizer.load_state_dict(state)
+            return
         # torch moves each state to its parameter's device; Lightning's version would move it to one device
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"], strict=False):
             optimizer.load_state_dict(state)
@@ -390,6 +397,8 @@ class PipeStrategy(SingleDeviceStrategy):
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        if self._async is not None and getattr(optimizer, "_optimizer", optimizer) is self._async.template:
+            return self._async.state_dict()
         state = self._stage_params.state(optimizer) if self._stage_params is not None else None
         return state if state is not None else super().optimizer_state(optimizer)
 
