@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
@@ -413,6 +414,58 @@ class PipeStrategy(SingleDeviceStrategy):
         if self._stage_params is not None and self.pipeline is not None:
             self.pipeline.sync_module()
         return super().lightning_module_state_dict()
+
+    # the memory plan
+    def plan(self, model: nn.Module, sample_batch: Any, verbose: bool = True) -> Any:
+        """Predict each stage's activation memory for one training step, before training.
+
+        ``model`` is the LightningModule (its ``training_step`` runs on ``sample_batch`` up to the
+        pipelined call, to find the pipeline's input) or the pipelined module itself (then
+        ``sample_batch`` is its input). Prints the per-stage table unless ``verbose=False``; returns a
+        `lightning_pipe.memory.MemoryPlan`.
+        """
+        from lightning_pipe.memory import plan as memory_plan
+
+        if isinstance(model, pl.LightningModule):
+            pipelined = self._find_pipelined(model)
+            sample = self._capture_input(model, pipelined, sample_batch)
+        else:
+            pipelined, sample = model, sample_batch
+        if not isinstance(self.partitioner, Partitioner) or isinstance(self.partitioner, TracedPartitioner):
+            raise ConfigurationError("plan() covers nn.Sequential pipelines; traced models are not planned yet")
+        return memory_plan(
+            pipelined,
+            sample,
+            len(self.resolve_devices()),
+            self.microbatches,
+            self.schedule,
+            self.virtual_stages,
+            self.partitioner,
+            self.checkpoint,
+            self.runner,
+            verbose,
+        )
+
+    def _capture_input(self, lightning_module: pl.LightningModule, pipelined: nn.Module, batch: Any) -> Any:
+        """Run ``training_step`` on ``batch`` until it calls the pipelined module; return that input."""
+
+        def capture(*args: Any, **kwargs: Any) -> Any:
+            driver = current_driver()
+            assert driver is not None
+            return driver.call(args, kwargs)
+
+        driver = Driver(_bind(lightning_module.training_step, batch, (0,), {}), 0, contextlib.nullcontext, self.timeout)
+        pipelined.forward = capture  # type: ignore[method-assign]
+        lightning_module.log = lambda *args, **kwargs: None  # type: ignore[method-assign]
+        try:
+            kind, value = driver.start()
+        finally:
+            driver.abandon()
+            pipelined.__dict__.pop("forward", None)
+            lightning_module.__dict__.pop("log", None)
+        if kind == "return":
+            raise MissingCall("training_step returned without calling the pipelined module; nothing to plan")
+        return self._pipeline_input(*value)
 
     # steps
     @override
