@@ -69,6 +69,14 @@ class GradStash:
     def discard(self) -> None:
         self._step = []
 
+    def step_grad(self, p: nn.Parameter) -> torch.Tensor | None:
+        """The last step's gradient of ``p`` (not applied yet)."""
+        return next((grad for q, grad in self._step if q is p), None)
+
+    def set_step_grad(self, p: nn.Parameter, grad: torch.Tensor) -> None:
+        """Replace the last step's gradient of ``p`` (the sum over the copies of a tied weight)."""
+        self._step = [(q, g) for q, g in self._step if q is not p] + [(p, grad)]
+
 
 def _unique(params: Iterable[nn.Parameter]) -> list[nn.Parameter]:
     seen: set[int] = set()

@@ -43,10 +43,14 @@ class StageOptimizers:
             [locations.get(id(p)) for p in group["params"]] for group in template.param_groups
         ]
         self._outside = any(loc is None for layout in self._layout for loc in layout)
+        # a tied weight (one parameter of the template) has a copy on several ranks: each steps its own copy
+        self._copies: dict[Location, list[Location]] = {holders[0]: holders for holders in pipeline.tied}
+        self._counted_elsewhere = [[n for holders in pipeline.tied for r, n in holders[1:] if r == rank]
+                                   for rank in range(pipeline.coordinator.num_ranks)]  # fmt: skip
         ranks = pipeline.coordinator.num_ranks
         per_rank = [
             [
-                {"hparams": hparams, "names": [loc[1] for loc in layout if loc is not None and loc[0] == rank]}
+                {"hparams": hparams, "names": [n for loc in layout for r, n in self._holders(loc) if r == rank]}
                 for hparams, layout in zip(self._hparams(), self._layout, strict=True)
             ]
             for rank in range(ranks)
@@ -57,6 +61,12 @@ class StageOptimizers:
     @property
     def param_groups(self) -> list[dict[str, Any]]:
         return self.template.param_groups
+
+    def _holders(self, location: Location | None) -> list[Location]:
+        """Every (rank, name) holding the parameter at ``location`` (several for a tied weight)."""
+        if location is None:
+            return []
+        return self._copies.get(location, [location])
 
     def _call(self, name: str, *args: Any, each: Any = None) -> list[Any]:
         return self.pipeline.coordinator.call(name, *args, each=each)
@@ -105,7 +115,7 @@ class StageOptimizers:
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Like ``torch.nn.utils.clip_grad_norm_`` over every stage's gradients; returns the total norm."""
         norm_type = float(norm_type)
-        parts = self._call("grad_norm", norm_type)
+        parts = self._call("grad_norm", norm_type, each=[(skip,) for skip in self._counted_elsewhere])
         local = self._local_grads()
         if math.isinf(norm_type):
             total = max(parts + [g.detach().abs().max().item() for g in local])
@@ -166,8 +176,8 @@ class StageOptimizers:
                     continue
                 if loc is None:
                     local[index] = saved
-                else:
-                    per_rank[loc[0]][loc[1]] = saved
+                for rank, name in self._holders(loc):
+                    per_rank[rank][name] = saved
         hparams = [{k: v for k, v in g.items() if k != "params"} for g in groups]
         self._call("load_optimizer_state", each=[(part, hparams) for part in per_rank])
         if self._outside:

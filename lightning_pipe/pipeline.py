@@ -15,7 +15,8 @@ Any other module is traced and cut (`TracedPartitioner`), before ``split_points`
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -24,13 +25,15 @@ from torch import nn
 from lightning_pipe.backends import BackendArg, CoordinatorOps, ExecutionTrace, resolve_backends
 from lightning_pipe.comm import Communicator, LocalCommunicator
 from lightning_pipe.engine import AutocastSpec, Coordinator, StageSpec, StepResult
+from lightning_pipe.engine.runners import worker_of_stages
+from lightning_pipe.engine.versions import Staleness
 from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.microbatch import split
 from lightning_pipe.partition import Partitioner, ShardedTask
 from lightning_pipe.partition.traced import TracedPartitioner, for_module
 from lightning_pipe.partition.tracer import CallArgs
 from lightning_pipe.runtime import BaseRuntime, runtime_registry
-from lightning_pipe.schedule import get_schedule
+from lightning_pipe.schedule import resolve_schedule
 
 if TYPE_CHECKING:
     from lightning_pipe.optim import StageOptimizers
@@ -84,14 +87,33 @@ def resolve_runtime(runtime: str | BaseRuntime | None, devices: Sequence[str]) -
     return [cls(d) for d in devices]
 
 
+@dataclass
+class AsyncRun:
+    """What `Pipeline.train_async` returns: per-batch losses and each stage's measured staleness."""
+
+    losses: list[torch.Tensor]
+    staleness: list[Staleness]
+    step: StepResult
+
+    @property
+    def max_staleness(self) -> int:
+        return max(s.max for s in self.staleness)
+
+
 class Pipeline:
-    """Stages built from an ``nn.Sequential``, a schedule and a communicator."""
+    """Stages built from an ``nn.Sequential``, a schedule and a communicator.
+
+    ``stages`` counts the pieces of the model; with ``virtual_stages=V`` each worker (rank) holds
+    ``V`` of them, stage ``s`` on rank ``s % (stages // V)``. ``runner`` picks how the workers run
+    the schedule (see `lightning_pipe.engine.runners`); ``schedule`` is a registered name, a
+    `Schedule` subclass or a function returning per-rank action lists.
+    """
 
     def __init__(
         self,
         module: nn.Module,
         stages: int,
-        schedule: str = "1f1b",
+        schedule: Any = "1f1b",
         partition: str | Sequence[int] | Partitioner = "params",
         devices: Sequence[str] | None = None,
         checkpoint: str = "except_last",
@@ -104,15 +126,24 @@ class Pipeline:
         backend: BackendArg = None,
         strict: bool = False,
         split_points: Sequence[str] | None = None,
+        virtual_stages: int = 1,
+        runner: str = "parallel",
         **transport_options: Any,
     ) -> None:
+        self.worker_of_stage = worker_of_stages(runner, stages, virtual_stages)
+        ranks = stages // virtual_stages
         self.devices = [str(d) for d in (devices or ["cpu"] * stages)]
+        if len(self.devices) == ranks != stages:  # one device per rank: its stages share it
+            self.devices = [self.devices[s % ranks] for s in range(stages)]
         if len(self.devices) != stages:
             raise ConfigurationError(
                 f"devices has {len(self.devices)} entries but stages={stages}; give one device per stage"
+                + (f" or one per rank ({ranks})" if ranks != stages else "")
             )
         self.module = module
-        self.schedule_factory = get_schedule(schedule) if isinstance(schedule, str) else schedule
+        self.virtual_stages = virtual_stages
+        self.runner = runner
+        self.schedule_factory = resolve_schedule(schedule)
         self.partitioner = resolve_partitioner(partition, module, split_points)
         self.checkpoint = checkpoint_flags(checkpoint, stages)
         self.runtimes = resolve_runtime(runtime, self.devices)
@@ -152,22 +183,32 @@ class Pipeline:
             return self
         stages = len(self.devices)
         self.shards = self.partitioner.partition(self.module, self.devices, sample)
-        specs = [
-            StageSpec(
-                rank=i,
-                shards=[shard],
-                num_stages=stages,
-                rank_of_stage=list(range(stages)),
-                checkpoint=self.checkpoint,
-                timeout=self.timeout,
-                runtime=self.runtimes[i],
-                autocast=self.autocast,
-                backend=self.backend,
+        specs = []
+        for worker in range(max(self.worker_of_stage) + 1):
+            held = [s for s in range(stages) if self.worker_of_stage[s] == worker]
+            runtimes = {s: self.runtimes[s] for s in held}
+            shared = len({id(r) for r in runtimes.values()}) == 1
+            specs.append(
+                StageSpec(
+                    rank=worker,
+                    shards=[self.shards[s] for s in held],
+                    num_stages=stages,
+                    rank_of_stage=list(self.worker_of_stage),
+                    checkpoint=self.checkpoint,
+                    timeout=self.timeout,
+                    runtime=runtimes[held[0]] if shared else runtimes,
+                    autocast=self.autocast,
+                    backend=self.backend,
+                )
             )
-            for i, shard in enumerate(self.shards)
-        ]
         self._coordinator = Coordinator(
-            self.communicator, specs, self.schedule_factory, self.timeout, self.coordinator_device
+            self.communicator,
+            specs,
+            self.schedule_factory,
+            self.timeout,
+            self.coordinator_device,
+            virtual_stages=self.virtual_stages,
+            runner=self.runner,
         )
         if self._started:
             self._coordinator.start()
@@ -195,13 +236,47 @@ class Pipeline:
         if self.traced:
             call = CallArgs(tuple(args), dict(kwargs or {}))
             self.build(call)
-            return self.partitioner.pack(call.args, call.kwargs)  # type: ignore[attr-defined]
+            partitioner: TracedPartitioner = self.partitioner  # type: ignore[assignment]
+            known, state = len(partitioner.variants), self._shard_state()
+            packed = partitioner.pack(call.args, call.kwargs)
+            if len(partitioner.variants) > known and not isinstance(self.communicator, LocalCommunicator):
+                self._install_variants(partitioner, known, state)
+            return packed
         if kwargs:
             raise ConfigurationError(
                 f"the pipelined nn.Sequential was called with keyword arguments ({', '.join(kwargs)}); "
                 "an nn.Sequential takes one input (pass split_points=... to trace a module with keyword arguments)"
             )
         return args[0] if len(args) == 1 else tuple(args)
+
+    def _shard_state(self) -> list[set[str]]:
+        """Per shard, the names of its submodules, parameters and buffers."""
+        if isinstance(self.communicator, LocalCommunicator):
+            return []
+        return [
+            {n for n, _ in shard.module.named_modules(remove_duplicate=False) if n}
+            | {n for n, _ in shard.module.named_parameters(remove_duplicate=False)}
+            | {n for n, _ in shard.module.named_buffers(remove_duplicate=False)}
+            for shard in self.shards
+        ]
+
+    def _install_variants(self, partitioner: TracedPartitioner, first: int, before: list[set[str]]) -> None:
+        """Send the stages (in other processes) the code of the call variants traced since ``first``."""
+        updates: list[dict[int, Any]] = [{} for _ in range(self.coordinator.num_ranks)]
+        for shard, held, now in zip(self.shards, before, self._shard_state(), strict=True):
+            for variant in range(first, len(partitioner.variants)):
+                sources, constants = partitioner.variant_update(shard.index, variant)
+                new = sorted(n for n in now - held if not any(n == c or c.startswith(n + ".") for c in constants))
+                if new:
+                    raise ConfigurationError(
+                        f"the pipelined module was called in a new way that makes stage {shard.index} use "
+                        f"{', '.join(new[:5])}, which its worker process does not hold; call it the same way every "
+                        "time, or build the pipeline on a call of each way first"
+                    )
+                updates[self.coordinator.rank_of_stage[shard.index]].setdefault(shard.index, []).append(
+                    (variant, sources, constants)
+                )
+        self.coordinator.call("install_variants", each=[(own,) for own in updates])
 
     def unpack(self, output: Any) -> Any:
         """The module's output (tensor, tuple, dict...) from the last stage's output."""
@@ -250,8 +325,73 @@ class Pipeline:
                 return criterion(self.unpack(output), target) * (_rows(xs[index]) / rows)
 
         result = self.coordinator.train_step(xs, list(enumerate(ys)), weighted, scaler)
-        self.coordinator.call("apply_grads", 1.0)
+        self.apply_grads(1.0)
         return result
+
+    def apply_grads(self, scale: float = 1.0) -> None:
+        """Add the last step's gradients, times ``scale``, to ``p.grad`` on every stage.
+
+        Each copy of a tied weight (`tied`) first gets the sum of every copy's gradient of the step,
+        the gradient the one shared parameter gets in the unsplit module.
+        """
+        tied = self.tied
+        if tied:
+            names: list[list[str]] = [[] for _ in range(self.coordinator.num_ranks)]
+            for holders in tied:
+                for rank, name in holders:
+                    names[rank].append(name)
+            got = self.coordinator.call("step_grads", each=[(own,) for own in names])
+            totals: list[dict[str, torch.Tensor]] = [{} for _ in names]
+            for holders in tied:
+                parts = [g for g in (got[rank][name] for rank, name in holders) if g is not None]
+                if not parts:
+                    continue
+                total = parts[0].clone()
+                for g in parts[1:]:
+                    total += g.to(total.device)
+                for rank, name in holders:
+                    totals[rank][name] = total
+            self.coordinator.call("set_step_grads", each=[(own,) for own in totals])
+        self.coordinator.call("apply_grads", scale)
+
+    def train_async(
+        self,
+        batches: Iterable[tuple[Any, Any]],
+        criterion: Callable[[Any, Any], torch.Tensor],
+        optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+        microbatches: int = 4,
+        num_batches: int | None = None,
+    ) -> AsyncRun:
+        """Train on a stream of ``(inputs, targets)`` batches with ``schedule="async"``: no flush.
+
+        Each stage owns ``optimizer(stage parameters)`` and steps it after every batch's worth of
+        its backwards, on gradients taken with the weight version each microbatch's forward used
+        (weight stashing); the parameters of the module are updated in place. ``num_batches``
+        defaults to ``len(batches)``. Returns the mean loss of every batch and each stage's staleness.
+        """
+        count = num_batches if num_batches is not None else len(batches)  # type: ignore[arg-type]
+
+        def pieces() -> Iterator[tuple[list[Any], list[Any]]]:
+            for x, y in batches:
+                xs, ys = self._microbatches(x, None, microbatches), split(y, microbatches)
+                rows = sum(_rows(piece) for piece in xs)
+                yield xs, [(_rows(piece) / rows, target) for piece, target in zip(xs, ys, strict=True)]
+
+        def weighted(output: Any, label: tuple[float, Any]) -> torch.Tensor:
+            return criterion(self.unpack(output), label[1]) * label[0]
+
+        stream = pieces()
+        first = next(stream, None)  # builds the pipeline
+        if first is None:
+            raise ConfigurationError("train_async needs at least one batch")
+        result = self.coordinator.train_stream(_chain(first, stream), count, weighted, optimizer)
+        per_batch = [sum(result.losses[b * microbatches : (b + 1) * microbatches]) for b in range(count)]
+        staleness = [s for stats in self.coordinator.call("async_stats") for s in stats]
+        return AsyncRun(losses=per_batch, staleness=sorted(staleness, key=lambda s: s.stage), step=result)
+
+    def stash_peaks(self) -> list[int]:
+        """Most bytes of stashed activations each worker held at once in the last training step."""
+        return [int(peak) for peak in self.coordinator.call("stash_peak")]
 
     def forward(self, inputs: Any, microbatches: int = 1, kwargs: dict[str, Any] | None = None) -> Any:
         """Forward only, no autograd; outputs are concatenated in batch order."""
@@ -272,22 +412,60 @@ class Pipeline:
         return [self.pack(args, kw) for args, kw in pieces]
 
     # state that lives on the stages (with transport="rpc", only there)
-    def parameter_locations(self) -> dict[int, tuple[int, str]]:
-        """``id(p)`` of each parameter of ``module`` -> (rank, name) of the stage that owns it."""
+    @property
+    def tied(self) -> list[list[tuple[int, str]]]:
+        """Per weight of which several ranks hold a copy: the (rank, name) of each copy, the first holder first.
+
+        Empty when the stages share ``module``'s parameters (the local transport): then a tied weight
+        is one parameter. With ``transport="rpc"`` every worker unpickles its own copy; the copies
+        get the same gradient (`apply_grads`) and so make the same optimizer updates.
+        """
+        if isinstance(self.communicator, LocalCommunicator):
+            return []
         rank_of = self.coordinator.rank_of_stage
-        return {
-            id(p): (rank_of[shard.index], name) for shard in self.shards for name, p in shard.module.named_parameters()
-        }
+        tied = []
+        for places in getattr(self.partitioner, "tied", []):
+            holders: dict[int, str] = {}
+            for index, name in places:
+                holders.setdefault(rank_of[index], name)  # two shards of one rank share one copy
+            if len(holders) > 1:
+                tied.append(list(holders.items()))
+        return tied
+
+    def parameter_locations(self) -> dict[int, tuple[int, str]]:
+        """``id(p)`` of each parameter of ``module`` -> (rank, name) of the (first) stage that holds it."""
+        rank_of = self.coordinator.rank_of_stage
+        locations: dict[int, tuple[int, str]] = {}
+        for shard in self.shards:
+            for name, p in shard.module.named_parameters():
+                locations.setdefault(id(p), (rank_of[shard.index], name))
+        return locations
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The module's parameters and buffers as the stages hold them, under ``module.state_dict()``'s keys."""
+        """The module's parameters and buffers as the stages hold them, under ``module.state_dict()``'s keys.
+
+        A tied weight is taken from its first holder: all its keys name that one tensor, as in the module.
+        """
         state: dict[str, torch.Tensor] = {}
         for part in self.coordinator.call("state_dict"):
             state.update(part)
+        for holders in self.tied:
+            for _, name in holders[1:]:
+                state[name] = state[holders[0][1]]
         return {k: state[k] for k in self.module.state_dict() if k in state}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Load ``state`` (keys of ``module.state_dict()``) into ``module`` and send each stage its part."""
+        """Load ``state`` (keys of ``module.state_dict()``) into ``module`` and send each stage its part.
+
+        Every copy of a tied weight gets the value under its first holder's key.
+        """
+        tied = self.tied
+        if tied:
+            state = dict(state)
+            for holders in tied:
+                if holders[0][1] in state:
+                    for _, name in holders[1:]:
+                        state[name] = state[holders[0][1]]
         self.module.load_state_dict(state)
         keys: list[list[str]] = [[] for _ in range(self.coordinator.num_ranks)]
         for shard in self.shards:
@@ -328,6 +506,11 @@ def _communicator(transport: str | Communicator, options: dict[str, Any]) -> Com
         return factory(**options)
     except TypeError as exc:
         raise ConfigurationError(f"transport={transport!r} does not take these options: {exc}") from None
+
+
+def _chain(first: Any, rest: Iterator[Any]) -> Iterator[Any]:
+    yield first
+    yield from rest
 
 
 def _rows(batch: Any) -> int:

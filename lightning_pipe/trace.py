@@ -41,7 +41,11 @@ _COLORS = {
 
 @dataclass
 class ActionTiming:
-    """One action of one rank: its whole span and its parts (seconds, the workers' clock)."""
+    """One action of one rank: its span (the work, from when its inputs were there) and its parts.
+
+    ``idle`` (waiting for the inputs) precedes the span; ``recv``, ``loss``, ``compute`` and
+    ``send`` lie inside it. Seconds of the workers' clock.
+    """
 
     action: Action
     rank: int
@@ -55,19 +59,31 @@ class ActionTiming:
             start, end = self.parts[name]
             return end - start
         if name == "compute":
-            return self.end - self.start - self.part("idle")
+            return self.end - self.start - self._idle_inside()
         return 0.0
+
+    def _idle_inside(self) -> float:
+        """Waiting recorded inside the span (workers that time the wait as part of the action)."""
+        if "idle" not in self.parts:
+            return 0.0
+        start, end = self.parts["idle"]
+        return max(0.0, min(end, self.end) - max(start, self.start))
 
     @property
     def compute_span(self) -> tuple[float, float]:
         if "compute" in self.parts:
             return self.parts["compute"]
-        return (self.parts["idle"][1] if "idle" in self.parts else self.start, self.end)
+        return (self.start + self._idle_inside(), self.end)
+
+    @property
+    def busy(self) -> float:
+        """Seconds of the span not spent waiting."""
+        return self.end - self.start - self._idle_inside()
 
     @property
     def overhead(self) -> float:
         """Seconds of this action outside compute (the stage's and the loss) and waiting: the engine's own cost."""
-        return self.end - self.start - self.part("idle") - self.part("compute") - self.part("loss")
+        return self.busy - self.part("compute") - self.part("loss")
 
 
 @dataclass
@@ -114,7 +130,8 @@ class StepTimeline:
 
     @property
     def start(self) -> float:
-        return min(t.start for rank in self.ranks for t in rank)
+        """When the first rank began the step (its first action, or its first wait for inputs)."""
+        return min(min(t.start, t.parts.get("idle", (t.start,))[0]) for rank in self.ranks for t in rank)
 
     @property
     def end(self) -> float:
@@ -141,7 +158,7 @@ class StepTimeline:
     def idle_fraction(self) -> float:
         """Fraction of the ranks' time spent waiting for inputs, before the first and after the last action."""
         total = self.duration * self.num_ranks
-        busy = sum(t.end - t.start - t.part("idle") for rank in self.ranks for t in rank)
+        busy = sum(t.busy for rank in self.ranks for t in rank)
         return 1.0 - busy / total if total > 0 else 0.0
 
     def overhead_per_microbatch(self) -> float:

@@ -45,7 +45,7 @@ def test_the_last_stage_runs_the_criterion_in_the_schedules_order(schedule: str,
     assert set(threads) == {"lightning_pipe-stage-1"}
     assert len(result.losses) == 4 and all(isinstance(loss, torch.Tensor) for loss in result.losses)
     loss_parts = [name for rank in result.parts for name, _, _ in rank if name.endswith(" loss")]
-    assert loss_parts and all(name.startswith("1B") for name in loss_parts)
+    assert loss_parts and all(name.startswith("1F") for name in loss_parts)  # right after its forward(s)
 
 
 def test_the_gradients_match_the_coordinators_loss() -> None:

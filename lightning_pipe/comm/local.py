@@ -130,6 +130,7 @@ def stage_threads(threads: int | None, device_types: list[str]) -> int | None:
 
 
 def _device_type(spec: Any) -> str:
-    if spec.runtime is not None:
-        return str(spec.runtime.torch_device.type)
-    return str(runtime_registry.create(spec.shards[0].device).torch_device.type)
+    """The device type of a worker (its first shard's runtime)."""
+    shard = spec.shards[0]
+    runtime = spec.runtime.get(shard.index) if isinstance(spec.runtime, dict) else spec.runtime
+    return str((runtime or runtime_registry.create(shard.device)).torch_device.type)

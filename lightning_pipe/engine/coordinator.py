@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -12,9 +12,10 @@ from torch import nn
 
 from lightning_pipe import tree
 from lightning_pipe.comm.base import Communicator, Endpoint, Message, MessageKind, deadline, remaining
-from lightning_pipe.engine.plan import EVAL, TRAIN, LossPlan, StageSpec, StepPlan
+from lightning_pipe.engine.plan import ASYNC, EVAL, TRAIN, LossPlan, StageSpec, StepPlan
+from lightning_pipe.engine.runners import check_runner, worker_lists
 from lightning_pipe.engine.stage import StageWorker
-from lightning_pipe.errors import PipeTimeoutError, StageError
+from lightning_pipe.errors import ConfigurationError, PipeTimeoutError, StageError
 from lightning_pipe.schedule import Schedule
 
 Key = tuple[str, int, int]  # (kind, stage, microbatch)
@@ -74,6 +75,7 @@ class Coordinator:
         device: torch.device | None = None,
         virtual_stages: int = 1,
         worker_cls: type = StageWorker,
+        runner: str = "parallel",
     ) -> None:
         self.communicator = communicator
         self.specs = list(specs)
@@ -84,6 +86,7 @@ class Coordinator:
         self.num_ranks = len(self.specs)
         self.num_stages = self.specs[0].num_stages
         self.rank_of_stage = self.specs[0].rank_of_stage
+        self.runner = check_runner(runner)
         last = [shard for spec in self.specs for shard in spec.shards if shard.index == self.num_stages - 1][0]
         self.loss_module = last.forward_loss
         self._head = _Received()
@@ -117,9 +120,10 @@ class Coordinator:
         return self._endpoint
 
     def schedule(self, num_microbatches: int) -> Schedule:
-        key = (self.num_ranks, num_microbatches)
+        ranks = self.num_stages // self.virtual_stages  # the schedule's ranks; workers may be fewer (linear)
+        key = (ranks, num_microbatches)
         if key not in self._schedules:
-            self._schedules[key] = self.schedule_factory(self.num_ranks, num_microbatches, self.virtual_stages)
+            self._schedules[key] = self.schedule_factory(ranks, num_microbatches, self.virtual_stages)
         return self._schedules[key]
 
     # steps
@@ -134,10 +138,17 @@ class Coordinator:
     ) -> StepResult:
         """Forward and backward of every microbatch; parameter gradients stay on the stages."""
         schedule = self.schedule(len(inputs))
+        if schedule.asynchronous:
+            raise ConfigurationError(
+                f"schedule={schedule.name!r} trains a stream of batches without a flush between them; "
+                "run it with Pipeline.train_async(batches, ...), or pick a synchronous schedule such as '1f1b'"
+            )
         loss_plan = None
         if self.communicator.shares_objects:  # the last stage runs the criterion: no round trip per microbatch
-            loss_plan = LossPlan(list(labels), criterion, scaler, optimizer, self.device, self._head)
-        step = self._begin(TRAIN, schedule.actions(), loss_plan)
+            loss_plan = LossPlan(
+                list(labels), criterion, scaler, optimizer, self.device, self._head, schedule.loss_after_all_forwards
+            )
+        step = self._begin(TRAIN, schedule.actions(), loss=loss_plan)
         try:
             self._feed(step, inputs)
             if loss_plan is not None:
@@ -147,6 +158,71 @@ class Coordinator:
                 losses = self._losses(step, labels, criterion, scaler, optimizer, schedule)
             records, parts = self._finish(step)
             self._backward_inputs(step, inputs)
+        except BaseException:
+            self._abort(step)
+            raise
+        self.last_result = StepResult(losses=losses, records=records, schedule=schedule, parts=parts)
+        return self.last_result
+
+    def train_stream(
+        self,
+        batches: Iterable[tuple[Sequence[Any], Sequence[Any]]],
+        num_batches: int,
+        criterion: Callable[[Any, Any], Any],
+        optimizer: Callable[[list[nn.Parameter]], Any],
+        window: int | None = None,
+    ) -> StepResult:
+        """An asynchronous run: ``num_batches`` batches (each a list of microbatch inputs and one of
+        labels) as one task graph without a flush; each stage steps ``optimizer(its parameters)``
+        after every batch's worth of its backwards. Losses are returned per microbatch, in order.
+
+        At most ``window`` microbatches (default: stages + microbatches per batch) are fed ahead of
+        the last output received, so a long stream never sits in the first stage's inbox.
+        """
+        stream = iter(batches)
+        first_inputs, first_labels = next(stream, ([], []))
+        if not first_inputs or num_batches < 1:
+            raise ConfigurationError("train_stream needs at least one batch")
+        per_batch = len(first_inputs)
+        schedule = self.schedule(per_batch)
+        if not schedule.asynchronous:
+            raise ConfigurationError(
+                f"train_stream needs an asynchronous schedule such as 'async', not {schedule.name!r}"
+            )
+        total = per_batch * num_batches
+        window = window or self.num_stages + per_batch
+        step = self._begin(ASYNC, schedule.stream(num_batches), update_every=per_batch, optimizer=optimizer)
+        labels: dict[int, Any] = {}
+        queued = list(zip(first_inputs, first_labels, strict=True))
+        fed, losses = 0, []
+        try:
+            for m in range(total):
+                while fed < min(m + window, total):
+                    if not queued:
+                        inputs, targets = next(stream)
+                        if len(inputs) != per_batch:
+                            raise ConfigurationError(
+                                f"batch {fed // per_batch} has {len(inputs)} microbatches, the first had {per_batch}"
+                            )
+                        queued = list(zip(inputs, targets, strict=True))
+                    x, labels[fed] = queued.pop(0)
+                    payload = (tree.detach(x), [False] * len(tree.flatten(x)[0]))
+                    self.endpoint.send(self.rank_of_stage[0], Message(MessageKind.ACTIVATION, step, 0, fed, payload))
+                    fed += 1
+                output = self._received_output(step, m)
+                _, grads, loss = self.loss_module.run(
+                    self._head, None, output, labels.pop(m), criterion, self.device, None
+                )
+                grads = [g.detach() if isinstance(g, torch.Tensor) else None for g in grads or []]
+                grads = grads or [None] * len(tree.flatten(output)[0])
+                self.endpoint.send(
+                    self.rank_of_stage[-1], Message(MessageKind.GRAD, step, self.num_stages - 1, m, grads)
+                )
+                losses.append(loss)
+            records, parts = self._finish(step)
+        except StopIteration:
+            self._abort(step)
+            raise ConfigurationError(f"the batches ran out before num_batches={num_batches}") from None
         except BaseException:
             self._abort(step)
             raise
@@ -190,11 +266,14 @@ class Coordinator:
         return results
 
     # internals
-    def _begin(self, mode: str, actions: list[list[Any]], loss: LossPlan | None = None) -> int:
+    def _begin(self, mode: str, actions: list[list[Any]], loss: LossPlan | None = None, **options: Any) -> int:
+        lists = worker_lists(actions, self.num_stages, self.rank_of_stage)
         self._step += 1
         self._pending.clear()
-        for rank, rank_actions in enumerate(actions):
-            plan = StepPlan(mode, rank_actions, loss=loss if rank == self.rank_of_stage[-1] else None)
+        for rank, rank_actions in enumerate(lists):
+            plan = StepPlan(mode, rank_actions, dataflow=self.runner == "dataflow", **options)
+            if rank == self.rank_of_stage[-1]:
+                plan.loss = loss
             self.endpoint.send(rank, Message(MessageKind.STEP, self._step, payload=plan))
         return self._step
 

@@ -9,6 +9,7 @@ from lightning_pipe.schedule import Action
 
 TRAIN = "train"
 EVAL = "eval"
+ASYNC = "async"  # a stream of batches; each stage updates its own weights (engine/versions.py)
 
 
 @dataclass
@@ -31,7 +32,7 @@ class StageSpec:
     rank_of_stage: list[int]
     checkpoint: list[bool]  # per stage index: recompute the forward in the backward
     timeout: float
-    runtime: Any = None  # a BaseRuntime for every shard, or None: chosen by device type
+    runtime: Any = None  # a BaseRuntime for every shard, {stage: BaseRuntime}, or None: chosen by device type
     autocast: AutocastSpec | None = None
     backend: Any = None  # a backends.BackendPlan (names and op maps, no compiled objects), None: defaults
     options: dict[str, Any] = field(default_factory=dict)
@@ -47,6 +48,7 @@ class LossPlan:
     optimizer: Any
     device: Any  # torch.device the loss is computed on (the coordinator's)
     head: Any  # the loss module's model: hands the output to the criterion as received
+    after_all_forwards: bool = False  # the schedule computes every loss after the last forward (gpipe)
 
 
 @dataclass
@@ -56,4 +58,7 @@ class StepPlan:
     mode: str
     actions: list[Action]
     trace: bool = True
+    dataflow: bool = False  # run whichever action is ready instead of the list's order
+    update_every: int = 0  # ASYNC: backwards per optimizer step of a stage (the microbatches of a batch)
+    optimizer: Any = None  # ASYNC: params -> torch.optim.Optimizer, one per stage
     loss: LossPlan | None = None  # the rank of the last stage computes the losses (see LossPlan)

@@ -14,13 +14,16 @@ import torch
 from lightning_pipe import tree
 from lightning_pipe.backends import StageTrace, build_executables
 from lightning_pipe.comm.base import COORDINATOR, Endpoint, Message, MessageKind, deadline, remaining
-from lightning_pipe.engine.plan import EVAL, TRAIN, LossPlan, StageSpec, StepPlan
+from lightning_pipe.engine.plan import ASYNC, EVAL, TRAIN, LossPlan, StageSpec, StepPlan
+from lightning_pipe.engine.split_backward import WeightGradient, backward_input, backward_weight
 from lightning_pipe.engine.stage_state import StageStateCalls
+from lightning_pipe.engine.stash import StashMeter, signature
+from lightning_pipe.engine.versions import StageVersions, stage_versions
 from lightning_pipe.errors import PipeTimeoutError, StageError
-from lightning_pipe.executors import Activation
+from lightning_pipe.executors import Activation, recompute
 from lightning_pipe.grads import GradStash
-from lightning_pipe.runtime import runtime_registry
-from lightning_pipe.schedule import Action, Kind
+from lightning_pipe.runtime import BaseRuntime, runtime_registry
+from lightning_pipe.schedule import Action, Kind, peak_activations
 
 _IDLE_POLL = 1.0  # seconds between checks while waiting for the next step
 Key = tuple[int, str, int, int]  # (step, kind, stage, microbatch)
@@ -46,9 +49,9 @@ class StageWorker(StageStateCalls):
         self.endpoint = endpoint
         self.rank = spec.rank
         self.shards = {shard.index: shard for shard in spec.shards}
-        self.runtimes = {
-            index: spec.runtime if spec.runtime is not None else runtime_registry.create(shard.device)
-            for index, shard in self.shards.items()
+        chosen = {i: spec.runtime.get(i) if isinstance(spec.runtime, dict) else spec.runtime for i in self.shards}
+        self.runtimes: dict[int, BaseRuntime] = {
+            index: chosen[index] or runtime_registry.create(shard.device) for index, shard in self.shards.items()
         }
         for index, shard in self.shards.items():
             shard.module = self.runtimes[index].move_module(shard.module)
@@ -58,6 +61,10 @@ class StageWorker(StageStateCalls):
         self.executables, self.traces = build_executables(self.shards.values(), spec.backend, devices)
         self._pending: dict[Key, Message] = {}
         self._saved: dict[tuple[int, int], Activation] = {}
+        self._weight_work: dict[tuple[int, int], WeightGradient] = {}  # I done, W pending
+        self.stash = StashMeter()
+        self._versions: dict[int, StageVersions] = {}  # ASYNC: per stage, kept across runs
+        self._asynchronous = False
         self._grads = GradStash(p for shard in self.shards.values() for p in shard.module.parameters())
         self._aborted = -1
         self._stop = False
@@ -99,21 +106,33 @@ class StageWorker(StageStateCalls):
     # a step
     def _run_step(self, step: int, plan: StepPlan) -> None:
         records: list[tuple[str, float, float]] = []
-        self._parts = []
-        self._loss = plan.loss
         action: Action | None = None
-        training = plan.mode == TRAIN
+        training, set_aside = plan.mode != EVAL, plan.mode == TRAIN
+        self._asynchronous = plan.mode == ASYNC
         outcome: Message | None = None
-        if training:
+        self._parts, self._loss, self._outputs = [], plan.loss, {}
+        idle_since = time.perf_counter()
+        if set_aside:
             self._grads.begin()
+        if training:
+            self.stash.reset()
         try:
-            for action in plan.actions:
+            if self._asynchronous:
+                self._start_async(plan)
+            order = self._dataflow(step, plan.actions) if plan.dataflow else self._in_order(step, plan.actions)
+            for action in order:  # each action's inputs are here: its record times the work, not the wait
                 start = time.perf_counter()
+                self._parts.append((f"{action} idle", idle_since, start))  # waiting for its inputs
                 if action.kind is Kind.FORWARD:
                     self._forward(step, action, training)
-                else:
+                elif action.kind is Kind.BACKWARD:
                     self._backward(step, action)
-                records.append((str(action), start, time.perf_counter()))
+                elif action.kind is Kind.BACKWARD_INPUT:
+                    self._backward_input(step, action)
+                else:
+                    self._backward_weight(action)
+                idle_since = time.perf_counter()
+                records.append((str(action), start, idle_since))
             for index, shard in self.shards.items():
                 self.runtimes[index].get_pending_result(shard.module, True)
             outcome = Message(MessageKind.DONE, step, payload=(records, self._parts))
@@ -134,7 +153,7 @@ class StageWorker(StageStateCalls):
             outcome = Message(MessageKind.ERROR, step, payload=error)
             self._forget(step)
         finally:
-            if training:
+            if set_aside:
                 # before telling the coordinator: once it hears DONE, Lightning may zero p.grad
                 self._grads.end()
         if outcome is not None:
@@ -146,7 +165,6 @@ class StageWorker(StageStateCalls):
         model = self.executables[(s, TRAIN if training else EVAL)]
         t = time.perf_counter()
         inputs, mask = self._wait(step, MessageKind.ACTIVATION, s, m).payload
-        t = self._span(action, "idle", t)
         inputs = runtime.convert_batch(inputs)
         device = runtime.torch_device
         if s not in self._initialized:
@@ -162,14 +180,16 @@ class StageWorker(StageStateCalls):
                 leaves = tree.as_leaves(inputs, mask)
                 rng = torch.get_rng_state()
                 with torch.no_grad():
-                    outputs = shard.forward.run(model, leaves, device)
+                    outputs = shard.forward.run(self._model(s, m), leaves, device)
                 self._saved[(s, m)] = Activation(leaves, None, rng)
+                self.stash.hold((s, m), self._stash_size(s, self._saved[(s, m)], True))
                 out_mask = [isinstance(t, torch.Tensor) and t.is_floating_point() for t in tree.flatten(outputs)[0]]
             else:
                 leaves = tree.as_leaves(inputs, mask)
                 with torch.enable_grad():
-                    outputs = shard.forward.run(model, leaves, device)
+                    outputs = shard.forward.run(self._model(s, m), leaves, device)
                 self._saved[(s, m)] = Activation(leaves, outputs)
+                self.stash.hold((s, m), self._stash_size(s, self._saved[(s, m)], False))
                 out_mask = tree.grad_mask(outputs)
         t = self._span(action, "compute", t)
         payload = (tree.detach(outputs), out_mask)
@@ -177,7 +197,12 @@ class StageWorker(StageStateCalls):
             message = Message(MessageKind.ACTIVATION, step, s + 1, m, payload)
             self.endpoint.send(self.spec.rank_of_stage[s + 1], message)
         elif self._loss is not None:
-            self._outputs[m] = payload  # its loss is computed here when its backward needs the gradient
+            self._outputs[m] = payload
+            if not self._loss.after_all_forwards or len(self._outputs) == len(self._loss.labels):
+                t = self._span(action, "send", t)
+                self._compute_losses(step, s)
+                self._span(action, "loss", t)
+                return
         else:
             self.endpoint.send(COORDINATOR, Message(MessageKind.OUTPUT, step, s, m, payload))
         self._span(action, "send", t)
@@ -186,39 +211,72 @@ class StageWorker(StageStateCalls):
         s, m = action.stage, action.microbatch
         shard, runtime = self.shards[s], self.runtimes[s]
         t = time.perf_counter()
-        if (
-            self._loss is not None
-            and s == self.spec.num_stages - 1
-            and (step, MessageKind.GRAD, s, m) not in self._pending
-        ):
-            self._compute_losses(step, s)
-            t = self._span(action, "loss", t)
         grads = self._wait(step, MessageKind.GRAD, s, m).payload
-        t = self._span(action, "idle", t)
         grads = [runtime.move_tensor(g) if isinstance(g, torch.Tensor) else None for g in grads]
         saved = self._saved.pop((s, m))
-        model = self.executables[(s, TRAIN)]
         t = self._span(action, "recv", t)
         with self._autocast(runtime.torch_device):
-            _, input_grads = shard.backward.run(model, None, saved, runtime.torch_device, grads, None)
+            _, input_grads = shard.backward.run(self._model(s, m), None, saved, runtime.torch_device, grads, None)
+        if self._asynchronous:
+            self._versions[s].backward_done(m)
+        self.stash.release((s, m))
         t = self._span(action, "compute", t)
-        if input_grads is None or all(g is None for g in input_grads):
-            if s == 0:
-                return
-            input_grads = [None] * len(tree.flatten(saved.inputs)[0])
-        payload = [g.detach() if isinstance(g, torch.Tensor) else None for g in input_grads]
-        if s > 0:
-            self.endpoint.send(self.spec.rank_of_stage[s - 1], Message(MessageKind.GRAD, step, s - 1, m, payload))
-        else:
-            self.endpoint.send(COORDINATOR, Message(MessageKind.INPUT_GRAD, step, s, m, payload))
+        self._send_input_grads(step, s, m, saved, input_grads)
         self._span(action, "send", t)
+
+    def _backward_input(self, step: int, action: Action) -> None:
+        """``I``: the gradient of the stage input now; the graph stays for the weight gradient ``W``."""
+        s, m = action.stage, action.microbatch
+        shard, runtime = self.shards[s], self.runtimes[s]
+        grads = self._wait(step, MessageKind.GRAD, s, m).payload
+        grads = [runtime.move_tensor(g) if isinstance(g, torch.Tensor) else None for g in grads]
+        saved = self._saved[(s, m)]
+        with self._autocast(runtime.torch_device):
+            outputs = saved.outputs
+            if outputs is None:  # checkpointed: the recomputed graph is kept until W
+                outputs = saved.outputs = recompute(self._model(s, m), saved)
+                graph = self._stash_size(s, saved, False) - self._stash_size(s, Activation(saved.inputs), True)
+                self.stash.hold((s, m), graph)
+            input_grads, work = backward_input(
+                tree.flatten(outputs)[0], grads, tree.flatten(saved.inputs)[0], shard.module.parameters()
+            )
+        self._weight_work[(s, m)] = work
+        self.stash.hold((s, m), work.nbytes())
+        self._send_input_grads(step, s, m, saved, input_grads)
+
+    def _backward_weight(self, action: Action) -> None:
+        """``W``: the parameter gradients left pending by ``I``; frees the microbatch's stash."""
+        s, m = action.stage, action.microbatch
+        work = self._weight_work.pop((s, m))
+        with self._autocast(self.runtimes[s].torch_device):
+            backward_weight(work)
+        del self._saved[(s, m)]
+        self.stash.release((s, m))
+
+    def _stash_size(self, s: int, activation: Activation, checkpointed: bool) -> int:
+        params = list(self.shards[s].module.parameters())
+        if self._asynchronous:  # the stashed weight versions are weights, not activations
+            params += self._versions[s].weights()
+        return self.stash.measure(signature(s, checkpointed, activation.inputs), activation, params)
+
+    def _model(self, s: int, m: int) -> torch.nn.Module:
+        """What runs stage ``s`` for microbatch ``m``: its module, or (async) the module on m's weight version."""
+        return self._versions[s].model(m) if self._asynchronous else self.executables[(s, TRAIN)]
+
+    def _start_async(self, plan: StepPlan) -> None:
+        """Per-stage weight versions and optimizers, kept across asynchronous runs with the same optimizer."""
+        first = next(iter(self._versions.values()), None)
+        if first is None or first.factory is not plan.optimizer:
+            self._versions = stage_versions(self.shards.values(), plan.update_every, plan.optimizer)
+        for versions in self._versions.values():
+            versions.start_run(plan.update_every)
 
     def _compute_losses(self, step: int, s: int) -> None:
         """The losses of the outputs kept so far, in microbatch order, as the coordinator would compute them.
 
         Each loss's gradient with respect to the output becomes this stage's pending gradient and the
-        loss goes to the coordinator. With a schedule that runs every forward first (gpipe) this
-        happens at the first backward, so the losses still come after all forwards.
+        loss goes to the coordinator. A microbatch's loss follows its forward; with a schedule that
+        computes every loss after all forwards (gpipe) they follow the last forward.
         """
         plan = self._loss
         assert plan is not None
@@ -240,38 +298,97 @@ class StageWorker(StageStateCalls):
             self.endpoint.send(COORDINATOR, Message(MessageKind.LOSS, step, s, m, loss))
 
     def _span(self, action: Action, part: str, start: float) -> float:
-        """Record ``part`` (idle, recv, loss, compute or send) of ``action`` from ``start`` until now; returns now."""
+        """Record ``part`` (recv, loss, compute or send) of ``action`` from ``start`` until now; returns now."""
         now = time.perf_counter()
         self._parts.append((f"{action} {part}", start, now))
         return now
+
+    def _send_input_grads(
+        self, step: int, s: int, m: int, saved: Activation, input_grads: list[torch.Tensor | None] | None
+    ) -> None:
+        if input_grads is None or all(g is None for g in input_grads):
+            if s == 0:
+                return
+            input_grads = [None] * len(tree.flatten(saved.inputs)[0])
+        payload = [g.detach() if isinstance(g, torch.Tensor) else None for g in input_grads]
+        if s > 0:
+            self.endpoint.send(self.spec.rank_of_stage[s - 1], Message(MessageKind.GRAD, step, s - 1, m, payload))
+        else:
+            self.endpoint.send(COORDINATOR, Message(MessageKind.INPUT_GRAD, step, s, m, payload))
 
     def _wait(self, step: int, kind: str, stage: int, microbatch: int) -> Message:
         key = (step, kind, stage, microbatch)
         until = deadline(self.spec.timeout)
         while key not in self._pending:
-            message = self.endpoint.recv(remaining(until))
-            if message is None:
-                what = "activation" if kind == MessageKind.ACTIVATION else "gradient"
-                raise PipeTimeoutError(
-                    f"stage {stage} waited {self.spec.timeout:.1f} s for the {what} of microbatch {microbatch}; "
-                    "raise PipeStrategy(timeout=...) if a stage legitimately takes that long"
-                )
-            if message.kind == MessageKind.ABORT and message.step >= step:
-                raise _Abort
-            if message.kind == MessageKind.STOP:
-                self._stop = True
-                raise _Abort
-            if message.kind == MessageKind.CALL:
-                self._call(message)
-                continue
-            self._pending[(message.step, message.kind, message.stage, message.microbatch)] = message
+            what = "activation" if kind == MessageKind.ACTIVATION else "gradient"
+            self._receive(step, until, f"stage {stage} waited {{}} for the {what} of microbatch {microbatch}")
         return self._pending.pop(key)
+
+    def _receive(self, step: int, until: float, what: str) -> None:
+        """Take one message from the inbox: store inputs, serve calls, raise on abort, stop or timeout."""
+        message = self.endpoint.recv(remaining(until))
+        if message is None:
+            raise PipeTimeoutError(
+                what.format(f"{self.spec.timeout:.1f} s")
+                + "; raise PipeStrategy(timeout=...) if a stage legitimately takes that long"
+            )
+        if message.kind == MessageKind.ABORT and message.step >= step:
+            raise _Abort
+        if message.kind == MessageKind.STOP:
+            self._stop = True
+            raise _Abort
+        if message.kind == MessageKind.CALL:
+            self._call(message)
+            return
+        self._pending[(message.step, message.kind, message.stage, message.microbatch)] = message
+
+    def _in_order(self, step: int, actions: list[Action]) -> Iterator[Action]:
+        """The list's order (``parallel`` and ``linear`` runners), each action once its inputs arrived."""
+        for action in actions:
+            until = deadline(self.spec.timeout)
+            while not self._ready(step, action, True, 0):
+                what = "the gradient" if action.kind.is_backward else "the activation"
+                self._receive(
+                    step, until, f"stage {action.stage} waited {{}} for {what} of microbatch {action.microbatch}"
+                )
+            yield action
+
+    def _dataflow(self, step: int, actions: list[Action]) -> Iterator[Action]:
+        """The dataflow runner: yield whichever action is ready, preferring the schedule's order.
+
+        The earliest remaining action of the list may always run; a later forward may run ahead
+        only while this rank holds fewer activations than the list's own peak, so the memory plan
+        still holds and no run can deadlock that the fixed order would not.
+        """
+        remaining = list(actions)
+        cap = peak_activations([actions])[0]
+        until = deadline(self.spec.timeout)
+        while remaining:
+            action = next((a for i, a in enumerate(remaining) if self._ready(step, a, i == 0, cap)), None)
+            if action is None:
+                waiting = ", ".join(map(str, remaining[:4]))
+                self._receive(step, until, f"rank {self.rank} waited {{}} for the inputs of any of {waiting}")
+                continue
+            remaining.remove(action)
+            until = deadline(self.spec.timeout)
+            yield action
+
+    def _ready(self, step: int, action: Action, first: bool, cap: int) -> bool:
+        key = (action.stage, action.microbatch)
+        if action.kind is Kind.FORWARD:
+            arrived = (step, MessageKind.ACTIVATION, *key) in self._pending
+            return arrived and (first or len(self._saved) < cap)
+        if action.kind is Kind.BACKWARD_WEIGHT:
+            return key in self._weight_work
+        return (step, MessageKind.GRAD, *key) in self._pending and key in self._saved
 
     def _forget(self, step: int) -> None:
         self._aborted = max(self._aborted, step)
         self._pending = {k: v for k, v in self._pending.items() if k[0] > step}
         self._saved.clear()
+        self._weight_work.clear()
         self._outputs.clear()
+        self.stash.reset()
 
     @contextlib.contextmanager
     def _autocast(self, device: torch.device) -> Iterator[None]:
@@ -316,3 +433,11 @@ class StageWorker(StageStateCalls):
 
     def call_ping(self) -> int:
         return self.rank
+
+    def call_async_stats(self) -> list[Any]:
+        """Each stage's `Staleness` in the last asynchronous run."""
+        return [versions.stats for versions in self._versions.values()]
+
+    def call_stash_peak(self) -> int:
+        """Most bytes of stashed tensors this rank held at once during the last training step."""
+        return self.stash.peak

@@ -8,12 +8,14 @@ moves parameters during a step. Names are the unsplit module's: a shard keeps it
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 from lightning_pipe.errors import PipeError
+from lightning_pipe.grads import GradStash
 
 GroupSpec = dict[str, Any]  # {"hparams": {...}, "names": [...]}: one param group, this rank's part of it
 
@@ -23,14 +25,15 @@ class StageStateCalls:
 
     shards: dict[int, Any]
     rank: int
+    _grads: GradStash
     _optimizer: torch.optim.Optimizer | None = None
     _optimizer_names: list[list[str]] = []
 
     def _named_parameters(self) -> dict[str, nn.Parameter]:
         return {name: p for shard in self.shards.values() for name, p in shard.module.named_parameters()}
 
-    def _param_grads(self) -> list[torch.Tensor]:
-        return [p.grad for p in self._named_parameters().values() if p.grad is not None]
+    def _param_grads(self, skip: Sequence[str] = ()) -> list[torch.Tensor]:
+        return [p.grad for name, p in self._named_parameters().items() if p.grad is not None and name not in skip]
 
     # module state
     def call_state_dict(self) -> dict[str, torch.Tensor]:
@@ -49,10 +52,31 @@ class StageStateCalls:
                 raise PipeError(f"the state to load lacks keys of stage {shard.index}: {', '.join(missing[:5])}")
             shard.module.load_state_dict({k: state[k] for k in own})
 
+    def call_install_variants(self, updates: dict[int, list[tuple[int, dict[bool, str], dict[str, Any]]]]) -> None:
+        """Add call variants traced after the stages were built: per shard index, [(variant, code, constants)]."""
+        for index, variants in updates.items():
+            task = self.shards[index]
+            device = torch.device(task.device)
+            for variant, sources, constants in variants:
+                moved = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in constants.items()}
+                task.module.install_with_constants(variant, sources, moved)
+
     def call_grads(self) -> dict[str, torch.Tensor | None]:
         return {name: p.grad for name, p in self._named_parameters().items()}
 
     # gradients
+    def call_step_grads(self, names: list[str]) -> dict[str, torch.Tensor | None]:
+        """The last step's gradients of ``names``, before ``apply_grads`` (a tied weight's copies on this rank)."""
+        params = self._named_parameters()
+        return {name: self._grads.step_grad(params[name]) for name in names}
+
+    def call_set_step_grads(self, grads: dict[str, torch.Tensor]) -> None:
+        """Replace the last step's gradients of some parameters (each tied copy gets the sum over all copies)."""
+        params = self._named_parameters()
+        for name, grad in grads.items():
+            p = params[name]
+            self._grads.set_step_grad(p, grad.to(device=p.device, dtype=p.dtype))
+
     def call_zero_grad(self, set_to_none: bool = True) -> None:
         for p in self._named_parameters().values():
             if p.grad is None:
@@ -63,9 +87,12 @@ class StageStateCalls:
                 p.grad.detach_()
                 p.grad.zero_()
 
-    def call_grad_norm(self, norm_type: float) -> float:
-        """This rank's share of the global norm: the sum of ``|g|^p`` (or the max of ``|g|`` for inf)."""
-        grads = self._param_grads()
+    def call_grad_norm(self, norm_type: float, skip: Sequence[str] = ()) -> float:
+        """This rank's share of the global norm: the sum of ``|g|^p`` (or the max of ``|g|`` for inf).
+
+        ``skip`` names copies of a tied weight that another rank already counts.
+        """
+        grads = self._param_grads(skip)
         if not grads:
             return 0.0
         if math.isinf(norm_type):

@@ -156,6 +156,12 @@ class TracedShard(nn.Module):
             self._adopt(root, target, constants)
         self.install(variant, {mode: _source(graph) for mode, graph in graphs.items()})
 
+    def install_with_constants(self, variant: int, sources: dict[bool, str], constants: dict[str, Any]) -> None:
+        """A variant traced in another process: its code and the constants it reads (a stage of transport="rpc")."""
+        for target in sorted(constants, key=lambda t: t.count(".")):
+            self._adopt(self, target, constants)
+        self.install(variant, sources)
+
     def install(self, variant: int, sources: dict[bool, str]) -> None:
         """Add a variant's generated code (the attributes it reads must be there already)."""
         for mode, src in sources.items():

@@ -267,6 +267,13 @@ class TracedPartitioner(Partitioner):
             self._compare(module, variant)
         return variant
 
+    def variant_update(self, index: int, variant: int) -> tuple[dict[bool, str], dict[str, Any]]:
+        """What a copy of shard ``index`` made before ``variant`` was traced (a stage in another process)
+        needs to run it: the variant's code per mode and the constants that code reads."""
+        shard = self._shards[index]
+        constants = {t: v for t, v in _constants(self.variants[variant]).items() if _holds(shard, t)}
+        return {mode: shard.code(mode, variant) for mode in (True, False)}, constants
+
     # helpers
     def _units(self, module: nn.Module) -> list[nn.Module]:
         graph = self.traced[True].graph
@@ -304,6 +311,15 @@ def _rename_constants(traced: Traced, prefix: str) -> None:
         if node.op == "get_attr" and node.target in traced.constants:
             node.target = prefix + node.target
     traced.constants = {prefix + name: value for name, value in traced.constants.items()}
+
+
+def _holds(module: nn.Module, target: str) -> bool:
+    obj: Any = module
+    for atom in target.split("."):
+        if not hasattr(obj, atom):
+            return False
+        obj = getattr(obj, atom)
+    return True
 
 
 def _constants(traced: dict[bool, Traced]) -> dict[str, Any]:

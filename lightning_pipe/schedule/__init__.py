@@ -2,16 +2,35 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from typing import Any
 
 from lightning_pipe.errors import ScheduleError
 from lightning_pipe.schedule.action import Action, Kind
-from lightning_pipe.schedule.base import Schedule, format_grid, peak_activations, simulate, validate
+from lightning_pipe.schedule.asynchronous import AsyncOneFOneB
+from lightning_pipe.schedule.base import (
+    COSTS,
+    UNIT,
+    ActionLists,
+    Schedule,
+    bubble_fraction,
+    format_grid,
+    makespan,
+    peak_activations,
+    simulate,
+    validate,
+)
+from lightning_pipe.schedule.custom import ListSchedule, ScheduleFactory, resolve
+from lightning_pipe.schedule.interleaved import Interleaved1F1B
 from lightning_pipe.schedule.schedules import GPipe, OneFOneB
+from lightning_pipe.schedule.zero_bubble import ZeroBubbleH1
 
-ScheduleFactory = Callable[[int, int, int], Schedule]
-
-_SCHEDULES: dict[str, ScheduleFactory] = {"gpipe": GPipe, "1f1b": OneFOneB}
+_SCHEDULES: dict[str, ScheduleFactory] = {
+    "gpipe": GPipe,
+    "1f1b": OneFOneB,
+    "interleaved-1f1b": Interleaved1F1B,
+    "zero-bubble": ZeroBubbleH1,
+    "async": AsyncOneFOneB,
+}
 
 
 def register_schedule(name: str, factory: ScheduleFactory) -> None:
@@ -32,18 +51,34 @@ def get_schedule(name: str) -> ScheduleFactory:
         raise ScheduleError(f"unknown schedule {name!r}; available: {known}") from None
 
 
+def resolve_schedule(spec: Any) -> ScheduleFactory:
+    """``schedule=`` as a factory: a registered name, a `Schedule` subclass or instance, or a function
+    ``fn(num_ranks, num_microbatches[, virtual_stages])`` returning per-rank lists of actions."""
+    return resolve(spec, get_schedule)
+
+
 __all__ = [
+    "COSTS",
+    "UNIT",
     "Action",
+    "ActionLists",
+    "AsyncOneFOneB",
     "GPipe",
+    "Interleaved1F1B",
     "Kind",
+    "ListSchedule",
     "OneFOneB",
     "Schedule",
     "ScheduleFactory",
+    "ZeroBubbleH1",
     "available_schedules",
+    "bubble_fraction",
     "format_grid",
     "get_schedule",
+    "makespan",
     "peak_activations",
     "register_schedule",
+    "resolve_schedule",
     "simulate",
     "validate",
 ]

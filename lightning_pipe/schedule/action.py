@@ -52,3 +52,11 @@ def F(stage: int, microbatch: int) -> Action:  # noqa: N802 - reads like the tex
 
 def B(stage: int, microbatch: int) -> Action:  # noqa: N802
     return Action(stage, Kind.BACKWARD, microbatch)
+
+
+def I(stage: int, microbatch: int) -> Action:  # noqa: N802, E743 - reads like the text form
+    return Action(stage, Kind.BACKWARD_INPUT, microbatch)
+
+
+def W(stage: int, microbatch: int) -> Action:  # noqa: N802
+    return Action(stage, Kind.BACKWARD_WEIGHT, microbatch)

@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 from lightning_pipe.errors import ScheduleError
 from lightning_pipe.schedule.action import Action, Kind
 
 ActionLists = list[list[Action]]
+Durations = Mapping[Kind, float]
+
+#: every action takes one time unit (the grids in the docstrings)
+UNIT: Durations = {Kind.FORWARD: 1, Kind.BACKWARD: 1, Kind.BACKWARD_INPUT: 1, Kind.BACKWARD_WEIGHT: 1}
+#: a backward costs two forwards, split evenly into input and weight gradients (the zero-bubble paper's model)
+COSTS: Durations = {Kind.FORWARD: 1, Kind.BACKWARD: 2, Kind.BACKWARD_INPUT: 1, Kind.BACKWARD_WEIGHT: 1}
 
 
 class Schedule(ABC):
@@ -22,6 +28,8 @@ class Schedule(ABC):
     name: str = "schedule"
     #: the coordinator computes every loss only after all forwards finished (synchronous training)
     loss_after_all_forwards: bool = False
+    #: stages update their own weights as gradients arrive, over a stream of batches (``stream()``)
+    asynchronous: bool = False
 
     def __init__(self, num_ranks: int, num_microbatches: int, virtual_stages: int = 1) -> None:
         if num_ranks < 1:
@@ -34,6 +42,10 @@ class Schedule(ABC):
         self.num_microbatches = num_microbatches
         self.virtual_stages = virtual_stages
         self._actions: ActionLists | None = None
+        self.check()
+
+    def check(self) -> None:  # noqa: B027 - a hook with a no-op default
+        """Raise `ScheduleError` if this schedule cannot serve (ranks, microbatches, virtual_stages)."""
 
     @property
     def num_stages(self) -> int:
@@ -56,6 +68,10 @@ class Schedule(ABC):
             self._actions = actions
         return self._actions
 
+    def stream(self, num_batches: int) -> ActionLists:
+        """Action lists of ``num_batches`` batches without a flush (asynchronous schedules only)."""
+        raise ScheduleError(f"schedule {self.name!r} flushes after every batch; only asynchronous schedules stream")
+
     def forward_actions(self) -> ActionLists:
         """Action lists for evaluation and prediction: every stage's forwards, in microbatch order."""
         lists: ActionLists = [[] for _ in range(self.num_ranks)]
@@ -64,10 +80,18 @@ class Schedule(ABC):
                 lists[self.rank_of(s)].append(Action(s, Kind.FORWARD, m))
         return lists
 
-    def grid(self, forward_only: bool = False) -> str:
+    def simulate(self, durations: Durations = UNIT) -> dict[Action, float]:
+        """Start time of each training action when every rank runs its list in order."""
+        return simulate(self.actions(), self.num_stages, durations)
+
+    def grid(self, forward_only: bool = False, durations: Durations = UNIT) -> str:
         """The schedule drawn as a rank x time grid, one column per time unit, blanks for idle."""
         lists = self.forward_actions() if forward_only else self.actions()
-        return format_grid(lists, simulate(lists, self.num_stages))
+        return format_grid(lists, simulate(lists, self.num_stages, durations), durations=durations)
+
+    def bubble(self, durations: Durations = COSTS) -> float:
+        """Fraction of rank x time left idle in the simulated step (0 = no bubble)."""
+        return bubble_fraction(self.actions(), self.num_stages, durations)
 
     def peak_activations(self) -> list[int]:
         """Most microbatch activations each rank holds at once (forward done, backward not yet)."""
@@ -80,20 +104,22 @@ class Schedule(ABC):
         )
 
 
-def _dependencies(action: Action, num_stages: int, kinds: set[Kind]) -> list[Action]:
-    """Actions of other stages that must finish before ``action`` can start."""
+def dependencies(action: Action, num_stages: int, present: Collection[Action]) -> list[Action]:
+    """Actions that must finish before ``action`` can start (the edges of the task graph).
+
+    A forward needs the previous stage's forward; a backward (``B`` or ``I``) needs its own forward
+    and the input gradient of the next stage (``B`` or ``I``, whichever ``present`` holds; the loss
+    on the last stage); a weight gradient ``W`` needs its own ``I``.
+    """
     s, m = action.stage, action.microbatch
-    full = Kind.BACKWARD if Kind.BACKWARD in kinds else Kind.BACKWARD_INPUT
     if action.kind is Kind.FORWARD:
         return [Action(s - 1, Kind.FORWARD, m)] if s > 0 else []
     if action.kind is Kind.BACKWARD_WEIGHT:
         return [Action(s, Kind.BACKWARD_INPUT, m)]
-    # B or I: needs its own forward, and the gradient from the next stage (the loss on the last)
     deps = [Action(s, Kind.FORWARD, m)]
     if s < num_stages - 1:
-        deps.append(Action(s + 1, full, m))
-    else:
-        deps.append(Action(s, Kind.FORWARD, m))
+        full = Action(s + 1, Kind.BACKWARD, m)
+        deps.append(full if full in present else Action(s + 1, Kind.BACKWARD_INPUT, m))
     return deps
 
 
@@ -101,16 +127,21 @@ def validate(
     lists: Sequence[Sequence[Action]],
     num_stages: int,
     num_microbatches: int,
-    rank_of: object = None,
+    rank_of: Callable[[int], int] | None = None,
 ) -> None:
     """Check action lists: complete, on the right ranks, forwards before backwards, no deadlock.
 
     Raises `ScheduleError` naming the first faulty action and printing the grid with it marked.
     """
-    owner = rank_of if callable(rank_of) else (lambda s: s % len(lists))
-    seen: dict[Action, int] = {}
+    owner = rank_of if rank_of is not None else (lambda s: s % len(lists))
+    seen: dict[Action, tuple[int, int]] = {}  # action -> (rank, position)
     for rank, actions in enumerate(lists):
-        for action in actions:
+        for position, action in enumerate(actions):
+            if not isinstance(action, Action):
+                raise ScheduleError(
+                    f"invalid schedule: rank {rank} position {position} holds {action!r}, not an Action; "
+                    "use Action(stage, Kind.FORWARD, microbatch) or its text form such as '1F0'"
+                )
             if not 0 <= action.stage < num_stages or not 0 <= action.microbatch < num_microbatches:
                 _fail(lists, action, f"{action} is outside {num_stages} stages x {num_microbatches} microbatches")
             if owner(action.stage) != rank:
@@ -118,39 +149,79 @@ def validate(
                 _fail(lists, action, f"{action} is on rank {rank} but stage {action.stage} lives on rank {where}")
             if action in seen:
                 _fail(lists, action, f"{action} appears twice")
-            seen[action] = rank
-    kinds = {a.kind for a in seen}
-    backward = Kind.BACKWARD if Kind.BACKWARD in kinds else Kind.BACKWARD_INPUT
-    for s in range(num_stages):
-        for m in range(num_microbatches):
-            for kind in [Kind.FORWARD, backward] + ([Kind.BACKWARD_WEIGHT] if backward is Kind.BACKWARD_INPUT else []):
-                if Action(s, kind, m) not in seen:
-                    raise ScheduleError(f"schedule is missing {Action(s, kind, m)}\n{format_grid(lists)}")
-    if Kind.BACKWARD in kinds and Kind.BACKWARD_INPUT in kinds:
-        raise ScheduleError("a schedule uses either full backwards (B) or split ones (I and W), not both")
+            seen[action] = (rank, position)
+    _check_order(lists, seen)
+    _check_complete(lists, seen, num_stages, num_microbatches)
     simulate(lists, num_stages)  # raises on a deadlock
 
 
-def simulate(lists: Sequence[Sequence[Action]], num_stages: int) -> dict[Action, int]:
-    """Start time of each action with unit durations, each rank running its list in order."""
-    kinds = {a for actions in lists for a in actions}
-    kind_set = {a.kind for a in kinds}
-    start: dict[Action, int] = {}
-    finish: dict[Action, int] = {}
+def _check_order(lists: Sequence[Sequence[Action]], seen: dict[Action, tuple[int, int]]) -> None:
+    """On its rank, each backward comes after its forward and each ``W`` after its ``I``."""
+    for actions in lists:
+        for action in actions:
+            if action.kind is Kind.FORWARD:
+                continue
+            before = Kind.BACKWARD_INPUT if action.kind is Kind.BACKWARD_WEIGHT else Kind.FORWARD
+            first = Action(action.stage, before, action.microbatch)
+            if first in seen and seen[first][1] > seen[action][1]:
+                _fail(
+                    lists, action, f"{action} runs before {first} on its rank and would wait for it forever (deadlock)"
+                )
+
+
+def _check_complete(
+    lists: Sequence[Sequence[Action]],
+    seen: dict[Action, tuple[int, int]],
+    num_stages: int,
+    num_microbatches: int,
+) -> None:
+    """Every (stage, microbatch) has a forward and either ``B`` or both ``I`` and ``W``: sends meet receives."""
+    for m in range(num_microbatches):
+        for s in range(num_stages):
+            f, b = Action(s, Kind.FORWARD, m), Action(s, Kind.BACKWARD, m)
+            i, w = Action(s, Kind.BACKWARD_INPUT, m), Action(s, Kind.BACKWARD_WEIGHT, m)
+            if f not in seen:
+                sender = Action(s - 1, Kind.FORWARD, m)
+                if sender in seen:
+                    _fail(lists, sender, f"{sender} sends its activation to stage {s} but no rank runs {f}")
+                others = [a for a in (b, i, w) if a in seen]
+                if others:
+                    _fail(lists, others[0], f"{others[0]} has no forward {f}")
+                raise ScheduleError(f"invalid schedule: no rank runs {f}\n{format_grid(lists)}")
+            if b in seen and (i in seen or w in seen):
+                _fail(lists, b, f"{b} and a split backward ({i}/{w}) are both present; use B, or I and W")
+            if i in seen and w not in seen:
+                _fail(lists, i, f"{i} has no {w}: the weight gradient of stage {s} would never be computed")
+            if w in seen and i not in seen:
+                _fail(lists, w, f"{w} has no {i}: a weight gradient needs its input gradient first")
+            if b not in seen and i not in seen:
+                receiver = f"the loss of microbatch {m}" if s == num_stages - 1 else f"stage {s + 1}"
+                _fail(
+                    lists,
+                    f,
+                    f"{f} has no backward (missing {b}, or {i} and {w}); "
+                    f"the gradient from {receiver} is never received",
+                )
+
+
+def simulate(lists: Sequence[Sequence[Action]], num_stages: int, durations: Durations = UNIT) -> dict[Action, float]:
+    """Start time of each action, each rank running its list in order; raises on a deadlock."""
+    present = {a for actions in lists for a in actions}
+    start: dict[Action, float] = {}
+    finish: dict[Action, float] = {}
     position = [0] * len(lists)
-    free = [0] * len(lists)
-    total = sum(len(a) for a in lists)
-    while len(finish) < total:
+    free = [0.0] * len(lists)
+    while len(finish) < len(present):
         progressed = False
         for rank, actions in enumerate(lists):
             while position[rank] < len(actions):
                 action = actions[position[rank]]
-                deps = [d for d in _dependencies(action, num_stages, kind_set) if d in kinds or d.kind is Kind.FORWARD]
+                deps = [d for d in dependencies(action, num_stages, present) if d in present]
                 if any(d not in finish for d in deps):
                     break
                 t = max([free[rank], *(finish[d] for d in deps)])
-                start[action], finish[action] = t, t + 1
-                free[rank] = t + 1
+                start[action], finish[action] = t, t + durations[action.kind]
+                free[rank] = finish[action]
                 position[rank] += 1
                 progressed = True
         if not progressed:
@@ -159,8 +230,25 @@ def simulate(lists: Sequence[Sequence[Action]], num_stages: int) -> dict[Action,
     return start
 
 
+def makespan(lists: Sequence[Sequence[Action]], num_stages: int, durations: Durations = COSTS) -> float:
+    """Simulated length of a step."""
+    start = simulate(lists, num_stages, durations)
+    return max([t + durations[a.kind] for a, t in start.items()] + [0.0])
+
+
+def bubble_fraction(lists: Sequence[Sequence[Action]], num_stages: int, durations: Durations = COSTS) -> float:
+    """Idle share of ranks x simulated step time."""
+    busy = sum(durations[a.kind] for actions in lists for a in actions)
+    total = makespan(lists, num_stages, durations) * len(lists)
+    return 1.0 - busy / total if total else 0.0
+
+
 def peak_activations(lists: Sequence[Sequence[Action]]) -> list[int]:
-    """Most activations each rank keeps alive at once, following its list in order."""
+    """Most activations each rank keeps alive at once, following its list in order.
+
+    An activation is held from a microbatch's forward until its backward ``B`` or, for a split
+    backward, until its weight gradient ``W`` (which still needs the stage's saved inputs).
+    """
     peaks = []
     for actions in lists:
         live = peak = 0
@@ -176,21 +264,28 @@ def peak_activations(lists: Sequence[Sequence[Action]]) -> list[int]:
 
 def format_grid(
     lists: Sequence[Sequence[Action]],
-    start: dict[Action, int] | None = None,
+    start: Mapping[Action, float] | None = None,
     mark: Action | None = None,
+    durations: Durations = UNIT,
 ) -> str:
-    """Draw rank x time; without start times each column is the position in the rank's list."""
+    """Draw rank x time; without start times each column is the position in the rank's list.
+
+    With ``durations`` an action longer than one unit continues in ``---`` cells.
+    """
     if start is None:
         start = {a: i for actions in lists for i, a in enumerate(actions)}
     width = max([len(str(a)) for actions in lists for a in actions] + [3]) + (1 if mark else 0)
-    length = max([t + 1 for t in start.values()] + [0])
+    spans = {a: max(1, round(durations[a.kind])) for a in start}
+    length = max([round(t) + spans[a] for a, t in start.items()] + [0])
     lines = []
     for rank, actions in enumerate(lists):
         cells = [" " * width] * length
         for action in actions:
             if action in start:
-                text = str(action) + ("*" if action == mark else "")
-                cells[start[action]] = text.ljust(width)
+                t = round(start[action])
+                cells[t] = (str(action) + ("*" if action == mark else "")).ljust(width)
+                for extra in range(1, spans[action]):
+                    cells[t + extra] = "-" * width
         lines.append(f"rank {rank} | " + " ".join(cells).rstrip())
     return "\n".join(lines)
 

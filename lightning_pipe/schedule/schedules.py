@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from lightning_pipe.errors import ScheduleError
 from lightning_pipe.schedule.action import B, F
 from lightning_pipe.schedule.base import ActionLists, Schedule
 
@@ -21,8 +22,15 @@ class GPipe(Schedule):
     loss_after_all_forwards = True
 
     def build(self) -> ActionLists:
+        # with virtual stages a rank runs its stages in model order, then their backwards in reverse
         m = range(self.num_microbatches)
-        return [[F(s, i) for i in m] + [B(s, i) for i in reversed(m)] for s in range(self.num_ranks)]
+        lists: ActionLists = []
+        for rank in range(self.num_ranks):
+            stages = range(rank, self.num_stages, self.num_ranks)
+            forwards = [F(s, i) for s in stages for i in m]
+            backwards = [B(s, i) for s in reversed(stages) for i in reversed(m)]
+            lists.append(forwards + backwards)
+        return lists
 
 
 class OneFOneB(Schedule):
@@ -38,6 +46,13 @@ class OneFOneB(Schedule):
     """
 
     name = "1f1b"
+
+    def check(self) -> None:
+        if self.virtual_stages != 1:
+            raise ScheduleError(
+                f"schedule='1f1b' places one stage on each rank but virtual_stages={self.virtual_stages}; "
+                "use schedule='interleaved-1f1b' (or 'gpipe') for several stages per rank"
+            )
 
     def build(self) -> ActionLists:
         lists: ActionLists = []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
@@ -18,6 +19,9 @@ from typing_extensions import override
 
 from lightning_pipe.backends import BackendArg, CoordinatorOps, ExecutionTrace, resolve_backends
 from lightning_pipe.engine import AutocastSpec
+from lightning_pipe.engine.coordinator import StepResult
+from lightning_pipe.engine.runners import check_runner
+from lightning_pipe.engine.versions import Staleness
 from lightning_pipe.errors import ConfigurationError, PipeError
 from lightning_pipe.grads import GradStash
 from lightning_pipe.microbatch import batch_size, split
@@ -26,7 +30,8 @@ from lightning_pipe.partition.traced import TracedPartitioner
 from lightning_pipe.partition.tracer import CallArgs
 from lightning_pipe.pipeline import TRANSPORTS, Pipeline, checkpoint_flags, resolve_partitioner
 from lightning_pipe.runtime import BaseRuntime, runtime_registry
-from lightning_pipe.schedule import get_schedule
+from lightning_pipe.schedule import resolve_schedule
+from lightning_pipe.strategy.asynchronous import AsyncTraining
 from lightning_pipe.strategy.hooks import RuntimeHooks
 from lightning_pipe.strategy.outputs import combine_eval, combine_predict, combine_training
 from lightning_pipe.strategy.remote import StageGradZeroing, StageParameters
@@ -49,7 +54,11 @@ class PipeStrategy(SingleDeviceStrategy):
     Args:
         stages: number of stages; default: one per device.
         microbatches: how many pieces each batch is cut into (along dimension 0).
-        schedule: ``"gpipe"`` (all forwards, then losses, then backwards) or ``"1f1b"``.
+        schedule: ``"gpipe"`` (all forwards, then losses, then backwards), ``"1f1b"``,
+            ``"interleaved-1f1b"``, ``"zero-bubble"``, ``"async"`` (no flush between batches, each stage
+            steps its own copy of the ``configure_optimizers`` optimizer with weight stashing; transport
+            ``"local"``; `staleness` reports what it measured), a `Schedule` subclass or a function
+            returning per-rank action lists (see docs/schedules.md).
         partition: ``"uniform"``, ``"params"``, ``"memory"``, ``"time"``, layer counts such as
             ``[3, 5]``, or a `Partitioner`.
         module: attribute path of the pipelined module in the LightningModule; default: the child
@@ -73,6 +82,10 @@ class PipeStrategy(SingleDeviceStrategy):
             join ``coordinator``); see `lightning_pipe.comm.rpc`.
         coordinator: with ``transport="rpc"``, ``"HOST:PORT"`` where workers on other machines join.
         token: with ``transport="rpc"``, the secret workers must present (default ``$LIGHTNING_PIPE_TOKEN``).
+        virtual_stages: stages per worker (``interleaved-1f1b``): stage ``s`` runs on worker
+            ``s % (stages // virtual_stages)``.
+        runner: ``"parallel"`` (a thread per worker, fixed order), ``"dataflow"`` (each worker runs
+            whichever action is ready) or ``"linear"`` (one thread walks one global order).
         trace: a path for the Chrome trace (pipeline timeline) of training steps 1-3, or a `PipeTrace`
             (chosen steps, a PNG Gantt chart).
     """
@@ -83,7 +96,7 @@ class PipeStrategy(SingleDeviceStrategy):
         self,
         stages: int | None = None,
         microbatches: int = 4,
-        schedule: str = "1f1b",
+        schedule: Any = "1f1b",
         partition: str | Sequence[int] | Partitioner = "params",
         module: str | None = None,
         devices: Sequence[str | torch.device] | None = None,
@@ -96,10 +109,12 @@ class PipeStrategy(SingleDeviceStrategy):
         coordinator: str | None = None,
         token: str | None = None,
         split_points: Sequence[str] | None = None,
-        trace: str | os.PathLike[str] | PipeTrace | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         checkpoint_io: Any = None,
         precision_plugin: Any = None,
+        virtual_stages: int = 1,
+        runner: str = "parallel",
+        trace: str | os.PathLike[str] | PipeTrace | None = None,
     ) -> None:
         super().__init__(
             device="cpu", accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin
@@ -116,7 +131,18 @@ class PipeStrategy(SingleDeviceStrategy):
                 )
         if not timeout or timeout <= 0:
             raise ConfigurationError(f"timeout={timeout!r}: pass a positive number of seconds")
-        get_schedule(schedule)  # unknown names fail here, listing the known ones
+        asynchronous = bool(getattr(resolve_schedule(schedule), "asynchronous", False))  # unknown names fail here
+        if asynchronous and transport != "local":
+            raise ConfigurationError(
+                f"PipeStrategy(schedule='async') runs with transport='local'; with transport={transport!r} train "
+                "with lightning_pipe.Pipeline(...).train_async(...) or pick schedule='1f1b'"
+            )
+        check_runner(runner)
+        if stages is not None and stages % virtual_stages:
+            raise ConfigurationError(
+                f"stages={stages} is not a multiple of virtual_stages={virtual_stages}; "
+                "each worker holds virtual_stages stages, so pass stages = workers * virtual_stages"
+            )
         checkpoint_flags(checkpoint, 1)
         if isinstance(runtime, str):
             runtime_registry.get_runtime_class(runtime)
@@ -137,6 +163,8 @@ class PipeStrategy(SingleDeviceStrategy):
         self.checkpoint = checkpoint
         self.runtime = runtime
         self.timeout = float(timeout)
+        self.virtual_stages = virtual_stages
+        self.runner = runner
         self.pipe_trace = trace if isinstance(trace, PipeTrace) or trace is None else PipeTrace(trace)
         self.backend = backend
         self.strict = strict
@@ -144,6 +172,8 @@ class PipeStrategy(SingleDeviceStrategy):
         self._transport_options = options
         #: with stages that own their parameters (not "local"): Lightning's optimizers, stepped on the stages
         self._stage_params = StageParameters() if transport != "local" else None
+        #: schedule="async": stage optimizers, the open stream, the measured staleness
+        self._async = AsyncTraining() if asynchronous else None
         self._trace = ExecutionTrace([])  # the traces of pipelines already closed
         self._coordinator_ops: CoordinatorOps | None = None  # op substitution in the user's step code
         #: set by Lightning's accelerator connector to the Trainer's devices
@@ -204,6 +234,13 @@ class PipeStrategy(SingleDeviceStrategy):
         self.model = self._setup_model(self.model)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+            if self._async is not None:
+                if trainer.accumulate_grad_batches != 1 or getattr(self.precision_plugin, "scaler", None):
+                    raise ConfigurationError(
+                        "PipeStrategy(schedule='async') steps each stage once per batch in full precision; "
+                        "use accumulate_grad_batches=1 and no gradient scaler"
+                    )
+                self._async.attach(self.optimizers, list(self._pipelined.parameters()))
         self.setup_precision_plugin()
         stage_ids = {id(p) for p in self._pipelined.parameters()}
         self._outside = GradStash(p for p in lightning_module.parameters() if id(p) not in stage_ids)
@@ -277,6 +314,8 @@ class PipeStrategy(SingleDeviceStrategy):
             autocast=self._autocast(),
             sample=sample,
             coordinator_device=self.root_device,
+            virtual_stages=self.virtual_stages,
+            runner=self.runner,
             backend=self.backend,
             strict=self.strict,
             transport=self.transport,
@@ -317,6 +356,7 @@ class PipeStrategy(SingleDeviceStrategy):
         super().teardown()
 
     def _shutdown(self) -> None:
+        self._end_stream()
         if self._stage_params is not None and self._stage_params.views and self.pipeline is not None:
             self.pipeline.sync_module()  # the LightningModule and its optimizer end up trained, as usual
             self._stage_params.fold_into_templates()
@@ -331,6 +371,9 @@ class PipeStrategy(SingleDeviceStrategy):
     def on_exception(self, exception: BaseException) -> None:
         if self._stage_params is not None:
             self._stage_params.views = {}  # stages may be gone: nothing to gather
+        if self._async is not None and self._async.stream is not None:
+            self._async.stream.abort()  # stages may be gone: nothing to drain
+            self._async.stream = None
         self._shutdown()
 
     @override
@@ -341,6 +384,13 @@ class PipeStrategy(SingleDeviceStrategy):
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         if self._stage_params is not None:  # the stages' parts, now or once the stages are built
             self._stage_params.load(self.optimizers, checkpoint["optimizer_states"])
+            return
+        if self._async is not None and self._async.template is not None:
+            for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"], strict=False):
+                if optimizer is self._async.template:
+                    self._async.load_state_dict(state)
+                else:
+                    optimizer.load_state_dict(state)
             return
         # torch moves each state to its parameter's device; Lightning's version would move it to one device
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"], strict=False):
@@ -356,14 +406,74 @@ class PipeStrategy(SingleDeviceStrategy):
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        if self._async is not None and getattr(optimizer, "_optimizer", optimizer) is self._async.template:
+            return self._async.state_dict()
         state = self._stage_params.state(optimizer) if self._stage_params is not None else None
         return state if state is not None else super().optimizer_state(optimizer)
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
+        if self._async is not None and self._async.stream is not None and not self._async.stream.closed:
+            rank_zero_warn(
+                "PipeStrategy(schedule='async'): a checkpoint in the middle of a stream holds the live weights, "
+                "with the updates of batches in flight missing; checkpoints at the end of an epoch or validation "
+                "see every update"
+            )
         if self._stage_params is not None and self.pipeline is not None:
             self.pipeline.sync_module()
         return super().lightning_module_state_dict()
+
+    # the memory plan
+    def plan(self, model: nn.Module, sample_batch: Any, verbose: bool = True) -> Any:
+        """Predict each stage's activation memory for one training step, before training.
+
+        ``model`` is the LightningModule (its ``training_step`` runs on ``sample_batch`` up to the
+        pipelined call, to find the pipeline's input) or the pipelined module itself (then
+        ``sample_batch`` is its input). Prints the per-stage table unless ``verbose=False``; returns a
+        `lightning_pipe.memory.MemoryPlan`.
+        """
+        from lightning_pipe.memory import plan as memory_plan
+
+        if isinstance(model, pl.LightningModule):
+            pipelined = self._find_pipelined(model)
+            sample = self._capture_input(model, pipelined, sample_batch)
+        else:
+            pipelined, sample = model, sample_batch
+        if not isinstance(self.partitioner, Partitioner) or isinstance(self.partitioner, TracedPartitioner):
+            raise ConfigurationError("plan() covers nn.Sequential pipelines; traced models are not planned yet")
+        return memory_plan(
+            pipelined,
+            sample,
+            len(self.resolve_devices()),
+            self.microbatches,
+            self.schedule,
+            self.virtual_stages,
+            self.partitioner,
+            self.checkpoint,
+            self.runner,
+            verbose,
+        )
+
+    def _capture_input(self, lightning_module: pl.LightningModule, pipelined: nn.Module, batch: Any) -> Any:
+        """Run ``training_step`` on ``batch`` until it calls the pipelined module; return that input."""
+
+        def capture(*args: Any, **kwargs: Any) -> Any:
+            driver = current_driver()
+            assert driver is not None
+            return driver.call(args, kwargs)
+
+        driver = Driver(_bind(lightning_module.training_step, batch, (0,), {}), 0, contextlib.nullcontext, self.timeout)
+        pipelined.forward = capture  # type: ignore[method-assign]
+        lightning_module.log = lambda *args, **kwargs: None  # type: ignore[method-assign]
+        try:
+            kind, value = driver.start()
+        finally:
+            driver.abandon()
+            pipelined.__dict__.pop("forward", None)
+            lightning_module.__dict__.pop("log", None)
+        if kind == "return":
+            raise MissingCall("training_step returned without calling the pipelined module; nothing to plan")
+        return self._pipeline_input(*value)
 
     # steps
     @override
@@ -407,13 +517,15 @@ class PipeStrategy(SingleDeviceStrategy):
     ) -> Any:
         lightning_module = self.lightning_module
         assert lightning_module is not None
+        training = name == "training_step"
+        if not training:
+            self._end_stream()
         batch, rest = args[0], args[1:]
         pieces = split(batch, self._microbatches_for(batch))
         rows = [batch_size(p) for p in pieces]
         weights = [r / sum(rows) for r in rows]
         step_fn = getattr(lightning_module, name)
         recorder = LogRecorder(lightning_module.log)
-        training = name == "training_step"
         context = _with_ops(context, self._coordinator_ops, "train" if training else "eval")
         drivers = [Driver(_bind(step_fn, p, rest, kwargs), i, context, self.timeout) for i, p in enumerate(pieces)]
         lightning_module.log = recorder  # type: ignore[method-assign]
@@ -421,7 +533,13 @@ class PipeStrategy(SingleDeviceStrategy):
             inputs = [self._start(driver, recorder, weights[driver.index], name) for driver in drivers]
             pipeline = self._build(inputs[0])
             inputs = [_packed(pipeline, x) for x in inputs]
-            if training:
+            if training and self._async is not None:
+                self._outside.begin()
+                try:
+                    result = self._feed_async(pipeline, inputs, drivers, recorder, weights)
+                finally:
+                    self._outside.end()
+            elif training:
                 self._outside.begin()
                 try:
                     result = pipeline.coordinator.train_step(
@@ -449,6 +567,30 @@ class PipeStrategy(SingleDeviceStrategy):
         if name == "predict_step":
             return combine_predict(outputs)
         return combine_eval(outputs, weights)
+
+    def _feed_async(
+        self, pipeline: Pipeline, inputs: list[Any], drivers: list[Driver], recorder: LogRecorder, weights: list[float]
+    ) -> StepResult:
+        """Feed this batch into the asynchronous stream; drain it after the stream's last planned batch."""
+        assert self._async is not None
+        stream = self._async.open(pipeline, self._trainer, len(inputs))
+        self._async.sync_hparams()
+        criterion = self._criterion(drivers, recorder, weights, "training_step")
+        losses = stream.feed(inputs, list(range(len(drivers))), criterion)
+        if stream.complete:
+            self._end_stream()
+        return StepResult(losses=losses, schedule=stream.schedule)
+
+    def _end_stream(self) -> None:
+        """The flush of schedule="async": every fed batch's backwards and stage updates have landed."""
+        if self._async is not None:
+            self._async.end(self.pipeline)
+
+    def staleness(self) -> list[Staleness]:
+        """schedule="async": per stage, the staleness its microbatches saw over this strategy's fits."""
+        if self._async is None:
+            raise ConfigurationError(f"staleness is measured with schedule='async', not {self.schedule!r}")
+        return self._async.staleness()
 
     def _start(self, driver: Driver, recorder: LogRecorder, weight: float, name: str) -> Any:
         recorder.weight = weight
@@ -503,6 +645,7 @@ class PipeStrategy(SingleDeviceStrategy):
         if driver is not None:
             return driver.call(args, kwargs)
         # called outside a step (a callback, an epoch-end hook): run it through the pipeline, forward only
+        self._end_stream()
         inputs = self._pipeline_input(args, kwargs)
         pipeline = self._build(inputs)
         return pipeline.unpack(pipeline.coordinator.forward_step([_packed(pipeline, inputs)]).outputs[0])
@@ -520,7 +663,8 @@ class PipeStrategy(SingleDeviceStrategy):
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, lightning_module)
         scale = 1.0 / self._trainer.accumulate_grad_batches
-        self.pipeline.coordinator.call("apply_grads", scale)
+        if self._async is None:  # async: the stages stepped their own parameters
+            self.pipeline.apply_grads(scale)
         self._outside.apply(scale)
         closure_loss = self.precision_plugin.post_backward(closure_loss, lightning_module)
         self.post_backward(closure_loss)
@@ -529,6 +673,8 @@ class PipeStrategy(SingleDeviceStrategy):
     # runtime hooks
     def runtime_hook(self, name: str, *args: Any) -> None:
         """Call ``runtime.<name>`` on every stage (skipped when no stage's runtime overrides it)."""
+        if self._async is not None and self._async.stream is not None:
+            return  # a stream owns the stages until it drains
         if self.pipeline is not None and name in self._hooked:
             self.pipeline.coordinator.call("runtime_hook", name, args)
 

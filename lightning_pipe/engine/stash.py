@@ -1,0 +1,109 @@
+"""The stash: what a stage keeps between a microbatch's forward and its backward, measured in bytes.
+
+A stage holds, per microbatch, its input, its output and every tensor autograd saved for the
+backward (or only the input under activation checkpointing). `stash_bytes` counts them once each,
+parameters excluded; `StashMeter` follows a worker's live total and its peak during a step.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from lightning_pipe import tree
+from lightning_pipe.executors import Activation
+
+Key = tuple[int, int]  # (stage, microbatch)
+
+
+def saved_tensors(outputs: Any) -> list[torch.Tensor]:
+    """Tensors held by the autograd graph behind ``outputs`` (read from each node's ``_saved_*`` slots)."""
+    roots = [t.grad_fn for t in tree.tensors(outputs) if t.grad_fn is not None]
+    seen, queue, found = set(roots), deque(roots), []
+    while queue:
+        node = queue.popleft()
+        for name in dir(node):
+            if name.startswith("_saved_"):
+                found.extend(_tensors_in(getattr(node, name, None)))
+        if hasattr(node, "saved_tensors"):  # custom autograd.Function
+            try:
+                found.extend(_tensors_in(node.saved_tensors))
+            except RuntimeError:  # already freed
+                pass
+        for child, _ in node.next_functions:
+            if child is not None and child not in seen:
+                seen.add(child)
+                queue.append(child)
+    return found
+
+
+def stash_bytes(activation: Activation, params: Iterable[torch.Tensor] = ()) -> int:
+    """Bytes an `Activation` keeps alive: inputs, outputs and saved tensors, each once, no parameters."""
+    exclude = {p.untyped_storage().data_ptr() for p in params}
+    tensors = tree.tensors(activation.inputs)
+    if activation.outputs is not None:
+        tensors += tree.tensors(activation.outputs) + saved_tensors(activation.outputs)
+    return unique_bytes(tensors, exclude)
+
+
+def unique_bytes(tensors: Iterable[torch.Tensor], exclude: set[int] = frozenset()) -> int:  # type: ignore[assignment]
+    """Sum of ``numel * element_size`` over distinct tensors (same data pointer and size count once)."""
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    for t in tensors:
+        if t.device.type == "meta" or t.untyped_storage().data_ptr() in exclude:
+            continue
+        size = t.numel() * t.element_size()
+        key = (t.data_ptr(), size)
+        if key not in seen:
+            seen.add(key)
+            total += size
+    return total
+
+
+def _tensors_in(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [v for v in value if isinstance(v, torch.Tensor)]
+    return []
+
+
+class StashMeter:
+    """Live stash bytes of one worker, per (stage, microbatch), and the peak of the current step."""
+
+    def __init__(self) -> None:
+        self.live: dict[Key, int] = {}
+        self.current = 0
+        self.peak = 0
+        self._sizes: dict[tuple[Any, ...], int] = {}
+
+    def measure(self, signature: tuple[Any, ...], activation: Activation, params: Iterable[torch.Tensor]) -> int:
+        """Stash bytes of ``activation``; measured once per ``signature`` (stage, mode, input shapes)."""
+        if signature not in self._sizes:
+            self._sizes[signature] = stash_bytes(activation, params)
+        return self._sizes[signature]
+
+    def hold(self, key: Key, nbytes: int) -> None:
+        """``key`` keeps ``nbytes`` more from now on."""
+        self.live[key] = self.live.get(key, 0) + nbytes
+        self.current += nbytes
+        self.peak = max(self.peak, self.current)
+
+    def release(self, key: Key) -> None:
+        self.current -= self.live.pop(key, 0)
+
+    def reset(self) -> None:
+        """Start a step: nothing held, peak zero."""
+        self.live.clear()
+        self.current = self.peak = 0
+
+
+def signature(stage: int, checkpointed: bool, inputs: Any) -> tuple[Any, ...]:
+    """What determines a stage's stash size: its index, checkpointing and its input shapes and dtypes."""
+    leaves = tree.flatten(inputs)[0]
+    shapes = tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else type(t) for t in leaves)
+    return (stage, checkpointed, shapes)

@@ -1,0 +1,149 @@
+"""Weight stashing for asynchronous training (PipeDream-2BW style): one weight version per microbatch.
+
+Under ``schedule="async"`` a stage updates its own weights after every ``update_every`` backwards
+(one batch), without waiting for the other stages or a flush. A microbatch's forward runs on the
+stage's newest weight *version* and its backward on that same version, so every gradient is the
+exact gradient of the weights it was taken on; it is then added to the live parameters' ``.grad``
+and the stage's optimizer steps the live parameters. A version is a copy of the stage module made after
+each update (its buffers, such as batch-norm statistics, stay shared with the live module) and
+dropped when no microbatch in flight uses it any more.
+
+Staleness of a microbatch of batch ``k`` on a stage: ``k - version``, the number of updates that a
+synchronous schedule would have applied before it but this stage had not yet. With the 1F1B order
+over the stream, stage ``s`` of ``R`` runs ``R - s - 1`` forwards ahead of its backwards, so the
+first ``R - s - 1`` microbatches of a batch see the previous version: the staleness is at most
+``ceil((R - s - 1) / update_every)`` (1 when microbatches >= stages - 1) and 0 on the last stage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from copy import deepcopy
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+
+
+class Versioned(nn.Module):
+    """``module`` called with one weight version's parameters (for modules that cannot be deep-copied)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self._target = [module]  # a list: not registered as a submodule
+        with torch.no_grad():
+            self._params = {n: p.detach().clone().requires_grad_(p.requires_grad) for n, p in module.named_parameters()}
+
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        return iter(self._params.items())
+
+    def forward(self, *args: Any) -> Any:
+        return functional_call(self._target[0], self._params, args)
+
+
+def snapshot(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` with its own parameters (this version's weights) and the live buffers."""
+    memo: dict[int, Any] = {id(b): b for b in module.buffers()}
+    runtime = getattr(module, "_pipe_runtime", None)
+    if runtime is not None:
+        memo[id(runtime)] = runtime
+    try:
+        copy = deepcopy(module, memo)
+    except Exception:  # a module holding something that cannot be copied
+        return Versioned(module)
+    copy.requires_grad_(False)
+    for (_, p), (_, q) in zip(module.named_parameters(), copy.named_parameters(), strict=True):
+        q.requires_grad_(p.requires_grad)
+    return copy
+
+
+@dataclass
+class Staleness:
+    """What one stage saw during an asynchronous run."""
+
+    stage: int
+    updates: int = 0
+    microbatches: int = 0
+    stale: int = 0  # microbatches whose version was behind the synchronous one
+    total: int = 0  # sum of staleness over microbatches
+    max: int = 0
+    max_live_versions: int = 1
+
+    @property
+    def mean(self) -> float:
+        return self.total / self.microbatches if self.microbatches else 0.0
+
+
+class StageVersions:
+    """The live parameters of one stage, the versions in use, its optimizer and its staleness."""
+
+    def __init__(self, stage: int, module: nn.Module, update_every: int, optimizer: OptimizerFactory) -> None:
+        self.stage = stage
+        self.module = module
+        self.named = [(name, p) for name, p in module.named_parameters()]
+        self.factory = optimizer
+        trainable = [p for _, p in self.named if p.requires_grad]
+        self.optimizer = optimizer(trainable) if trainable else None
+        self.version = 0
+        self.versions: dict[int, nn.Module] = {}
+        self.start_run(update_every)
+
+    def start_run(self, update_every: int) -> None:
+        """A new stream: microbatches count from 0 again; the weights and optimizer state carry on."""
+        self.update_every = update_every
+        self.base = self.version  # the version a synchronous schedule would use for batch 0
+        self.versions = {self.version: self._snapshot()}
+        self.in_flight: dict[int, int] = {}  # microbatch -> version its forward used
+        self.backwards = 0
+        self.stats = Staleness(self.stage)
+
+    def model(self, microbatch: int) -> nn.Module:
+        """The module for ``microbatch``: the version its forward used, or the newest for a new forward."""
+        if microbatch not in self.in_flight:
+            self.in_flight[microbatch] = self.version
+            self._count(microbatch)
+        return self.versions[self.in_flight[microbatch]]
+
+    def backward_done(self, microbatch: int) -> None:
+        """Move the microbatch's gradient to the live parameters; step the optimizer after a batch."""
+        version = self.versions[self.in_flight.pop(microbatch)]
+        for (_, live), (_, p) in zip(self.named, version.named_parameters(), strict=True):
+            if p.grad is not None:
+                live.grad = p.grad if live.grad is None else live.grad + p.grad
+                p.grad = None
+        self.backwards += 1
+        updated = self.backwards % self.update_every == 0
+        if updated:
+            if self.optimizer is not None:
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+            self.version += 1
+            self.stats.updates += 1
+        used = set(self.in_flight.values()) | ({self.version} if not updated else set())
+        self.versions = {v: module for v, module in self.versions.items() if v in used}
+        if updated:
+            self.versions[self.version] = self._snapshot()
+        self.stats.max_live_versions = max(self.stats.max_live_versions, len(self.versions))
+
+    def _snapshot(self) -> nn.Module:
+        return snapshot(self.module)
+
+    def weights(self) -> list[torch.Tensor]:
+        """Every stashed version's parameters (weights, not activations, for the stash meter)."""
+        return [p for version in self.versions.values() for _, p in version.named_parameters()]
+
+    def _count(self, microbatch: int) -> None:
+        stale = microbatch // self.update_every - (self.version - self.base)
+        self.stats.microbatches += 1
+        self.stats.total += stale
+        self.stats.stale += stale > 0
+        self.stats.max = max(self.stats.max, stale)
+
+
+def stage_versions(shards: Iterable[Any], update_every: int, optimizer: OptimizerFactory) -> dict[int, StageVersions]:
+    """One `StageVersions` per shard of a worker."""
+    return {shard.index: StageVersions(shard.index, shard.module, update_every, optimizer) for shard in shards}

@@ -1,0 +1,193 @@
+"""``PipeStrategy(schedule="async")``: a Trainer feeding an asynchronous stream, one batch per training step.
+
+Each ``training_step`` feeds its batch's microbatches into a `BatchStream` (no flush between batches)
+and returns once that batch's losses are computed; the stages update their own weights (PipeDream-2BW
+weight stashing, `lightning_pipe.engine.versions`) with per-stage optimizers built like the
+``configure_optimizers`` optimizer (same class, hyperparameters per parameter group). A stream covers the
+batches up to the next point where Lightning looks at the weights (the end of the epoch, the next
+validation, ``max_steps``); its last batch drains it, so validation, checkpoints and the end of fit see
+every update. Lightning's optimizer keeps stepping the parameters outside the pipelined module; in its
+parameter groups the stage parameters are replaced by placeholders that never get a gradient.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import fields
+from typing import TYPE_CHECKING, Any
+
+import torch
+from lightning.pytorch.utilities import rank_zero_warn
+from torch import nn
+
+from lightning_pipe.engine.stream import BatchStream
+from lightning_pipe.engine.versions import Staleness
+from lightning_pipe.errors import ConfigurationError
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+    from lightning_pipe.pipeline import Pipeline
+
+
+class AsyncTraining:
+    """The stage optimizers, the open stream and the staleness measured over a fit."""
+
+    def __init__(self) -> None:
+        self.template: torch.optim.Optimizer | None = None
+        self._groups: list[set[int]] = []  # per template group: ids of the stage parameters it held
+        self.stage_optimizers: list[tuple[torch.optim.Optimizer, list[int]]] = []  # (optimizer, template groups)
+        #: the template's hyperparameters when each batch was fed: a stage's update n uses entry n
+        self.fed_hparams: list[list[dict[str, Any]]] = []
+        self._updates: dict[int, int] = {}  # id(stage optimizer) -> its updates so far
+        self._index: dict[int, int] = {}  # id(stage parameter) -> its index in the template's state_dict
+        self._loaded: dict[int, Any] = {}  # state of a checkpoint for stage optimizers not built yet, by index
+        self.stream: BatchStream | None = None
+        self.totals: dict[int, Staleness] = {}
+        self._factory = self.factory  # one object: the stages keep their optimizers while it stays the same
+
+    def attach(self, optimizers: list[torch.optim.Optimizer], stage_params: list[nn.Parameter]) -> None:
+        """Take the hyperparameters from ``optimizers`` and hide the stage parameters from them."""
+        ids = {id(p) for p in stage_params}
+        holders = [o for o in optimizers if any(id(p) in ids for g in o.param_groups for p in g["params"])]
+        if len(holders) > 1:
+            raise ConfigurationError(
+                "PipeStrategy(schedule='async') builds each stage's optimizer from one configure_optimizers "
+                f"optimizer, but {len(holders)} optimizers hold parameters of the pipelined module"
+            )
+        if not holders:
+            return
+        self.template = holders[0]
+        self.stage_optimizers, self.fed_hparams, self._updates = [], [], {}
+        self._groups, self._index, self._loaded = [], {}, {}
+        index = 0
+        for group in self.template.param_groups:
+            self._groups.append({id(p) for p in group["params"] if id(p) in ids})
+            for p in group["params"]:
+                if id(p) in ids:
+                    self._index[id(p)] = index
+                index += 1
+            # a placeholder never gets a gradient, so Lightning's optimizer skips it; the layout stays the same
+            group["params"] = [
+                nn.Parameter(torch.empty(0, device=p.device, dtype=p.dtype)) if id(p) in ids else p
+                for p in group["params"]
+            ]
+
+    def factory(self, params: list[nn.Parameter]) -> torch.optim.Optimizer:
+        """One stage's optimizer: the template's class, one group per template group holding its parameters."""
+        assert self.template is not None
+        groups, used = [], []
+        for index, (group, ids) in enumerate(zip(self.template.param_groups, self._groups, strict=True)):
+            mine = [p for p in params if id(p) in ids]
+            if mine:
+                groups.append({**_hparams(group), "params": mine})
+                used.append(index)
+        optimizer = type(self.template)(groups, **self.template.defaults)
+        for p in params:  # a checkpoint's state (momentum, Adam's moments) for these parameters
+            saved = self._loaded.pop(self._index.get(id(p), -1), None)
+            if saved is not None:
+                optimizer.state[p] = {k: v.to(p.device) if isinstance(v, torch.Tensor) else v for k, v in saved.items()}
+        self.stage_optimizers.append((optimizer, used))
+        self._updates[id(optimizer)] = 0  # built at the first stream of a fit, before its first update
+
+        def batch_hparams(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            # runs in the stage's thread, when it steps for the next batch: that batch's hyperparameters
+            n = self._updates[id(opt)]
+            self._updates[id(opt)] = n + 1
+            if self.fed_hparams:
+                values = self.fed_hparams[min(n, len(self.fed_hparams) - 1)]
+                for group, index in zip(opt.param_groups, used, strict=True):
+                    group.update(values[index])
+
+        optimizer.register_step_pre_hook(batch_hparams)
+        return optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        """The template's state_dict with the stage optimizers' state at the stage parameters' indices."""
+        assert self.template is not None
+        state = self.template.state_dict()
+        state["state"].update(self._loaded)
+        for optimizer, _ in self.stage_optimizers:
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    if p in optimizer.state and id(p) in self._index:
+                        state["state"][self._index[id(p)]] = optimizer.state[p]
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """The template's part now; the stages' part when their optimizers are built (the next stream)."""
+        assert self.template is not None
+        stage = set(self._index.values())
+        saved = state_dict["state"]
+        self._loaded = {i: v for i, v in saved.items() if i in stage}
+        rest = {i: v for i, v in saved.items() if i not in stage}
+        self.template.load_state_dict({"state": rest, "param_groups": state_dict["param_groups"]})
+
+    def sync_hparams(self) -> None:
+        """Note the template's hyperparameters (an LR scheduler's lr) for the batch about to be fed: each
+        stage's update of that batch uses them, however late it runs."""
+        if self.template is not None:
+            self.fed_hparams.append([_hparams(group) for group in self.template.param_groups])
+
+    def open(self, pipeline: Pipeline, trainer: pl.Trainer, per_batch: int) -> BatchStream:
+        """The open stream, or a new one running to the next point where Lightning looks at the weights."""
+        if self.stream is None or self.stream.closed:
+            if self.template is None:
+                raise ConfigurationError("PipeStrategy(schedule='async') needs an optimizer over the pipelined module")
+            self.stream = BatchStream(pipeline.coordinator, segment(trainer), per_batch, self._factory)
+        return self.stream
+
+    def end(self, pipeline: Pipeline | None) -> None:
+        """Drain the stream (complete) or stop it (a fit stopped early: its unfinished updates are lost)."""
+        stream, self.stream = self.stream, None
+        if stream is None or stream.closed:
+            return
+        if stream.complete:
+            stream.finish()
+            if pipeline is not None:
+                self.record(pipeline)
+            return
+        rank_zero_warn(
+            f"PipeStrategy(schedule='async'): training stopped after {stream.fed} of the {stream.num_batches} "
+            "batches planned for the stream; the stage updates of batches still in flight are dropped"
+        )
+        stream.abort()
+        for key in self._updates:  # the dropped updates: the next batch's update uses the next batch's values
+            self._updates[key] = len(self.fed_hparams)
+
+    def record(self, pipeline: Pipeline) -> None:
+        for stats in pipeline.coordinator.call("async_stats"):
+            for s in stats:
+                total = self.totals.setdefault(s.stage, Staleness(s.stage))
+                for f in fields(Staleness):
+                    if f.name in ("stage",):
+                        continue
+                    old, new = getattr(total, f.name), getattr(s, f.name)
+                    combined = max(old, new) if f.name in ("max", "max_live_versions") else old + new
+                    setattr(total, f.name, combined)
+
+    def staleness(self) -> list[Staleness]:
+        return [self.totals[s] for s in sorted(self.totals)]
+
+
+def segment(trainer: pl.Trainer) -> int:
+    """Batches from the current one up to the end of the epoch, the next validation or ``max_steps``."""
+    loop = trainer.fit_loop.epoch_loop
+    index = loop.batch_idx
+    bounds: list[float] = [float(trainer.num_training_batches) - index]
+    check = trainer.val_check_batch
+    if trainer.enable_validation and isinstance(check, int) and check > 0:
+        bounds.append(check - index % check)
+    if trainer.max_steps is not None and trainer.max_steps > 0:
+        bounds.append(trainer.max_steps - trainer.global_step)
+    count = min(bounds)
+    if not math.isfinite(count) or count < 1:
+        raise ConfigurationError(
+            "PipeStrategy(schedule='async') plans each stream up to the end of the epoch, the next validation or "
+            "max_steps; give the train dataloader a length, val_check_interval=<batches> or max_steps"
+        )
+    return int(count)
+
+
+def _hparams(group: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in group.items() if k != "params"}
