@@ -43,6 +43,9 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+# TensorPipe logs a warning per closed pipe when the rpc contenders' stages stop between rounds
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+
 import torch  # noqa: E402
 
 from benchmarks.workloads import WORKLOADS, build_model, loss_fn, make_batches, stage_module  # noqa: E402
@@ -311,17 +314,16 @@ def timeline_info(result: Any, step: int) -> dict[str, float]:
 # the Lightning Trainer contender: Lightning drives the loop, a callback answers the commands
 # ---------------------------------------------------------------------------------------------
 def serve_trainer(conn: Connection, cfg: Config, transport: str) -> None:
-    """A Lightning Trainer with PipeStrategy; each command is one ``fit`` over the steps it asks for.
+    """A Lightning Trainer with PipeStrategy.
 
-    Every fit sets the pipeline up again (outside the timed steps, which start after `ROUND_WARMUP`
-    untimed ones), so an rpc contender's busy-polling workers only live during its own rounds.
+    Local transport: the whole benchmark is one fit (`serve_one_fit`). rpc: each command is one ``fit``
+    over the steps it asks for; every fit sets the pipeline up again (outside the timed steps, which
+    start after `ROUND_WARMUP` untimed ones), so the busy-polling workers only live during its rounds.
     """
     import logging
     import warnings
 
     import lightning as L
-
-    from lightning_pipe.strategy import PipeStrategy
 
     warnings.filterwarnings("ignore")
     for name in ("lightning.pytorch", "lightning.fabric"):
@@ -391,23 +393,16 @@ def serve_trainer(conn: Connection, cfg: Config, transport: str) -> None:
     def fit(warmup: int, steps: int, keep_params: bool = False) -> Timer:
         nonlocal seen
         timer = Timer(warmup, keep_params)
-        trainer = L.Trainer(
-            accelerator="cpu",
-            strategy=PipeStrategy(**strategy_kwargs),
-            max_steps=warmup + steps,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            num_sanity_val_steps=0,
-            callbacks=[timer],
-        )
+        trainer = quiet_trainer(strategy_kwargs, timer, max_steps=warmup + steps)
         data = [batches[(seen + i) % len(batches)] for i in range(warmup + steps)]
         seen += warmup + steps
         trainer.fit(net, torch.utils.data.DataLoader(data, batch_size=None))
         return timer
 
     conn.send(("ready", os.getpid()))
+    if transport == "local":
+        serve_one_fit(conn, cfg, Net(), strategy_kwargs, batches)
+        return
     while True:
         command = conn.recv()
         if command[0] == "stop":
@@ -420,6 +415,100 @@ def serve_trainer(conn: Connection, cfg: Config, transport: str) -> None:
             conn.send(("ok", {"times": timer.times, "info": timer.info, "cpu": timer.cpu}))
         else:
             conn.send(("error", f"unexpected command {command!r}"))
+
+
+def serve_one_fit(conn: Connection, cfg: Config, net: Any, strategy_kwargs: dict[str, Any], batches: list[Any]) -> None:
+    """The whole benchmark as one ``fit``, as a user trains: the commands are taken between steps.
+
+    With the local transport nothing polls while the contender waits for its turn, so, like the
+    other local contenders, it keeps its stages between rounds (no restart, no per-round warm-up).
+    Before a step the module takes the next command when the last one is done; after its last step
+    a command is answered; ``stop`` ends the fit (``on_train_batch_start`` returns -1).
+    """
+    import lightning as L
+
+    class Driven(L.Callback):
+        def __init__(self) -> None:
+            self.todo = 0  # steps left of the current command
+            self.keep_params = False
+            self.times: list[float] = []
+            self.info: list[dict[str, float]] = []
+            self.cpu_start = (0.0, 0.0)
+            self.start = 0.0
+
+        def next_command(self) -> bool:
+            command = conn.recv()
+            if command[0] == "stop":
+                return False
+            if command[0] == "check":
+                self.todo, self.keep_params = 1, True
+            elif command[0] == "run":
+                self.todo, self.keep_params = command[1], False
+            else:
+                raise RuntimeError(f"unexpected command {command!r}")
+            self.times, self.info = [], []
+            self.cpu_start = cpu_seconds(os.getpid())
+            return True
+
+        def step_start(self) -> bool:
+            if self.todo == 0 and not self.next_command():
+                return False
+            self.start = time.perf_counter()
+            return True
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            self.times.append(time.perf_counter() - self.start)
+            result = _last_result(trainer)
+            if result is not None:
+                self.info.append(timeline_info(result, batch_idx))
+            self.todo -= 1
+            if self.todo:
+                return
+            if self.keep_params:
+                state = trainer.strategy.pipeline.state_dict()
+                conn.send(("ok", {"params": {k: v.detach().clone() for k, v in state.items()}}))
+                return
+            now = cpu_seconds(os.getpid())
+            cpu = (now[0] - self.cpu_start[0], now[1] - self.cpu_start[1])
+            conn.send(("ok", {"times": self.times, "info": self.info, "cpu": cpu}))
+
+    driven = Driven()
+
+    class Module(type(net)):  # type: ignore[misc]
+        def on_train_batch_start(self, batch: Any, batch_idx: int) -> int | None:
+            return None if driven.step_start() else -1  # -1: the epoch (the fit) ends here
+
+    net.__class__ = Module
+
+    class Endless(torch.utils.data.IterableDataset):
+        def __iter__(self) -> Any:
+            index = 0
+            while True:
+                yield batches[index % len(batches)]
+                index += 1
+
+    trainer = quiet_trainer(strategy_kwargs, driven, max_epochs=1)
+    trainer.fit(net, torch.utils.data.DataLoader(Endless(), batch_size=None))
+    conn.send(("ok", {"worker_rss_mb": []}))
+
+
+def quiet_trainer(strategy_kwargs: dict[str, Any], callback: Any, **limits: Any) -> Any:
+    """A CPU Trainer with PipeStrategy(**strategy_kwargs) and nothing else that costs time per step."""
+    import lightning as L
+
+    from lightning_pipe.strategy import PipeStrategy
+
+    return L.Trainer(
+        accelerator="cpu",
+        strategy=PipeStrategy(**strategy_kwargs),
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=[callback],
+        **limits,
+    )
 
 
 def _last_result(trainer: Any) -> Any:
@@ -689,6 +778,14 @@ def _fmt(row: dict[str, Any], key: str, digits: int = 3) -> str:
     return f"{row[key]:.{digits}f}" if key in row else "-"
 
 
+def _overhead(row: dict[str, Any]) -> str:
+    """lightning_pipe's engine overhead per microbatch and its share of stage compute ("" for others)."""
+    if "engine" not in row:
+        return ""
+    e = row["engine"]
+    return f"{e['overhead_ms_per_microbatch']:.2f} ms ({e['overhead_share_of_compute']:.1%})"
+
+
 def format_table(results: dict[str, Any]) -> str:
     cfg = results["config"]
     lines = [
@@ -719,11 +816,7 @@ def format_table(results: dict[str, Any]) -> str:
     lines.append("| " + " | ".join(f"{name:<{width}}" for name, width in cells) + " |")
     lines.append("|" + "|".join("-" * (width + 2) for _, width in cells) + "|")
     for name, row in results["contenders"].items():
-        rate = row["samples_per_s"]
-        overhead = ""
-        if "engine" in row:
-            e = row["engine"]
-            overhead = f"{e['overhead_ms_per_microbatch']:.2f} ms ({e['overhead_share_of_compute']:.1%})"
+        rate, overhead = row["samples_per_s"], _overhead(row)
         same = "same" if row["params_match"]["same"] else f"DIFF {row['params_match']['relative']:.1e}"
         values = [
             name,
@@ -747,6 +840,32 @@ def format_table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def summary_table(paths: list[str]) -> str:
+    """One markdown table of several result files (``--summary``): the columns the README quotes."""
+    lines = [
+        "| workload | stages | contender | samples/s median [min, max] | vs torch (paired) | eff. vs bound |"
+        " peak RSS MB/process | engine overhead/mb |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for path in paths:
+        results = json.loads(Path(path).read_text())
+        cfg = results["config"]
+        for name, row in results["contenders"].items():
+            rate, overhead = row["samples_per_s"], _overhead(row)
+            cells = [
+                cfg["workload"],
+                str(cfg["stages"]),
+                name,
+                f"{rate['median']:.1f} [{rate['min']:.1f}, {rate['max']:.1f}]",
+                _fmt(row, "ratio_vs_torch_paired", 2),
+                _fmt(row, "efficiency_vs_bound", 2),
+                " + ".join(f"{x:.0f}" for x in row["peak_rss_mb"]),
+                overhead,
+            ]
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default="mlp")
@@ -756,11 +875,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--threads", type=int, default=None, help="intra-op threads per stage (default: cores/stages)")
     parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per contender before the rounds")
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per contender per round")
+    parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=2, help="timed steps per contender per round")
     parser.add_argument("--contenders", default=None, help="comma-separated subset; default: all available")
     parser.add_argument("--json", default=None, help="where to write the results (default: benchmarks/results/)")
+    parser.add_argument("--summary", nargs="+", metavar="JSON", help="print one markdown table of result files")
     args = parser.parse_args(argv)
+    if args.summary:
+        print(summary_table(args.summary))
+        return {}
 
     cores = os.cpu_count() or 1
     threads = args.threads or max(1, cores // args.stages)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
@@ -54,7 +55,8 @@ def main() -> None:
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
 
     out = Path(args.out)
-    trace = PipeTrace(out.with_suffix(".all.json"), steps=range(1, args.steps))
+    scratch = tempfile.TemporaryDirectory()  # the callback's own file of every recorded step
+    trace = PipeTrace(Path(scratch.name) / "steps.json", steps=range(1, args.steps))
     strategy = PipeStrategy(
         stages=args.stages,
         microbatches=args.microbatches,
@@ -81,6 +83,7 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     write_chrome_trace(out.with_suffix(".json"), [best])
     render_png(out, [best])
+    scratch.cleanup()
     print(f"fastest step {best.step} drawn to {out} (trace: {out.with_suffix('.json')})")
 
 
