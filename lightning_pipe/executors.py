@@ -90,6 +90,23 @@ class ForwardLossModule:
         return scaler, grads, loss
 
 
+def output_grads(
+    loss_module: Any,
+    model: nn.Module,
+    optimizer: Any,
+    output: Any,
+    labels: Any,
+    criterion: Any,
+    device: torch.device,
+    scaler: Scaler = None,
+) -> tuple[Scaler, list[torch.Tensor | None], Any]:
+    """``loss_module.run(...)`` with the gradients ready to send back: one detached tensor or None per leaf."""
+    scaler, grads, loss = loss_module.run(model, optimizer, output, labels, criterion, device, scaler)
+    if not grads:
+        return scaler, [None] * len(tree.flatten(output)[0]), loss
+    return scaler, [g.detach() if isinstance(g, torch.Tensor) else None for g in grads], loss
+
+
 class BackwardModule:
     """Backward of a shard: ``run(model, optimizer, batch, device, grads, scaler=None)``.
 

@@ -16,6 +16,7 @@ from lightning_pipe.engine.plan import ASYNC, EVAL, TRAIN, LossPlan, StageSpec, 
 from lightning_pipe.engine.runners import check_runner, worker_lists
 from lightning_pipe.engine.stage import StageWorker
 from lightning_pipe.errors import ConfigurationError, PipeTimeoutError, StageError
+from lightning_pipe.executors import output_grads
 from lightning_pipe.schedule import Schedule
 
 Key = tuple[str, int, int]  # (kind, stage, microbatch)
@@ -210,11 +211,9 @@ class Coordinator:
                     self.endpoint.send(self.rank_of_stage[0], Message(MessageKind.ACTIVATION, step, 0, fed, payload))
                     fed += 1
                 output = self._received_output(step, m)
-                _, grads, loss = self.loss_module.run(
-                    self._head, None, output, labels.pop(m), criterion, self.device, None
+                _, grads, loss = output_grads(
+                    self.loss_module, self._head, None, output, labels.pop(m), criterion, self.device
                 )
-                grads = [g.detach() if isinstance(g, torch.Tensor) else None for g in grads or []]
-                grads = grads or [None] * len(tree.flatten(output)[0])
                 self.endpoint.send(
                     self.rank_of_stage[-1], Message(MessageKind.GRAD, step, self.num_stages - 1, m, grads)
                 )
@@ -293,12 +292,9 @@ class Coordinator:
         losses = []
         for m in range(len(labels)):
             output = self._received_output(step, m)
-            scaler, grads, loss = self.loss_module.run(
-                self._head, optimizer, output, labels[m], criterion, self.device, scaler
+            scaler, grads, loss = output_grads(
+                self.loss_module, self._head, optimizer, output, labels[m], criterion, self.device, scaler
             )
-            if grads is None:
-                grads = [None] * len(tree.flatten(output)[0])
-            grads = [g.detach() if isinstance(g, torch.Tensor) else None for g in grads]
             message = Message(MessageKind.GRAD, step, self.num_stages - 1, m, grads)
             self.endpoint.send(self.rank_of_stage[-1], message)
             losses.append(loss)

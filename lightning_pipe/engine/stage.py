@@ -20,7 +20,7 @@ from lightning_pipe.engine.stage_state import StageStateCalls
 from lightning_pipe.engine.stash import StashMeter, signature
 from lightning_pipe.engine.versions import StageVersions, stage_versions
 from lightning_pipe.errors import PipeTimeoutError, StageError
-from lightning_pipe.executors import Activation, recompute
+from lightning_pipe.executors import Activation, output_grads, recompute
 from lightning_pipe.grads import GradStash
 from lightning_pipe.runtime import BaseRuntime, runtime_registry
 from lightning_pipe.schedule import Action, Kind, peak_activations
@@ -286,14 +286,18 @@ class StageWorker(StageStateCalls):
             outputs = tree.map_tensors(lambda t: t.to(plan.device) if t.device != plan.device else t, outputs)
             leaves = tree.as_leaves(outputs, mask)
             try:
-                plan.scaler, grads, loss = loss_module.run(
-                    plan.head, plan.optimizer, leaves, plan.labels[m], plan.criterion, plan.device, plan.scaler
+                plan.scaler, grads, loss = output_grads(
+                    loss_module,
+                    plan.head,
+                    plan.optimizer,
+                    leaves,
+                    plan.labels[m],
+                    plan.criterion,
+                    plan.device,
+                    plan.scaler,
                 )
             except Exception as exc:
                 raise _LossError(exc) from exc
-            if grads is None:
-                grads = [None] * len(tree.flatten(leaves)[0])
-            grads = [g.detach() if isinstance(g, torch.Tensor) else None for g in grads]
             self._pending[(step, MessageKind.GRAD, s, m)] = Message(MessageKind.GRAD, step, s, m, grads)
             self.endpoint.send(COORDINATOR, Message(MessageKind.LOSS, step, s, m, loss))
 

@@ -16,13 +16,13 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-import torch
 from torch import nn
 
 from lightning_pipe import tree
 from lightning_pipe.comm.base import Message, MessageKind
 from lightning_pipe.engine.plan import ASYNC
 from lightning_pipe.errors import ConfigurationError
+from lightning_pipe.executors import output_grads
 
 if TYPE_CHECKING:
     from lightning_pipe.engine.coordinator import Coordinator, StepResult
@@ -78,9 +78,7 @@ class BatchStream:
             for i, label in enumerate(labels):
                 m = first + i
                 output = c._received_output(self.step, m)
-                _, grads, loss = c.loss_module.run(c._head, None, output, label, criterion, c.device, None)
-                grads = [g.detach() if isinstance(g, torch.Tensor) else None for g in grads or []]
-                grads = grads or [None] * len(tree.flatten(output)[0])
+                _, grads, loss = output_grads(c.loss_module, c._head, None, output, label, criterion, c.device)
                 c.endpoint.send(c.rank_of_stage[-1], Message(MessageKind.GRAD, self.step, c.num_stages - 1, m, grads))
                 losses.append(loss)
         except BaseException:
