@@ -362,13 +362,15 @@ class StageWorker(StageStateCalls):
 
         The earliest remaining action of the list may always run; a later forward may run ahead
         only while this rank holds fewer activations than the list's own peak, so the memory plan
-        still holds and no run can deadlock that the fixed order would not.
+        still holds and no run can deadlock that the fixed order would not. Under ``schedule="async"``
+        each stage keeps its list's order (only the stages of one worker interleave): which weight
+        version a forward uses, and which backwards one update sums, follow that order.
         """
         remaining = list(actions)
         cap = peak_activations([actions])[0]
         until = deadline(self.spec.timeout)
         while remaining:
-            action = next((a for i, a in enumerate(remaining) if self._ready(step, a, i == 0, cap)), None)
+            action = self._next_ready(step, remaining, cap)
             if action is None:
                 waiting = ", ".join(map(str, remaining[:4]))
                 self._receive(step, until, f"rank {self.rank} waited {{}} for the inputs of any of {waiting}")
@@ -376,6 +378,15 @@ class StageWorker(StageStateCalls):
             remaining.remove(action)
             until = deadline(self.spec.timeout)
             yield action
+
+    def _next_ready(self, step: int, remaining: list[Action], cap: int) -> Action | None:
+        waiting: set[int] = set()  # async: stages whose earliest remaining action is not ready
+        for i, action in enumerate(remaining):
+            if action.stage not in waiting and self._ready(step, action, i == 0, cap):
+                return action
+            if self._asynchronous:
+                waiting.add(action.stage)
+        return None
 
     def _ready(self, step: int, action: Action, first: bool, cap: int) -> bool:
         key = (action.stage, action.microbatch)
