@@ -234,7 +234,7 @@ class Coordinator:
         schedule = self.schedule(len(inputs))
         step = self._begin(EVAL, schedule.forward_actions())
         try:
-            self._feed(step, [tree.detach(x) for x in inputs])
+            self._feed(step, inputs)
             outputs = [self._received_output(step, m, leaves=False) for m in range(len(inputs))]
             records, parts = self._finish(step)
         except BaseException:

@@ -72,6 +72,7 @@ class StageWorker(StageStateCalls):
         self._parts: list[tuple[str, float, float]] = []  # this step's action parts (see lightning_pipe.trace)
         self._loss: LossPlan | None = None  # set when this rank computes the step's losses
         self._outputs: dict[int, Any] = {}  # last stage: outputs awaiting their loss, by microbatch
+        self._losses: list[Message] = []  # last stage: this step's losses, sent with its end (one wake-up)
 
     # event loop
     def serve(self) -> None:
@@ -110,7 +111,7 @@ class StageWorker(StageStateCalls):
         training, set_aside = plan.mode != EVAL, plan.mode == TRAIN
         self._asynchronous = plan.mode == ASYNC
         outcome: Message | None = None
-        self._parts, self._loss, self._outputs = [], plan.loss, {}
+        self._parts, self._loss, self._outputs, self._losses = [], plan.loss, {}, []
         idle_since = time.perf_counter()
         if set_aside:
             self._grads.begin()
@@ -135,6 +136,8 @@ class StageWorker(StageStateCalls):
                 records.append((str(action), start, idle_since))
             for index, shard in self.shards.items():
                 self.runtimes[index].get_pending_result(shard.module, True)
+            for loss in self._losses:
+                self.endpoint.send(COORDINATOR, loss)
             outcome = Message(MessageKind.DONE, step, payload=(records, self._parts))
         except _Abort:
             self._forget(step)
@@ -299,7 +302,7 @@ class StageWorker(StageStateCalls):
             except Exception as exc:
                 raise _LossError(exc) from exc
             self._pending[(step, MessageKind.GRAD, s, m)] = Message(MessageKind.GRAD, step, s, m, grads)
-            self.endpoint.send(COORDINATOR, Message(MessageKind.LOSS, step, s, m, loss))
+            self._losses.append(Message(MessageKind.LOSS, step, s, m, loss))
 
     def _span(self, action: Action, part: str, start: float) -> float:
         """Record ``part`` (recv, loss, compute or send) of ``action`` from ``start`` until now; returns now."""

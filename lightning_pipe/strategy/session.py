@@ -7,8 +7,11 @@ The user's ``training_step`` calls the pipelined module somewhere in the middle:
     loss = F.mse_loss(out, y) # after the call: runs when that microbatch's output is back
 
 Each microbatch's step runs in a driver thread that stops at the call, so all inputs reach the
-pipeline before the first output is needed. Only one driver runs user code at a time (the others
-wait), in microbatch order, so ``self.log`` and other side effects happen as in a plain loop.
+pipeline before the first output is needed. The pipeline starts on microbatch 0 as soon as its step
+reaches the call (`StepInputs`), while the later steps still run up to theirs. Only one driver runs
+user code at a time (the others wait: a step's drivers share one lock), the parts before the call in
+microbatch order and the parts after it in microbatch order, so ``self.log`` and other side effects
+happen as in a plain loop.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from __future__ import annotations
 import queue
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
@@ -44,8 +47,10 @@ class Driver:
         index: int,
         context: Callable[[], AbstractContextManager[Any]],
         timeout: float,
+        turn: threading.Lock | None = None,
     ) -> None:
         self.index = index
+        self._turn = turn if turn is not None else threading.Lock()  # held while this step's user code runs
         self._fn = fn
         self._context = context
         self._timeout = timeout
@@ -61,13 +66,15 @@ class Driver:
     # caller side
     def start(self) -> tuple[str, Any]:
         """Run until the step calls the pipelined module (``("call", (args, kwargs))``) or returns."""
-        self._thread.start()
-        return self._wait()
+        with self._turn:
+            self._thread.start()
+            return self._wait()
 
     def resume(self, value: Any) -> tuple[str, Any]:
         """Hand the pipeline's output to the step and run it to its next call or its end."""
-        self._to_driver.put(("value", value))
-        return self._wait()
+        with self._turn:
+            self._to_driver.put(("value", value))
+            return self._wait()
 
     def abandon(self) -> None:
         """Unwind a driver that is waiting inside the pipelined call; joins its thread."""
@@ -123,6 +130,32 @@ def current_driver() -> Driver | None:
     return getattr(_current, "driver", None)
 
 
+class StepInputs(Sequence[Any]):
+    """The pipeline's inputs of a step, ``make(i)`` of each taken when the pipeline first needs it.
+
+    Feeding the pipeline in order, the first stage computes microbatch 0 while the later
+    microbatches' steps still run up to their pipelined call.
+    """
+
+    def __init__(self, count: int, make: Callable[[int], Any], made: Sequence[Any] = ()) -> None:
+        self._count = count
+        self._make = make
+        self._made = list(made)
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(self._count))]
+        position = index + self._count if index < 0 else index
+        if not 0 <= position < self._count:
+            raise IndexError(f"microbatch {index} of {self._count}")
+        while len(self._made) <= position:
+            self._made.append(self._make(len(self._made)))
+        return self._made[position]
+
+
 @contextmanager
 def _nothing() -> Iterator[None]:
     yield
@@ -131,15 +164,17 @@ def _nothing() -> Iterator[None]:
 class LogRecorder:
     """Collects ``self.log`` calls of each microbatch and logs each name once, weighted by rows."""
 
-    def __init__(self, log: Callable[..., Any]) -> None:
+    def __init__(self, log: Callable[..., Any], weights: Sequence[float]) -> None:
         self._log = log
+        self._weights = weights  # each microbatch's share of the batch's rows
         self._calls: dict[str, list[tuple[Any, float, dict[str, Any]]]] = {}
-        self.weight = 1.0
 
     def __call__(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
         if args:
             raise TypeError("PipeStrategy: pass self.log options by keyword (prog_bar=True, on_epoch=True, ...)")
-        self._calls.setdefault(name, []).append((value, self.weight, kwargs))
+        driver = current_driver()
+        weight = self._weights[driver.index] if driver is not None else 1.0
+        self._calls.setdefault(name, []).append((value, weight, kwargs))
 
     def flush(self) -> None:
         """Log the weighted mean of each name's values (a metric object is logged once, as is)."""

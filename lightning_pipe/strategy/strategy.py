@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
@@ -35,7 +36,7 @@ from lightning_pipe.strategy.asynchronous import AsyncTraining
 from lightning_pipe.strategy.hooks import RuntimeHooks
 from lightning_pipe.strategy.outputs import combine_eval, combine_predict, combine_training
 from lightning_pipe.strategy.remote import StageGradZeroing, StageParameters
-from lightning_pipe.strategy.session import Driver, LogRecorder, MissingCall, current_driver
+from lightning_pipe.strategy.session import Driver, LogRecorder, MissingCall, StepInputs, current_driver
 from lightning_pipe.strategy.trace import PipeTrace
 
 _RUNTIME_HOOKS = (
@@ -525,18 +526,24 @@ class PipeStrategy(SingleDeviceStrategy):
         rows = [batch_size(p) for p in pieces]
         weights = [r / sum(rows) for r in rows]
         step_fn = getattr(lightning_module, name)
-        recorder = LogRecorder(lightning_module.log)
+        recorder = LogRecorder(lightning_module.log, weights)
         context = _with_ops(context, self._coordinator_ops, "train" if training else "eval")
-        drivers = [Driver(_bind(step_fn, p, rest, kwargs), i, context, self.timeout) for i, p in enumerate(pieces)]
+        turn = threading.Lock()  # one driver at a time runs the user's step
+        drivers = [
+            Driver(_bind(step_fn, p, rest, kwargs), i, context, self.timeout, turn) for i, p in enumerate(pieces)
+        ]
         lightning_module.log = recorder  # type: ignore[method-assign]
         try:
-            inputs = [self._start(driver, recorder, weights[driver.index], name) for driver in drivers]
-            pipeline = self._build(inputs[0])
-            inputs = [_packed(pipeline, x) for x in inputs]
+            first = self._start(drivers[0], name)
+            pipeline = self._build(first)
+            inputs: Sequence[Any] = StepInputs(
+                len(drivers), lambda i: _packed(pipeline, self._start(drivers[i], name)), [_packed(pipeline, first)]
+            )
             if training and self._async is not None:
+                inputs = list(inputs)
                 self._outside.begin()
                 try:
-                    result = self._feed_async(pipeline, inputs, drivers, recorder, weights)
+                    result = self._feed_async(pipeline, inputs, drivers, weights)
                 finally:
                     self._outside.end()
             elif training:
@@ -545,7 +552,7 @@ class PipeStrategy(SingleDeviceStrategy):
                     result = pipeline.coordinator.train_step(
                         inputs,
                         list(range(len(drivers))),
-                        self._criterion(drivers, recorder, weights, name),
+                        self._criterion(drivers, weights, name),
                         getattr(self.precision_plugin, "scaler", None),
                     )
                 finally:
@@ -553,7 +560,6 @@ class PipeStrategy(SingleDeviceStrategy):
             else:
                 result = pipeline.coordinator.forward_step(inputs)
                 for driver, output in zip(drivers, result.outputs, strict=True):
-                    recorder.weight = weights[driver.index]
                     self._resume(driver, pipeline.unpack(output), name)
         finally:
             lightning_module.__dict__.pop("log", None)
@@ -569,13 +575,13 @@ class PipeStrategy(SingleDeviceStrategy):
         return combine_eval(outputs, weights)
 
     def _feed_async(
-        self, pipeline: Pipeline, inputs: list[Any], drivers: list[Driver], recorder: LogRecorder, weights: list[float]
+        self, pipeline: Pipeline, inputs: list[Any], drivers: list[Driver], weights: list[float]
     ) -> StepResult:
         """Feed this batch into the asynchronous stream; drain it after the stream's last planned batch."""
         assert self._async is not None
         stream = self._async.open(pipeline, self._trainer, len(inputs))
         self._async.sync_hparams()
-        criterion = self._criterion(drivers, recorder, weights, "training_step")
+        criterion = self._criterion(drivers, weights, "training_step")
         losses = stream.feed(inputs, list(range(len(drivers))), criterion)
         if stream.complete:
             self._end_stream()
@@ -592,8 +598,7 @@ class PipeStrategy(SingleDeviceStrategy):
             raise ConfigurationError(f"staleness is measured with schedule='async', not {self.schedule!r}")
         return self._async.staleness()
 
-    def _start(self, driver: Driver, recorder: LogRecorder, weight: float, name: str) -> Any:
-        recorder.weight = weight
+    def _start(self, driver: Driver, name: str) -> Any:
         kind, value = driver.start()
         if kind == "return":
             raise MissingCall(
@@ -622,13 +627,10 @@ class PipeStrategy(SingleDeviceStrategy):
             )
         return value
 
-    def _criterion(
-        self, drivers: list[Driver], recorder: LogRecorder, weights: list[float], name: str
-    ) -> Callable[[Any, int], Any]:
+    def _criterion(self, drivers: list[Driver], weights: list[float], name: str) -> Callable[[Any, int], Any]:
         """The loss of microbatch ``i``: the rest of its step, weighted by its share of the rows."""
 
         def criterion(output: Any, index: int) -> Any:
-            recorder.weight = weights[index]
             assert self.pipeline is not None
             result = self._resume(drivers[index], self.pipeline.unpack(output), name)
             loss = result.get("loss") if isinstance(result, dict) else result
