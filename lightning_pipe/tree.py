@@ -22,6 +22,11 @@ def map_tensors(fn: Callable[[torch.Tensor], Any], tree: Any) -> Any:
     return pytree.tree_map(lambda x: fn(x) if isinstance(x, torch.Tensor) else x, tree)
 
 
+def to_device(tree: Any, device: torch.device) -> Any:
+    """``tree`` with every tensor on ``device`` (tensors already there are kept as they are)."""
+    return map_tensors(lambda t: t.to(device) if t.device != device else t, tree)
+
+
 def tensors(tree: Any) -> list[torch.Tensor]:
     return [x for x in flatten(tree)[0] if isinstance(x, torch.Tensor)]
 

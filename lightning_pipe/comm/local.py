@@ -62,9 +62,10 @@ class LocalCommunicator(Communicator):
         if self._threads:
             raise TransportError("this communicator already runs stage workers; shut it down first")
         _check_shared_tensors(specs)
-        num_threads = stage_threads(self.threads, [_device_type(spec) for spec in specs])
-        for spec in specs:
-            spec.options["num_threads"] = num_threads if _device_type(spec) == "cpu" else None
+        device_types = [_device_type(spec) for spec in specs]
+        num_threads = stage_threads(self.threads, device_types)
+        for spec, device_type in zip(specs, device_types, strict=True):
+            spec.options["num_threads"] = num_threads if device_type == "cpu" else None
         self._inboxes = {COORDINATOR: QueueInbox()} | {rank: QueueInbox() for rank in range(len(specs))}
         for rank, spec in enumerate(specs):
             worker = worker_cls(spec, LocalEndpoint(rank, self._inboxes))

@@ -210,14 +210,7 @@ class Coordinator:
                     payload = (tree.detach(x), [False] * len(tree.flatten(x)[0]))
                     self.endpoint.send(self.rank_of_stage[0], Message(MessageKind.ACTIVATION, step, 0, fed, payload))
                     fed += 1
-                output = self._received_output(step, m)
-                _, grads, loss = output_grads(
-                    self.loss_module, self._head, None, output, labels.pop(m), criterion, self.device
-                )
-                self.endpoint.send(
-                    self.rank_of_stage[-1], Message(MessageKind.GRAD, step, self.num_stages - 1, m, grads)
-                )
-                losses.append(loss)
+                losses.append(self._loss_of(step, m, labels.pop(m), criterion)[1])
             records, parts = self._finish(step)
         except StopIteration:
             self._abort(step)
@@ -291,14 +284,26 @@ class Coordinator:
                 self._wait(step, MessageKind.OUTPUT, self.num_stages - 1, m, pop=False)
         losses = []
         for m in range(len(labels)):
-            output = self._received_output(step, m)
-            scaler, grads, loss = output_grads(
-                self.loss_module, self._head, optimizer, output, labels[m], criterion, self.device, scaler
-            )
-            message = Message(MessageKind.GRAD, step, self.num_stages - 1, m, grads)
-            self.endpoint.send(self.rank_of_stage[-1], message)
+            scaler, loss = self._loss_of(step, m, labels[m], criterion, optimizer, scaler)
             losses.append(loss)
         return losses
+
+    def _loss_of(
+        self,
+        step: int,
+        m: int,
+        label: Any,
+        criterion: Callable[[Any, Any], Any],
+        optimizer: Any = None,
+        scaler: Any = None,
+    ) -> tuple[Any, Any]:
+        """Microbatch ``m``'s loss from the last stage's output; its gradient goes back to the last stage."""
+        output = self._received_output(step, m)
+        scaler, grads, loss = output_grads(
+            self.loss_module, self._head, optimizer, output, label, criterion, self.device, scaler
+        )
+        self.endpoint.send(self.rank_of_stage[-1], Message(MessageKind.GRAD, step, self.num_stages - 1, m, grads))
+        return scaler, loss
 
     def _feed(self, step: int, inputs: Sequence[Any]) -> None:
         for m, x in enumerate(inputs):
@@ -307,7 +312,7 @@ class Coordinator:
 
     def _received_output(self, step: int, m: int, leaves: bool = True) -> Any:
         output, mask = self._wait(step, MessageKind.OUTPUT, self.num_stages - 1, m).payload
-        output = tree.map_tensors(lambda t: t.to(self.device) if t.device != self.device else t, output)
+        output = tree.to_device(output, self.device)
         return tree.as_leaves(output, mask) if leaves else output
 
     def _finish(self, step: int) -> tuple[list[list[Record]], list[list[Record]]]:

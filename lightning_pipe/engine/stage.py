@@ -286,7 +286,7 @@ class StageWorker(StageStateCalls):
         loss_module = self.shards[s].forward_loss
         for m in sorted(self._outputs):
             outputs, mask = self._outputs.pop(m)
-            outputs = tree.map_tensors(lambda t: t.to(plan.device) if t.device != plan.device else t, outputs)
+            outputs = tree.to_device(outputs, plan.device)
             leaves = tree.as_leaves(outputs, mask)
             try:
                 plan.scaler, grads, loss = output_grads(

@@ -22,7 +22,6 @@ from lightning_pipe import tree
 from lightning_pipe.comm.base import Message, MessageKind
 from lightning_pipe.engine.plan import ASYNC
 from lightning_pipe.errors import ConfigurationError
-from lightning_pipe.executors import output_grads
 
 if TYPE_CHECKING:
     from lightning_pipe.engine.coordinator import Coordinator, StepResult
@@ -70,17 +69,11 @@ class BatchStream:
                 f"batch {self.fed} has {len(inputs)} microbatches; this stream runs {self.per_batch} per batch"
             )
         first = self.fed * self.per_batch
-        losses = []
         try:
             for i, x in enumerate(inputs):
                 payload = (tree.detach(x), [False] * len(tree.flatten(x)[0]))
                 c.endpoint.send(c.rank_of_stage[0], Message(MessageKind.ACTIVATION, self.step, 0, first + i, payload))
-            for i, label in enumerate(labels):
-                m = first + i
-                output = c._received_output(self.step, m)
-                _, grads, loss = output_grads(c.loss_module, c._head, None, output, label, criterion, c.device)
-                c.endpoint.send(c.rank_of_stage[-1], Message(MessageKind.GRAD, self.step, c.num_stages - 1, m, grads))
-                losses.append(loss)
+            losses = [c._loss_of(self.step, first + i, label, criterion)[1] for i, label in enumerate(labels)]
         except BaseException:
             self.abort()
             raise
