@@ -15,24 +15,35 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
-from lightning_pipe.comm.local import LocalCommunicator
+from lightning_pipe.comm.base import Communicator
 from lightning_pipe.errors import ConfigurationError
 
-if TYPE_CHECKING:
-    from lightning_pipe.pipeline import Pipeline
-
 Location = tuple[int, str]  # (rank, parameter name)
+
+
+class StagedModel(Protocol):
+    """What `StageOptimizers` needs of a pipeline (`lightning_pipe.Pipeline` is one)."""
+
+    communicator: Communicator
+
+    @property
+    def coordinator(self) -> Any: ...  # engine.Coordinator: ``num_ranks`` and ``call(name, *args, each=...)``
+
+    @property
+    def tied(self) -> list[list[tuple[int, str]]]: ...
+
+    def parameter_locations(self) -> dict[int, tuple[int, str]]: ...
 
 
 class StageOptimizers:
     """The per-stage parts of ``template``; parameters of ``template`` outside the pipeline stay with it."""
 
-    def __init__(self, pipeline: Pipeline, template: torch.optim.Optimizer) -> None:
-        if isinstance(pipeline.communicator, LocalCommunicator):
+    def __init__(self, pipeline: StagedModel, template: torch.optim.Optimizer) -> None:
+        if not pipeline.communicator.stages_own_parameters:
             raise ConfigurationError(
                 "with transport='local' the stages share the module's parameters: step the optimizer itself"
             )

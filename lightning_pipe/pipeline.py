@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -34,9 +34,7 @@ from lightning_pipe.partition.traced import TracedPartitioner, for_module
 from lightning_pipe.partition.tracer import CallArgs
 from lightning_pipe.runtime import BaseRuntime, runtime_registry
 from lightning_pipe.schedule import resolve_schedule
-
-if TYPE_CHECKING:
-    from lightning_pipe.optim import StageOptimizers
+from lightning_pipe.stage_state import StageState
 
 CHECKPOINT_MODES = ("always", "except_last", "never")
 TRANSPORTS: dict[str, Callable[..., Communicator]] = {"local": LocalCommunicator}
@@ -100,7 +98,7 @@ class AsyncRun:
         return max(s.max for s in self.staleness)
 
 
-class Pipeline:
+class Pipeline(StageState):
     """Stages built from an ``nn.Sequential``, a schedule and a communicator.
 
     ``stages`` counts the pieces of the model; with ``virtual_stages=V`` each worker (rank) holds
@@ -239,7 +237,7 @@ class Pipeline:
             partitioner: TracedPartitioner = self.partitioner  # type: ignore[assignment]
             known, state = len(partitioner.variants), self._shard_state()
             packed = partitioner.pack(call.args, call.kwargs)
-            if len(partitioner.variants) > known and not isinstance(self.communicator, LocalCommunicator):
+            if len(partitioner.variants) > known and self.communicator.stages_own_parameters:
                 self._install_variants(partitioner, known, state)
             return packed
         if kwargs:
@@ -251,7 +249,7 @@ class Pipeline:
 
     def _shard_state(self) -> list[set[str]]:
         """Per shard, the names of its submodules, parameters and buffers."""
-        if isinstance(self.communicator, LocalCommunicator):
+        if not self.communicator.stages_own_parameters:
             return []
         return [
             {n for n, _ in shard.module.named_modules(remove_duplicate=False) if n}
@@ -328,32 +326,6 @@ class Pipeline:
         self.apply_grads(1.0)
         return result
 
-    def apply_grads(self, scale: float = 1.0) -> None:
-        """Add the last step's gradients, times ``scale``, to ``p.grad`` on every stage.
-
-        Each copy of a tied weight (`tied`) first gets the sum of every copy's gradient of the step,
-        the gradient the one shared parameter gets in the unsplit module.
-        """
-        tied = self.tied
-        if tied:
-            names: list[list[str]] = [[] for _ in range(self.coordinator.num_ranks)]
-            for holders in tied:
-                for rank, name in holders:
-                    names[rank].append(name)
-            got = self.coordinator.call("step_grads", each=[(own,) for own in names])
-            totals: list[dict[str, torch.Tensor]] = [{} for _ in names]
-            for holders in tied:
-                parts = [g for g in (got[rank][name] for rank, name in holders) if g is not None]
-                if not parts:
-                    continue
-                total = parts[0].clone()
-                for g in parts[1:]:
-                    total += g.to(total.device)
-                for rank, name in holders:
-                    totals[rank][name] = total
-            self.coordinator.call("set_step_grads", each=[(own,) for own in totals])
-        self.coordinator.call("apply_grads", scale)
-
     def train_async(
         self,
         batches: Iterable[tuple[Any, Any]],
@@ -410,84 +382,6 @@ class Pipeline:
         call = CallArgs.of(inputs)
         pieces = split((call.args, dict(kwargs or {})), microbatches)
         return [self.pack(args, kw) for args, kw in pieces]
-
-    # state that lives on the stages (with transport="rpc", only there)
-    @property
-    def tied(self) -> list[list[tuple[int, str]]]:
-        """Per weight of which several ranks hold a copy: the (rank, name) of each copy, the first holder first.
-
-        Empty when the stages share ``module``'s parameters (the local transport): then a tied weight
-        is one parameter. With ``transport="rpc"`` every worker unpickles its own copy; the copies
-        get the same gradient (`apply_grads`) and so make the same optimizer updates.
-        """
-        if isinstance(self.communicator, LocalCommunicator):
-            return []
-        rank_of = self.coordinator.rank_of_stage
-        tied = []
-        for places in getattr(self.partitioner, "tied", []):
-            holders: dict[int, str] = {}
-            for index, name in places:
-                holders.setdefault(rank_of[index], name)  # two shards of one rank share one copy
-            if len(holders) > 1:
-                tied.append(list(holders.items()))
-        return tied
-
-    def parameter_locations(self) -> dict[int, tuple[int, str]]:
-        """``id(p)`` of each parameter of ``module`` -> (rank, name) of the (first) stage that holds it."""
-        rank_of = self.coordinator.rank_of_stage
-        locations: dict[int, tuple[int, str]] = {}
-        for shard in self.shards:
-            for name, p in shard.module.named_parameters():
-                locations.setdefault(id(p), (rank_of[shard.index], name))
-        return locations
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """The module's parameters and buffers as the stages hold them, under ``module.state_dict()``'s keys.
-
-        A tied weight is taken from its first holder: all its keys name that one tensor, as in the module.
-        """
-        state: dict[str, torch.Tensor] = {}
-        for part in self.coordinator.call("state_dict"):
-            state.update(part)
-        for holders in self.tied:
-            for _, name in holders[1:]:
-                state[name] = state[holders[0][1]]
-        return {k: state[k] for k in self.module.state_dict() if k in state}
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Load ``state`` (keys of ``module.state_dict()``) into ``module`` and send each stage its part.
-
-        Every copy of a tied weight gets the value under its first holder's key.
-        """
-        tied = self.tied
-        if tied:
-            state = dict(state)
-            for holders in tied:
-                if holders[0][1] in state:
-                    for _, name in holders[1:]:
-                        state[name] = state[holders[0][1]]
-        self.module.load_state_dict(state)
-        keys: list[list[str]] = [[] for _ in range(self.coordinator.num_ranks)]
-        for shard in self.shards:
-            keys[self.coordinator.rank_of_stage[shard.index]] += list(shard.module.state_dict())
-        self.coordinator.call("load_state_dict", each=[({k: state[k] for k in own},) for own in keys])
-
-    def sync_module(self) -> None:
-        """Copy the stages' parameters and buffers into ``module`` (with transport="rpc" they train apart)."""
-        self.module.load_state_dict(self.state_dict())
-
-    def grads(self) -> dict[str, torch.Tensor | None]:
-        """Each parameter's gradient as its stage holds it, by name."""
-        grads: dict[str, torch.Tensor | None] = {}
-        for part in self.coordinator.call("grads"):
-            grads.update(part)
-        return grads
-
-    def optimizer(self, template: torch.optim.Optimizer) -> StageOptimizers:
-        """Per-stage parts of ``template`` (an optimizer over ``module``'s parameters); see `StageOptimizers`."""
-        from lightning_pipe.optim import StageOptimizers
-
-        return StageOptimizers(self, template)
 
 
 def _communicator(transport: str | Communicator, options: dict[str, Any]) -> Communicator:

@@ -5,12 +5,12 @@ from lightning_pipe.backends.compilers import EagerCompiler, InductorCompiler
 from lightning_pipe.backends.config import BackendArg, BackendPlan, resolve_backends
 from lightning_pipe.backends.executable import CoordinatorOps, StageExecutable, build_executables
 from lightning_pipe.backends.meta import TensorMeta
-from lightning_pipe.backends.ops import substitute
 from lightning_pipe.backends.registry import (
     available_backends,
     default_backends,
     get_backend,
     register_backend,
+    substitute,
     unregister_backend,
 )
 from lightning_pipe.backends.tensorrt import TensorRTCompiler, import_torch_tensorrt

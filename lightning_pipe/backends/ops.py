@@ -8,9 +8,8 @@ their decision is cached per input signature.
 
 from __future__ import annotations
 
-import contextlib
 import importlib
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -173,17 +172,3 @@ def rewrite_graph(gm: torch.fx.GraphModule, table: OpTable, native: str) -> OpCo
         per_call.add(choice.op, choice.impl_name, choice.backend)
     gm.recompile()
     return per_call
-
-
-@contextlib.contextmanager
-def substitute(backends: Sequence[str | Backend], native: str = "eager") -> Iterator[OpCounter]:
-    """Run a block with the op maps of ``backends`` (names or objects) active; yields the op counts.
-
-    ``with substitute(["xent"]) as counts: loss = F.cross_entropy(logits, y)``
-    """
-    from lightning_pipe.backends.registry import get_backend
-
-    chain = [b if isinstance(b, Backend) else get_backend(b) for b in backends]
-    counter = OpCounter()
-    with SubstitutionMode(OpTable(chain), counter, native):
-        yield counter

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from lightning_pipe.backends.base import Backend, BackendError, OpEntry
 from lightning_pipe.backends.compilers import EagerCompiler, InductorCompiler
-from lightning_pipe.backends.ops import resolve_op
+from lightning_pipe.backends.ops import OpTable, SubstitutionMode, resolve_op
 from lightning_pipe.backends.tensorrt import TensorRTCompiler
+from lightning_pipe.backends.trace import OpCounter
 from lightning_pipe.errors import ConfigurationError
 
 EAGER = "eager"
@@ -79,6 +81,18 @@ def get_backend(name: str) -> Backend:
 
 def available_backends() -> list[str]:
     return sorted(_BACKENDS)
+
+
+@contextlib.contextmanager
+def substitute(backends: Sequence[str | Backend], native: str = EAGER) -> Iterator[OpCounter]:
+    """Run a block with the op maps of ``backends`` (names or objects) active; yields the op counts.
+
+    ``with substitute(["xent"]) as counts: loss = F.cross_entropy(logits, y)``
+    """
+    chain = [b if isinstance(b, Backend) else get_backend(b) for b in backends]
+    counter = OpCounter()
+    with SubstitutionMode(OpTable(chain), counter, native):
+        yield counter
 
 
 def default_backends() -> list[str]:

@@ -84,6 +84,9 @@ class Communicator(ABC):
     #: stages share the coordinator's objects (messages pass by reference): the last stage can run the
     #: criterion itself, so a microbatch's loss costs no round trip through the coordinator
     shares_objects: bool = False
+    #: each stage holds its own copy of its parameters (in another process): gradients, optimizer steps and
+    #: checkpoints go through the stages; False where stages share the module's parameters
+    stages_own_parameters: bool = True
 
     @abstractmethod
     def launch(self, specs: list[Any], worker_cls: Any) -> Endpoint:

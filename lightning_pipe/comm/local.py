@@ -50,6 +50,7 @@ class LocalCommunicator(Communicator):
 
     name = "local"
     shares_objects = True
+    stages_own_parameters = False
 
     def __init__(self, threads: int | None = None) -> None:
         if threads is not None and threads < 1:

@@ -7,9 +7,9 @@ machines), handshakes, hands out ranks, and then every participant joins an RPC 
 rendezvous store the coordinator hosts. Each stage is built remotely from its pickled `StageSpec`
 and pings back when ready.
 
-A message is one ``rpc_async`` call of `_deliver` on the receiving process: TensorPipe's I/O
-threads decode it and put it into the stage's inbox, which wakes its event loop (the seed's
-"I/O thread and callback"). Activations go from stage to stage directly; only the last stage's
+A message is one ``rpc_async`` call on the receiving process (`rpc_endpoint`), which puts it into
+the stage's inbox and wakes its event loop; the worker side lives in `rpc_stages` (the stages a
+process serves) and `slot` (a worker process). Activations go from stage to stage directly; only the last stage's
 outputs go to the coordinator. Parameters never travel: they are built into the stage once.
 
     coordinator (rank -1) --activation--> rank 0 --activation--> rank 1 --output--> coordinator
@@ -26,290 +26,23 @@ import secrets
 import signal
 import threading
 import time
-import traceback
 import warnings
 import weakref
-from collections import Counter, defaultdict
-from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
-from datetime import timedelta
+from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-import torch.distributed as dist
 import torch.distributed.rpc as rpc
-from torch.distributed import autograd as dist_autograd
-from torch.distributed.rpc import constants
 
-from lightning_pipe import tree
-from lightning_pipe.comm.base import (
-    COORDINATOR,
-    Communicator,
-    Endpoint,
-    Message,
-    MessageKind,
-    QueueInbox,
-    deadline,
-    remaining,
-)
+from lightning_pipe.comm.base import COORDINATOR, Communicator, Endpoint, Message, MessageKind, deadline, remaining
 from lightning_pipe.comm.control import ControlServer, Slot, interface_of, parse_address
+from lightning_pipe.comm.rpc_endpoint import RpcEndpoint, TransportStats, register_inbox
+from lightning_pipe.comm.rpc_stages import build_stage, request_exit, stage_stats, stop_stage
+from lightning_pipe.comm.rpc_world import environment, host_store, join_world, leave_world
+from lightning_pipe.comm.slot import TOKEN_ENV, WORKER_ENV, run_slot_process
 from lightning_pipe.errors import PipeTimeoutError, StageError, TransportError
 
-WORKER_ENV = "LIGHTNING_PIPE_WORKER"  # set in stage worker processes: `import lightning_pipe` skips Lightning
-TOKEN_ENV = "LIGHTNING_PIPE_TOKEN"
 HEARTBEAT_TIMEOUT = 20.0  # seconds without a heartbeat before a worker counts as lost
-RPC_THREADS = 4
-
-
-# inboxes and stages of this process, by (launch, rank)
-_INBOXES: dict[tuple[str, int], OrderedInbox] = {}
-_STAGES: dict[tuple[str, int], tuple[Any, threading.Thread, RpcEndpoint]] = {}
-_EXIT = threading.Event()  # a worker process leaves when the coordinator asks
-_REPORT: list[Any] = []  # in a worker process: sends a failure to the coordinator over the control link
-_LOCK = threading.Lock()
-
-
-class OrderedInbox(QueueInbox):
-    """An inbox that puts each sender's messages in the order they were sent.
-
-    RPC handlers run on a thread pool, so two messages of one sender may be handled out of order;
-    a sequence number per sender restores it (the engine relies on STEP arriving before ABORT).
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._order = threading.Lock()
-        self._next: dict[int, int] = defaultdict(int)
-        self._early: dict[int, dict[int, Message]] = defaultdict(dict)
-
-    def put_in_order(self, source: int, seq: int, message: Message) -> None:
-        with self._order:
-            if seq != self._next[source]:
-                self._early[source][seq] = message
-                return
-            self.put(message)
-            self._next[source] += 1
-            early = self._early[source]
-            while self._next[source] in early:
-                self.put(early.pop(self._next[source]))
-                self._next[source] += 1
-
-
-@dataclass
-class TransportStats:
-    """What one endpoint sent: messages and tensor bytes by message kind."""
-
-    messages: Counter[str] = field(default_factory=Counter)
-    tensor_bytes: Counter[str] = field(default_factory=Counter)
-    parameter_tensors: int = 0  # tensors that were (views of) this process's parameters
-    failures: list[str] = field(default_factory=list)
-
-    def total_bytes(self) -> int:
-        return sum(self.tensor_bytes.values())
-
-
-class RpcEndpoint(Endpoint):
-    """One participant: an ordered inbox filled by RPC, and ``rpc_async`` to anyone else."""
-
-    def __init__(self, rank: int, launch: str, names: dict[int, str], hosts: dict[int, str]) -> None:
-        self.rank = rank
-        self.launch = launch
-        self.names = names
-        self.hosts = hosts
-        self.inbox = OrderedInbox()
-        self.stats = TransportStats()
-        self._seq: dict[int, int] = defaultdict(int)
-        self._lock = threading.Lock()
-        self._watched: set[int] = set()
-
-    def watch(self, tensors: Iterator[torch.Tensor]) -> None:
-        """Count sends of these tensors' storages (a stage's parameters) in ``stats.parameter_tensors``."""
-        self._watched |= {t.untyped_storage().data_ptr() for t in tensors}
-
-    def send(self, rank: int, message: Message) -> None:
-        message = replace(message, source=self.rank, payload=self._account(message))
-        with self._lock:
-            seq = self._seq[rank]
-            self._seq[rank] += 1
-        try:
-            future = rpc.rpc_async(self.names[rank], _deliver, args=(self.launch, rank, self.rank, seq, message))
-        except Exception as exc:  # the agent is gone or the peer unknown: check_alive reports it
-            self._failed(rank, exc)
-            return
-        future.add_done_callback(lambda f: self._delivered(rank, f))
-
-    def recv(self, timeout: float | None) -> Message | None:
-        return self.inbox.get(timeout)
-
-    def host(self, rank: int) -> str:
-        return self.hosts.get(rank, "?")
-
-    def _account(self, message: Message) -> Any:
-        """Count the payload's tensors and make them portable: detached, on the CPU, compact."""
-        nbytes = 0
-
-        def portable(t: torch.Tensor) -> torch.Tensor:
-            nonlocal nbytes
-            if t.untyped_storage().data_ptr() in self._watched and t.numel() > 0:
-                self.stats.parameter_tensors += 1
-            nbytes += t.numel() * t.element_size()
-            t = t.detach()
-            if t.device.type != "cpu":
-                t = t.cpu()
-            if t.untyped_storage().nbytes() > t.numel() * t.element_size():
-                t = t.clone()  # a view would drag its whole storage along
-            return t
-
-        payload = tree.map_tensors(portable, message.payload)
-        self.stats.messages[message.kind] += 1
-        self.stats.tensor_bytes[message.kind] += nbytes
-        return payload
-
-    def _delivered(self, rank: int, future: Any) -> None:
-        try:
-            future.value()
-        except Exception as exc:
-            self._failed(rank, exc)
-
-    def _failed(self, rank: int, exc: BaseException) -> None:
-        text = str(exc).strip().splitlines()
-        self.stats.failures.append(f"rank {rank}: {text[0] if text else type(exc).__name__}")
-
-
-# functions that run in the receiving process (called through RPC)
-def _deliver(launch: str, rank: int, source: int, seq: int, message: Message) -> None:
-    inbox = _INBOXES.get((launch, rank))
-    if inbox is not None:  # else: a message of a pipeline that has already stopped
-        inbox.put_in_order(source, seq, message)
-
-
-def _build_stage(
-    launch: str,
-    spec: Any,
-    worker_cls: type,
-    names: dict[int, str],
-    hosts: dict[int, str],
-    device: str | None,
-) -> dict[str, Any]:
-    """Build the stage worker of ``spec`` in this process and start its event loop."""
-    if device is not None:
-        _retarget(spec, device)
-    endpoint = RpcEndpoint(spec.rank, launch, names, hosts)
-    worker = worker_cls(spec, endpoint)
-    endpoint.watch(p for shard in worker.shards.values() for p in shard.module.parameters())
-    thread = threading.Thread(target=_serve, args=(worker,), name=f"lightning_pipe-stage-{spec.rank}", daemon=True)
-    with _LOCK:
-        _INBOXES[(launch, spec.rank)] = endpoint.inbox
-        _STAGES[(launch, spec.rank)] = (worker, thread, endpoint)
-    thread.start()
-    devices = sorted({str(runtime.torch_device) for runtime in worker.runtimes.values()})
-    return {"rank": spec.rank, "pid": os.getpid(), "devices": devices}
-
-
-def _serve(worker: Any) -> None:
-    try:
-        worker.serve()
-    except BaseException:  # the event loop itself broke: tell the coordinator through the control link
-        report = _REPORT[0] if _REPORT else None
-        if report is not None:
-            report(f"the event loop of rank {worker.rank} crashed:\n{traceback.format_exc()}")
-        raise
-
-
-def _retarget(spec: Any, device: str) -> None:
-    """Place a spec's shards on the device the worker offered."""
-    for shard in spec.shards:
-        shard.device = device
-    runtime = spec.runtime
-    if runtime is not None and runtime.device_spec != device:
-        spec.runtime = type(runtime)(device, runtime.config)
-
-
-def _stop_stage(launch: str, rank: int, timeout: float) -> bool:
-    """Stop a stage's event loop; True once its thread has ended."""
-    with _LOCK:
-        entry = _STAGES.pop((launch, rank), None)
-        inbox = _INBOXES.pop((launch, rank), None)
-    if entry is None or inbox is None:
-        return True
-    _, thread, _ = entry
-    inbox.put(Message(MessageKind.STOP))
-    thread.join(timeout)
-    return not thread.is_alive()
-
-
-def _stage_stats(launch: str, rank: int, reset: bool) -> TransportStats:
-    entry = _STAGES.get((launch, rank))
-    if entry is None:
-        return TransportStats()
-    endpoint = entry[2]
-    stats = endpoint.stats
-    if reset:
-        endpoint.stats = TransportStats()
-    return stats
-
-
-def _request_exit() -> None:
-    _EXIT.set()
-
-
-# joining and leaving an RPC world
-@contextlib.contextmanager
-def _interface(name: str | None) -> Iterator[None]:
-    """Make TensorPipe and gloo listen on interface ``name`` while the agent starts."""
-    keys = ("TP_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
-    saved = {k: os.environ.get(k) for k in keys}
-    if name:
-        for k in keys:
-            os.environ[k] = name
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-def host_store(host: str, timeout: float) -> dist.TCPStore:
-    """The rendezvous store of a new RPC world, on a free port of ``host`` (read ``.port``)."""
-    return dist.TCPStore(host, 0, None, True, timedelta(seconds=timeout), wait_for_workers=False)
-
-
-def join_world(
-    name: str,
-    rank: int,
-    world_size: int,
-    store: dist.Store,
-    timeout: float,
-    interface: str | None,
-    prefix: str,
-) -> None:
-    """Start this process's RPC agent; every wait is bounded by ``timeout``.
-
-    ``rpc.init_rpc`` would rendezvous through a store that waits up to 30 minutes for missing
-    ranks, so the agent is started here from our own store (the same steps init_rpc takes).
-    """
-    options = rpc.TensorPipeRpcBackendOptions(num_worker_threads=RPC_THREADS, rpc_timeout=timeout)
-    store.set_timeout(timedelta(seconds=timeout))
-    with _interface(interface), warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*ProcessGroupGloo.*as a ProcessGroup")  # torch's own use
-        saved = constants.DEFAULT_PROCESS_GROUP_TIMEOUT
-        constants.DEFAULT_PROCESS_GROUP_TIMEOUT = timedelta(seconds=timeout)  # the agent's gloo group
-        try:
-            dist_autograd._init(rank)
-            rpc._set_profiler_node_id(rank)  # type: ignore[attr-defined]
-            backend = rpc.BackendType.TENSORPIPE  # type: ignore[attr-defined]
-            rpc._init_rpc_backend(backend, dist.PrefixStore(prefix, store), name, rank, world_size, options)  # type: ignore[attr-defined]
-        finally:
-            constants.DEFAULT_PROCESS_GROUP_TIMEOUT = saved
-
-
-def leave_world() -> None:
-    """Stop this process's RPC agent without waiting for the others."""
-    with contextlib.suppress(Exception):
-        rpc.shutdown(graceful=False)
+_SPAWN_LOCK = threading.Lock()
 
 
 # the coordinator's side
@@ -405,7 +138,7 @@ class RpcCommunicator(Communicator):
     def shutdown(self, timeout: float) -> None:
         endpoint, self._endpoint = self._endpoint, None
         if endpoint is not None:
-            _INBOXES.pop((endpoint.launch, COORDINATOR), None)
+            register_inbox(endpoint.launch, COORDINATOR, None)
             until = deadline(timeout)
             futures = []
             lost = {slot.rank for slot, _ in self._world.server.lost(self.heartbeat_timeout)} if self._world else set()
@@ -414,7 +147,7 @@ class RpcCommunicator(Communicator):
                     continue
                 with contextlib.suppress(Exception):
                     args = (endpoint.launch, rank, max(1.0, timeout - 1.0))
-                    futures.append(rpc.rpc_async(endpoint.names[rank], _stop_stage, args=args))
+                    futures.append(rpc.rpc_async(endpoint.names[rank], stop_stage, args=args))
             _wait_all(futures, until)
         if not self.keep_alive or self._lost is not None:
             self.close(timeout)
@@ -454,7 +187,7 @@ class RpcCommunicator(Communicator):
         if reset:
             endpoint.stats = TransportStats()
         for rank in self._stages_of:
-            future = rpc.rpc_async(endpoint.names[rank], _stage_stats, args=(endpoint.launch, rank, reset))
+            future = rpc.rpc_async(endpoint.names[rank], stage_stats, args=(endpoint.launch, rank, reset))
             out[rank] = future.wait()
         return out
 
@@ -470,7 +203,7 @@ class RpcCommunicator(Communicator):
             for rank, slot in enumerate(world.slots):
                 if slot.pid not in lost:
                     with contextlib.suppress(Exception):
-                        futures.append(rpc.rpc_async(world.names[rank], _request_exit))
+                        futures.append(rpc.rpc_async(world.names[rank], request_exit))
             _wait_all(futures, deadline(min(5.0, remaining(until))))
             # let workers leave on their own (their control connections close), then stop ours
             leaving = deadline(min(5.0, remaining(until)))
@@ -544,13 +277,13 @@ class RpcCommunicator(Communicator):
     def _build(self, world: _World, specs: list[Any], worker_cls: Any, until: float, timeout: float) -> RpcEndpoint:
         launch = f"{world.tag}-{secrets.token_hex(3)}"
         endpoint = RpcEndpoint(COORDINATOR, launch, world.names, world.hosts)
-        _INBOXES[(launch, COORDINATOR)] = endpoint.inbox
+        register_inbox(launch, COORDINATOR, endpoint.inbox)
         self._endpoint = endpoint
         futures = []
         for spec in specs:
             device = None if self.local else world.slots[spec.rank].device
             args = (launch, spec, worker_cls, world.names, world.hosts, device)
-            futures.append(rpc.rpc_async(world.names[spec.rank], _build_stage, args=args))
+            futures.append(rpc.rpc_async(world.names[spec.rank], build_stage, args=args))
         for rank, future in enumerate(futures):
             while not _wait(future, min(0.5, remaining(until))):
                 self._wait_step(until, f"rank {rank} to build its stage")
@@ -614,37 +347,21 @@ def _device_of(spec: Any) -> str:
 
 def _spawn(coordinator: str, token: str, devices: list[str], threads: int, timeout: float) -> list[Any]:
     """Start one worker process per device on this machine (spawned, so CUDA is safe to use)."""
-    from lightning_pipe.worker import _run_slot_process
-
     context = mp.get_context("spawn")
     processes = []
     group = f"local-{os.getpid()}-{secrets.token_hex(2)}"
-    with _LOCK, _environment({WORKER_ENV: "1"}):  # `import lightning_pipe` in the child skips Lightning
+    with _SPAWN_LOCK, environment({WORKER_ENV: "1"}):  # `import lightning_pipe` in the child skips Lightning
         for index, device in enumerate(devices):
             kwargs = dict(
                 coordinator=coordinator, device=device, token=token, group=group, index=index,
                 threads=threads, wait=timeout, interface="lo", local=True,
             )  # fmt: skip
             process = context.Process(
-                target=_run_slot_process, kwargs=kwargs, name=f"lightning_pipe-worker-{index}", daemon=True
+                target=run_slot_process, kwargs=kwargs, name=f"lightning_pipe-worker-{index}", daemon=True
             )
             process.start()
             processes.append(process)
     return processes
-
-
-@contextlib.contextmanager
-def _environment(values: dict[str, str]) -> Iterator[None]:
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _check_spawned(processes: list[Any]) -> None:

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import lightning.pytorch as pl
 from typing_extensions import override
 
-if TYPE_CHECKING:
-    from lightning_pipe.strategy.strategy import PipeStrategy
+
+class HookTarget(Protocol):
+    """Who calls the stages' runtime hooks (`PipeStrategy`)."""
+
+    def runtime_hook(self, name: str, *args: Any) -> None: ...
 
 
 @dataclass
@@ -34,7 +37,7 @@ class TrainerView:
 class RuntimeHooks(pl.Callback):
     """Maps Trainer hooks onto the runtime callbacks of every stage."""
 
-    def __init__(self, strategy: PipeStrategy) -> None:
+    def __init__(self, strategy: HookTarget) -> None:
         self.strategy = strategy
 
     @override

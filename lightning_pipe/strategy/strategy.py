@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
-import threading
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
@@ -20,23 +17,18 @@ from typing_extensions import override
 
 from lightning_pipe.backends import BackendArg, CoordinatorOps, ExecutionTrace, resolve_backends
 from lightning_pipe.engine import AutocastSpec
-from lightning_pipe.engine.coordinator import StepResult
-from lightning_pipe.engine.runners import check_runner
 from lightning_pipe.engine.versions import Staleness
-from lightning_pipe.errors import ConfigurationError, PipeError
+from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.grads import GradStash
-from lightning_pipe.microbatch import batch_size, split
 from lightning_pipe.partition import Partitioner
 from lightning_pipe.partition.traced import TracedPartitioner
-from lightning_pipe.partition.tracer import CallArgs
-from lightning_pipe.pipeline import TRANSPORTS, Pipeline, checkpoint_flags, resolve_partitioner
+from lightning_pipe.pipeline import Pipeline, resolve_partitioner
 from lightning_pipe.runtime import BaseRuntime, runtime_registry
-from lightning_pipe.schedule import resolve_schedule
+from lightning_pipe.strategy.arguments import check_arguments
 from lightning_pipe.strategy.asynchronous import AsyncTraining
 from lightning_pipe.strategy.hooks import RuntimeHooks
-from lightning_pipe.strategy.outputs import combine_eval, combine_predict, combine_training
 from lightning_pipe.strategy.remote import StageGradZeroing, StageParameters
-from lightning_pipe.strategy.session import Driver, LogRecorder, MissingCall, StepInputs, current_driver
+from lightning_pipe.strategy.steps import PipelinedSteps
 from lightning_pipe.strategy.trace import PipeTrace
 
 _RUNTIME_HOOKS = (
@@ -49,7 +41,7 @@ _RUNTIME_HOOKS = (
 )
 
 
-class PipeStrategy(SingleDeviceStrategy):
+class PipeStrategy(PipelinedSteps, SingleDeviceStrategy):
     """Splits the LightningModule's pipelined module into stages and runs each step as a pipeline.
 
     Args:
@@ -120,41 +112,10 @@ class PipeStrategy(SingleDeviceStrategy):
         super().__init__(
             device="cpu", accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin
         )
-        if stages is not None and (not isinstance(stages, int) or stages < 1):
-            raise ConfigurationError(f"stages={stages!r}: pass a positive number of stages")
-        if not isinstance(microbatches, int) or microbatches < 1:
-            raise ConfigurationError(f"microbatches={microbatches!r}: pass a positive number of microbatches")
-        device_names = [str(d) for d in devices] if devices is not None else None
-        if device_names is not None:
-            if stages is not None and len(device_names) != stages:
-                raise ConfigurationError(
-                    f"devices has {len(device_names)} entries but stages={stages}; give one device per stage"
-                )
-        if not timeout or timeout <= 0:
-            raise ConfigurationError(f"timeout={timeout!r}: pass a positive number of seconds")
-        asynchronous = bool(getattr(resolve_schedule(schedule), "asynchronous", False))  # unknown names fail here
-        if asynchronous and transport != "local":
-            raise ConfigurationError(
-                f"PipeStrategy(schedule='async') runs with transport='local'; with transport={transport!r} train "
-                "with lightning_pipe.Pipeline(...).train_async(...) or pick schedule='1f1b'"
-            )
-        check_runner(runner)
-        if stages is not None and stages % virtual_stages:
-            raise ConfigurationError(
-                f"stages={stages} is not a multiple of virtual_stages={virtual_stages}; "
-                "each worker holds virtual_stages stages, so pass stages = workers * virtual_stages"
-            )
-        checkpoint_flags(checkpoint, 1)
-        if isinstance(runtime, str):
-            runtime_registry.get_runtime_class(runtime)
-        if stages is None and split_points:
-            stages = len(split_points) + 1
-        resolve_backends(backend, stages or (len(device_names) if device_names else None), strict)
-        if transport not in TRANSPORTS:
-            raise ConfigurationError(f"unknown transport {transport!r}; available: {', '.join(sorted(TRANSPORTS))}")
-        options: dict[str, Any] = {k: v for k, v in (("coordinator", coordinator), ("token", token)) if v is not None}
-        if options and transport == "local":
-            raise ConfigurationError(f"{' and '.join(options)} need transport='rpc' (stages in worker processes)")
+        stages, device_names, asynchronous, options = check_arguments(
+            stages, microbatches, schedule, devices, checkpoint, runtime, timeout, backend, strict, transport,
+            coordinator, token, split_points, virtual_stages, runner,
+        )  # fmt: skip
         self.stages = stages
         self.microbatches = microbatches
         self.schedule = schedule
@@ -455,27 +416,6 @@ class PipeStrategy(SingleDeviceStrategy):
             verbose,
         )
 
-    def _capture_input(self, lightning_module: pl.LightningModule, pipelined: nn.Module, batch: Any) -> Any:
-        """Run ``training_step`` on ``batch`` until it calls the pipelined module; return that input."""
-
-        def capture(*args: Any, **kwargs: Any) -> Any:
-            driver = current_driver()
-            assert driver is not None
-            return driver.call(args, kwargs)
-
-        driver = Driver(_bind(lightning_module.training_step, batch, (0,), {}), 0, contextlib.nullcontext, self.timeout)
-        pipelined.forward = capture  # type: ignore[method-assign]
-        lightning_module.log = lambda *args, **kwargs: None  # type: ignore[method-assign]
-        try:
-            kind, value = driver.start()
-        finally:
-            driver.abandon()
-            pipelined.__dict__.pop("forward", None)
-            lightning_module.__dict__.pop("log", None)
-        if kind == "return":
-            raise MissingCall("training_step returned without calling the pipelined module; nothing to plan")
-        return self._pipeline_input(*value)
-
     # steps
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -492,165 +432,6 @@ class PipeStrategy(SingleDeviceStrategy):
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._run("predict_step", args, kwargs, self.precision_plugin.predict_step_context)
-
-    def _microbatches_for(self, batch: Any) -> int:
-        rows = batch_size(batch)
-        if rows >= self.microbatches:
-            self._seen_batch = True
-            return self.microbatches
-        if not self._seen_batch:
-            raise ConfigurationError(
-                f"PipeStrategy(microbatches={self.microbatches}) is larger than the batch ({rows} rows); "
-                f"use microbatches <= {rows} or a larger batch_size"
-            )
-        rank_zero_warn(
-            f"a batch of {rows} rows is smaller than microbatches={self.microbatches}; "
-            f"it runs as {rows} microbatches of one row",
-        )
-        return rows
-
-    def _run(
-        self,
-        name: str,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        context: Callable[[], AbstractContextManager[Any]],
-    ) -> Any:
-        lightning_module = self.lightning_module
-        assert lightning_module is not None
-        training = name == "training_step"
-        if not training:
-            self._end_stream()
-        batch, rest = args[0], args[1:]
-        pieces = split(batch, self._microbatches_for(batch))
-        rows = [batch_size(p) for p in pieces]
-        weights = [r / sum(rows) for r in rows]
-        step_fn = getattr(lightning_module, name)
-        recorder = LogRecorder(lightning_module.log, weights)
-        context = _with_ops(context, self._coordinator_ops, "train" if training else "eval")
-        turn = threading.Lock()  # one driver at a time runs the user's step
-        drivers = [
-            Driver(_bind(step_fn, p, rest, kwargs), i, context, self.timeout, turn) for i, p in enumerate(pieces)
-        ]
-        lightning_module.log = recorder  # type: ignore[method-assign]
-        try:
-            first = self._start(drivers[0], name)
-            pipeline = self._build(first)
-            inputs: Sequence[Any] = StepInputs(
-                len(drivers), lambda i: _packed(pipeline, self._start(drivers[i], name)), [_packed(pipeline, first)]
-            )
-            if training and self._async is not None:
-                inputs = list(inputs)
-                self._outside.begin()
-                try:
-                    result = self._feed_async(pipeline, inputs, drivers, weights)
-                finally:
-                    self._outside.end()
-            elif training:
-                self._outside.begin()
-                try:
-                    result = pipeline.coordinator.train_step(
-                        inputs,
-                        list(range(len(drivers))),
-                        self._criterion(drivers, weights, name),
-                        getattr(self.precision_plugin, "scaler", None),
-                    )
-                finally:
-                    self._outside.end()
-            else:
-                result = pipeline.coordinator.forward_step(inputs)
-                for driver, output in zip(drivers, result.outputs, strict=True):
-                    self._resume(driver, pipeline.unpack(output), name)
-        finally:
-            lightning_module.__dict__.pop("log", None)
-            for driver in drivers:
-                driver.abandon()
-        recorder.flush()
-        self.last_step = result
-        outputs = [driver.result for driver in drivers]
-        if training:
-            return combine_training(outputs, result.losses, weights)
-        if name == "predict_step":
-            return combine_predict(outputs)
-        return combine_eval(outputs, weights)
-
-    def _feed_async(
-        self, pipeline: Pipeline, inputs: list[Any], drivers: list[Driver], weights: list[float]
-    ) -> StepResult:
-        """Feed this batch into the asynchronous stream; drain it after the stream's last planned batch."""
-        assert self._async is not None
-        stream = self._async.open(pipeline, self._trainer, len(inputs))
-        self._async.sync_hparams()
-        criterion = self._criterion(drivers, weights, "training_step")
-        losses = stream.feed(inputs, list(range(len(drivers))), criterion)
-        if stream.complete:
-            self._end_stream()
-        return StepResult(losses=losses, schedule=stream.schedule)
-
-    def _end_stream(self) -> None:
-        """The flush of schedule="async": every fed batch's backwards and stage updates have landed."""
-        if self._async is not None:
-            self._async.end(self.pipeline)
-
-    def staleness(self) -> list[Staleness]:
-        """schedule="async": per stage, the staleness its microbatches saw over this strategy's fits."""
-        if self._async is None:
-            raise ConfigurationError(f"staleness is measured with schedule='async', not {self.schedule!r}")
-        return self._async.staleness()
-
-    def _start(self, driver: Driver, name: str) -> Any:
-        kind, value = driver.start()
-        if kind == "return":
-            raise MissingCall(
-                f"{name} of microbatch {driver.index} returned without calling the pipelined module; "
-                "PipeStrategy needs exactly one call of it per step"
-            )
-        call_args, call_kwargs = value
-        return self._pipeline_input(call_args, call_kwargs)
-
-    def _pipeline_input(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if isinstance(self.partitioner, TracedPartitioner):
-            return CallArgs(tuple(args), dict(kwargs))  # packed into the first stage's inputs once traced
-        if kwargs:
-            raise ConfigurationError(
-                f"the pipelined nn.Sequential was called with keyword arguments ({', '.join(kwargs)}); "
-                "an nn.Sequential takes one input"
-            )
-        return args[0] if len(args) == 1 else tuple(args)
-
-    def _resume(self, driver: Driver, output: Any, name: str) -> Any:
-        kind, value = driver.resume(output)
-        if kind == "call":
-            raise PipeError(
-                f"{name} of microbatch {driver.index} called the pipelined module a second time; "
-                "PipeStrategy pipelines exactly one call per step"
-            )
-        return value
-
-    def _criterion(self, drivers: list[Driver], weights: list[float], name: str) -> Callable[[Any, int], Any]:
-        """The loss of microbatch ``i``: the rest of its step, weighted by its share of the rows."""
-
-        def criterion(output: Any, index: int) -> Any:
-            assert self.pipeline is not None
-            result = self._resume(drivers[index], self.pipeline.unpack(output), name)
-            loss = result.get("loss") if isinstance(result, dict) else result
-            if loss is None:
-                return None
-            if not isinstance(loss, torch.Tensor):
-                raise PipeError(f"{name} must return a loss tensor, a dict with 'loss', or None; got {type(loss)}")
-            return loss * weights[index]
-
-        return criterion
-
-    def _pipelined_forward(self, *args: Any, **kwargs: Any) -> Any:
-        driver = current_driver()
-        if driver is not None:
-            return driver.call(args, kwargs)
-        # called outside a step (a callback, an epoch-end hook): run it through the pipeline, forward only
-        self._end_stream()
-        inputs = self._pipeline_input(args, kwargs)
-        pipeline = self._build(inputs)
-        return pipeline.unpack(pipeline.coordinator.forward_step([_packed(pipeline, inputs)]).outputs[0])
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -672,6 +453,12 @@ class PipeStrategy(SingleDeviceStrategy):
         self.post_backward(closure_loss)
         return closure_loss
 
+    def staleness(self) -> list[Staleness]:
+        """schedule="async": per stage, the staleness its microbatches saw over this strategy's fits."""
+        if self._async is None:
+            raise ConfigurationError(f"staleness is measured with schedule='async', not {self.schedule!r}")
+        return self._async.staleness()
+
     # runtime hooks
     def runtime_hook(self, name: str, *args: Any) -> None:
         """Call ``runtime.<name>`` on every stage (skipped when no stage's runtime overrides it)."""
@@ -687,28 +474,3 @@ class PipeStrategy(SingleDeviceStrategy):
             strategy_registry.register(
                 cls.strategy_name, cls, description="Pipeline parallelism across stages (lightning_pipe)"
             )
-
-
-def _bind(step_fn: Callable[..., Any], piece: Any, rest: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[[], Any]:
-    """The user's step for one microbatch, as a call without arguments."""
-    return lambda: step_fn(piece, *rest, **kwargs)
-
-
-def _packed(pipeline: Pipeline, inputs: Any) -> Any:
-    """The first stage's input: a traced module's call arguments packed into its flat inputs."""
-    return pipeline.pack(inputs.args, inputs.kwargs) if isinstance(inputs, CallArgs) else inputs
-
-
-def _with_ops(
-    context: Callable[[], AbstractContextManager[Any]], ops: CoordinatorOps | None, mode: str
-) -> Callable[[], AbstractContextManager[Any]]:
-    """``context`` plus the backends' op substitution, entered in the thread that runs the step."""
-    if ops is None:
-        return context
-
-    @contextmanager
-    def both() -> Iterator[None]:
-        with context(), ops.context(mode):
-            yield
-
-    return both

@@ -1,0 +1,144 @@
+"""A participant of an RPC world: an inbox that keeps each sender's order, and sends by ``rpc_async``.
+
+A message is one ``rpc_async`` call of `deliver` on the receiving process: TensorPipe's I/O threads
+decode it and put it into the receiver's `OrderedInbox`, which wakes its event loop (the seed's "I/O
+thread and callback").
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter, defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+import torch.distributed.rpc as rpc
+
+from lightning_pipe import tree
+from lightning_pipe.comm.base import Endpoint, Message, QueueInbox
+
+_INBOXES: dict[tuple[str, int], OrderedInbox] = {}  # the inboxes of this process, by (launch, rank)
+
+
+class OrderedInbox(QueueInbox):
+    """An inbox that puts each sender's messages in the order they were sent.
+
+    RPC handlers run on a thread pool, so two messages of one sender may be handled out of order;
+    a sequence number per sender restores it (the engine relies on STEP arriving before ABORT).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._order = threading.Lock()
+        self._next: dict[int, int] = defaultdict(int)
+        self._early: dict[int, dict[int, Message]] = defaultdict(dict)
+
+    def put_in_order(self, source: int, seq: int, message: Message) -> None:
+        with self._order:
+            if seq != self._next[source]:
+                self._early[source][seq] = message
+                return
+            self.put(message)
+            self._next[source] += 1
+            early = self._early[source]
+            while self._next[source] in early:
+                self.put(early.pop(self._next[source]))
+                self._next[source] += 1
+
+
+@dataclass
+class TransportStats:
+    """What one endpoint sent: messages and tensor bytes by message kind."""
+
+    messages: Counter[str] = field(default_factory=Counter)
+    tensor_bytes: Counter[str] = field(default_factory=Counter)
+    parameter_tensors: int = 0  # tensors that were (views of) this process's parameters
+    failures: list[str] = field(default_factory=list)
+
+    def total_bytes(self) -> int:
+        return sum(self.tensor_bytes.values())
+
+
+class RpcEndpoint(Endpoint):
+    """One participant: an ordered inbox filled by RPC, and ``rpc_async`` to anyone else."""
+
+    def __init__(self, rank: int, launch: str, names: dict[int, str], hosts: dict[int, str]) -> None:
+        self.rank = rank
+        self.launch = launch
+        self.names = names
+        self.hosts = hosts
+        self.inbox = OrderedInbox()
+        self.stats = TransportStats()
+        self._seq: dict[int, int] = defaultdict(int)
+        self._lock = threading.Lock()
+        self._watched: set[int] = set()
+
+    def watch(self, tensors: Iterator[torch.Tensor]) -> None:
+        """Count sends of these tensors' storages (a stage's parameters) in ``stats.parameter_tensors``."""
+        self._watched |= {t.untyped_storage().data_ptr() for t in tensors}
+
+    def send(self, rank: int, message: Message) -> None:
+        message = replace(message, source=self.rank, payload=self._account(message))
+        with self._lock:
+            seq = self._seq[rank]
+            self._seq[rank] += 1
+        try:
+            future = rpc.rpc_async(self.names[rank], deliver, args=(self.launch, rank, self.rank, seq, message))
+        except Exception as exc:  # the agent is gone or the peer unknown: check_alive reports it
+            self._failed(rank, exc)
+            return
+        future.add_done_callback(lambda f: self._delivered(rank, f))
+
+    def recv(self, timeout: float | None) -> Message | None:
+        return self.inbox.get(timeout)
+
+    def host(self, rank: int) -> str:
+        return self.hosts.get(rank, "?")
+
+    def _account(self, message: Message) -> Any:
+        """Count the payload's tensors and make them portable: detached, on the CPU, compact."""
+        nbytes = 0
+
+        def portable(t: torch.Tensor) -> torch.Tensor:
+            nonlocal nbytes
+            if t.untyped_storage().data_ptr() in self._watched and t.numel() > 0:
+                self.stats.parameter_tensors += 1
+            nbytes += t.numel() * t.element_size()
+            t = t.detach()
+            if t.device.type != "cpu":
+                t = t.cpu()
+            if t.untyped_storage().nbytes() > t.numel() * t.element_size():
+                t = t.clone()  # a view would drag its whole storage along
+            return t
+
+        payload = tree.map_tensors(portable, message.payload)
+        self.stats.messages[message.kind] += 1
+        self.stats.tensor_bytes[message.kind] += nbytes
+        return payload
+
+    def _delivered(self, rank: int, future: Any) -> None:
+        try:
+            future.value()
+        except Exception as exc:
+            self._failed(rank, exc)
+
+    def _failed(self, rank: int, exc: BaseException) -> None:
+        text = str(exc).strip().splitlines()
+        self.stats.failures.append(f"rank {rank}: {text[0] if text else type(exc).__name__}")
+
+
+def register_inbox(launch: str, rank: int, inbox: OrderedInbox | None) -> OrderedInbox | None:
+    """Make ``inbox`` receive the messages for ``rank`` of ``launch`` (None removes it); returns the previous one."""
+    previous = _INBOXES.pop((launch, rank), None)
+    if inbox is not None:
+        _INBOXES[(launch, rank)] = inbox
+    return previous
+
+
+def deliver(launch: str, rank: int, source: int, seq: int, message: Message) -> None:
+    """Runs in the receiving process (called through RPC): put ``message`` into the inbox of ``rank``."""
+    inbox = _INBOXES.get((launch, rank))
+    if inbox is not None:  # else: a message of a pipeline that has already stopped
+        inbox.put_in_order(source, seq, message)

@@ -1,0 +1,91 @@
+"""The stages an RPC worker process serves: built, stopped and queried by the coordinator through RPC.
+
+Every function here runs in the worker process, called by ``rpc_async`` from the coordinator.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from lightning_pipe.comm.base import Message, MessageKind
+from lightning_pipe.comm.rpc_endpoint import RpcEndpoint, TransportStats, register_inbox
+
+_STAGES: dict[tuple[str, int], tuple[Any, threading.Thread, RpcEndpoint]] = {}  # by (launch, rank)
+_LOCK = threading.Lock()
+EXIT = threading.Event()  # a worker process leaves when the coordinator asks
+#: in a worker process: sends a failure to the coordinator over the control link
+REPORT: list[Callable[[str], None]] = []
+
+
+def build_stage(
+    launch: str,
+    spec: Any,
+    worker_cls: type,
+    names: dict[int, str],
+    hosts: dict[int, str],
+    device: str | None,
+) -> dict[str, Any]:
+    """Build the stage worker of ``spec`` in this process and start its event loop."""
+    if device is not None:
+        _retarget(spec, device)
+    endpoint = RpcEndpoint(spec.rank, launch, names, hosts)
+    worker = worker_cls(spec, endpoint)
+    endpoint.watch(p for shard in worker.shards.values() for p in shard.module.parameters())
+    thread = threading.Thread(target=_serve, args=(worker,), name=f"lightning_pipe-stage-{spec.rank}", daemon=True)
+    with _LOCK:
+        register_inbox(launch, spec.rank, endpoint.inbox)
+        _STAGES[(launch, spec.rank)] = (worker, thread, endpoint)
+    thread.start()
+    devices = sorted({str(runtime.torch_device) for runtime in worker.runtimes.values()})
+    return {"rank": spec.rank, "pid": os.getpid(), "devices": devices}
+
+
+def _serve(worker: Any) -> None:
+    try:
+        worker.serve()
+    except BaseException:  # the event loop itself broke: tell the coordinator through the control link
+        report = REPORT[0] if REPORT else None
+        if report is not None:
+            report(f"the event loop of rank {worker.rank} crashed:\n{traceback.format_exc()}")
+        raise
+
+
+def _retarget(spec: Any, device: str) -> None:
+    """Place a spec's shards on the device the worker offered."""
+    for shard in spec.shards:
+        shard.device = device
+    runtime = spec.runtime
+    if runtime is not None and runtime.device_spec != device:
+        spec.runtime = type(runtime)(device, runtime.config)
+
+
+def stop_stage(launch: str, rank: int, timeout: float) -> bool:
+    """Stop a stage's event loop; True once its thread has ended."""
+    with _LOCK:
+        entry = _STAGES.pop((launch, rank), None)
+        inbox = register_inbox(launch, rank, None)
+    if entry is None or inbox is None:
+        return True
+    _, thread, _ = entry
+    inbox.put(Message(MessageKind.STOP))
+    thread.join(timeout)
+    return not thread.is_alive()
+
+
+def stage_stats(launch: str, rank: int, reset: bool) -> TransportStats:
+    entry = _STAGES.get((launch, rank))
+    if entry is None:
+        return TransportStats()
+    endpoint = entry[2]
+    stats = endpoint.stats
+    if reset:
+        endpoint.stats = TransportStats()
+    return stats
+
+
+def request_exit() -> None:
+    EXIT.set()

@@ -1,0 +1,72 @@
+"""Checking `PipeStrategy`'s arguments when it is constructed: bad configuration fails before any work."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from lightning_pipe.backends import BackendArg, resolve_backends
+from lightning_pipe.engine.runners import check_runner
+from lightning_pipe.errors import ConfigurationError
+from lightning_pipe.pipeline import TRANSPORTS, checkpoint_flags
+from lightning_pipe.runtime import BaseRuntime, runtime_registry
+from lightning_pipe.schedule import resolve_schedule
+
+
+def check_arguments(
+    stages: int | None,
+    microbatches: int,
+    schedule: Any,
+    devices: Sequence[str | torch.device] | None,
+    checkpoint: str,
+    runtime: str | BaseRuntime | None,
+    timeout: float,
+    backend: BackendArg,
+    strict: bool,
+    transport: str,
+    coordinator: str | None,
+    token: str | None,
+    split_points: Sequence[str] | None,
+    virtual_stages: int,
+    runner: str,
+) -> tuple[int | None, list[str] | None, bool, dict[str, Any]]:
+    """Raise `ConfigurationError` naming the argument and the fix; returns ``(stages, devices, asynchronous,
+    transport options)`` with ``stages`` taken from ``split_points`` where not given."""
+    if stages is not None and (not isinstance(stages, int) or stages < 1):
+        raise ConfigurationError(f"stages={stages!r}: pass a positive number of stages")
+    if not isinstance(microbatches, int) or microbatches < 1:
+        raise ConfigurationError(f"microbatches={microbatches!r}: pass a positive number of microbatches")
+    device_names = [str(d) for d in devices] if devices is not None else None
+    if device_names is not None:
+        if stages is not None and len(device_names) != stages:
+            raise ConfigurationError(
+                f"devices has {len(device_names)} entries but stages={stages}; give one device per stage"
+            )
+    if not timeout or timeout <= 0:
+        raise ConfigurationError(f"timeout={timeout!r}: pass a positive number of seconds")
+    asynchronous = bool(getattr(resolve_schedule(schedule), "asynchronous", False))  # unknown names fail here
+    if asynchronous and transport != "local":
+        raise ConfigurationError(
+            f"PipeStrategy(schedule='async') runs with transport='local'; with transport={transport!r} train "
+            "with lightning_pipe.Pipeline(...).train_async(...) or pick schedule='1f1b'"
+        )
+    check_runner(runner)
+    if stages is not None and stages % virtual_stages:
+        raise ConfigurationError(
+            f"stages={stages} is not a multiple of virtual_stages={virtual_stages}; "
+            "each worker holds virtual_stages stages, so pass stages = workers * virtual_stages"
+        )
+    checkpoint_flags(checkpoint, 1)
+    if isinstance(runtime, str):
+        runtime_registry.get_runtime_class(runtime)
+    if stages is None and split_points:
+        stages = len(split_points) + 1
+    resolve_backends(backend, stages or (len(device_names) if device_names else None), strict)
+    if transport not in TRANSPORTS:
+        raise ConfigurationError(f"unknown transport {transport!r}; available: {', '.join(sorted(TRANSPORTS))}")
+    options: dict[str, Any] = {k: v for k, v in (("coordinator", coordinator), ("token", token)) if v is not None}
+    if options and transport == "local":
+        raise ConfigurationError(f"{' and '.join(options)} need transport='rpc' (stages in worker processes)")
+    return stages, device_names, asynchronous, options
