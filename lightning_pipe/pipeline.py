@@ -29,6 +29,7 @@ from lightning_pipe.engine.runners import worker_of_stages
 from lightning_pipe.engine.versions import Staleness
 from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.microbatch import split
+from lightning_pipe.microbatch_weights import MicrobatchWeight, check_weight_function, shares, weighted_loss
 from lightning_pipe.partition import Partitioner, ShardedTask
 from lightning_pipe.partition.traced import TracedPartitioner, for_module
 from lightning_pipe.partition.tracer import CallArgs
@@ -306,21 +307,28 @@ class Pipeline(StageState):
         microbatches: int = 4,
         scaler: Any = None,
         kwargs: dict[str, Any] | None = None,
+        microbatch_weight: MicrobatchWeight | None = None,
     ) -> StepResult:
-        """One training step on a whole batch; gradients of the mean loss land on ``p.grad``.
+        """One training step on a whole batch; gradients of the batch's loss land on ``p.grad``.
 
         Microbatch ``i``'s loss is weighted by its share of the rows, so the gradients equal those
-        of ``criterion(model(inputs), targets)`` for a mean-reduced criterion. A traced module is
-        called as ``module(*inputs, **kwargs)`` (``inputs`` a tuple) and ``criterion`` receives its
-        output as the module returns it.
+        of ``criterion(model(inputs), targets)`` for a mean-reduced criterion. A criterion that
+        averages over something else (tokens whose target is not -100) needs
+        ``microbatch_weight(targets_i)``, the weight of microbatch ``i``: what the criterion averages
+        over in its targets, e.g. ``lambda y: (y != -100).sum()``. A microbatch of weight 0 adds
+        nothing, not even its loss's gradient (its loss in the result is 0). A traced module is called as
+        ``module(*inputs, **kwargs)`` (``inputs`` a tuple) and ``criterion`` receives its output as
+        the module returns it.
         """
+        argument = "Pipeline.train_step(microbatch_weight=...)"
+        check_weight_function(microbatch_weight, argument)
         xs, ys = self._microbatches(inputs, kwargs, microbatches), split(targets, microbatches)
-        rows = sum(_rows(x) for x in xs)
+        weights = shares(xs if microbatch_weight is None else ys, microbatch_weight, argument)
 
         def weighted(output: Any, label: tuple[int, Any]) -> torch.Tensor:
             index, target = label
             with self.coordinator_ops.context("train"):
-                return criterion(self.unpack(output), target) * (_rows(xs[index]) / rows)
+                return weighted_loss(criterion(self.unpack(output), target), weights[index])
 
         result = self.coordinator.train_step(xs, list(enumerate(ys)), weighted, scaler)
         self.apply_grads(1.0)
@@ -333,24 +341,28 @@ class Pipeline(StageState):
         optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
         microbatches: int = 4,
         num_batches: int | None = None,
+        microbatch_weight: MicrobatchWeight | None = None,
     ) -> AsyncRun:
         """Train on a stream of ``(inputs, targets)`` batches with ``schedule="async"``: no flush.
 
         Each stage owns ``optimizer(stage parameters)`` and steps it after every batch's worth of
         its backwards, on gradients taken with the weight version each microbatch's forward used
         (weight stashing); the parameters of the module are updated in place. ``num_batches``
-        defaults to ``len(batches)``. Returns the mean loss of every batch and each stage's staleness.
+        defaults to ``len(batches)``; ``microbatch_weight`` as in `train_step`. Returns the mean loss of
+        every batch and each stage's staleness.
         """
+        argument = "Pipeline.train_async(microbatch_weight=...)"
+        check_weight_function(microbatch_weight, argument)
         count = num_batches if num_batches is not None else len(batches)  # type: ignore[arg-type]
 
         def pieces() -> Iterator[tuple[list[Any], list[Any]]]:
             for x, y in batches:
                 xs, ys = self._microbatches(x, None, microbatches), split(y, microbatches)
-                rows = sum(_rows(piece) for piece in xs)
-                yield xs, [(_rows(piece) / rows, target) for piece, target in zip(xs, ys, strict=True)]
+                weights = shares(xs if microbatch_weight is None else ys, microbatch_weight, argument)
+                yield xs, list(zip(weights, ys, strict=True))
 
         def weighted(output: Any, label: tuple[float, Any]) -> torch.Tensor:
-            return criterion(self.unpack(output), label[1]) * label[0]
+            return weighted_loss(criterion(self.unpack(output), label[1]), label[0])
 
         stream = pieces()
         first = next(stream, None)  # builds the pipeline
@@ -406,8 +418,3 @@ def _chain(first: Any, rest: Iterator[Any]) -> Iterator[Any]:
     yield first
     yield from rest
 
-
-def _rows(batch: Any) -> int:
-    from lightning_pipe.microbatch import batch_size
-
-    return batch_size(batch)

@@ -10,6 +10,7 @@ import torch
 from lightning_pipe.backends import BackendArg, resolve_backends
 from lightning_pipe.engine.runners import check_runner
 from lightning_pipe.errors import ConfigurationError
+from lightning_pipe.microbatch_weights import check_weight_function
 from lightning_pipe.pipeline import TRANSPORTS, checkpoint_flags
 from lightning_pipe.runtime import BaseRuntime, runtime_registry
 from lightning_pipe.schedule import resolve_schedule
@@ -31,6 +32,7 @@ def check_arguments(
     split_points: Sequence[str] | None,
     virtual_stages: int,
     runner: str,
+    microbatch_weight: Any = None,
 ) -> tuple[int | None, list[str] | None, bool, dict[str, Any]]:
     """Raise `ConfigurationError` naming the argument and the fix; returns ``(stages, devices, asynchronous,
     transport options)`` with ``stages`` taken from ``split_points`` where not given."""
@@ -38,6 +40,7 @@ def check_arguments(
         raise ConfigurationError(f"stages={stages!r}: pass a positive number of stages")
     if not isinstance(microbatches, int) or microbatches < 1:
         raise ConfigurationError(f"microbatches={microbatches!r}: pass a positive number of microbatches")
+    check_weight_function(microbatch_weight, "PipeStrategy(microbatch_weight=...)")
     device_names = [str(d) for d in devices] if devices is not None else None
     if device_names is not None:
         if stages is not None and len(device_names) != stages:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -49,10 +49,22 @@ def _scalar(value: Any) -> bool:
     )
 
 
+def weighted_mean(values: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
+    """``sum(v * w) / sum(w)`` over the values of weight > 0; equal weights where all are 0.
+
+    Values of weight 0 are left out rather than multiplied by 0: a mean over nothing is NaN, and NaN * 0
+    is NaN. Where only microbatches of weight 0 gave a value (logged it, returned it), those count equally.
+    """
+    if not any(w > 0 for w in weights):
+        weights = [1.0] * len(values)
+    total = sum(weights)
+    terms = [v * (w / total) for v, w in zip(values, weights, strict=True) if w > 0]
+    return cast(torch.Tensor, sum(terms[1:], terms[0]))
+
+
 def _mean(pairs: Sequence[tuple[Any, float]]) -> Any:
-    total = sum(w for _, w in pairs)
-    values = [(v.detach() if isinstance(v, torch.Tensor) else torch.tensor(float(v)), w) for v, w in pairs]
-    return sum(v * (w / total) for v, w in values)
+    values = [v.detach() if isinstance(v, torch.Tensor) else torch.tensor(float(v)) for v, _ in pairs]
+    return weighted_mean(values, [w for _, w in pairs])
 
 
 def _mean_dict(pairs: Sequence[tuple[Mapping[str, Any], float]]) -> dict[str, Any]:

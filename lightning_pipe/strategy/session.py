@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from lightning_pipe.errors import PipeError, PipeTimeoutError
+from lightning_pipe.strategy.outputs import weighted_mean
 
 _current = threading.local()
 
@@ -162,11 +163,11 @@ def _nothing() -> Iterator[None]:
 
 
 class LogRecorder:
-    """Collects ``self.log`` calls of each microbatch and logs each name once, weighted by rows."""
+    """Collects ``self.log`` calls of each microbatch and logs each name once, weighted by microbatch."""
 
     def __init__(self, log: Callable[..., Any], weights: Sequence[float]) -> None:
         self._log = log
-        self._weights = weights  # each microbatch's share of the batch's rows
+        self._weights = weights  # each microbatch's share of the batch (rows, or microbatch_weight)
         self._calls: dict[str, list[tuple[Any, float, dict[str, Any]]]] = {}
 
     def __call__(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
@@ -182,9 +183,7 @@ class LogRecorder:
             values = [v for v, _, _ in calls]
             kwargs = calls[-1][2]
             if all(_is_number(v) for v in values):
-                total = sum(w for _, w, _ in calls)
-                mean = sum(_as_tensor(v) * (w / total) for v, w, _ in calls)
-                self._log(name, mean, **kwargs)
+                self._log(name, weighted_mean([_as_tensor(v) for v in values], [w for _, w, _ in calls]), **kwargs)
             else:
                 self._log(name, values[-1], **kwargs)
         self._calls.clear()

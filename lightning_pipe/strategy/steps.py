@@ -24,6 +24,7 @@ from lightning_pipe.engine.coordinator import StepResult
 from lightning_pipe.errors import ConfigurationError, PipeError
 from lightning_pipe.grads import GradStash
 from lightning_pipe.microbatch import batch_size, split
+from lightning_pipe.microbatch_weights import MicrobatchWeight, shares, weighted_loss
 from lightning_pipe.partition import Partitioner
 from lightning_pipe.partition.traced import TracedPartitioner
 from lightning_pipe.partition.tracer import CallArgs
@@ -37,6 +38,7 @@ class PipelinedSteps:
     """The step machinery of `PipeStrategy` (a mixin: it uses the strategy's state declared below)."""
 
     microbatches: int
+    microbatch_weight: MicrobatchWeight | None
     timeout: float
     partitioner: Partitioner
     pipeline: Pipeline | None
@@ -107,8 +109,7 @@ class PipelinedSteps:
             self._end_stream()
         batch, rest = args[0], args[1:]
         pieces = split(batch, self._microbatches_for(batch))
-        rows = [batch_size(p) for p in pieces]
-        weights = [r / sum(rows) for r in rows]
+        weights = self._weights(pieces, name)
         step_fn = getattr(lightning_module, name)
         recorder = LogRecorder(lightning_module.log, weights)
         context = _with_ops(context, self._coordinator_ops, "train" if training else "eval")
@@ -158,6 +159,11 @@ class PipelinedSteps:
             return combine_predict(outputs)
         return combine_eval(outputs, weights)
 
+    def _weights(self, pieces: Sequence[Any], name: str) -> list[float]:
+        """Each microbatch's share of the step's loss and logged values (``microbatch_weight``, or rows)."""
+        weigh = self.microbatch_weight if name != "predict_step" else None  # predictions are not averaged
+        return shares(pieces, weigh, "PipeStrategy(microbatch_weight=...)")
+
     def _feed_async(
         self, pipeline: Pipeline, inputs: list[Any], drivers: list[Driver], weights: list[float]
     ) -> StepResult:
@@ -206,7 +212,7 @@ class PipelinedSteps:
         return value
 
     def _criterion(self, drivers: list[Driver], weights: list[float], name: str) -> Callable[[Any, int], Any]:
-        """The loss of microbatch ``i``: the rest of its step, weighted by its share of the rows."""
+        """The loss of microbatch ``i``: the rest of its step, weighted by its share of the batch."""
 
         def criterion(output: Any, index: int) -> Any:
             assert self.pipeline is not None
@@ -216,7 +222,7 @@ class PipelinedSteps:
                 return None
             if not isinstance(loss, torch.Tensor):
                 raise PipeError(f"{name} must return a loss tensor, a dict with 'loss', or None; got {type(loss)}")
-            return loss * weights[index]
+            return weighted_loss(loss, weights[index])
 
         return criterion
 

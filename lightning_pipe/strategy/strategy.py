@@ -20,6 +20,7 @@ from lightning_pipe.engine import AutocastSpec
 from lightning_pipe.engine.versions import Staleness
 from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.grads import GradStash
+from lightning_pipe.microbatch_weights import MicrobatchWeight
 from lightning_pipe.partition import Partitioner
 from lightning_pipe.partition.traced import TracedPartitioner
 from lightning_pipe.pipeline import Pipeline, resolve_partitioner
@@ -81,6 +82,11 @@ class PipeStrategy(PipelinedSteps, SingleDeviceStrategy):
             whichever action is ready) or ``"linear"`` (one thread walks one global order).
         trace: a path for the Chrome trace (pipeline timeline) of training steps 1-3, or a `PipeTrace`
             (chosen steps, a PNG Gantt chart).
+        microbatch_weight: a function of a microbatch (what the step receives) returning its weight, a
+            number or 0-d tensor; default: its rows. Losses, ``self.log`` values and the step's returned
+            values combine with the weights normalised over the batch: return what the loss averages
+            over, e.g. ``lambda b: (b["labels"][:, 1:] != -100).sum()`` for a causal LM's labelled tokens.
+            A microbatch of weight 0 adds nothing, not even its loss's gradient.
     """
 
     strategy_name = "pipe"
@@ -108,16 +114,18 @@ class PipeStrategy(PipelinedSteps, SingleDeviceStrategy):
         virtual_stages: int = 1,
         runner: str = "parallel",
         trace: str | os.PathLike[str] | PipeTrace | None = None,
+        microbatch_weight: MicrobatchWeight | None = None,
     ) -> None:
         super().__init__(
             device="cpu", accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin
         )
         stages, device_names, asynchronous, options = check_arguments(
             stages, microbatches, schedule, devices, checkpoint, runtime, timeout, backend, strict, transport,
-            coordinator, token, split_points, virtual_stages, runner,
+            coordinator, token, split_points, virtual_stages, runner, microbatch_weight,
         )  # fmt: skip
         self.stages = stages
         self.microbatches = microbatches
+        self.microbatch_weight = microbatch_weight
         self.schedule = schedule
         self.partitioner = resolve_partitioner(partition, split_points=split_points)
         self.module_name = module
