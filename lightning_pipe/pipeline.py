@@ -15,6 +15,7 @@ Any other module is traced and cut (`TracedPartitioner`), before ``split_points`
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +24,7 @@ import torch
 from torch import nn
 
 from lightning_pipe.backends import BackendArg, CoordinatorOps, ExecutionTrace, resolve_backends
+from lightning_pipe.checkpointing import AutoCheckpoint, RecomputePlan, checkpoint_flags
 from lightning_pipe.comm import Communicator, LocalCommunicator
 from lightning_pipe.engine import AutocastSpec, Coordinator, StageSpec, StepResult
 from lightning_pipe.engine.runners import worker_of_stages
@@ -36,7 +38,7 @@ from lightning_pipe.runtime import BaseRuntime, runtime_registry
 from lightning_pipe.schedule import resolve_schedule
 from lightning_pipe.stage_state import StageState
 
-CHECKPOINT_MODES = ("always", "except_last", "never")
+log = logging.getLogger("lightning_pipe")
 TRANSPORTS: dict[str, Callable[..., Communicator]] = {"local": LocalCommunicator}
 
 
@@ -52,17 +54,6 @@ def _rpc(**options: Any) -> Communicator:
 
 
 register_transport("rpc", _rpc)
-
-
-def checkpoint_flags(mode: str, num_stages: int) -> list[bool]:
-    """Which stages recompute their forward in the backward."""
-    if mode not in CHECKPOINT_MODES:
-        raise ConfigurationError(f"unknown checkpoint={mode!r}; available: {', '.join(CHECKPOINT_MODES)}")
-    if mode == "always":
-        return [True] * num_stages
-    if mode == "never":
-        return [False] * num_stages
-    return [True] * (num_stages - 1) + [False]
 
 
 def resolve_partitioner(
@@ -104,7 +95,7 @@ class Pipeline(StageState):
     ``stages`` counts the pieces of the model; with ``virtual_stages=V`` each worker (rank) holds
     ``V`` of them, stage ``s`` on rank ``s % (stages // V)``. ``runner`` picks how the workers run
     the schedule (see `lightning_pipe.engine.runners`); ``schedule`` is a registered name, a
-    `Schedule` subclass or a function returning per-rank action lists.
+    `Schedule` subclass or a function returning per-rank action lists. ``checkpoint``: see `checkpointing`.
     """
 
     def __init__(
@@ -114,7 +105,7 @@ class Pipeline(StageState):
         schedule: Any = "1f1b",
         partition: str | Sequence[int] | Partitioner = "params",
         devices: Sequence[str] | None = None,
-        checkpoint: str = "except_last",
+        checkpoint: str = "auto",
         runtime: str | BaseRuntime | None = None,
         timeout: float = 300.0,
         transport: str | Communicator = "local",
@@ -144,6 +135,7 @@ class Pipeline(StageState):
         self.schedule_factory = resolve_schedule(schedule)
         self.partitioner = resolve_partitioner(partition, module, split_points)
         self.checkpoint = checkpoint_flags(checkpoint, stages)
+        self.auto_checkpoint = AutoCheckpoint(self.devices) if checkpoint == "auto" else None
         self.runtimes = resolve_runtime(runtime, self.devices)
         self.timeout = float(timeout)
         self.autocast = autocast
@@ -315,6 +307,7 @@ class Pipeline(StageState):
         output as the module returns it.
         """
         xs, ys = self._microbatches(inputs, kwargs, microbatches), split(targets, microbatches)
+        self.before_train_step(len(xs), log.info)
         rows = sum(_rows(x) for x in xs)
 
         def weighted(output: Any, label: tuple[int, Any]) -> torch.Tensor:
@@ -360,6 +353,13 @@ class Pipeline(StageState):
         per_batch = [sum(result.losses[b * microbatches : (b + 1) * microbatches]) for b in range(count)]
         staleness = [s for stats in self.coordinator.call("async_stats") for s in stats]
         return AsyncRun(losses=per_batch, staleness=sorted(staleness, key=lambda s: s.stage), step=result)
+
+    def before_train_step(self, microbatches: int, log: Callable[[str], Any] = log.info) -> RecomputePlan | None:
+        """Call before each (synchronous) training step: ``checkpoint="auto"`` decides (and logs) before the second."""
+        decided = self.auto_checkpoint.before_step(self.coordinator, microbatches) if self.auto_checkpoint else None
+        if decided is not None:
+            log(f"lightning_pipe: {decided.table()}")
+        return decided
 
     def stash_peaks(self) -> list[int]:
         """Most bytes of stashed activations each worker held at once in the last training step."""

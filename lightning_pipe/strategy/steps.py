@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from lightning_pipe.backends import CoordinatorOps
@@ -131,6 +131,7 @@ class PipelinedSteps:
                 finally:
                     self._outside.end()
             elif training:
+                pipeline.before_train_step(len(drivers), rank_zero_info)  # checkpoint="auto": logged once per fit
                 self._outside.begin()
                 try:
                     result = pipeline.coordinator.train_step(

@@ -57,7 +57,9 @@ class PipeStrategy(PipelinedSteps, SingleDeviceStrategy):
         module: attribute path of the pipelined module in the LightningModule; default: the child
             with the most parameters.
         devices: one device per stage; default: the Trainer's devices, or ``cpu`` for every stage.
-        checkpoint: activation recomputation, ``"always"``, ``"except_last"`` or ``"never"``.
+        checkpoint: activation recomputation: ``"auto"`` (only the stages whose device lacks the memory for the
+            planned activation peak; never on cpu; decided before the second training step of a fit and logged),
+            ``"always"``, ``"except_last"`` or ``"never"``.
         runtime: a registered device type or a `BaseRuntime` instance; default: by device type.
         timeout: seconds any wait between the coordinator and the stages may take.
         backend: how stage forwards run: ``"eager"``, ``"inductor"``, ``"tensorrt"`` or a registered
@@ -93,7 +95,7 @@ class PipeStrategy(PipelinedSteps, SingleDeviceStrategy):
         partition: str | Sequence[int] | Partitioner = "params",
         module: str | None = None,
         devices: Sequence[str | torch.device] | None = None,
-        checkpoint: str = "except_last",
+        checkpoint: str = "auto",
         runtime: str | BaseRuntime | None = None,
         timeout: float = 300.0,
         backend: BackendArg = None,
