@@ -23,7 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_pipe.backends import BackendArg, CoordinatorOps, ExecutionTrace, resolve_backends
+from lightning_pipe.backends import BackendArg, BackendPlan, CoordinatorOps, ExecutionTrace, resolve_backends
+from lightning_pipe.backends.compiled import split_compiled
 from lightning_pipe.checkpointing import AutoCheckpoint, RecomputePlan, checkpoint_flags
 from lightning_pipe.comm import Communicator, LocalCommunicator
 from lightning_pipe.engine import AutocastSpec, Coordinator, StageSpec, StepResult
@@ -112,7 +113,7 @@ class Pipeline(StageState):
         autocast: AutocastSpec | None = None,
         sample: Any = None,
         coordinator_device: torch.device | None = None,
-        backend: BackendArg = None,
+        backend: BackendArg | BackendPlan = None,
         strict: bool = False,
         split_points: Sequence[str] | None = None,
         virtual_stages: int = 1,
@@ -129,6 +130,7 @@ class Pipeline(StageState):
                 f"devices has {len(self.devices)} entries but stages={stages}; give one device per stage"
                 + (f" or one per rank ({ranks})" if ranks != stages else "")
             )
+        module, backend = split_compiled(module, backend, stages, strict)  # torch.compile(m): split m, compile stages
         self.module = module
         self.virtual_stages = virtual_stages
         self.runner = runner
