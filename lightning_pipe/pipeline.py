@@ -356,11 +356,11 @@ class Pipeline(StageState):
         staleness = [s for stats in self.coordinator.call("async_stats") for s in stats]
         return AsyncRun(losses=per_batch, staleness=sorted(staleness, key=lambda s: s.stage), step=result)
 
-    def before_train_step(self, microbatches: int, log: Callable[[str], Any] = log.info) -> RecomputePlan | None:
-        """Call before each (synchronous) training step: ``checkpoint="auto"`` decides (and logs) before the second."""
+    def before_train_step(self, microbatches: int, report: Callable[[str], Any] = log.info) -> RecomputePlan | None:
+        """Call before each (synchronous) training step: ``checkpoint="auto"`` decides and reports before the second."""
         decided = self.auto_checkpoint.before_step(self.coordinator, microbatches) if self.auto_checkpoint else None
         if decided is not None:
-            log(f"lightning_pipe: {decided.table()}")
+            report(f"lightning_pipe: {decided.table()}")
         return decided
 
     def stash_peaks(self) -> list[int]:

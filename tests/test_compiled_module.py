@@ -140,6 +140,10 @@ def test_failed_fit_leaves_the_module_unchanged(compiled: bool, failure: str) ->
     assert all(module.model.__dict__[k] is v for k, v in before.items())
     assert ("forward" in module.model.__dict__) == compiled and "log" not in module.__dict__
     assert max_param_diff(module, reference) < 1e-6  # trained as far as the plain run got, no further
+    for p, q in zip(module.parameters(), reference.parameters(), strict=True):  # the same gradients left over
+        assert (p.grad is None) == (q.grad is None)
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, atol=1e-6, rtol=0)
     with torch.no_grad():
         torch.testing.assert_close(module.model(X), reference.model(X), atol=1e-6, rtol=0)
     # and it runs on a plain Trainer afterwards

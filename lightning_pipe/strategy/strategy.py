@@ -411,7 +411,8 @@ class PipeStrategy(PipelinedSteps, SingleDeviceStrategy):
         ``model`` is the LightningModule (its ``training_step`` runs on ``sample_batch`` up to the
         pipelined call, to find the pipeline's input) or the pipelined module itself (then
         ``sample_batch`` is its input). Prints the per-stage table unless ``verbose=False``; returns a
-        `lightning_pipe.memory.MemoryPlan`.
+        `lightning_pipe.memory.MemoryPlan`. ``checkpoint="auto"`` is planned without recomputation: the
+        plan it starts from (it recomputes where a device's free memory is short of it).
         """
         from lightning_pipe.memory import plan as memory_plan
 
