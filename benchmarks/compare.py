@@ -11,6 +11,10 @@ threads per stage:
 - ``lightning_pipe``: a Lightning ``Trainer`` with ``PipeStrategy`` (local transport: stage threads
   in one process), when the strategy is importable;
 - ``engine``: lightning_pipe's `Pipeline` without Lightning (local transport), the engine alone;
+
+lightning_pipe runs with its default arguments besides the run's stages, microbatches and schedule
+(``checkpoint="auto"``, ``partition="params"``, ...); its default partition must cut where torch's stages
+are cut (checked at the first step).
 - ``engine-rpc`` / ``lightning_pipe-rpc``: the same over ``transport="rpc"`` when that transport exists.
 
 After one checked step (all contenders must hold the same parameters), the contenders run in
@@ -51,7 +55,9 @@ import torch  # noqa: E402
 from benchmarks.workloads import WORKLOADS, build_model, loss_fn, make_batches, stage_module  # noqa: E402
 
 REPLY_TIMEOUT = 900.0  # seconds any worker may take to answer one command
-ROUND_WARMUP = 1  # untimed steps after a contender (re)starts its stages at the beginning of a round
+# untimed steps after a contender (re)starts its stages at the beginning of a round: the first step of a new
+# pipeline measures its stages and checkpoint="auto" decides before the second (a few control calls)
+ROUND_WARMUP = 2
 
 
 @dataclass
@@ -243,14 +249,9 @@ class EngineRunner(Runner):
         from lightning_pipe.pipeline import Pipeline
 
         cfg = self.cfg
+        # the run's configuration (as torch's); everything else as a user gets it by default
         self.pipe = Pipeline(
-            self.model,
-            stages=cfg.stages,
-            schedule=cfg.schedule,
-            partition=cfg.balance,
-            checkpoint="never",
-            transport=self.transport,
-            threads=cfg.threads,
+            self.model, stages=cfg.stages, schedule=cfg.schedule, transport=self.transport, threads=cfg.threads
         ).start()
         template = torch.optim.SGD(self.model.parameters(), lr=cfg.lr)
         # with stages in other processes the parameters live there: the optimizer steps on the stages
@@ -280,12 +281,22 @@ class EngineRunner(Runner):
         return seconds
 
     def params(self) -> dict[str, torch.Tensor]:
+        check_split(self.pipe, self.cfg)
         return self.pipe.state_dict()  # as the stages hold them (with rpc, only there)
 
     def stop(self) -> dict[str, Any]:
         if self.pipe is not None:
             self.pipe.close()
         return {"worker_rss_mb": [self.worker_rss[r] for r in sorted(self.worker_rss)]}
+
+
+def check_split(pipeline: Any, cfg: Config) -> None:
+    """The default partition must cut where torch's stages are cut (``cfg.balance``), or the contenders differ."""
+    if pipeline.balance != cfg.balance:
+        raise RuntimeError(
+            f"lightning_pipe's default partition split the {cfg.workload} model as {pipeline.balance}, torch's stages "
+            f"as {cfg.balance}: the contenders would not run the same stages; align BALANCES in workloads.py"
+        )
 
 
 def note_worker_rss(peaks: dict[int, float], communicator: Any) -> None:
@@ -374,16 +385,12 @@ def serve_trainer(conn: Connection, cfg: Config, transport: str) -> None:
             if trainer.strategy.pipeline is not None:
                 note_worker_rss(worker_rss, trainer.strategy.pipeline.communicator)
             if self.keep_params:
+                check_split(trainer.strategy.pipeline, cfg)
                 state = trainer.strategy.pipeline.state_dict()
                 self.params = {k: v.detach().clone() for k, v in state.items()}
 
-    strategy_kwargs: dict[str, Any] = dict(
-        stages=cfg.stages,
-        microbatches=cfg.microbatches,
-        schedule=cfg.schedule,
-        partition=cfg.balance,
-        checkpoint="never",
-    )
+    # the run's configuration (as torch's); everything else PipeStrategy's defaults, as a user gets it
+    strategy_kwargs: dict[str, Any] = dict(stages=cfg.stages, microbatches=cfg.microbatches, schedule=cfg.schedule)
     if transport != "local":
         strategy_kwargs["transport"] = transport
     net = Net()
@@ -465,6 +472,7 @@ def serve_one_fit(conn: Connection, cfg: Config, net: Any, strategy_kwargs: dict
             if self.todo:
                 return
             if self.keep_params:
+                check_split(trainer.strategy.pipeline, cfg)
                 state = trainer.strategy.pipeline.state_dict()
                 conn.send(("ok", {"params": {k: v.detach().clone() for k, v in state.items()}}))
                 return

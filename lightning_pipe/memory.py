@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from lightning_pipe import tree
+from lightning_pipe.checkpointing import checkpoint_flags, size_text, walk
 from lightning_pipe.engine.runners import worker_lists, worker_of_stages
 from lightning_pipe.engine.split_backward import backward_input
 from lightning_pipe.engine.stash import stash_bytes
@@ -60,11 +61,12 @@ class MemoryPlan:
             names = f"{st.layers[0]}..{st.layers[-1]}" if len(st.layers) > 1 else "".join(st.layers)
             held = st.peak_held * st.activation_bytes  # lower bound: some of them may be past their I
             lines.append(
-                f"{st.stage:>5} {st.rank:>4}  {names:<16} {_size(st.param_bytes):>10} "
-                f"{_size(st.activation_bytes):>10} {_size(st.split_bytes):>10} {st.peak_held:>4} {_size(held):>10}"
+                f"{st.stage:>5} {st.rank:>4}  {names:<16} {size_text(st.param_bytes):>10} "
+                f"{size_text(st.activation_bytes):>10} {size_text(st.split_bytes):>10} {st.peak_held:>4} "
+                f"{size_text(held):>10}"
             )
         for rank, (nbytes, count) in enumerate(zip(self.rank_peak_bytes, self.rank_peak_activations, strict=True)):
-            lines.append(f"rank {rank}: peak {_size(nbytes)} of stashed activations ({count} microbatches)")
+            lines.append(f"rank {rank}: peak {size_text(nbytes)} of stashed activations ({count} microbatches)")
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -79,14 +81,15 @@ def plan(
     schedule: Any = "1f1b",
     virtual_stages: int = 1,
     partition: str | Sequence[int] | Partitioner = "params",
-    checkpoint: str | Sequence[bool] = "except_last",
+    checkpoint: str | Sequence[bool] = "auto",
     runner: str = "parallel",
     verbose: bool = False,
 ) -> MemoryPlan:
     """Predict every rank's peak stash for one step on ``sample`` (a whole batch); prints the table if verbose."""
-    from lightning_pipe.pipeline import checkpoint_flags, resolve_partitioner
+    from lightning_pipe.pipeline import resolve_partitioner
 
-    flags = checkpoint_flags(checkpoint, stages) if isinstance(checkpoint, str) else list(checkpoint)
+    # "auto" is planned without recomputation: what it chooses where memory allows (always on cpu)
+    flags = [bool(f) for f in (checkpoint_flags(checkpoint, stages) if isinstance(checkpoint, str) else checkpoint)]
     worker_of = worker_of_stages(runner, stages, virtual_stages)
     pieces = split(sample, microbatches)
     shards = resolve_partitioner(partition).partition(module, ["cpu"] * stages, sample)
@@ -111,25 +114,8 @@ def plan(
 
 def _walk(actions: list[Action], memory: list[StageMemory]) -> tuple[int, int, dict[int, int]]:
     """Follow one worker's list: peak bytes, microbatches held then, and per stage how many."""
-    live: dict[tuple[int, int], int] = {}
-    current = peak = 0
-    at_peak: dict[tuple[int, int], int] = {}
-    for action in actions:
-        key, st = (action.stage, action.microbatch), memory[action.stage]
-        if action.kind is Kind.FORWARD:
-            live[key] = st.activation_bytes
-            current += st.activation_bytes
-        elif action.kind is Kind.BACKWARD_INPUT:
-            live[key] += st.split_bytes
-            current += st.split_bytes
-        else:  # B or W frees the microbatch
-            current -= live.pop(key)
-        if current > peak or not at_peak:
-            peak, at_peak = current, dict(live)
-    held: dict[int, int] = {}
-    for s, _ in at_peak:
-        held[s] = held.get(s, 0) + 1
-    return peak, len(at_peak), held
+    stash = {st.stage: st.activation_bytes for st in memory}
+    return walk(actions, stash, {st.stage: st.split_bytes for st in memory})
 
 
 def _measure(shards: list[ShardedTask], piece: Any, checkpoint: list[bool], split_backward: bool) -> list[StageMemory]:
@@ -168,11 +154,3 @@ def _measure(shards: list[ShardedTask], piece: Any, checkpoint: list[bool], spli
 
 def _ones_if_grad(t: Any) -> torch.Tensor | None:
     return torch.ones_like(t) if isinstance(t, torch.Tensor) and t.requires_grad else None
-
-
-def _size(nbytes: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(nbytes) < 1024 or unit == "GiB":
-            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
-        nbytes /= 1024  # type: ignore[assignment]
-    return f"{nbytes} B"

@@ -15,6 +15,7 @@ Any other module is traced and cut (`TracedPartitioner`), before ``split_points`
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -22,7 +23,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_pipe.backends import BackendArg, CoordinatorOps, ExecutionTrace, resolve_backends
+from lightning_pipe.backends import BackendArg, BackendPlan, CoordinatorOps, ExecutionTrace, resolve_backends
+from lightning_pipe.backends.compiled import split_compiled
+from lightning_pipe.checkpointing import AutoCheckpoint, RecomputePlan, checkpoint_flags
 from lightning_pipe.comm import Communicator, LocalCommunicator
 from lightning_pipe.engine import AutocastSpec, Coordinator, StageSpec, StepResult
 from lightning_pipe.engine.runners import worker_of_stages
@@ -37,7 +40,7 @@ from lightning_pipe.runtime import BaseRuntime, runtime_registry
 from lightning_pipe.schedule import resolve_schedule
 from lightning_pipe.stage_state import StageState
 
-CHECKPOINT_MODES = ("always", "except_last", "never")
+log = logging.getLogger("lightning_pipe")
 TRANSPORTS: dict[str, Callable[..., Communicator]] = {"local": LocalCommunicator}
 
 
@@ -53,17 +56,6 @@ def _rpc(**options: Any) -> Communicator:
 
 
 register_transport("rpc", _rpc)
-
-
-def checkpoint_flags(mode: str, num_stages: int) -> list[bool]:
-    """Which stages recompute their forward in the backward."""
-    if mode not in CHECKPOINT_MODES:
-        raise ConfigurationError(f"unknown checkpoint={mode!r}; available: {', '.join(CHECKPOINT_MODES)}")
-    if mode == "always":
-        return [True] * num_stages
-    if mode == "never":
-        return [False] * num_stages
-    return [True] * (num_stages - 1) + [False]
 
 
 def resolve_partitioner(
@@ -105,7 +97,7 @@ class Pipeline(StageState):
     ``stages`` counts the pieces of the model; with ``virtual_stages=V`` each worker (rank) holds
     ``V`` of them, stage ``s`` on rank ``s % (stages // V)``. ``runner`` picks how the workers run
     the schedule (see `lightning_pipe.engine.runners`); ``schedule`` is a registered name, a
-    `Schedule` subclass or a function returning per-rank action lists.
+    `Schedule` subclass or a function returning per-rank action lists. ``checkpoint``: see `checkpointing`.
     """
 
     def __init__(
@@ -115,14 +107,14 @@ class Pipeline(StageState):
         schedule: Any = "1f1b",
         partition: str | Sequence[int] | Partitioner = "params",
         devices: Sequence[str] | None = None,
-        checkpoint: str = "except_last",
+        checkpoint: str = "auto",
         runtime: str | BaseRuntime | None = None,
         timeout: float = 300.0,
         transport: str | Communicator = "local",
         autocast: AutocastSpec | None = None,
         sample: Any = None,
         coordinator_device: torch.device | None = None,
-        backend: BackendArg = None,
+        backend: BackendArg | BackendPlan = None,
         strict: bool = False,
         split_points: Sequence[str] | None = None,
         virtual_stages: int = 1,
@@ -139,12 +131,14 @@ class Pipeline(StageState):
                 f"devices has {len(self.devices)} entries but stages={stages}; give one device per stage"
                 + (f" or one per rank ({ranks})" if ranks != stages else "")
             )
+        module, backend = split_compiled(module, backend, stages, strict)  # torch.compile(m): split m, compile stages
         self.module = module
         self.virtual_stages = virtual_stages
         self.runner = runner
         self.schedule_factory = resolve_schedule(schedule)
         self.partitioner = resolve_partitioner(partition, module, split_points)
         self.checkpoint = checkpoint_flags(checkpoint, stages)
+        self.auto_checkpoint = AutoCheckpoint(self.devices) if checkpoint == "auto" else None
         self.runtimes = resolve_runtime(runtime, self.devices)
         self.timeout = float(timeout)
         self.autocast = autocast
@@ -323,6 +317,7 @@ class Pipeline(StageState):
         argument = "Pipeline.train_step(microbatch_weight=...)"
         check_weight_function(microbatch_weight, argument)
         xs, ys = self._microbatches(inputs, kwargs, microbatches), split(targets, microbatches)
+        self.before_train_step(len(xs), log.info)
         weights = shares(xs if microbatch_weight is None else ys, microbatch_weight, argument)
 
         def weighted(output: Any, label: tuple[int, Any]) -> torch.Tensor:
@@ -372,6 +367,13 @@ class Pipeline(StageState):
         per_batch = [sum(result.losses[b * microbatches : (b + 1) * microbatches]) for b in range(count)]
         staleness = [s for stats in self.coordinator.call("async_stats") for s in stats]
         return AsyncRun(losses=per_batch, staleness=sorted(staleness, key=lambda s: s.stage), step=result)
+
+    def before_train_step(self, microbatches: int, report: Callable[[str], Any] = log.info) -> RecomputePlan | None:
+        """Call before each (synchronous) training step: ``checkpoint="auto"`` decides and reports before the second."""
+        decided = self.auto_checkpoint.before_step(self.coordinator, microbatches) if self.auto_checkpoint else None
+        if decided is not None:
+            report(f"lightning_pipe: {decided.table()}")
+        return decided
 
     def stash_peaks(self) -> list[int]:
         """Most bytes of stashed activations each worker held at once in the last training step."""

@@ -9,6 +9,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from lightning_pipe.runtime import DeviceMemory, PyTorchRuntime
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -121,3 +123,18 @@ class OverflowsAtStep(nn.Module):
         overflow = self.calls // self.calls_per_step == self.step
         self.calls += 1
         return _OverflowIf.apply(x, overflow)
+
+
+class FakeGpuRuntime(PyTorchRuntime):
+    """Device ``fakegpu:<i>``: runs on the cpu but reports ``$FAKE_GPU_FREE`` (``"0=4096,1=1000000"``) bytes free.
+
+    ``checkpoint="auto"`` sees a device with a memory limit, the way a cuda device looks to it. The device name
+    carries the process id of whoever reads it: the tests see which process measured.
+    """
+
+    def device_memory(self) -> DeviceMemory | None:
+        index = self.device_spec.split(":")[1]
+        free = dict(item.split("=") for item in os.environ.get("FAKE_GPU_FREE", "").split(",") if item)
+        if index not in free:
+            return None
+        return DeviceMemory(f"pid{os.getpid()}/{self.device_spec}", int(free[index]), 2 * int(free[index]))

@@ -35,7 +35,7 @@ def test_unknown_names_list_the_known_ones() -> None:
         PipeStrategy(partition="random")
     with pytest.raises(ConfigurationError, match=r"no runtime is registered for device type 'npu'; registered: cpu"):
         PipeStrategy(runtime="npu")
-    with pytest.raises(ConfigurationError, match=r"unknown checkpoint='sometimes'; available: always, except_last"):
+    with pytest.raises(ConfigurationError, match=r"'sometimes'; available: auto, always, except_last, never"):
         PipeStrategy(checkpoint="sometimes")
 
 

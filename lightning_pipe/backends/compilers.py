@@ -17,6 +17,7 @@ from torch import nn
 from lightning_pipe.backends.base import BackendUnavailableError, StageContext
 from lightning_pipe.backends.ops import OpTable, SubstitutionMode, rewrite_graph
 from lightning_pipe.backends.trace import OpCounter
+from lightning_pipe.errors import ConfigurationError
 
 
 class EagerCompiler:
@@ -53,10 +54,29 @@ class EagerCompiler:
 class InductorCompiler(EagerCompiler):
     """``torch.compile`` with inductor; op substitutions are rewritten into the traced graph first.
 
-    ``options`` go to ``torch.compile`` (``mode``, ``dynamic``, ``fullgraph``, ``options``).
+    ``options`` are ``torch.compile``'s (``mode``, ``dynamic``, ``fullgraph``, ``options``): Dynamo takes
+    ``dynamic`` and ``fullgraph``; ``mode`` and ``options`` become the inductor settings this backend
+    compiles each graph with (torch.compile would hand them to a custom backend as arguments it doesn't take).
     """
 
     always_accepts = False
+
+    def __init__(
+        self, module: nn.Module, table: OpTable, counter: OpCounter, name: str, label: str, options: dict[str, Any]
+    ) -> None:
+        super().__init__(module, table, counter, name, label, options)
+        dynamo = dict(options)
+        mode, settings = dynamo.pop("mode", None), dynamo.pop("options", None)
+        if mode is not None and settings:
+            raise ConfigurationError(
+                f"backend {name!r}: give torch.compile either mode={mode!r} or options={settings!r}, not both"
+            )
+        from torch._inductor import list_mode_options
+
+        self.dynamo_options = dynamo  # for torch.compile: dynamic, fullgraph
+        # as torch.compile does: a mode stands for a set of inductor settings (list_mode_options(None) lists all)
+        by_mode = list_mode_options(mode, dynamo.get("dynamic")) if mode not in (None, "default") else {}
+        self.inductor_config = {**by_mode, **dict(settings or {})}
 
     def check(self, inputs: Any, ctx: StageContext) -> str | None:
         from torch._dynamo.eval_frame import is_dynamo_supported
@@ -74,7 +94,7 @@ class InductorCompiler(EagerCompiler):
 
     def build(self) -> Callable[..., Any]:
         entry = _entry(self.module, f"lightning_pipe_{self.label}")
-        compiled = torch.compile(entry, backend=self._compile_graph, **self.options)
+        compiled = torch.compile(entry, backend=self._compile_graph, **self.dynamo_options)
 
         def run(*args: Any, **kwargs: Any) -> Any:
             try:
@@ -87,7 +107,12 @@ class InductorCompiler(EagerCompiler):
     def _compile_graph(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         """The Dynamo backend: substitute ops in the graph, hand it to inductor, count ops per call."""
         per_call = rewrite_graph(gm, self.table, self.name) if self.table else OpCounter()
-        compiled = torch._dynamo.lookup_backend("inductor")(gm, example_inputs)
+        inductor = torch._dynamo.lookup_backend("inductor")
+        if self.inductor_config:
+            # the registered inductor backend hands keyword arguments on to compile_fx
+            compiled = inductor(gm, example_inputs, config_patches=dict(self.inductor_config))  # type: ignore[call-arg]
+        else:
+            compiled = inductor(gm, example_inputs)
         if not per_call.counts:
             return compiled
         counter = self.counter

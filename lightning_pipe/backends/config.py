@@ -15,7 +15,7 @@ with eager, which always accepts.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from lightning_pipe.backends.base import Backend
@@ -84,6 +84,21 @@ def resolve_backends(
     chains = {stage: {mode: _chain(stage_names[mode][stage]) for mode in MODES} for stage in range(num_stages)}
     uniform = not any(isinstance(arg, list) for arg in per_mode.values())
     return BackendPlan(chains, bool(strict), chains[0] if uniform and chains else None)
+
+
+def with_options(plan: BackendPlan, name: str, options: Mapping[str, Any]) -> BackendPlan:
+    """A copy of ``plan`` in which backend ``name`` runs with ``options`` over its registered ones.
+
+    The options travel with the plan (to stage worker processes too); the registry is left alone.
+    """
+
+    def chain(old: StageChain) -> StageChain:
+        backends = [replace(b, options={**b.options, **options}) if b.name == name else b for b in old.backends]
+        return StageChain(list(old.requested), backends)
+
+    chains = {stage: {mode: chain(c) for mode, c in modes.items()} for stage, modes in plan.chains.items()}
+    every = {mode: chain(c) for mode, c in plan.every_stage.items()} if plan.every_stage is not None else None
+    return BackendPlan(chains, plan.strict, every)
 
 
 def _per_stage(arg: Any, num_stages: int) -> list[list[str]]:

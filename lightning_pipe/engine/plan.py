@@ -30,7 +30,7 @@ class StageSpec:
     shards: list[Any]  # ShardedTask
     num_stages: int
     rank_of_stage: list[int]
-    checkpoint: list[bool]  # per stage index: recompute the forward in the backward
+    checkpoint: list[bool | None]  # per stage index: recompute the forward in the backward; None: "auto"
     timeout: float
     runtime: Any = None  # a BaseRuntime for every shard, {stage: BaseRuntime}, or None: chosen by device type
     autocast: AutocastSpec | None = None

@@ -16,6 +16,7 @@ from lightning_pipe.backends import StageTrace, build_executables
 from lightning_pipe.comm.base import COORDINATOR, Endpoint, Message, MessageKind, deadline, remaining
 from lightning_pipe.engine.plan import ASYNC, EVAL, TRAIN, LossPlan, StageSpec, StepPlan
 from lightning_pipe.engine.split_backward import WeightGradient, backward_input, backward_weight
+from lightning_pipe.engine.stage_memory import StageMemoryCalls
 from lightning_pipe.engine.stage_state import StageStateCalls
 from lightning_pipe.engine.stash import StashMeter, signature
 from lightning_pipe.engine.versions import StageVersions, stage_versions
@@ -41,7 +42,7 @@ class _LossError(Exception):
         self.error = error
 
 
-class StageWorker(StageStateCalls):
+class StageWorker(StageStateCalls, StageMemoryCalls):
     """Holds one or more shards on a device, serves steps, control calls and stop requests."""
 
     def __init__(self, spec: StageSpec, endpoint: Endpoint) -> None:
@@ -63,6 +64,7 @@ class StageWorker(StageStateCalls):
         self._saved: dict[tuple[int, int], Activation] = {}
         self._weight_work: dict[tuple[int, int], WeightGradient] = {}  # I done, W pending
         self.stash = StashMeter()
+        self._init_recompute()  # per stage: recompute its forward in the backward (checkpoint=)
         self._versions: dict[int, StageVersions] = {}  # ASYNC: per stage, kept across runs
         self._asynchronous = False
         self._grads = GradStash(p for shard in self.shards.values() for p in shard.module.parameters())
@@ -179,7 +181,7 @@ class StageWorker(StageStateCalls):
                 with torch.no_grad():
                     outputs = shard.forward.run(model, inputs, device)
                 out_mask = [False] * len(tree.flatten(outputs)[0])
-            elif self.spec.checkpoint[s]:
+            elif self.recompute[s]:
                 leaves = tree.as_leaves(inputs, mask)
                 rng = torch.get_rng_state()
                 with torch.no_grad():
@@ -219,6 +221,7 @@ class StageWorker(StageStateCalls):
         saved = self._saved.pop((s, m))
         t = self._span(action, "recv", t)
         with self._autocast(runtime.torch_device):
+            self._measure_auto(s, m, saved)
             _, input_grads = shard.backward.run(self._model(s, m), None, saved, runtime.torch_device, grads, None)
         if self._asynchronous:
             self._versions[s].backward_done(m)
@@ -240,11 +243,13 @@ class StageWorker(StageStateCalls):
                 outputs = saved.outputs = recompute(self._model(s, m), saved)
                 graph = self._stash_size(s, saved, False) - self._stash_size(s, Activation(saved.inputs), True)
                 self.stash.hold((s, m), graph)
+            self._measure_auto(s, m, saved)
             input_grads, work = backward_input(
                 tree.flatten(outputs)[0], grads, tree.flatten(saved.inputs)[0], shard.module.parameters()
             )
         self._weight_work[(s, m)] = work
         self.stash.hold((s, m), work.nbytes())
+        self.stash.note(s, "split", work.nbytes())
         self._send_input_grads(step, s, m, saved, input_grads)
 
     def _backward_weight(self, action: Action) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -72,6 +73,15 @@ def _tensors_in(value: Any) -> list[torch.Tensor]:
     return []
 
 
+@dataclass(frozen=True)
+class StageBytes:
+    """What one microbatch of a stage keeps alive until its backward (the largest measured)."""
+
+    full: int  # without recomputation: inputs, outputs and the tensors autograd saved
+    inputs: int  # with recomputation: the inputs only
+    split: int = 0  # more, from the input gradient (I) until the weight gradient (W)
+
+
 class StashMeter:
     """Live stash bytes of one worker, per (stage, microbatch), and the peak of the current step."""
 
@@ -80,12 +90,29 @@ class StashMeter:
         self.current = 0
         self.peak = 0
         self._sizes: dict[tuple[Any, ...], int] = {}
+        self._largest: dict[tuple[int, str], int] = {}  # (stage, "full" | "inputs" | "split") -> most bytes seen
 
     def measure(self, signature: tuple[Any, ...], activation: Activation, params: Iterable[torch.Tensor]) -> int:
         """Stash bytes of ``activation``; measured once per ``signature`` (stage, mode, input shapes)."""
         if signature not in self._sizes:
-            self._sizes[signature] = stash_bytes(activation, params)
+            self._sizes[signature] = size = stash_bytes(activation, params)
+            self.note(signature[0], "inputs" if signature[1] else "full", size)
         return self._sizes[signature]
+
+    def known(self, signature: tuple[Any, ...]) -> bool:
+        return signature in self._sizes
+
+    def note(self, stage: int, part: str, nbytes: int) -> None:
+        """Keep the largest ``part`` of a microbatch of ``stage`` seen (microbatches may differ in rows)."""
+        key = (stage, part)
+        self._largest[key] = max(self._largest.get(key, 0), nbytes)
+
+    def stage_bytes(self, stage: int) -> StageBytes | None:
+        """The largest microbatch of ``stage`` measured with and without recomputation; None until both were."""
+        full, inputs = self._largest.get((stage, "full")), self._largest.get((stage, "inputs"))
+        if full is None or inputs is None:
+            return None
+        return StageBytes(full, inputs, self._largest.get((stage, "split"), 0))
 
     def hold(self, key: Key, nbytes: int) -> None:
         """``key`` keeps ``nbytes`` more from now on."""

@@ -6,10 +6,20 @@ The interface is the specification's (``seeds/runtimes.md``). Every callback is 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """The memory of a stage's device as its worker process sees it (``checkpoint="auto"`` plans with it)."""
+
+    device: str  # names the physical device: stages that report the same name share its memory
+    free: int  # bytes this process can still allocate there, its allocator's unused cache included
+    total: int
 
 
 class BaseRuntime:
@@ -69,6 +79,13 @@ class BaseRuntime:
 
     def get_pending_result(self, module: nn.Module, blocking: bool) -> Any:
         """Called when a step's results are needed: finish asynchronous device work."""
+        return None
+
+    def device_memory(self) -> DeviceMemory | None:
+        """Called on the stage's worker when the stage is built and between training steps (``checkpoint="auto"``).
+
+        None where memory is no limit to plan for: such a stage never recomputes its forward to save memory.
+        """
         return None
 
     def __repr__(self) -> str:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from lightning_pipe.backends import CoordinatorOps
@@ -31,6 +31,7 @@ from lightning_pipe.partition.tracer import CallArgs
 from lightning_pipe.pipeline import Pipeline
 from lightning_pipe.strategy.asynchronous import AsyncTraining
 from lightning_pipe.strategy.outputs import combine_eval, combine_predict, combine_training
+from lightning_pipe.strategy.patch import Patches, patch
 from lightning_pipe.strategy.session import Driver, LogRecorder, MissingCall, StepInputs, current_driver
 
 
@@ -67,14 +68,14 @@ class PipelinedSteps:
             return driver.call(args, kwargs)
 
         driver = Driver(_bind(lightning_module.training_step, batch, (0,), {}), 0, contextlib.nullcontext, self.timeout)
-        pipelined.forward = capture  # type: ignore[method-assign]
-        lightning_module.log = lambda *args, **kwargs: None  # type: ignore[method-assign]
+        patches = Patches()
+        patches.set(pipelined, "forward", capture)
+        patches.set(lightning_module, "log", lambda *args, **kwargs: None)
         try:
             kind, value = driver.start()
         finally:
             driver.abandon()
-            pipelined.__dict__.pop("forward", None)
-            lightning_module.__dict__.pop("log", None)
+            patches.restore()
         if kind == "return":
             raise MissingCall("training_step returned without calling the pipelined module; nothing to plan")
         return self._pipeline_input(*value)
@@ -117,7 +118,7 @@ class PipelinedSteps:
         drivers = [
             Driver(_bind(step_fn, p, rest, kwargs), i, context, self.timeout, turn) for i, p in enumerate(pieces)
         ]
-        lightning_module.log = recorder  # type: ignore[method-assign]
+        restore_log = patch(lightning_module, "log", recorder)
         try:
             first = self._start(drivers[0], name)
             pipeline = self._build(first)
@@ -132,6 +133,7 @@ class PipelinedSteps:
                 finally:
                     self._outside.end()
             elif training:
+                pipeline.before_train_step(len(drivers), rank_zero_info)  # checkpoint="auto": logged once per fit
                 self._outside.begin()
                 try:
                     result = pipeline.coordinator.train_step(
@@ -147,7 +149,7 @@ class PipelinedSteps:
                 for driver, output in zip(drivers, result.outputs, strict=True):
                     self._resume(driver, pipeline.unpack(output), name)
         finally:
-            lightning_module.__dict__.pop("log", None)
+            restore_log()
             for driver in drivers:
                 driver.abandon()
         recorder.flush()

@@ -11,11 +11,12 @@ import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
 from lightning_pipe.backends import BackendArg, CoordinatorOps, ExecutionTrace, resolve_backends
+from lightning_pipe.backends.compiled import TorchCompiled, unwrap_compiled
 from lightning_pipe.engine import AutocastSpec
 from lightning_pipe.engine.versions import Staleness
 from lightning_pipe.errors import ConfigurationError
@@ -28,6 +29,7 @@ from lightning_pipe.runtime import BaseRuntime, runtime_registry
 from lightning_pipe.strategy.arguments import check_arguments
 from lightning_pipe.strategy.asynchronous import AsyncTraining
 from lightning_pipe.strategy.hooks import RuntimeHooks
+from lightning_pipe.strategy.patch import Patches
 from lightning_pipe.strategy.remote import StageGradZeroing, StageParameters
 from lightning_pipe.strategy.steps import PipelinedSteps
 from lightning_pipe.strategy.trace import PipeTrace
@@ -58,7 +60,9 @@ class PipeStrategy(PipelinedSteps, SingleDeviceStrategy):
         module: attribute path of the pipelined module in the LightningModule; default: the child
             with the most parameters.
         devices: one device per stage; default: the Trainer's devices, or ``cpu`` for every stage.
-        checkpoint: activation recomputation, ``"always"``, ``"except_last"`` or ``"never"``.
+        checkpoint: activation recomputation: ``"auto"`` (only the stages whose device lacks the memory for the
+            planned activation peak; never on cpu; decided before the second training step of a fit and logged),
+            ``"always"``, ``"except_last"`` or ``"never"``.
         runtime: a registered device type or a `BaseRuntime` instance; default: by device type.
         timeout: seconds any wait between the coordinator and the stages may take.
         backend: how stage forwards run: ``"eager"``, ``"inductor"``, ``"tensorrt"`` or a registered
@@ -99,7 +103,7 @@ class PipeStrategy(PipelinedSteps, SingleDeviceStrategy):
         partition: str | Sequence[int] | Partitioner = "params",
         module: str | None = None,
         devices: Sequence[str | torch.device] | None = None,
-        checkpoint: str = "except_last",
+        checkpoint: str = "auto",
         runtime: str | BaseRuntime | None = None,
         timeout: float = 300.0,
         backend: BackendArg = None,
@@ -150,6 +154,8 @@ class PipeStrategy(PipelinedSteps, SingleDeviceStrategy):
         self.parallel_devices: list[torch.device] | None = None
         self.pipeline: Pipeline | None = None
         self._pipelined: nn.Module | None = None
+        self._compiled: TorchCompiled | None = None  # the pipelined module is torch.compile(...) of this
+        self._patches = Patches()  # attributes set on the user's objects for this fit, restored exactly
         self._outside = GradStash()  # parameters outside the pipelined module (before/after the call)
         self._hooked: set[str] = set()
         self._seen_batch = False
@@ -194,9 +200,12 @@ class PipeStrategy(PipelinedSteps, SingleDeviceStrategy):
                 "set self.automatic_optimization = True"
             )
         self._pipelined = self._find_pipelined(lightning_module)
-        self.partitioner = resolve_partitioner(self.partitioner, self._pipelined)
+        self._compiled = unwrap_compiled(self._pipelined)
+        if self._compiled is not None:
+            rank_zero_info(f"PipeStrategy: {self._compiled.note(self.backend)}")
+        self.partitioner = resolve_partitioner(self.partitioner, self._split_module())
         devices = self.resolve_devices()
-        self.partitioner.check(self._pipelined, len(devices))
+        self.partitioner.check(self._split_module(), len(devices))
         self._coordinator_ops = CoordinatorOps(resolve_backends(self.backend, len(devices)), len(devices) - 1)
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
@@ -238,6 +247,11 @@ class PipeStrategy(PipelinedSteps, SingleDeviceStrategy):
             )
         return max(children.values(), key=lambda m: sum(p.numel() for p in m.parameters()))
 
+    def _split_module(self) -> nn.Module:
+        """What the pipeline splits: the pipelined module, or the original of a ``torch.compile``d one."""
+        assert self._pipelined is not None
+        return self._compiled.module if self._compiled is not None else self._pipelined
+
     @override
     def model_to_device(self) -> None:
         """Everything but the pipelined module goes to the coordinator's device; stages place their shards."""
@@ -256,7 +270,7 @@ class PipeStrategy(PipelinedSteps, SingleDeviceStrategy):
 
     def _install(self, trainer: pl.Trainer) -> None:
         assert self._pipelined is not None
-        self._pipelined.forward = self._pipelined_forward  # type: ignore[method-assign]
+        self._patches.set(self._pipelined, "forward", self._pipelined_forward)
         callbacks: list[pl.Callback] = trainer.callbacks  # type: ignore[attr-defined]
         if not any(isinstance(cb, RuntimeHooks) and cb.strategy is self for cb in callbacks):
             callbacks.append(RuntimeHooks(self))
@@ -272,8 +286,10 @@ class PipeStrategy(PipelinedSteps, SingleDeviceStrategy):
             return self.pipeline
         assert self._pipelined is not None
         devices = self.resolve_devices()
+        compiled = self._compiled
+        backend = compiled.plan(self.backend, len(devices), self.strict) if compiled is not None else self.backend
         self.pipeline = Pipeline(
-            self._pipelined,
+            self._split_module(),
             stages=len(devices),
             schedule=self.schedule,
             partition=self.partitioner,
@@ -286,7 +302,7 @@ class PipeStrategy(PipelinedSteps, SingleDeviceStrategy):
             coordinator_device=self.root_device,
             virtual_stages=self.virtual_stages,
             runner=self.runner,
-            backend=self.backend,
+            backend=backend,
             strict=self.strict,
             transport=self.transport,
             **self._transport_options,
@@ -320,22 +336,25 @@ class PipeStrategy(PipelinedSteps, SingleDeviceStrategy):
 
     @override
     def teardown(self) -> None:
-        self._trace = self.execution_trace()  # kept after this fit/validate/test/predict
-        self._coordinator_ops = None
-        self._shutdown()
+        try:
+            self._trace = self.execution_trace()  # kept after this fit/validate/test/predict
+        finally:
+            self._coordinator_ops = None
+            self._shutdown()
         super().teardown()
 
     def _shutdown(self) -> None:
-        self._end_stream()
-        if self._stage_params is not None and self._stage_params.views and self.pipeline is not None:
-            self.pipeline.sync_module()  # the LightningModule and its optimizer end up trained, as usual
-            self._stage_params.fold_into_templates()
-        if self._pipelined is not None:
-            self._pipelined.__dict__.pop("forward", None)
-        if self.pipeline is not None:
-            pipeline, self.pipeline = self.pipeline, None
-            pipeline.close()
-        self._seen_batch = False
+        try:
+            self._end_stream()
+            if self._stage_params is not None and self._stage_params.views and self.pipeline is not None:
+                self.pipeline.sync_module()  # the LightningModule and its optimizer end up trained, as usual
+                self._stage_params.fold_into_templates()
+        finally:  # whatever failed above: the user's objects as they were, the stages stopped
+            self._patches.restore()
+            if self.pipeline is not None:
+                pipeline, self.pipeline = self.pipeline, None
+                pipeline.close()
+            self._seen_batch = False
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -400,15 +419,18 @@ class PipeStrategy(PipelinedSteps, SingleDeviceStrategy):
         ``model`` is the LightningModule (its ``training_step`` runs on ``sample_batch`` up to the
         pipelined call, to find the pipeline's input) or the pipelined module itself (then
         ``sample_batch`` is its input). Prints the per-stage table unless ``verbose=False``; returns a
-        `lightning_pipe.memory.MemoryPlan`.
+        `lightning_pipe.memory.MemoryPlan`. ``checkpoint="auto"`` is planned without recomputation: the
+        plan it starts from (it recomputes where a device's free memory is short of it).
         """
         from lightning_pipe.memory import plan as memory_plan
 
         if isinstance(model, pl.LightningModule):
-            pipelined = self._find_pipelined(model)
-            sample = self._capture_input(model, pipelined, sample_batch)
+            called = self._find_pipelined(model)
+            sample = self._capture_input(model, called, sample_batch)
         else:
-            pipelined, sample = model, sample_batch
+            called, sample = model, sample_batch
+        compiled = unwrap_compiled(called)
+        pipelined = compiled.module if compiled is not None else called
         if not isinstance(self.partitioner, Partitioner) or isinstance(self.partitioner, TracedPartitioner):
             raise ConfigurationError("plan() covers nn.Sequential pipelines; traced models are not planned yet")
         return memory_plan(
