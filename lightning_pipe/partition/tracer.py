@@ -75,11 +75,12 @@ class ConcreteTracer(fx.Tracer):
         """A module that is not a submodule of the root (``loss_fct = CrossEntropyLoss()`` inside a forward, as
         HF models do with ``labels=``) has no name a stage could call it by: its forward is traced inline, so
         the graph records the functions it calls (``F.cross_entropy``) and the stage code needs no object."""
-        if not self._installed(m):
+        if not self.installed(m):
             return forward(*args, **kwargs)
         return super().call_module(m, forward, args, kwargs)
 
-    def _installed(self, m: nn.Module) -> bool:
+    def installed(self, m: nn.Module) -> bool:
+        """Whether ``m`` is a submodule of the module being traced."""
         try:
             self.path_of_module(m)
         except NameError:
@@ -165,23 +166,24 @@ class ConcreteTracer(fx.Tracer):
             return flat_forward, placeholders
 
         self.create_args_for_root = create_args_for_root  # type: ignore[method-assign]
-        with _traced_buffers():
+        with _traced_buffers(self):
             return self.trace(root), signature
 
 
 @contextlib.contextmanager
-def _traced_buffers() -> Iterator[None]:
+def _traced_buffers(tracer: ConcreteTracer) -> Iterator[None]:
     """Let a module made during the forward take a traced value as a buffer.
 
     ``nn.CrossEntropyLoss(weight=self.class_weights)`` in a forward registers a parameter or buffer of
     the model, which the tracer hands out as a traced value; ``register_buffer`` accepts only tensors.
     The module is traced inline (`ConcreteTracer.call_module`), so its forward reads the traced value
     back and the graph records where it came from. fx patches ``nn.Module`` the same way while it traces.
+    The model's own modules keep refusing: a traced value must not outlive the trace in them.
     """
     original = nn.Module.register_buffer
 
     def register_buffer(module: nn.Module, name: str, tensor: Any, persistent: bool = True) -> None:
-        if isinstance(tensor, Concrete):
+        if isinstance(tensor, Concrete) and not tracer.installed(module):
             module._buffers[name] = tensor  # type: ignore[assignment]
             return
         original(module, name, tensor, persistent)
