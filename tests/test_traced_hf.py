@@ -245,6 +245,20 @@ def test_an_explicit_cache_inside_a_split_point_names_use_cache() -> None:
     assert "call the HuggingFace model with use_cache=False" in message
 
 
+def test_outputs_collected_by_hooks_are_refused_and_the_model_keeps_its_hooks() -> None:
+    """HF models collect ``output_hidden_states`` with forward hooks that they install on the first such call: the
+    split model would return the example's hidden states on every call, so tracing refuses, and the hooks it
+    made the model install are gone again."""
+    model = transformers.BertForSequenceClassification(bert(num_labels=3)).eval()
+    ids, mask = tokens()
+    call = {"input_ids": ids, "attention_mask": mask, "output_hidden_states": True}
+    hooks = sum(len(m._forward_hooks) for m in model.modules())
+    with pytest.raises(TraceError, match=r"(?s)side channel.*call the model without them"):
+        Pipeline(model, stages=2, partition="uniform").build(CallArgs((), call))
+    assert sum(len(m._forward_hooks) for m in model.modules()) == hooks
+    assert len(model(**call).hidden_states) == 1 + 4  # the embeddings and each layer, once
+
+
 class Box:
     def __init__(self, x: torch.Tensor) -> None:
         self.x = x

@@ -73,6 +73,17 @@ class UnsentValue(TypeError):
         self.value = value
 
 
+class SideChannel(RuntimeError):
+    """A tensor computed from the inputs reached the graph as a fixed value, not through the traced code."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            "a tensor the forward computed from its inputs reached the traced code by a side channel (a forward "
+            "hook, a global, or an attribute one module sets and another reads), so the split model would use the "
+            "example's value on every call"
+        )
+
+
 @contextlib.contextmanager
 def explained(module: nn.Module, tracer: Any) -> Iterator[None]:
     """Turn whatever stops ``tracer`` into an `UntraceableError` naming the model line and the fix."""
@@ -139,6 +150,11 @@ def _hints(exc: BaseException) -> list[str]:
         return ["call the HuggingFace model with use_cache=False: its key/value cache serves generation, not training"]
     if isinstance(exc, UnsentValue):
         return ["pass tensors (or tuples, lists and dicts of them) to the layers; keep other objects inside a leaf"]
+    if isinstance(exc, SideChannel):
+        return [
+            "HuggingFace models collect output_hidden_states and output_attentions with forward hooks: call the model "
+            "without them (the output keeps last_hidden_state and the logits)"
+        ]
     if isinstance(exc, NameError) and "parameter is not a member" in str(exc):
         return [
             "a module with parameters is created inside forward (its weights are new on every call and never "

@@ -20,6 +20,7 @@ import contextlib
 import inspect
 import math
 import operator
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,9 +29,17 @@ import torch
 from torch import fx, nn
 from torch.fx._symbolic_trace import _maybe_revert_all_patches
 from torch.utils import _pytree as pytree
+from typing_extensions import override
 
 from lightning_pipe.partition.concrete import Concrete, ConcreteProxy, concrete, is_static
-from lightning_pipe.partition.explain import TraceError, UnsentValue, UntraceableError, explained, user_frame_of
+from lightning_pipe.partition.explain import (
+    SideChannel,
+    TraceError,
+    UnsentValue,
+    UntraceableError,
+    explained,
+    user_frame_of,
+)
 from lightning_pipe.partition.signature import CallArgs, Signature, class_forward
 
 __all__ = ["CallArgs", "ConcreteTracer", "LeafSpec", "Signature", "TraceError", "Traced", "class_forward", "trace"]
@@ -63,12 +72,15 @@ class ConcreteTracer(fx.Tracer):
         self._autowrap_search.append(torch)
         self._leaves = leaves
         self._values: dict[str, Any] = {}
+        self._computed: dict[int, weakref.ref[torch.Tensor]] = {}  # the real tensors behind the proxies
         self.data_dependent: list[str] = []  # where control flow read a value computed from tensor contents
         self.unrolled: list[str] = []  # where code took len() of a tensor or looped over its rows
 
+    @override
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         return self._leaves(m, module_qualified_name)
 
+    @override
     def call_module(
         self, m: nn.Module, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
@@ -101,6 +113,7 @@ class ConcreteTracer(fx.Tracer):
         if where and where not in self.unrolled:
             self.unrolled.append(where)
 
+    @override
     def create_proxy(  # type: ignore[override]
         self,
         kind: str,
@@ -111,18 +124,40 @@ class ConcreteTracer(fx.Tracer):
         type_expr: Any | None = None,
         proxy_factory_fn: Callable[[fx.Node], fx.Proxy] | None = None,
     ) -> fx.Proxy:
+        if kind == "call_module":
+            self._check_arguments(target, args, kwargs)
         value = self._evaluate(kind, target, args, kwargs, name)
+        for tensor in pytree.tree_leaves(value):
+            if isinstance(tensor, torch.Tensor):
+                self._computed[id(tensor)] = weakref.ref(tensor)
         static = is_static(kind, target, args, kwargs)
-        try:
-            return super().create_proxy(
-                kind, target, args, kwargs, name, type_expr, lambda node: ConcreteProxy(node, self, value, static)
-            )
-        except NotImplementedError as exc:  # fx's create_arg met an object it cannot put in a graph
-            if kind != "call_module":
-                raise
-            # the caller's code hands the layer that object: tracing stopped in the caller, not in the layer
-            self.module_stack.popitem(last=True)
-            raise UnsentValue(target, *self._unsent(args, kwargs)) from exc
+        return super().create_proxy(
+            kind, target, args, kwargs, name, type_expr, lambda node: ConcreteProxy(node, self, value, static)
+        )
+
+    def _check_arguments(self, layer: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Fail before running ``layer`` if an argument is an object that cannot be a value of the graph."""
+        for path, leaf in pytree.tree_flatten_with_path((args, kwargs))[0]:
+            if isinstance(leaf, (fx.Proxy, torch.Tensor)):
+                continue
+            try:
+                self.create_arg(leaf)
+            except NotImplementedError:  # fx's create_arg: "argument of type ..."
+                # the caller's code hands the layer that object: tracing stopped in the caller, not in the layer
+                self.module_stack.popitem(last=True)
+                top: Any = path[1]  # a MappingKey for keyword arguments, a SequenceKey for positional ones
+                where = f"{top.key}" if isinstance(top, pytree.MappingKey) else f"positional argument {top.idx}"
+                raise UnsentValue(layer, where + pytree.keystr(path[2:]), leaf) from None
+
+    @override
+    def create_arg(self, a: Any) -> Any:
+        """fx's conversion of a value into a graph argument, refusing a trace value that lost its proxy."""
+        arg = super().create_arg(a)
+        if isinstance(arg, fx.Node) and arg.op == "get_attr" and str(arg.target).startswith("_tensor_constant"):
+            known = self._computed.get(id(a))
+            if known is not None and known() is a:  # a value of the trace without its proxy: it would stay fixed
+                raise SideChannel()
+        return arg
 
     def _evaluate(self, kind: str, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any], name: str | None) -> Any:
         if kind == "placeholder":
@@ -138,17 +173,6 @@ class ConcreteTracer(fx.Tracer):
             if kind == "get_attr":
                 return _fetch(self.root, target)
         raise AssertionError(f"unexpected node kind {kind!r}")
-
-    def _unsent(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[str, Any]:
-        """The first argument of a layer call that cannot be a graph value: where it is, and the value."""
-        for path, leaf in pytree.tree_flatten_with_path((args, kwargs))[0]:
-            try:
-                self.create_arg(leaf)
-            except NotImplementedError:
-                top: Any = path[1]  # a MappingKey for keyword arguments, a SequenceKey for positional ones
-                name = f"{top.key}" if isinstance(top, pytree.MappingKey) else f"positional argument {top.idx}"
-                return name + pytree.keystr(path[2:]), leaf
-        return "an argument", None
 
     def trace_call(self, root: nn.Module, call: CallArgs) -> tuple[fx.Graph, Signature]:
         """Trace ``root(*call.args, **call.kwargs)``; the graph takes and returns flat tuples."""
@@ -244,10 +268,12 @@ def preserved(module: nn.Module) -> Iterator[None]:
     """Restore buffers, training flags, random state and module attributes after tracing.
 
     Tracing runs the model once: BatchNorm statistics, dropout's random numbers and attributes that a
-    forward caches (``self.mask = ...``, which would keep a proxy) must look untouched afterwards.
+    forward caches (``self.mask = ...``, which would keep a proxy) must look untouched afterwards; so must
+    the module's own dictionaries (hooks that a forward installs, as HF models do for ``output_hidden_states``).
     """
     buffers = [(b, b.detach().clone()) for b in module.buffers()]
     attributes = [(m, dict(m.__dict__)) for m in module.modules()]
+    contents = [(d, dict(d)) for m in module.modules() for d in m.__dict__.values() if isinstance(d, dict)]
     modes = [(m, m.training) for m in module.modules()]
     with torch.random.fork_rng(devices=[]):
         try:
@@ -260,6 +286,9 @@ def preserved(module: nn.Module) -> Iterator[None]:
                 for key in [k for k in m.__dict__ if k not in saved_dict]:
                     del m.__dict__[key]
                 m.__dict__.update(saved_dict)
+            for d, saved_items in contents:
+                d.clear()
+                d.update(saved_items)
             for m, mode in modes:
                 m.training = mode
 
