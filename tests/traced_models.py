@@ -103,3 +103,31 @@ def gpt_batch(rows: int = 8, t: int = 12, vocab: int = 37, seed: int = 3) -> tup
     mask[::2, -3:] = 0  # pad the end of every other row
     targets = torch.randint(0, vocab, (rows, t), generator=g)
     return idx, mask, targets
+
+
+class LossInForward(nn.Module):
+    """Builds its loss module inside forward, as HF models do when given ``labels=``: with class weights the
+    model holds (a buffer), with a weight tensor made in forward (a constant of the trace), or with a
+    positive-class weight computed from the buffer."""
+
+    def __init__(self, width: int = 6) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(4))
+        self.register_buffer("class_weights", torch.linspace(0.5, 2.0, width))
+        self.temperature = nn.Parameter(torch.ones(()))
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor, loss: str = "weighted") -> dict[str, torch.Tensor]:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        logits = x / self.temperature
+        if loss == "weighted":
+            value = nn.CrossEntropyLoss(weight=self.class_weights)(logits, labels)
+        elif loss == "constant":
+            weight = torch.tensor([1.0, 2.0, 1.0, 1.0, 0.5, 1.0])
+            value = nn.CrossEntropyLoss(weight=weight, label_smoothing=0.1)(logits, labels)
+        elif loss == "multi_label":
+            targets = F.one_hot(labels, logits.size(-1)).float()
+            value = nn.BCEWithLogitsLoss(pos_weight=self.class_weights * 2)(logits, targets)
+        else:
+            value = nn.MSELoss()(logits.sum(-1), labels.float())
+        return {"loss": value, "logits": logits}

@@ -39,19 +39,18 @@ from lightning_pipe.errors import PartitionError
 from lightning_pipe.executors import BackwardModule, ForwardLossModule, ForwardModule, call_module
 from lightning_pipe.partition import cut
 from lightning_pipe.partition.balance import balance_by_cost, memory_costs, param_costs, time_costs
+from lightning_pipe.partition.explain import check_close, warn_about
+from lightning_pipe.partition.kv_cache import builds_kv_cache, without_kv_cache
 from lightning_pipe.partition.partitioner import Partitioner, ShardedTask
 from lightning_pipe.partition.tracer import (
     CallArgs,
     LeafSpec,
     Signature,
     Traced,
-    TraceError,
     class_forward,
     preserved,
     trace,
 )
-
-_RTOL, _ATOL = 1e-4, 1e-5
 
 
 class TracedPartitioner(Partitioner):
@@ -87,6 +86,7 @@ class TracedPartitioner(Partitioner):
         self.variants: list[dict[bool, Traced]] = []  # per way of calling the module: its traces by mode
         self.tied: list[list[tuple[int, str]]] = []
         self._module: nn.Module | None = None
+        self._cacheless: nn.Module | None = None  # a HF model called with use_cache=False (see kv_cache)
         self._shards: list[cut.TracedShard] = []
         self._keys: list[cut.CutKey] = []  # where the stages start, found again in every variant's graphs
 
@@ -124,29 +124,42 @@ class TracedPartitioner(Partitioner):
                 "pass sample=CallArgs(args, kwargs) (or a tensor / tuple of positional arguments)"
             )
         self.variants = []
-        self.variants.append(self._trace(module, CallArgs.of(sample)))
+        self._cacheless = module if builds_kv_cache(module) else None
+        call = CallArgs.of(sample)
+        if self._call(call) is not call:
+            warnings.warn(
+                f"{type(module).__name__} is called with use_cache=False: its key/value cache serves generation, "
+                "training does not read it, and it cannot be cut into stages (past_key_values is None)",
+                stacklevel=2,
+            )
+        self.variants.append(self._trace(module, call))
         return self.variants[0][True]
 
     def _trace(self, module: nn.Module, call: CallArgs) -> dict[bool, Traced]:
-        call = _on_module_device(call, module)
+        call = _on_module_device(self._call(call), module)
         points = self.split_points or ()
         traced = {mode: trace(module, call, self.leaf_modules, mode, points) for mode in (True, False)}
         for mode, t in traced.items():  # each trace numbers its constants from 0: make the names unique
             _rename_constants(t, f"_v{len(self.variants)}_{'train' if mode else 'eval'}")
-        _warn_about(module, traced[True])
+        t = traced[True]
+        warn_about(type(module).__name__, t.kept_whole, t.unrolled, t.data_dependent)
         return traced
 
     def pack(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
         """The first shard's inputs for the call ``module(*args, **kwargs)``: ``(variant, *tensors)``."""
         if not self.variants:
             raise PartitionError("the model is not traced yet; call partition() first")
-        call = CallArgs(tuple(args), dict(kwargs))
+        call = self._call(CallArgs(tuple(args), dict(kwargs)))
         for variant, traced in enumerate(self.variants):
             signature = traced[True].signature
             if signature.matches(call):
                 return (variant, *signature.tensors(call))
         variant = self._add_variant(call)
         return (variant, *self.variants[variant][True].signature.tensors(call))
+
+    def _call(self, call: CallArgs) -> CallArgs:
+        """The call as the stages run it."""
+        return call if self._cacheless is None else without_kv_cache(self._cacheless, call)
 
     def unpack(self, outputs: Any) -> Any:
         """The model's output rebuilt from the last shard's outputs ``(variant, *values)``."""
@@ -301,7 +314,7 @@ class TracedPartitioner(Partitioner):
                     for shard in self._shards:
                         x = call_module(shard, x)
                     got = self.unpack(x)
-            _check_close(module, expected, got, training)
+            check_close(type(module).__name__, expected, got, training)
         for shard in self._shards:
             shard.train(module.training)
 
@@ -363,26 +376,6 @@ def tied_parameters(shards: Sequence[nn.Module]) -> list[list[tuple[int, str]]]:
     return [places for places in holders.values() if len({i for i, _ in places}) > 1]
 
 
-def _check_close(module: nn.Module, expected: Any, got: Any, training: bool) -> None:
-    mode = "training" if training else "eval"
-    want, want_spec = tree.flatten(expected)
-    have, have_spec = tree.flatten(got)
-    if want_spec != have_spec:
-        raise TraceError(
-            f"the split {type(module).__name__} returns {have_spec} in {mode} mode but the model returns {want_spec}"
-        )
-    for i, (a, b) in enumerate(zip(want, have, strict=True)):
-        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-            if a.shape != b.shape or not torch.allclose(a.float(), b.float(), rtol=_RTOL, atol=_ATOL, equal_nan=True):
-                diff = (a.float() - b.float()).abs().max().item() if a.shape == b.shape else "shape mismatch"
-                raise TraceError(
-                    f"the split {type(module).__name__} does not reproduce the model's output {i} on the example in "
-                    f"{mode} mode (max difference {diff}). The forward probably keeps state between calls or changes "
-                    "tensors in place in a way the trace does not record; mark the submodule doing it as a leaf "
-                    "(leaf_modules=[...]) or pass check=False if the difference is expected (e.g. random ops)"
-                )
-
-
 def _on_module_device(call: CallArgs, module: nn.Module) -> CallArgs:
     """The example where the module is: the strategy hands over batches on the last stage's device while the
     module waits on the cpu for its stages to place it."""
@@ -391,32 +384,6 @@ def _on_module_device(call: CallArgs, module: nn.Module) -> CallArgs:
         return call
     args, kwargs = tree.map_tensors(lambda t: t.to(first.device), (call.args, call.kwargs))
     return CallArgs(tuple(args), dict(kwargs))
-
-
-def _warn_about(module: nn.Module, traced: Traced) -> None:
-    name = type(module).__name__
-    for inside, reason in traced.kept_whole:
-        warnings.warn(
-            f"{name}: could not trace into {inside!r} ({reason}); it runs whole inside one stage",
-            stacklevel=3,
-        )
-    if traced.unrolled:
-        lines = "\n".join(f"  {where}" for where in traced.unrolled[:5])
-        warnings.warn(
-            f"{name}: len() of a tensor, or a loop over its rows, is fixed to the example's size while tracing at:\n"
-            f"{lines}\nCalls with another first dimension will fail; use x.size(0) / tensor ops, or mark the "
-            "module holding that code as a leaf (leaf_modules=[...])",
-            stacklevel=3,
-        )
-    if traced.data_dependent:
-        lines = "\n".join(f"  {where}" for where in traced.data_dependent[:5])
-        more = f"\n  (and {len(traced.data_dependent) - 5} more)" if len(traced.data_dependent) > 5 else ""
-        warnings.warn(
-            f"{name}: Python code read tensor values while tracing (an `if` on a tensor, float(), .item()); the split "
-            f"model keeps what the example gave there on every call:\n{lines}{more}\nIf that can differ between "
-            "batches, mark the module holding that code as a leaf (leaf_modules=[...])",
-            stacklevel=3,
-        )
 
 
 def _first_call(graph: fx.Graph) -> int:

@@ -5,7 +5,9 @@ in a ``torch.fx`` graph *and* carries the real value computed on the example. Py
 (``if mask is None``, ``len(x)``, loops over ``x.shape``) therefore follows the example instead of
 failing as in plain symbolic tracing, while shapes and tensor arithmetic stay symbolic. Big layers
 (elements of ``nn.ModuleList``/``nn.Sequential``, ``torch.nn`` layers without such lists) stay
-*leaf* calls: they are where the graph can be cut into stages.
+*leaf* calls: they are where the graph can be cut into stages. A module the forward builds on the
+fly (``CrossEntropyLoss()`` when HF models get ``labels=``) is no submodule a stage could call: its
+forward is traced inline, so the graph holds the functions it calls (``F.cross_entropy``).
 
 The graph is specialised to the example's control flow and non-tensor arguments. It is traced twice,
 in training mode (grad enabled) and in eval mode (``no_grad``), so code that branches on
@@ -18,6 +20,7 @@ import contextlib
 import inspect
 import math
 import operator
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,8 +29,17 @@ import torch
 from torch import fx, nn
 from torch.fx._symbolic_trace import _maybe_revert_all_patches
 from torch.utils import _pytree as pytree
+from typing_extensions import override
 
-from lightning_pipe.partition.explain import TraceError, UntraceableError, explained, user_frame_of
+from lightning_pipe.partition.concrete import Concrete, ConcreteProxy, concrete, is_static
+from lightning_pipe.partition.explain import (
+    SideChannel,
+    TraceError,
+    UnsentValue,
+    UntraceableError,
+    explained,
+    user_frame_of,
+)
 from lightning_pipe.partition.signature import CallArgs, Signature, class_forward
 
 __all__ = ["CallArgs", "ConcreteTracer", "LeafSpec", "Signature", "TraceError", "Traced", "class_forward", "trace"]
@@ -39,88 +51,6 @@ FACTORIES: tuple[Callable[..., Any], ...] = (
     torch.randint, torch.tensor, torch.as_tensor, torch.finfo, torch.iinfo,
 )  # fmt: skip
 LeafSpec = str | type[nn.Module]
-
-
-# proxies carrying concrete values
-class _Concrete:
-    """Value-based behaviour shared by `ConcreteProxy` and `ConcreteAttribute`."""
-
-    value: Any
-    tracer: Any  # the ConcreteTracer that made it
-    static: bool  # derived only from shapes, dtypes and devices, not from tensor contents
-
-    def __getattr__(self, name: str) -> ConcreteAttribute:
-        if name in ("value", "tracer", "node", "root", "attr", "_node", "static") or name.startswith("__"):
-            raise AttributeError(name)
-        value = getattr(self.value, name)  # raises AttributeError as the real object would
-        return ConcreteAttribute(self, name, value)  # type: ignore[arg-type]
-
-    def __bool__(self) -> bool:
-        return bool(self.tracer.specialise(self))
-
-    def __len__(self) -> int:
-        if isinstance(self.value, torch.Tensor):
-            self.tracer.note_unrolled()
-        return len(self.value)
-
-    def __index__(self) -> int:
-        return operator.index(self.tracer.specialise(self))
-
-    def __int__(self) -> int:
-        return int(self.tracer.specialise(self))
-
-    def __float__(self) -> float:
-        return float(self.tracer.specialise(self))
-
-    def __contains__(self, item: Any) -> bool:
-        return bool(_concrete(item) in self.tracer.specialise(self))
-
-    def __iter__(self) -> Iterator[Any]:
-        value = self.value
-        if isinstance(value, dict):
-            return iter(list(value.keys()))
-        if isinstance(value, torch.Tensor):
-            self.tracer.note_unrolled()
-        return iter([self[i] for i in range(len(value))])  # type: ignore[index]
-
-    def __setitem__(self, key: Any, item: Any) -> None:
-        self.tracer.create_proxy("call_function", operator.setitem, (self, key, item), {})
-
-    def keys(self) -> Any:
-        return self.value.keys()
-
-
-class ConcreteProxy(_Concrete, fx.Proxy):
-    """An fx proxy that also holds the value computed on the example call."""
-
-    def __init__(self, node: fx.Node, tracer: ConcreteTracer, value: Any, static: bool = False) -> None:
-        fx.Proxy.__init__(self, node, tracer)
-        self.value = value
-        self.static = static
-
-    def __repr__(self) -> str:
-        return f"ConcreteProxy({self.node.name})"
-
-
-class ConcreteAttribute(_Concrete, fx.proxy.Attribute):
-    """``proxy.name``: recorded lazily (most attributes are method calls), with its value."""
-
-    def __init__(self, root: ConcreteProxy, attr: str, value: Any) -> None:
-        fx.proxy.Attribute.__init__(self, root, attr)
-        self.value = value
-        self.static = root.static or attr in _SHAPE_ATTRIBUTES
-
-
-# tensor metadata: Python code may branch on it freely, it does not depend on what the tensor holds
-_SHAPE_ATTRIBUTES = frozenset({
-    "shape", "dtype", "device", "ndim", "layout", "size", "dim", "numel", "nelement", "stride", "element_size",
-    "itemsize", "nbytes", "names", "requires_grad", "is_cuda", "is_cpu", "is_nested", "is_sparse", "is_quantized",
-    "is_meta", "is_mps", "is_complex", "is_floating_point", "is_contiguous", "is_leaf", "get_device",
-})  # fmt: skip
-
-
-def _concrete(tree: Any) -> Any:
-    return pytree.tree_map(lambda x: x.value if isinstance(x, _Concrete) else x, tree)
 
 
 def _fetch(root: nn.Module, target: str) -> Any:
@@ -136,16 +66,40 @@ class ConcreteTracer(fx.Tracer):
 
     def __init__(self, leaves: Callable[[nn.Module, str], bool]) -> None:
         super().__init__(autowrap_modules=(math,), autowrap_functions=FACTORIES)
+        # buffers are traced values too: ``self.position_ids[:, :seq_len]`` then records the slice instead of
+        # computing it once, and ``buffer.expand(batch, seq_len)`` with traced sizes dispatches to the tracer
+        self.proxy_buffer_attributes = True
         self._autowrap_search.append(torch)
         self._leaves = leaves
         self._values: dict[str, Any] = {}
+        self._computed: dict[int, weakref.ref[torch.Tensor]] = {}  # the real tensors behind the proxies
         self.data_dependent: list[str] = []  # where control flow read a value computed from tensor contents
         self.unrolled: list[str] = []  # where code took len() of a tensor or looped over its rows
 
+    @override
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         return self._leaves(m, module_qualified_name)
 
-    def specialise(self, proxy: _Concrete) -> Any:
+    @override
+    def call_module(
+        self, m: nn.Module, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """A module that is not a submodule of the root (``loss_fct = CrossEntropyLoss()`` inside a forward, as
+        HF models do with ``labels=``) has no name a stage could call it by: its forward is traced inline, so
+        the graph records the functions it calls (``F.cross_entropy``) and the stage code needs no object."""
+        if not self.installed(m):
+            return forward(*args, **kwargs)
+        return super().call_module(m, forward, args, kwargs)
+
+    def installed(self, m: nn.Module) -> bool:
+        """Whether ``m`` is a submodule of the module being traced."""
+        try:
+            self.path_of_module(m)
+        except NameError:
+            return False
+        return True
+
+    def specialise(self, proxy: Concrete) -> Any:
         """A traced value decides Python control flow: the graph keeps the example's branch."""
         if not proxy.static:
             where = user_frame_of(inspect.currentframe())
@@ -159,6 +113,7 @@ class ConcreteTracer(fx.Tracer):
         if where and where not in self.unrolled:
             self.unrolled.append(where)
 
+    @override
     def create_proxy(  # type: ignore[override]
         self,
         kind: str,
@@ -169,16 +124,45 @@ class ConcreteTracer(fx.Tracer):
         type_expr: Any | None = None,
         proxy_factory_fn: Callable[[fx.Node], fx.Proxy] | None = None,
     ) -> fx.Proxy:
+        if kind == "call_module":
+            self._check_arguments(target, args, kwargs)
         value = self._evaluate(kind, target, args, kwargs, name)
-        static = _is_static(kind, target, args, kwargs)
+        for tensor in pytree.tree_leaves(value):
+            if isinstance(tensor, torch.Tensor):
+                self._computed[id(tensor)] = weakref.ref(tensor)
+        static = is_static(kind, target, args, kwargs)
         return super().create_proxy(
             kind, target, args, kwargs, name, type_expr, lambda node: ConcreteProxy(node, self, value, static)
         )
 
+    def _check_arguments(self, layer: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Fail before running ``layer`` if an argument is an object that cannot be a value of the graph."""
+        for path, leaf in pytree.tree_flatten_with_path((args, kwargs))[0]:
+            if isinstance(leaf, (fx.Proxy, torch.Tensor)):
+                continue
+            try:
+                self.create_arg(leaf)
+            except NotImplementedError:  # fx's create_arg: "argument of type ..."
+                # the caller's code hands the layer that object: tracing stopped in the caller, not in the layer
+                self.module_stack.popitem(last=True)
+                top: Any = path[1]  # a MappingKey for keyword arguments, a SequenceKey for positional ones
+                where = f"{top.key}" if isinstance(top, pytree.MappingKey) else f"positional argument {top.idx}"
+                raise UnsentValue(layer, where + pytree.keystr(path[2:]), leaf) from None
+
+    @override
+    def create_arg(self, a: Any) -> Any:
+        """fx's conversion of a value into a graph argument, refusing a trace value that lost its proxy."""
+        arg = super().create_arg(a)
+        if isinstance(arg, fx.Node) and arg.op == "get_attr" and str(arg.target).startswith("_tensor_constant"):
+            known = self._computed.get(id(a))
+            if known is not None and known() is a:  # a value of the trace without its proxy: it would stay fixed
+                raise SideChannel()
+        return arg
+
     def _evaluate(self, kind: str, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any], name: str | None) -> Any:
         if kind == "placeholder":
             return self._values[name or target]
-        args, kwargs = _concrete(args), _concrete(kwargs)
+        args, kwargs = concrete(args), concrete(kwargs)
         with _maybe_revert_all_patches():
             if kind == "call_function":
                 return target(*args, **kwargs)
@@ -206,31 +190,42 @@ class ConcreteTracer(fx.Tracer):
             return flat_forward, placeholders
 
         self.create_args_for_root = create_args_for_root  # type: ignore[method-assign]
-        return self.trace(root), signature
+        with _traced_buffers(self):
+            return self.trace(root), signature
 
 
-def _is_static(kind: str, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """Whether a new value depends only on shapes, dtypes and devices (not on what tensors hold)."""
-    if kind in ("placeholder", "get_attr", "call_module"):
-        return False
-    if kind == "call_function" and target is getattr:
-        return args[1] in _SHAPE_ATTRIBUTES or _all_static(args[0])
-    if kind == "call_method" and target in _SHAPE_ATTRIBUTES:
-        return True
-    return _all_static((args, kwargs))
+@contextlib.contextmanager
+def _traced_buffers(tracer: ConcreteTracer) -> Iterator[None]:
+    """Let a module made during the forward take a traced value as a buffer.
 
+    ``nn.CrossEntropyLoss(weight=self.class_weights)`` in a forward registers a parameter or buffer of
+    the model, which the tracer hands out as a traced value; ``register_buffer`` accepts only tensors.
+    The module is traced inline (`ConcreteTracer.call_module`), so its forward reads the traced value
+    back and the graph records where it came from. fx patches ``nn.Module`` the same way while it traces.
+    The model's own modules keep refusing: a traced value must not outlive the trace in them.
+    """
+    original = nn.Module.register_buffer
 
-def _all_static(tree: Any) -> bool:
-    return all(x.static for x in pytree.tree_leaves(tree) if isinstance(x, _Concrete))
+    def register_buffer(module: nn.Module, name: str, tensor: Any, persistent: bool = True) -> None:
+        if isinstance(tensor, Concrete) and not tracer.installed(module):
+            module._buffers[name] = tensor  # type: ignore[assignment]
+            return
+        original(module, name, tensor, persistent)
+
+    nn.Module.register_buffer = register_buffer  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        nn.Module.register_buffer = original  # type: ignore[method-assign]
 
 
 def _expand(tracer: ConcreteTracer, output: Any) -> Any:
     """Replace proxies whose value is a container by containers of item proxies."""
 
     def expand(x: Any) -> Any:
-        if isinstance(x, _Concrete) and isinstance(x.value, (tuple, list)) and not isinstance(x.value, torch.Size):
+        if isinstance(x, Concrete) and isinstance(x.value, (tuple, list)) and not isinstance(x.value, torch.Size):
             return type(x.value)(expand(x[i]) for i in range(len(x.value)))  # type: ignore[index]
-        if isinstance(x, _Concrete) and isinstance(x.value, dict):
+        if isinstance(x, Concrete) and isinstance(x.value, dict):
             return {k: expand(x[k]) for k in x.value}  # type: ignore[index]
         return x
 
@@ -273,10 +268,12 @@ def preserved(module: nn.Module) -> Iterator[None]:
     """Restore buffers, training flags, random state and module attributes after tracing.
 
     Tracing runs the model once: BatchNorm statistics, dropout's random numbers and attributes that a
-    forward caches (``self.mask = ...``, which would keep a proxy) must look untouched afterwards.
+    forward caches (``self.mask = ...``, which would keep a proxy) must look untouched afterwards; so must
+    the module's own dictionaries (hooks that a forward installs, as HF models do for ``output_hidden_states``).
     """
     buffers = [(b, b.detach().clone()) for b in module.buffers()]
     attributes = [(m, dict(m.__dict__)) for m in module.modules()]
+    contents = [(d, dict(d)) for m in module.modules() for d in m.__dict__.values() if isinstance(d, dict)]
     modes = [(m, m.training) for m in module.modules()]
     with torch.random.fork_rng(devices=[]):
         try:
@@ -289,6 +286,9 @@ def preserved(module: nn.Module) -> Iterator[None]:
                 for key in [k for k in m.__dict__ if k not in saved_dict]:
                     del m.__dict__[key]
                 m.__dict__.update(saved_dict)
+            for d, saved_items in contents:
+                d.clear()
+                d.update(saved_items)
             for m, mode in modes:
                 m.training = mode
 
@@ -326,8 +326,9 @@ def trace(
         try:
             traced = _trace_once(module, call, leaves, training, split_points)
         except UntraceableError as failure:
-            if not failure.inside or failure.inside in leaves:
-                raise TraceError(failure.message) from failure.__cause__
+            inner = [p for p in split_points if failure.inside and p.startswith(failure.inside + ".")]
+            if not failure.inside or failure.inside in leaves or inner:
+                raise TraceError(failure.explain(module, inner)) from failure.__cause__
             leaves.append(failure.inside)
             kept.append((failure.inside, failure.reason))
             continue
