@@ -17,8 +17,10 @@ import torch
 import torch.distributed.rpc as rpc
 
 from lightning_pipe import tree
-from lightning_pipe.comm.base import Endpoint, Message, QueueInbox
+from lightning_pipe.comm.base import Endpoint, Message, MessageKind, QueueInbox
+from lightning_pipe.comm.by_value import ByValue
 
+_CONTROL = (MessageKind.STEP, MessageKind.CALL)  # the coordinator's control messages to the stages
 _INBOXES: dict[tuple[str, int], OrderedInbox] = {}  # the inboxes of this process, by (launch, rank)
 
 
@@ -80,7 +82,10 @@ class RpcEndpoint(Endpoint):
         self._watched |= {t.untyped_storage().data_ptr() for t in tensors}
 
     def send(self, rank: int, message: Message) -> None:
-        message = replace(message, source=self.rank, payload=self._account(message))
+        payload = self._account(message)
+        if message.kind in _CONTROL:  # the user's objects (an optimizer class, a traced call's code) go by value
+            payload = ByValue(payload)
+        message = replace(message, source=self.rank, payload=payload)
         with self._lock:
             seq = self._seq[rank]
             self._seq[rank] += 1

@@ -17,6 +17,7 @@ from lightning_pipe.comm.rpc_endpoint import RpcEndpoint, TransportStats, regist
 _STAGES: dict[tuple[str, int], tuple[Any, threading.Thread, RpcEndpoint]] = {}  # by (launch, rank)
 _LOCK = threading.Lock()
 EXIT = threading.Event()  # a worker process leaves when the coordinator asks
+ORDERLY = threading.Event()  # ... together with every participant (rpc_world.leave_world), not alone
 #: in a worker process: sends a failure to the coordinator over the control link
 REPORT: list[Callable[[str], None]] = []
 
@@ -87,5 +88,8 @@ def stage_stats(launch: str, rank: int, reset: bool) -> TransportStats:
     return stats
 
 
-def request_exit() -> None:
+def request_exit(orderly: bool = False) -> None:
+    """Make this worker process leave the world: ``orderly`` when every participant leaves together."""
+    if orderly:
+        ORDERLY.set()
     EXIT.set()

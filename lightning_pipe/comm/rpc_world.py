@@ -14,6 +14,7 @@ from torch.distributed import autograd as dist_autograd
 from torch.distributed.rpc import constants
 
 RPC_THREADS = 4
+LEAVE_TIMEOUT = 10.0  # seconds the participants of a world wait for each other when they leave together
 
 
 @contextlib.contextmanager
@@ -70,7 +71,20 @@ def join_world(
             constants.DEFAULT_PROCESS_GROUP_TIMEOUT = saved
 
 
-def leave_world() -> None:
-    """Stop this process's RPC agent without waiting for the others."""
+def leave_world(store: dist.Store | None = None, timeout: float = LEAVE_TIMEOUT) -> None:
+    """Stop this process's RPC agent: together with every other participant when ``store`` is given, else alone.
+
+    The orderly way (``store``: the world's rendezvous store) is rpc's graceful shutdown, a barrier
+    that every participant enters; each agent then knows the others are leaving too, so closing the
+    connections logs nothing. Alone (a participant is lost or the coordinator is gone), each agent's
+    TensorPipe warns about every connection the others closed ("pipe closed", "eof"), which is then
+    the truth. The barrier waits on the store (bounded by ``timeout``, set here) and RPC calls
+    (bounded by ``timeout`` too); if it fails, the agent stops alone.
+    """
+    if store is not None:
+        store.set_timeout(timedelta(seconds=timeout))
+        with contextlib.suppress(Exception):
+            rpc.shutdown(graceful=True, timeout=timeout)
+            return
     with contextlib.suppress(Exception):
         rpc.shutdown(graceful=False)

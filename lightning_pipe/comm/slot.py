@@ -17,13 +17,14 @@ import sys
 import threading
 from collections.abc import Sequence
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from lightning_pipe.comm.control import WorkerLink, WorkerRefused, parse_address
-from lightning_pipe.comm.rpc_stages import EXIT, REPORT
-from lightning_pipe.comm.rpc_world import join_world, leave_world
+from lightning_pipe.comm.rpc_stages import EXIT, ORDERLY, REPORT
+from lightning_pipe.comm.rpc_world import LEAVE_TIMEOUT, join_world, leave_world
 from lightning_pipe.errors import TransportError
 
 WORKER_ENV = "LIGHTNING_PIPE_WORKER"  # set in stage worker processes: `import lightning_pipe` skips Lightning
@@ -85,7 +86,7 @@ def run_slot(
         if link.lost.is_set():  # the coordinator died or dropped us: leave at once, without ceremony
             print("lightning-pipe worker: lost the coordinator; exiting", file=sys.stderr, flush=True)
             os._exit(1)
-    leave_world()
+    leave_world(store if ORDERLY.is_set() else None, min(timeout, LEAVE_TIMEOUT))
     link.close()
     return 0
 
@@ -94,6 +95,11 @@ def run_slot_process(**kwargs: object) -> None:
     """Target of a spawned slot process. Leaves with os._exit: the stage and RPC are already shut down,
     and the interpreter's own teardown of torch would take seconds."""
     exit_process(run_slot(**kwargs))  # type: ignore[arg-type]
+
+
+def run_spawned_slot(arguments: dict[str, Any]) -> None:
+    """Entry of a worker process that ``transport="rpc"`` started on this machine (`local_workers`)."""
+    run_slot_process(token=os.environ.pop(TOKEN_ENV, ""), **arguments)
 
 
 def exit_process(code: int) -> None:
