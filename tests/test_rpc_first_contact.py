@@ -78,6 +78,10 @@ class Net(L.LightningModule):
         x, y = batch
         return script_loss(self.model(x), y)
 
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", script_loss(self.model(x), y))
+
     def configure_optimizers(self):
         return HalfStepSGD(self.parameters(), lr=0.2)
 
@@ -100,6 +104,9 @@ for x, y in DataLoader(data, batch_size=16):
 for (name, got), want in zip(net.model.state_dict().items(), reference.state_dict().values()):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0, msg=name)
 print(f"trained {trainer.global_step} steps, equal to the unsplit model")
+# a second RPC world in the same process (a coordinator that ended one world before) ends as quietly
+metrics = trainer.validate(net, DataLoader(data, batch_size=16), verbose=False)
+print(f"validated: val_loss {metrics[0]['val_loss']:.4f}")
 """
 
 UNGUARDED_STAGE_ERROR = """
@@ -178,6 +185,7 @@ def test_script_without_main_guard_trains_like_the_unsplit_model_and_stderr_stay
     result = run_script(tmp_path, UNGUARDED_FIT)
     assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
     assert "trained 4 steps, equal to the unsplit model" in result.stdout
+    assert "validated: val_loss" in result.stdout
     assert "bootstrapping" not in result.stderr
     noise = [line for line in result.stderr.splitlines() if TENSORPIPE.search(line)]
     assert noise == [], "TensorPipe warnings on a clean shutdown:\n" + "\n".join(noise)

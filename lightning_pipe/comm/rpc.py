@@ -36,8 +36,8 @@ from lightning_pipe.comm.by_value import ByValue
 from lightning_pipe.comm.control import ControlServer, Slot, interface_of, parse_address
 from lightning_pipe.comm.local_workers import check_spawned, exit_reason, reap, spawn_workers
 from lightning_pipe.comm.rpc_endpoint import RpcEndpoint, TransportStats, register_inbox
-from lightning_pipe.comm.rpc_stages import build_stage, request_exit, stage_stats, stop_stage
-from lightning_pipe.comm.rpc_world import LEAVE_TIMEOUT, host_store, join_world, leave_world
+from lightning_pipe.comm.rpc_stages import build_stage, quiet_worker, request_exit, stage_stats, stop_stage
+from lightning_pipe.comm.rpc_world import host_store, join_world, leave_world, quiet_closing
 from lightning_pipe.comm.slot import TOKEN_ENV
 from lightning_pipe.errors import PipeTimeoutError, StageError, TransportError
 
@@ -198,23 +198,23 @@ class RpcCommunicator(Communicator):
         until = deadline(timeout)
         lost = {slot.pid for slot, _ in world.server.lost(self.heartbeat_timeout)}
         if world.joined:
-            # with every worker there, all participants leave together (no TensorPipe warnings about
-            # closed connections); with one lost, the others cannot wait for it and leave alone
-            orderly = not lost
-            futures = []
-            for rank, slot in enumerate(world.slots):
-                if slot.pid not in lost:
-                    with contextlib.suppress(Exception):
-                        futures.append(rpc.rpc_async(world.names[rank], request_exit, args=(orderly,)))
-            orderly = _wait_all(futures, deadline(min(5.0, remaining(until)))) and orderly
-            if orderly:
-                leave_world(world.store, min(LEAVE_TIMEOUT, max(1.0, remaining(until))))
-            else:
+            restore = quiet_closing()
+            try:
+                # every process holds its closing warnings back before the first one leaves
+                for call in (quiet_worker, request_exit):
+                    futures = []
+                    for rank, slot in enumerate(world.slots):
+                        if slot.pid not in lost:
+                            with contextlib.suppress(Exception):
+                                futures.append(rpc.rpc_async(world.names[rank], call))
+                    _wait_all(futures, deadline(min(5.0, remaining(until))))
                 # let workers leave on their own (their control connections close), then stop ours
                 leaving = deadline(min(5.0, remaining(until)))
                 while remaining(leaving) > 0 and any(s.gone is None and s.pid not in lost for s in world.slots):
                     time.sleep(0.05)
                 leave_world()
+            finally:
+                restore()
         world.server.close()
         self._refused += world.server.refused
         reap(world.processes, until, lost)
@@ -346,18 +346,12 @@ def _device_of(spec: Any) -> str:
     return str(spec.shards[0].device) if spec.shards else "cpu"
 
 
-def _wait_all(futures: list[Any], until: float) -> bool:
-    """Wait for RPC futures until ``until``; whether all succeeded (their errors are the caller's to find elsewhere)."""
-    ok = True
+def _wait_all(futures: list[Any], until: float) -> None:
+    """Wait for RPC futures until ``until``; their errors are the caller's to find elsewhere."""
     for future in futures:
-        if not _wait(future, remaining(until)):
-            ok = False
-            continue
-        try:
-            future.wait()
-        except Exception:
-            ok = False
-    return ok
+        if _wait(future, remaining(until)):
+            with contextlib.suppress(Exception):
+                future.wait()
 
 
 def _wait(future: Any, timeout: float) -> bool:

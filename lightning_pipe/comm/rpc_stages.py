@@ -13,11 +13,11 @@ from typing import Any
 
 from lightning_pipe.comm.base import Message, MessageKind
 from lightning_pipe.comm.rpc_endpoint import RpcEndpoint, TransportStats, register_inbox
+from lightning_pipe.comm.rpc_world import quiet_closing
 
 _STAGES: dict[tuple[str, int], tuple[Any, threading.Thread, RpcEndpoint]] = {}  # by (launch, rank)
 _LOCK = threading.Lock()
 EXIT = threading.Event()  # a worker process leaves when the coordinator asks
-ORDERLY = threading.Event()  # ... together with every participant (rpc_world.leave_world), not alone
 #: in a worker process: sends a failure to the coordinator over the control link
 REPORT: list[Callable[[str], None]] = []
 
@@ -88,8 +88,11 @@ def stage_stats(launch: str, rank: int, reset: bool) -> TransportStats:
     return stats
 
 
-def request_exit(orderly: bool = False) -> None:
-    """Make this worker process leave the world: ``orderly`` when every participant leaves together."""
-    if orderly:
-        ORDERLY.set()
+def quiet_worker() -> None:
+    """The world is about to end: its connections close without warnings from now on (see `quiet_closing`)."""
+    quiet_closing()  # nothing to restore: the process ends with the world
+
+
+def request_exit() -> None:
+    """Make this worker process leave the world."""
     EXIT.set()

@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 
 from lightning_pipe.comm.control import WorkerLink, WorkerRefused, parse_address
-from lightning_pipe.comm.rpc_stages import EXIT, ORDERLY, REPORT
-from lightning_pipe.comm.rpc_world import LEAVE_TIMEOUT, join_world, leave_world
+from lightning_pipe.comm.rpc_stages import EXIT, REPORT
+from lightning_pipe.comm.rpc_world import join_world, leave_world
 from lightning_pipe.errors import TransportError
 
 WORKER_ENV = "LIGHTNING_PIPE_WORKER"  # set in stage worker processes: `import lightning_pipe` skips Lightning
@@ -86,7 +86,7 @@ def run_slot(
         if link.lost.is_set():  # the coordinator died or dropped us: leave at once, without ceremony
             print("lightning-pipe worker: lost the coordinator; exiting", file=sys.stderr, flush=True)
             os._exit(1)
-    leave_world(store if ORDERLY.is_set() else None, min(timeout, LEAVE_TIMEOUT))
+    leave_world()
     link.close()
     return 0
 
