@@ -33,6 +33,7 @@ import torch.distributed.rpc as rpc
 
 from lightning_pipe.comm.base import COORDINATOR, Communicator, Endpoint, Message, MessageKind, deadline, remaining
 from lightning_pipe.comm.by_value import ByValue
+from lightning_pipe.comm.compress import resolve_codec
 from lightning_pipe.comm.control import ControlServer, Slot, interface_of, parse_address
 from lightning_pipe.comm.local_workers import check_spawned, exit_reason, reap, spawn_workers
 from lightning_pipe.comm.rpc_endpoint import RpcEndpoint, TransportStats, register_inbox
@@ -74,6 +75,9 @@ class RpcCommunicator(Communicator):
         keep_alive: keep the worker processes between pipelines; `close` ends them.
         threads: torch intra-op threads per local worker (default: this machine's cores / workers).
         heartbeat_timeout: seconds without a heartbeat before a worker counts as lost.
+        compress: how the tensors of activation and gradient messages cross the wire: ``None``,
+            ``"bf16"`` / ``"fp16"`` (lossy casts), ``"zstd"`` (lossless), ``"bf16+zstd"``,
+            ``"fp16+zstd"``, or a codec object (`lightning_pipe.comm.compress.Codec`).
     """
 
     name = "rpc"
@@ -86,7 +90,9 @@ class RpcCommunicator(Communicator):
         keep_alive: bool = False,
         threads: int | None = None,
         heartbeat_timeout: float = HEARTBEAT_TIMEOUT,
+        compress: Any = None,
     ) -> None:
+        self.codec = resolve_codec(compress)
         self.address = coordinator
         self.token = token if token is not None else os.environ.get(TOKEN_ENV)
         self.workers = workers
@@ -281,14 +287,14 @@ class RpcCommunicator(Communicator):
 
     def _build(self, world: _World, specs: list[Any], worker_cls: Any, until: float, timeout: float) -> RpcEndpoint:
         launch = f"{world.tag}-{secrets.token_hex(3)}"
-        endpoint = RpcEndpoint(COORDINATOR, launch, world.names, world.hosts)
+        endpoint = RpcEndpoint(COORDINATOR, launch, world.names, world.hosts, self.codec)
         register_inbox(launch, COORDINATOR, endpoint.inbox)
         self._endpoint = endpoint
         futures = []
         for spec in specs:
             device = None if self.local else world.slots[spec.rank].device
             # the spec holds the user's modules: what the training script defines itself goes by value
-            args = (launch, ByValue(spec), ByValue(worker_cls), world.names, world.hosts, device)
+            args = (launch, ByValue(spec), ByValue(worker_cls), world.names, world.hosts, device, ByValue(self.codec))
             futures.append(rpc.rpc_async(world.names[spec.rank], build_stage, args=args))
         for rank, future in enumerate(futures):
             while not _wait(future, min(0.5, remaining(until))):

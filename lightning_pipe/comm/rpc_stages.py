@@ -29,11 +29,12 @@ def build_stage(
     names: dict[int, str],
     hosts: dict[int, str],
     device: str | None,
+    codec: Any = None,
 ) -> dict[str, Any]:
     """Build the stage worker of ``spec`` in this process and start its event loop."""
     if device is not None:
         _retarget(spec, device)
-    endpoint = RpcEndpoint(spec.rank, launch, names, hosts)
+    endpoint = RpcEndpoint(spec.rank, launch, names, hosts, codec)
     worker = worker_cls(spec, endpoint)
     endpoint.watch(p for shard in worker.shards.values() for p in shard.module.parameters())
     thread = threading.Thread(target=_serve, args=(worker,), name=f"lightning_pipe-stage-{spec.rank}", daemon=True)

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from lightning_pipe.backends import BackendArg, resolve_backends
+from lightning_pipe.comm.compress import resolve_codec
 from lightning_pipe.engine.runners import check_runner
 from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.pipeline import TRANSPORTS, checkpoint_flags
@@ -31,6 +32,7 @@ def check_arguments(
     split_points: Sequence[str] | None,
     virtual_stages: int,
     runner: str,
+    compress: Any = None,
 ) -> tuple[int | None, list[str] | None, bool, dict[str, Any]]:
     """Raise `ConfigurationError` naming the argument and the fix; returns ``(stages, devices, asynchronous,
     transport options)`` with ``stages`` taken from ``split_points`` where not given."""
@@ -66,7 +68,10 @@ def check_arguments(
     resolve_backends(backend, stages or (len(device_names) if device_names else None), strict)
     if transport not in TRANSPORTS:
         raise ConfigurationError(f"unknown transport {transport!r}; available: {', '.join(sorted(TRANSPORTS))}")
-    options: dict[str, Any] = {k: v for k, v in (("coordinator", coordinator), ("token", token)) if v is not None}
+    resolve_codec(compress)  # an unknown codec, or zstd without its package, fails here
+    given = (("coordinator", coordinator), ("token", token), ("compress", compress))
+    options: dict[str, Any] = {k: v for k, v in given if v is not None}
     if options and transport == "local":
-        raise ConfigurationError(f"{' and '.join(options)} need transport='rpc' (stages in worker processes)")
+        verb = "needs" if len(options) == 1 else "need"
+        raise ConfigurationError(f"{' and '.join(options)} {verb} transport='rpc' (stages in worker processes)")
     return stages, device_names, asynchronous, options
