@@ -43,7 +43,7 @@ def spawn_workers(
                 coordinator=coordinator, device=device, group=group, index=index,
                 threads=threads, wait=timeout, interface="lo", local=True,
             )  # fmt: skip
-            arguments = json.dumps({"path": sys.path, "slot": slot})
+            arguments = json.dumps({"path": [str(p) for p in sys.path], "slot": slot})
             processes.append(subprocess.Popen([sys.executable, "-c", _BOOT, arguments], env=env))
     except BaseException:
         reap(processes, deadline(5.0), set())
