@@ -47,9 +47,6 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-# TensorPipe logs a warning per closed pipe when the rpc contenders' stages stop between rounds
-os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-
 import torch  # noqa: E402
 
 from benchmarks.workloads import WORKLOADS, build_model, loss_fn, make_batches, stage_module  # noqa: E402
@@ -72,6 +69,7 @@ class Config:
     balance: list[int]
     port: int = 0
     trace_dir: str | None = None
+    compress: str | None = None  # the rpc contenders' message compression (``compress=``)
 
     @property
     def batch(self) -> int:
@@ -249,10 +247,11 @@ class EngineRunner(Runner):
         from lightning_pipe.pipeline import Pipeline
 
         cfg = self.cfg
+        options = {"compress": cfg.compress} if cfg.compress and self.transport == "rpc" else {}
         # the run's configuration (as torch's); everything else as a user gets it by default
         self.pipe = Pipeline(
-            self.model, stages=cfg.stages, schedule=cfg.schedule, transport=self.transport, threads=cfg.threads
-        ).start()
+            self.model, stages=cfg.stages, schedule=cfg.schedule, transport=self.transport, threads=cfg.threads,
+            **options,        ).start()
         template = torch.optim.SGD(self.model.parameters(), lr=cfg.lr)
         # with stages in other processes the parameters live there: the optimizer steps on the stages
         self.optimizer = template if self.transport == "local" else self.pipe.optimizer(template)
@@ -277,7 +276,7 @@ class EngineRunner(Runner):
         result = self.pipe.train_step(x, y, self.loss, microbatches=self.cfg.microbatches)
         self.optimizer.step()
         seconds = time.perf_counter() - start
-        self.info.append(timeline_info(result, self.index))
+        self.info.append(timeline_info(result, self.index) | wire_info(self.pipe.communicator))
         return seconds
 
     def params(self) -> dict[str, torch.Tensor]:
@@ -304,6 +303,20 @@ def note_worker_rss(peaks: dict[int, float], communicator: Any) -> None:
     for rank, pid in getattr(communicator, "pids", {}).items():
         for mb in peak_rss_mb(pid)[:1]:
             peaks[rank] = max(peaks.get(rank, 0.0), mb)
+
+
+def wire_info(communicator: Any) -> dict[str, float]:
+    """Tensor bytes of the step just done as sent and as they crossed the wire (rpc: after ``compress``),
+    summed over the coordinator and every stage; the counts start again for the next step."""
+    stats = getattr(communicator, "stats", None)
+    if stats is None:
+        return {}
+    sent = stats(reset=True).values()
+    return {
+        "tensor_kb_per_step": sum(s.total_bytes() for s in sent) / 1e3,
+        "wire_kb_per_step": sum(s.total_wire_bytes() for s in sent) / 1e3,
+        "codec_ms_per_step": sum(s.encode_seconds + s.decode_seconds for s in sent) * 1e3,
+    }
 
 
 def timeline_info(result: Any, step: int) -> dict[str, float]:
@@ -375,13 +388,15 @@ def serve_trainer(conn: Connection, cfg: Config, transport: str) -> None:
 
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
             seconds = time.perf_counter() - self.start
+            pipeline = trainer.strategy.pipeline
+            wire = wire_info(pipeline.communicator) if pipeline is not None else {}  # this step's bytes
             if batch_idx >= self.warmup:
                 self.times.append(seconds)
                 now = cpu_seconds(os.getpid())
                 self.cpu = (now[0] - self.cpu_start[0], now[1] - self.cpu_start[1])
                 result = _last_result(trainer)
                 if result is not None:
-                    self.info.append(timeline_info(result, batch_idx))
+                    self.info.append(timeline_info(result, batch_idx) | wire)
             if trainer.strategy.pipeline is not None:
                 note_worker_rss(worker_rss, trainer.strategy.pipeline.communicator)
             if self.keep_params:
@@ -393,6 +408,8 @@ def serve_trainer(conn: Connection, cfg: Config, transport: str) -> None:
     strategy_kwargs: dict[str, Any] = dict(stages=cfg.stages, microbatches=cfg.microbatches, schedule=cfg.schedule)
     if transport != "local":
         strategy_kwargs["transport"] = transport
+        if cfg.compress:
+            strategy_kwargs["compress"] = cfg.compress
     net = Net()
     seen = 0  # batches continue across fits
     worker_rss: dict[int, float] = {}
@@ -845,6 +862,13 @@ def format_table(results: dict[str, Any]) -> str:
                 f"{name}: measured bubble {e['bubble']:.3f} (idle {e['idle']:.3f}), "
                 f"theoretical {e['theoretical_bubble']:.3f}"
             )
+            if "wire_kb_per_step" in e:
+                lines.append(
+                    f"{name}: {e['wire_kb_per_step']:.1f} KB per step on the wire for {e['tensor_kb_per_step']:.1f} KB "
+                    f"of tensors ({e['wire_kb_per_step'] / e['tensor_kb_per_step']:.0%}, compress={cfg['compress']}), "
+                    f"compression {e['codec_ms_per_step']:.2f} ms of CPU per step, step {row['step_ms_median']:.1f} ms "
+                    "median"
+                )
     return "\n".join(lines)
 
 
@@ -887,6 +911,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--steps", type=int, default=2, help="timed steps per contender per round")
     parser.add_argument("--contenders", default=None, help="comma-separated subset; default: all available")
+    parser.add_argument(
+        "--compress", default=None, help="message compression of the rpc contenders: bf16, fp16, zstd, bf16+zstd, ..."
+    )
     parser.add_argument("--json", default=None, help="where to write the results (default: benchmarks/results/)")
     parser.add_argument("--summary", nargs="+", metavar="JSON", help="print one markdown table of result files")
     args = parser.parse_args(argv)
@@ -905,6 +932,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         unsplit_threads=min(cores, threads * args.stages),
         lr=args.lr,
         balance=WORKLOADS[args.workload].balance(args.stages),
+        compress=args.compress,
     )
     names = ["unsplit", "torch", "engine"]
     if has_strategy():
@@ -923,7 +951,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         else REPO
         / "benchmarks"
         / "results"
-        / (f"{cfg.workload}-{cfg.stages}stages-{cfg.microbatches}mb-{cfg.schedule}.json")
+        / (
+            f"{cfg.workload}-{cfg.stages}stages-{cfg.microbatches}mb-{cfg.schedule}"
+            + (f"-{cfg.compress}" if cfg.compress else "")
+            + ".json"
+        )
     )
     path.parent.mkdir(parents=True, exist_ok=True)
     results["table"] = table

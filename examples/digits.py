@@ -3,6 +3,7 @@
     python examples/digits.py                 # 2 stages, 4 microbatches, 1F1B
     python examples/digits.py --stages 4 --schedule gpipe
     python examples/digits.py --no-pipe       # the same LightningModule without the strategy
+    python examples/digits.py --transport rpc --compress bf16   # stages in processes, activations as bfloat16
 
 The data set ships with scikit-learn: nothing is downloaded.
 """
@@ -62,13 +63,22 @@ def digits_loaders(batch_size: int = 64, seed: int = 0) -> tuple[DataLoader, Dat
 
 
 def train(
-    pipe: bool = True, stages: int = 2, microbatches: int = 4, schedule: str = "1f1b", epochs: int = 15
+    pipe: bool = True,
+    stages: int = 2,
+    microbatches: int = 4,
+    schedule: str = "1f1b",
+    epochs: int = 15,
+    transport: str = "local",
+    compress: str | None = None,
 ) -> float:
     """Train and return the validation accuracy."""
     L.seed_everything(0, verbose=False)
     model = DigitsClassifier()
     train_loader, val_loader = digits_loaders()
-    strategy: Any = PipeStrategy(stages=stages, microbatches=microbatches, schedule=schedule) if pipe else "auto"
+    options: dict[str, Any] = {"transport": transport} | ({"compress": compress} if compress else {})
+    strategy: Any = (
+        PipeStrategy(stages=stages, microbatches=microbatches, schedule=schedule, **options) if pipe else "auto"
+    )
     trainer = L.Trainer(
         accelerator="cpu",
         devices=1,
@@ -89,8 +99,12 @@ def main() -> None:
     parser.add_argument("--schedule", default="1f1b")
     parser.add_argument("--epochs", type=int, default=15)
     parser.add_argument("--no-pipe", action="store_true", help="train without PipeStrategy")
+    parser.add_argument("--transport", default="local", help="local (threads) or rpc (worker processes)")
+    parser.add_argument("--compress", default=None, help="with --transport rpc: bf16, fp16, zstd, bf16+zstd, ...")
     args = parser.parse_args()
-    accuracy = train(not args.no_pipe, args.stages, args.microbatches, args.schedule, args.epochs)
+    accuracy = train(
+        not args.no_pipe, args.stages, args.microbatches, args.schedule, args.epochs, args.transport, args.compress
+    )
     print(f"validation accuracy: {accuracy:.4f}")
 
 

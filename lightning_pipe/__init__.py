@@ -18,6 +18,7 @@ from lightning_pipe.errors import (
     TransportError,
 )
 from lightning_pipe.executors import Activation, BackwardModule, ForwardLossModule, ForwardModule
+from lightning_pipe.loss import Loss
 from lightning_pipe.partition import CallArgs, Partitioner, ShardedTask, TracedPartitioner, TraceError
 from lightning_pipe.pipeline import Pipeline
 from lightning_pipe.runtime import BaseRuntime, PyTorchRuntime, runtime_registry, to
@@ -64,6 +65,7 @@ __all__ = [
     "ConfigurationError",
     "ForwardLossModule",
     "ForwardModule",
+    "Loss",
     "PartitionError",
     "PipeError",
     "PipeStrategy",

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from lightning_pipe import tree
+from lightning_pipe.loss import Criterion, Loss, as_loss
 
 Scaler = Any  # torch.amp.GradScaler or None
 
@@ -62,7 +63,9 @@ class ForwardLossModule:
 
     ``run(model, optimizer, batch, labels, criterion, device, scaler=None)`` returns
     ``(scaler, grads, loss)``: ``grads`` are the gradients with respect to ``batch`` (one per leaf,
-    None where none flows) that go back to the previous shard, and ``loss`` is detached.
+    None where none flows) that go back to the previous shard, and ``loss`` is detached. The
+    criterion is a `Loss` (a plain function ``(output, labels) -> loss`` is wrapped in one): its
+    ``compute_loss`` gives the loss, its ``compute_gradient`` backpropagates it, scaled by ``scaler``.
     """
 
     type = "forward_loss"
@@ -76,15 +79,16 @@ class ForwardLossModule:
         optimizer: Any,
         batch: Any,
         labels: Any,
-        criterion: Any,
+        criterion: Loss | Criterion,
         device: torch.device,
         scaler: Scaler = None,
     ) -> tuple[Scaler, list[torch.Tensor | None] | None, torch.Tensor]:
+        criterion = as_loss(criterion)
         output = call_module(model, batch)
-        loss = criterion(output, labels)
+        loss = criterion.compute_loss(output, labels)
         grads = None
         if isinstance(loss, torch.Tensor) and loss.requires_grad:
-            (scaler.scale(loss) if scaler is not None else loss).backward()
+            criterion.compute_gradient(scaler.scale(loss) if scaler is not None else loss)
             grads = tree.grads_of(batch)
         loss = loss.detach() if isinstance(loss, torch.Tensor) else loss
         return scaler, grads, loss
@@ -96,7 +100,7 @@ def output_grads(
     optimizer: Any,
     output: Any,
     labels: Any,
-    criterion: Any,
+    criterion: Loss,
     device: torch.device,
     scaler: Scaler = None,
 ) -> tuple[Scaler, list[torch.Tensor | None], Any]:

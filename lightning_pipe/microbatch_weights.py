@@ -72,8 +72,3 @@ def _as_number(value: Any, index: int, argument: str) -> float:
             f"({_EXAMPLE})"
         )
     return number
-
-
-def weighted_loss(loss: torch.Tensor, weight: float) -> torch.Tensor:
-    """``loss * weight``; with weight 0 a zero without gradient (a mean over nothing is NaN, and NaN * 0 too)."""
-    return loss * weight if weight != 0 else torch.zeros_like(loss.detach())

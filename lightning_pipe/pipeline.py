@@ -15,6 +15,8 @@ Any other module is traced and cut (`TracedPartitioner`), before ``split_points`
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -31,8 +33,9 @@ from lightning_pipe.engine import AutocastSpec, Coordinator, StageSpec, StepResu
 from lightning_pipe.engine.runners import worker_of_stages
 from lightning_pipe.engine.versions import Staleness
 from lightning_pipe.errors import ConfigurationError
+from lightning_pipe.loss import Criterion, Loss, WeightedLoss, as_loss
 from lightning_pipe.microbatch import split
-from lightning_pipe.microbatch_weights import MicrobatchWeight, check_weight_function, shares, weighted_loss
+from lightning_pipe.microbatch_weights import MicrobatchWeight, check_weight_function, shares
 from lightning_pipe.partition import Partitioner, ShardedTask
 from lightning_pipe.partition.traced import TracedPartitioner, for_module
 from lightning_pipe.partition.tracer import CallArgs
@@ -297,7 +300,7 @@ class Pipeline(StageState):
         self,
         inputs: Any,
         targets: Any,
-        criterion: Callable[[Any, Any], torch.Tensor],
+        criterion: Loss | Criterion,
         microbatches: int = 4,
         scaler: Any = None,
         kwargs: dict[str, Any] | None = None,
@@ -305,34 +308,30 @@ class Pipeline(StageState):
     ) -> StepResult:
         """One training step on a whole batch; gradients of the batch's loss land on ``p.grad``.
 
-        Microbatch ``i``'s loss is weighted by its share of the rows, so the gradients equal those
-        of ``criterion(model(inputs), targets)`` for a mean-reduced criterion. A criterion that
-        averages over something else (tokens whose target is not -100) needs
-        ``microbatch_weight(targets_i)``, the weight of microbatch ``i``: what the criterion averages
-        over in its targets, e.g. ``lambda y: (y != -100).sum()``. A microbatch of weight 0 adds
-        nothing, not even its loss's gradient (its loss in the result is 0). A traced module is called as
-        ``module(*inputs, **kwargs)`` (``inputs`` a tuple) and ``criterion`` receives its output as
-        the module returns it.
+        ``criterion`` is a `Loss` (or a function ``(output, target) -> loss``, wrapped in one).
+        Microbatch ``i``'s loss is weighted by its share of the rows before ``compute_gradient``, so
+        the gradients equal those of ``criterion(model(inputs), targets)`` for a mean-reduced
+        criterion. A criterion that averages over something else (tokens whose target is not -100)
+        needs ``microbatch_weight(targets_i)``, the weight of microbatch ``i``: what the criterion
+        averages over in its targets, e.g. ``lambda y: (y != -100).sum()``. A microbatch of weight 0
+        adds nothing, not even its loss's gradient (its loss in the result is 0). A traced module is
+        called as ``module(*inputs, **kwargs)`` (``inputs`` a tuple) and the criterion receives its
+        output as the module returns it.
         """
         argument = "Pipeline.train_step(microbatch_weight=...)"
         check_weight_function(microbatch_weight, argument)
         xs, ys = self._microbatches(inputs, kwargs, microbatches), split(targets, microbatches)
         self.before_train_step(len(xs), log.info)
         weights = shares(xs if microbatch_weight is None else ys, microbatch_weight, argument)
-
-        def weighted(output: Any, label: tuple[int, Any]) -> torch.Tensor:
-            index, target = label
-            with self.coordinator_ops.context("train"):
-                return weighted_loss(criterion(self.unpack(output), target), weights[index])
-
-        result = self.coordinator.train_step(xs, list(enumerate(ys)), weighted, scaler)
+        labels = list(zip(weights, ys, strict=True))
+        result = self.coordinator.train_step(xs, labels, self._weighted(criterion, "train"), scaler)
         self.apply_grads(1.0)
         return result
 
     def train_async(
         self,
         batches: Iterable[tuple[Any, Any]],
-        criterion: Callable[[Any, Any], torch.Tensor],
+        criterion: Loss | Criterion,
         optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
         microbatches: int = 4,
         num_batches: int | None = None,
@@ -356,14 +355,11 @@ class Pipeline(StageState):
                 weights = shares(xs if microbatch_weight is None else ys, microbatch_weight, argument)
                 yield xs, list(zip(weights, ys, strict=True))
 
-        def weighted(output: Any, label: tuple[float, Any]) -> torch.Tensor:
-            return weighted_loss(criterion(self.unpack(output), label[1]), label[0])
-
         stream = pieces()
         first = next(stream, None)  # builds the pipeline
         if first is None:
             raise ConfigurationError("train_async needs at least one batch")
-        result = self.coordinator.train_stream(_chain(first, stream), count, weighted, optimizer)
+        result = self.coordinator.train_stream(_chain(first, stream), count, self._weighted(criterion), optimizer)
         per_batch = [sum(result.losses[b * microbatches : (b + 1) * microbatches]) for b in range(count)]
         staleness = [s for stats in self.coordinator.call("async_stats") for s in stats]
         return AsyncRun(losses=per_batch, staleness=sorted(staleness, key=lambda s: s.stage), step=result)
@@ -386,6 +382,11 @@ class Pipeline(StageState):
         xs = self._microbatches(inputs, kwargs, microbatches)
         result = self.coordinator.forward_step(xs)
         return gather([self.unpack(output) for output in result.outputs])
+
+    def _weighted(self, criterion: Loss | Criterion, ops: str | None = None) -> WeightedLoss:
+        """The user's loss on the module's own output, weighted (targets are ``(weight, target)``)."""
+        context = functools.partial(self.coordinator_ops.context, ops) if ops else contextlib.nullcontext
+        return WeightedLoss(as_loss(criterion), self.unpack, context)
 
     def _microbatches(self, inputs: Any, kwargs: dict[str, Any] | None, microbatches: int) -> list[Any]:
         """The first stage's input for each microbatch; builds the pipeline on the first one."""

@@ -22,6 +22,11 @@ def map_tensors(fn: Callable[[torch.Tensor], Any], tree: Any) -> Any:
     return pytree.tree_map(lambda x: fn(x) if isinstance(x, torch.Tensor) else x, tree)
 
 
+def map_leaves(fn: Callable[[Any], Any], tree: Any) -> Any:
+    """Apply ``fn`` to every leaf of ``tree``."""
+    return pytree.tree_map(fn, tree)
+
+
 def to_device(tree: Any, device: torch.device) -> Any:
     """``tree`` with every tensor on ``device`` (tensors already there are kept as they are)."""
     return map_tensors(lambda t: t.to(device) if t.device != device else t, tree)

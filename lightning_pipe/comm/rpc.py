@@ -20,10 +20,8 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import multiprocessing as mp
 import os
 import secrets
-import signal
 import threading
 import time
 import warnings
@@ -34,15 +32,17 @@ from typing import Any
 import torch.distributed.rpc as rpc
 
 from lightning_pipe.comm.base import COORDINATOR, Communicator, Endpoint, Message, MessageKind, deadline, remaining
+from lightning_pipe.comm.by_value import ByValue
+from lightning_pipe.comm.compress import resolve_codec
 from lightning_pipe.comm.control import ControlServer, Slot, interface_of, parse_address
+from lightning_pipe.comm.local_workers import check_spawned, exit_reason, reap, spawn_workers
 from lightning_pipe.comm.rpc_endpoint import RpcEndpoint, TransportStats, register_inbox
-from lightning_pipe.comm.rpc_stages import build_stage, request_exit, stage_stats, stop_stage
-from lightning_pipe.comm.rpc_world import environment, host_store, join_world, leave_world
-from lightning_pipe.comm.slot import TOKEN_ENV, WORKER_ENV, run_slot_process
+from lightning_pipe.comm.rpc_stages import build_stage, quiet_worker, request_exit, stage_stats, stop_stage
+from lightning_pipe.comm.rpc_world import host_store, join_world, leave_world, quiet_closing
+from lightning_pipe.comm.slot import TOKEN_ENV
 from lightning_pipe.errors import PipeTimeoutError, StageError, TransportError
 
 HEARTBEAT_TIMEOUT = 20.0  # seconds without a heartbeat before a worker counts as lost
-_SPAWN_LOCK = threading.Lock()
 
 
 # the coordinator's side
@@ -75,6 +75,9 @@ class RpcCommunicator(Communicator):
         keep_alive: keep the worker processes between pipelines; `close` ends them.
         threads: torch intra-op threads per local worker (default: this machine's cores / workers).
         heartbeat_timeout: seconds without a heartbeat before a worker counts as lost.
+        compress: how the tensors of activation and gradient messages cross the wire: ``None``,
+            ``"bf16"`` / ``"fp16"`` (lossy casts), ``"zstd"`` (lossless), ``"bf16+zstd"``,
+            ``"fp16+zstd"``, or a codec object (`lightning_pipe.comm.compress.Codec`).
     """
 
     name = "rpc"
@@ -87,7 +90,9 @@ class RpcCommunicator(Communicator):
         keep_alive: bool = False,
         threads: int | None = None,
         heartbeat_timeout: float = HEARTBEAT_TIMEOUT,
+        compress: Any = None,
     ) -> None:
+        self.codec = resolve_codec(compress)
         self.address = coordinator
         self.token = token if token is not None else os.environ.get(TOKEN_ENV)
         self.workers = workers
@@ -199,20 +204,26 @@ class RpcCommunicator(Communicator):
         until = deadline(timeout)
         lost = {slot.pid for slot, _ in world.server.lost(self.heartbeat_timeout)}
         if world.joined:
-            futures = []
-            for rank, slot in enumerate(world.slots):
-                if slot.pid not in lost:
-                    with contextlib.suppress(Exception):
-                        futures.append(rpc.rpc_async(world.names[rank], request_exit))
-            _wait_all(futures, deadline(min(5.0, remaining(until))))
-            # let workers leave on their own (their control connections close), then stop ours
-            leaving = deadline(min(5.0, remaining(until)))
-            while remaining(leaving) > 0 and any(s.gone is None and s.pid not in lost for s in world.slots):
-                time.sleep(0.05)
-            leave_world()
+            restore = quiet_closing()
+            try:
+                # every process holds its closing warnings back before the first one leaves
+                for call in (quiet_worker, request_exit):
+                    futures = []
+                    for rank, slot in enumerate(world.slots):
+                        if slot.pid not in lost:
+                            with contextlib.suppress(Exception):
+                                futures.append(rpc.rpc_async(world.names[rank], call))
+                    _wait_all(futures, deadline(min(5.0, remaining(until))))
+                # let workers leave on their own (their control connections close), then stop ours
+                leaving = deadline(min(5.0, remaining(until)))
+                while remaining(leaving) > 0 and any(s.gone is None and s.pid not in lost for s in world.slots):
+                    time.sleep(0.05)
+                leave_world()
+            finally:
+                restore()
         world.server.close()
         self._refused += world.server.refused
-        _reap(world.processes, until, lost)
+        reap(world.processes, until, lost)
         self._lost = None
         global _ACTIVE
         if _ACTIVE is self:
@@ -259,9 +270,9 @@ class RpcCommunicator(Communicator):
             total = max(count, self.workers or 0)
             devices = devices + ["cpu"] * (total - len(devices))
             threads = self.threads or max(1, (os.cpu_count() or 1) // total)
-            processes += _spawn(f"127.0.0.1:{server.port}", token, devices, threads, timeout)
+            processes += spawn_workers(f"127.0.0.1:{server.port}", token, devices, threads, timeout)
             count = total
-        slots = server.wait_for(count, until, lambda: _check_spawned(processes))
+        slots = server.wait_for(count, until, lambda: check_spawned(processes))
         used, unused = slots[:count], slots[count:]
         store = host_store(host, timeout)
         world.store, world.slots = store, used
@@ -276,13 +287,14 @@ class RpcCommunicator(Communicator):
 
     def _build(self, world: _World, specs: list[Any], worker_cls: Any, until: float, timeout: float) -> RpcEndpoint:
         launch = f"{world.tag}-{secrets.token_hex(3)}"
-        endpoint = RpcEndpoint(COORDINATOR, launch, world.names, world.hosts)
+        endpoint = RpcEndpoint(COORDINATOR, launch, world.names, world.hosts, self.codec)
         register_inbox(launch, COORDINATOR, endpoint.inbox)
         self._endpoint = endpoint
         futures = []
         for spec in specs:
             device = None if self.local else world.slots[spec.rank].device
-            args = (launch, spec, worker_cls, world.names, world.hosts, device)
+            # the spec holds the user's modules: what the training script defines itself goes by value
+            args = (launch, ByValue(spec), ByValue(worker_cls), world.names, world.hosts, device, ByValue(self.codec))
             futures.append(rpc.rpc_async(world.names[spec.rank], build_stage, args=args))
         for rank, future in enumerate(futures):
             while not _wait(future, min(0.5, remaining(until))):
@@ -323,12 +335,7 @@ class RpcCommunicator(Communicator):
 
     def _exit_reason(self, slot: Slot) -> str | None:
         world = self._world
-        for process in world.processes if world else []:
-            if process.pid == slot.pid:
-                process.join(0.5)
-                if process.exitcode is not None:
-                    return _exitcode_text(process.exitcode)
-        return None
+        return exit_reason(world.processes, slot.pid) if world else None
 
 
 _OPEN: weakref.WeakSet[RpcCommunicator] = weakref.WeakSet()
@@ -343,59 +350,6 @@ def _close_all() -> None:
 
 def _device_of(spec: Any) -> str:
     return str(spec.shards[0].device) if spec.shards else "cpu"
-
-
-def _spawn(coordinator: str, token: str, devices: list[str], threads: int, timeout: float) -> list[Any]:
-    """Start one worker process per device on this machine (spawned, so CUDA is safe to use)."""
-    context = mp.get_context("spawn")
-    processes = []
-    group = f"local-{os.getpid()}-{secrets.token_hex(2)}"
-    with _SPAWN_LOCK, environment({WORKER_ENV: "1"}):  # `import lightning_pipe` in the child skips Lightning
-        for index, device in enumerate(devices):
-            kwargs = dict(
-                coordinator=coordinator, device=device, token=token, group=group, index=index,
-                threads=threads, wait=timeout, interface="lo", local=True,
-            )  # fmt: skip
-            process = context.Process(
-                target=run_slot_process, kwargs=kwargs, name=f"lightning_pipe-worker-{index}", daemon=True
-            )
-            process.start()
-            processes.append(process)
-    return processes
-
-
-def _check_spawned(processes: list[Any]) -> None:
-    for index, process in enumerate(processes):
-        if process.exitcode is not None:
-            raise TransportError(
-                f"stage worker process {index} (pid {process.pid}) {_exitcode_text(process.exitcode)} "
-                "before joining the coordinator; its output above says why"
-            )
-
-
-def _exitcode_text(code: int) -> str:
-    if code < 0:
-        with contextlib.suppress(ValueError):
-            return f"was killed by {signal.Signals(-code).name}"
-        return f"was killed by signal {-code}"
-    return f"exited with code {code}"
-
-
-def _reap(processes: list[Any], until: float, lost: set[int]) -> None:
-    """Join local worker processes; kill lost ones at once, terminate and then kill whatever still runs."""
-    for process in processes:
-        if process.pid in lost and process.is_alive():
-            process.kill()  # hung or stopped: it would not answer a terminate either
-    joining = deadline(min(5.0, remaining(until)))
-    for process in processes:
-        process.join(remaining(joining))
-    for process in processes:
-        if process.is_alive():
-            process.terminate()
-            process.join(2.0)
-        if process.is_alive():
-            process.kill()
-            process.join(2.0)
 
 
 def _wait_all(futures: list[Any], until: float) -> None:

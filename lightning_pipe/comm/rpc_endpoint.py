@@ -1,15 +1,16 @@
 """A participant of an RPC world: an inbox that keeps each sender's order, and sends by ``rpc_async``.
 
 A message is one ``rpc_async`` call of `deliver` on the receiving process: TensorPipe's I/O threads
-decode it and put it into the receiver's `OrderedInbox`, which wakes its event loop (the seed's "I/O
-thread and callback").
+deserialize it, decompress its tensors (`compress`) and put it into the receiver's `OrderedInbox`,
+which wakes its event loop (the seed's "I/O thread and callback").
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter, defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -17,8 +18,12 @@ import torch
 import torch.distributed.rpc as rpc
 
 from lightning_pipe import tree
-from lightning_pipe.comm.base import Endpoint, Message, QueueInbox
+from lightning_pipe.comm.base import Endpoint, Message, MessageKind, QueueInbox
+from lightning_pipe.comm.by_value import ByValue
+from lightning_pipe.comm.compress import Codec, decode_payload, encode_payload, wire_bytes
 
+_CONTROL = (MessageKind.STEP, MessageKind.CALL)  # the coordinator's control messages to the stages
+_TENSORS = (MessageKind.ACTIVATION, MessageKind.OUTPUT, MessageKind.GRAD, MessageKind.INPUT_GRAD)  # compressed
 _INBOXES: dict[tuple[str, int], OrderedInbox] = {}  # the inboxes of this process, by (launch, rank)
 
 
@@ -27,13 +32,19 @@ class OrderedInbox(QueueInbox):
 
     RPC handlers run on a thread pool, so two messages of one sender may be handled out of order;
     a sequence number per sender restores it (the engine relies on STEP arriving before ABORT).
+    ``decode`` (decompression) runs in the handler's thread before the message takes its place.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, decode: Callable[[Message], Message] | None = None) -> None:
         super().__init__()
+        self.decode = decode
         self._order = threading.Lock()
         self._next: dict[int, int] = defaultdict(int)
         self._early: dict[int, dict[int, Message]] = defaultdict(dict)
+
+    def receive(self, source: int, seq: int, message: Message) -> None:
+        """Decode ``message`` (in the calling I/O thread, in parallel with others) and put it in order."""
+        self.put_in_order(source, seq, self.decode(message) if self.decode is not None else message)
 
     def put_in_order(self, source: int, seq: int, message: Message) -> None:
         with self._order:
@@ -50,26 +61,36 @@ class OrderedInbox(QueueInbox):
 
 @dataclass
 class TransportStats:
-    """What one endpoint sent: messages and tensor bytes by message kind."""
+    """What one endpoint sent: messages and tensor bytes by message kind (and its compression's work)."""
 
     messages: Counter[str] = field(default_factory=Counter)
     tensor_bytes: Counter[str] = field(default_factory=Counter)
+    #: the same tensors' bytes as sent: after compression (`compress`), equal to tensor_bytes without it
+    wire_bytes: Counter[str] = field(default_factory=Counter)
     parameter_tensors: int = 0  # tensors that were (views of) this process's parameters
     failures: list[str] = field(default_factory=list)
+    encode_seconds: float = 0.0  # compressing what it sent
+    decode_seconds: float = 0.0  # decompressing what it received (in its I/O threads)
 
     def total_bytes(self) -> int:
         return sum(self.tensor_bytes.values())
+
+    def total_wire_bytes(self) -> int:
+        return sum(self.wire_bytes.values())
 
 
 class RpcEndpoint(Endpoint):
     """One participant: an ordered inbox filled by RPC, and ``rpc_async`` to anyone else."""
 
-    def __init__(self, rank: int, launch: str, names: dict[int, str], hosts: dict[int, str]) -> None:
+    def __init__(
+        self, rank: int, launch: str, names: dict[int, str], hosts: dict[int, str], codec: Codec | None = None
+    ) -> None:
         self.rank = rank
         self.launch = launch
         self.names = names
         self.hosts = hosts
-        self.inbox = OrderedInbox()
+        self.codec = codec  # compresses the tensors of activation and gradient messages, both ways
+        self.inbox = OrderedInbox(self._decode if codec is not None else None)
         self.stats = TransportStats()
         self._seq: dict[int, int] = defaultdict(int)
         self._lock = threading.Lock()
@@ -80,7 +101,16 @@ class RpcEndpoint(Endpoint):
         self._watched |= {t.untyped_storage().data_ptr() for t in tensors}
 
     def send(self, rank: int, message: Message) -> None:
-        message = replace(message, source=self.rank, payload=self._account(message))
+        payload, nbytes = self._account(message)
+        if message.kind in _CONTROL:  # the user's objects (an optimizer class, a traced call's code) go by value
+            payload = ByValue(payload)
+        elif self.codec is not None and message.kind in _TENSORS:
+            start = time.perf_counter()
+            payload = encode_payload(self.codec, payload)
+            self.stats.encode_seconds += time.perf_counter() - start
+            nbytes = wire_bytes(payload)
+        self.stats.wire_bytes[message.kind] += nbytes
+        message = replace(message, source=self.rank, payload=payload)
         with self._lock:
             seq = self._seq[rank]
             self._seq[rank] += 1
@@ -97,8 +127,18 @@ class RpcEndpoint(Endpoint):
     def host(self, rank: int) -> str:
         return self.hosts.get(rank, "?")
 
-    def _account(self, message: Message) -> Any:
-        """Count the payload's tensors and make them portable: detached, on the CPU, compact."""
+    def _decode(self, message: Message) -> Message:
+        if message.kind not in _TENSORS:
+            return message
+        assert self.codec is not None
+        start = time.perf_counter()
+        message = replace(message, payload=decode_payload(self.codec, message.payload))
+        with self._lock:  # several I/O threads decode at once
+            self.stats.decode_seconds += time.perf_counter() - start
+        return message
+
+    def _account(self, message: Message) -> tuple[Any, int]:
+        """Count the payload's tensors and make them portable: detached, on the CPU, compact; and their bytes."""
         nbytes = 0
 
         def portable(t: torch.Tensor) -> torch.Tensor:
@@ -116,7 +156,7 @@ class RpcEndpoint(Endpoint):
         payload = tree.map_tensors(portable, message.payload)
         self.stats.messages[message.kind] += 1
         self.stats.tensor_bytes[message.kind] += nbytes
-        return payload
+        return payload, nbytes
 
     def _delivered(self, rank: int, future: Any) -> None:
         try:
@@ -141,4 +181,4 @@ def deliver(launch: str, rank: int, source: int, seq: int, message: Message) -> 
     """Runs in the receiving process (called through RPC): put ``message`` into the inbox of ``rank``."""
     inbox = _INBOXES.get((launch, rank))
     if inbox is not None:  # else: a message of a pipeline that has already stopped
-        inbox.put_in_order(source, seq, message)
+        inbox.receive(source, seq, message)

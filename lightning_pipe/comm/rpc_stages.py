@@ -13,6 +13,7 @@ from typing import Any
 
 from lightning_pipe.comm.base import Message, MessageKind
 from lightning_pipe.comm.rpc_endpoint import RpcEndpoint, TransportStats, register_inbox
+from lightning_pipe.comm.rpc_world import quiet_closing
 
 _STAGES: dict[tuple[str, int], tuple[Any, threading.Thread, RpcEndpoint]] = {}  # by (launch, rank)
 _LOCK = threading.Lock()
@@ -28,11 +29,12 @@ def build_stage(
     names: dict[int, str],
     hosts: dict[int, str],
     device: str | None,
+    codec: Any = None,
 ) -> dict[str, Any]:
     """Build the stage worker of ``spec`` in this process and start its event loop."""
     if device is not None:
         _retarget(spec, device)
-    endpoint = RpcEndpoint(spec.rank, launch, names, hosts)
+    endpoint = RpcEndpoint(spec.rank, launch, names, hosts, codec)
     worker = worker_cls(spec, endpoint)
     endpoint.watch(p for shard in worker.shards.values() for p in shard.module.parameters())
     thread = threading.Thread(target=_serve, args=(worker,), name=f"lightning_pipe-stage-{spec.rank}", daemon=True)
@@ -87,5 +89,11 @@ def stage_stats(launch: str, rank: int, reset: bool) -> TransportStats:
     return stats
 
 
+def quiet_worker() -> None:
+    """The world is about to end: its connections close without warnings from now on (see `quiet_closing`)."""
+    quiet_closing()  # nothing to restore: the process ends with the world
+
+
 def request_exit() -> None:
+    """Make this worker process leave the world."""
     EXIT.set()

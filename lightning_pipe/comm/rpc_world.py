@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
+from pathlib import Path
 
+import torch
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 from torch.distributed import autograd as dist_autograd
@@ -74,3 +77,38 @@ def leave_world() -> None:
     """Stop this process's RPC agent without waiting for the others."""
     with contextlib.suppress(Exception):
         rpc.shutdown(graceful=False)
+
+
+def quiet_closing() -> Callable[[], None]:
+    """Hold back TensorPipe's C++ warnings about closing connections while this process's world ends;
+    returns what restores the earlier level (call it once the agent has stopped).
+
+    When an RPC world ends, every agent logs a warning for each connection that closes under it
+    ("pipe closed", "eof", "error when sending response"), and one stage error shows a dozen of
+    them. rpc's graceful shutdown would avoid them, but its barrier counts ids in a process-wide
+    counter that a coordinator which opened a world before never shares with fresh workers (its
+    barrier then waits for keys nobody writes). So for the time the world ends, and only then,
+    c10's log threshold is ERROR: the runtime form of ``TORCH_CPP_LOG_LEVEL=ERROR``, which torch
+    reads only once, at import. Where libc10 does not export the flag, the warnings stay.
+    """
+    flag = _c10_log_level()
+    if flag is None:
+        return lambda: None
+    before = flag.value
+    flag.value = max(before, _C10_ERROR)
+
+    def restore() -> None:
+        flag.value = before
+
+    return restore
+
+
+_C10_ERROR = 2  # c10's severities: INFO 0, WARNING 1, ERROR 2, FATAL 3
+
+
+def _c10_log_level() -> ctypes.c_int | None:
+    """c10's ``FLAGS_caffe2_log_level`` (messages below it are dropped), in the libc10 torch has loaded."""
+    for path in sorted(Path(torch.__file__).parent.joinpath("lib").glob("*c10.*")):
+        with contextlib.suppress(OSError, ValueError):
+            return ctypes.c_int.in_dll(ctypes.CDLL(str(path)), "FLAGS_caffe2_log_level")
+    return None

@@ -17,6 +17,7 @@ import sys
 import threading
 from collections.abc import Sequence
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -94,6 +95,11 @@ def run_slot_process(**kwargs: object) -> None:
     """Target of a spawned slot process. Leaves with os._exit: the stage and RPC are already shut down,
     and the interpreter's own teardown of torch would take seconds."""
     exit_process(run_slot(**kwargs))  # type: ignore[arg-type]
+
+
+def run_spawned_slot(arguments: dict[str, Any]) -> None:
+    """Entry of a worker process that ``transport="rpc"`` started on this machine (`local_workers`)."""
+    run_slot_process(token=os.environ.pop(TOKEN_ENV, ""), **arguments)
 
 
 def exit_process(code: int) -> None:

@@ -17,6 +17,7 @@ from lightning_pipe.engine.runners import check_runner, worker_lists
 from lightning_pipe.engine.stage import StageWorker
 from lightning_pipe.errors import ConfigurationError, PipeTimeoutError, StageError
 from lightning_pipe.executors import output_grads
+from lightning_pipe.loss import Criterion, Loss, as_loss
 from lightning_pipe.schedule import Schedule
 
 Key = tuple[str, int, int]  # (kind, stage, microbatch)
@@ -133,11 +134,16 @@ class Coordinator:
         self,
         inputs: Sequence[Any],
         labels: Sequence[Any],
-        criterion: Callable[[Any, Any], Any],
+        criterion: Loss | Criterion,
         scaler: Any = None,
         optimizer: Any = None,
     ) -> StepResult:
-        """Forward and backward of every microbatch; parameter gradients stay on the stages."""
+        """Forward and backward of every microbatch; parameter gradients stay on the stages.
+
+        Each microbatch's loss is ``criterion.compute_loss(output, label)``, backpropagated by
+        ``criterion.compute_gradient`` (a plain function ``(output, label) -> loss`` is wrapped in a `Loss`).
+        """
+        criterion = as_loss(criterion)
         schedule = self.schedule(len(inputs))
         if schedule.asynchronous:
             raise ConfigurationError(
@@ -169,7 +175,7 @@ class Coordinator:
         self,
         batches: Iterable[tuple[Sequence[Any], Sequence[Any]]],
         num_batches: int,
-        criterion: Callable[[Any, Any], Any],
+        criterion: Loss | Criterion,
         optimizer: Callable[[list[nn.Parameter]], Any],
         window: int | None = None,
     ) -> StepResult:
@@ -180,6 +186,7 @@ class Coordinator:
         At most ``window`` microbatches (default: stages + microbatches per batch) are fed ahead of
         the last output received, so a long stream never sits in the first stage's inbox.
         """
+        criterion = as_loss(criterion)
         stream = iter(batches)
         first_inputs, first_labels = next(stream, ([], []))
         if not first_inputs or num_batches < 1:
@@ -273,7 +280,7 @@ class Coordinator:
         self,
         step: int,
         labels: Sequence[Any],
-        criterion: Callable[[Any, Any], Any],
+        criterion: Loss,
         scaler: Any,
         optimizer: Any,
         schedule: Schedule,
@@ -293,7 +300,7 @@ class Coordinator:
         step: int,
         m: int,
         label: Any,
-        criterion: Callable[[Any, Any], Any],
+        criterion: Loss,
         optimizer: Any = None,
         scaler: Any = None,
     ) -> tuple[Any, Any]:

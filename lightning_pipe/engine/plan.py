@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from lightning_pipe.loss import Loss
 from lightning_pipe.schedule import Action
 
 TRAIN = "train"
@@ -43,7 +44,7 @@ class LossPlan:
     """What the last stage needs to compute the losses itself (only where stages share objects)."""
 
     labels: list[Any]
-    criterion: Any  # (output, label) -> loss
+    criterion: Loss
     scaler: Any  # torch.amp.GradScaler or None
     optimizer: Any
     device: Any  # torch.device the loss is computed on (the coordinator's)

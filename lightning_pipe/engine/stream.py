@@ -22,6 +22,7 @@ from lightning_pipe import tree
 from lightning_pipe.comm.base import Message, MessageKind
 from lightning_pipe.engine.plan import ASYNC
 from lightning_pipe.errors import ConfigurationError
+from lightning_pipe.loss import Criterion, Loss, as_loss
 
 if TYPE_CHECKING:
     from lightning_pipe.engine.coordinator import Coordinator, StepResult
@@ -59,8 +60,9 @@ class BatchStream:
         """Every planned batch was fed."""
         return self.fed == self.num_batches
 
-    def feed(self, inputs: Sequence[Any], labels: Sequence[Any], criterion: Callable[[Any, Any], Any]) -> list[Any]:
-        """Send one batch's microbatches and return their losses, ``criterion(output, label)`` each."""
+    def feed(self, inputs: Sequence[Any], labels: Sequence[Any], criterion: Loss | Criterion) -> list[Any]:
+        """Send one batch's microbatches and return their losses, ``criterion.compute_loss(output, label)`` each."""
+        criterion = as_loss(criterion)
         c = self.coordinator
         if self.closed or self.complete:
             raise ConfigurationError(f"the stream of {self.num_batches} batches is closed or was fully fed")

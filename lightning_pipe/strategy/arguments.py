@@ -9,6 +9,7 @@ import torch
 
 from lightning_pipe.backends import BackendArg, resolve_backends
 from lightning_pipe.checkpointing import checkpoint_flags
+from lightning_pipe.comm.compress import resolve_codec
 from lightning_pipe.engine.runners import check_runner
 from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.microbatch_weights import check_weight_function
@@ -34,6 +35,7 @@ def check_arguments(
     virtual_stages: int,
     runner: str,
     microbatch_weight: Any = None,
+    compress: Any = None,
 ) -> tuple[int | None, list[str] | None, bool, dict[str, Any]]:
     """Raise `ConfigurationError` naming the argument and the fix; returns ``(stages, devices, asynchronous,
     transport options)`` with ``stages`` taken from ``split_points`` where not given."""
@@ -70,7 +72,10 @@ def check_arguments(
     resolve_backends(backend, stages or (len(device_names) if device_names else None), strict)
     if transport not in TRANSPORTS:
         raise ConfigurationError(f"unknown transport {transport!r}; available: {', '.join(sorted(TRANSPORTS))}")
-    options: dict[str, Any] = {k: v for k, v in (("coordinator", coordinator), ("token", token)) if v is not None}
+    resolve_codec(compress)  # an unknown codec, or zstd without its package, fails here
+    given = (("coordinator", coordinator), ("token", token), ("compress", compress))
+    options: dict[str, Any] = {k: v for k, v in given if v is not None}
     if options and transport == "local":
-        raise ConfigurationError(f"{' and '.join(options)} need transport='rpc' (stages in worker processes)")
+        verb = "needs" if len(options) == 1 else "need"
+        raise ConfigurationError(f"{' and '.join(options)} {verb} transport='rpc' (stages in worker processes)")
     return stages, device_names, asynchronous, options

@@ -18,13 +18,15 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
+from typing_extensions import override
 
 from lightning_pipe.backends import CoordinatorOps
 from lightning_pipe.engine.coordinator import StepResult
 from lightning_pipe.errors import ConfigurationError, PipeError
 from lightning_pipe.grads import GradStash
+from lightning_pipe.loss import Loss, WeightedLoss
 from lightning_pipe.microbatch import batch_size, split
-from lightning_pipe.microbatch_weights import MicrobatchWeight, shares, weighted_loss
+from lightning_pipe.microbatch_weights import MicrobatchWeight, shares
 from lightning_pipe.partition import Partitioner
 from lightning_pipe.partition.traced import TracedPartitioner
 from lightning_pipe.partition.tracer import CallArgs
@@ -138,8 +140,8 @@ class PipelinedSteps:
                 try:
                     result = pipeline.coordinator.train_step(
                         inputs,
-                        list(range(len(drivers))),
-                        self._criterion(drivers, weights, name),
+                        list(zip(weights, range(len(drivers)), strict=True)),
+                        self._criterion(drivers, name),
                         getattr(self.precision_plugin, "scaler", None),
                     )
                 finally:
@@ -173,8 +175,8 @@ class PipelinedSteps:
         assert self._async is not None
         stream = self._async.open(pipeline, self._trainer, len(inputs))
         self._async.sync_hparams()
-        criterion = self._criterion(drivers, weights, "training_step")
-        losses = stream.feed(inputs, list(range(len(drivers))), criterion)
+        criterion = self._criterion(drivers, "training_step")
+        losses = stream.feed(inputs, list(zip(weights, range(len(drivers)), strict=True)), criterion)
         if stream.complete:
             self._end_stream()
         return StepResult(losses=losses, schedule=stream.schedule)
@@ -213,20 +215,10 @@ class PipelinedSteps:
             )
         return value
 
-    def _criterion(self, drivers: list[Driver], weights: list[float], name: str) -> Callable[[Any, int], Any]:
-        """The loss of microbatch ``i``: the rest of its step, weighted by its share of the batch."""
-
-        def criterion(output: Any, index: int) -> Any:
-            assert self.pipeline is not None
-            result = self._resume(drivers[index], self.pipeline.unpack(output), name)
-            loss = result.get("loss") if isinstance(result, dict) else result
-            if loss is None:
-                return None
-            if not isinstance(loss, torch.Tensor):
-                raise PipeError(f"{name} must return a loss tensor, a dict with 'loss', or None; got {type(loss)}")
-            return weighted_loss(loss, weights[index])
-
-        return criterion
+    def _criterion(self, drivers: list[Driver], name: str) -> WeightedLoss:
+        """The `Loss` of a step: the rest of microbatch ``i``'s step is its loss, weighted by the label's weight."""
+        assert self.pipeline is not None
+        return WeightedLoss(_StepLoss(self, drivers, name), self.pipeline.unpack)
 
     def _pipelined_forward(self, *args: Any, **kwargs: Any) -> Any:
         driver = current_driver()
@@ -237,6 +229,22 @@ class PipelinedSteps:
         inputs = self._pipeline_input(args, kwargs)
         pipeline = self._build(inputs)
         return pipeline.unpack(pipeline.coordinator.forward_step([_packed(pipeline, inputs)]).outputs[0])
+
+
+class _StepLoss(Loss):
+    """``compute_loss(output, i)`` resumes microbatch ``i``'s step with its output; the step returns the loss."""
+
+    def __init__(self, steps: PipelinedSteps, drivers: list[Driver], name: str) -> None:
+        super().__init__()
+        self.steps, self.drivers, self.name = steps, drivers, name
+
+    @override
+    def compute_loss(self, output: Any, target: int) -> Any:
+        result = self.steps._resume(self.drivers[target], output, self.name)
+        loss = result.get("loss") if isinstance(result, dict) else result
+        if loss is not None and not isinstance(loss, torch.Tensor):
+            raise PipeError(f"{self.name} must return a loss tensor, a dict with 'loss', or None; got {type(loss)}")
+        return loss
 
 
 def _bind(step_fn: Callable[..., Any], piece: Any, rest: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[[], Any]:

@@ -80,6 +80,9 @@ class PipeStrategy(PipelinedSteps, SingleDeviceStrategy):
             join ``coordinator``); see `lightning_pipe.comm.rpc`.
         coordinator: with ``transport="rpc"``, ``"HOST:PORT"`` where workers on other machines join.
         token: with ``transport="rpc"``, the secret workers must present (default ``$LIGHTNING_PIPE_TOKEN``).
+        compress: with ``transport="rpc"``, how activations and gradients cross between processes:
+            ``None``, ``"bf16"`` / ``"fp16"`` (lossy casts), ``"zstd"`` (lossless, extra ``compress``),
+            ``"bf16+zstd"``, ``"fp16+zstd"`` or a codec object (`lightning_pipe.comm.compress.Codec`).
         virtual_stages: stages per worker (``interleaved-1f1b``): stage ``s`` runs on worker
             ``s % (stages // virtual_stages)``.
         runner: ``"parallel"`` (a thread per worker, fixed order), ``"dataflow"`` (each worker runs
@@ -111,6 +114,7 @@ class PipeStrategy(PipelinedSteps, SingleDeviceStrategy):
         transport: str = "local",
         coordinator: str | None = None,
         token: str | None = None,
+        compress: Any = None,
         split_points: Sequence[str] | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         checkpoint_io: Any = None,
@@ -125,7 +129,7 @@ class PipeStrategy(PipelinedSteps, SingleDeviceStrategy):
         )
         stages, device_names, asynchronous, options = check_arguments(
             stages, microbatches, schedule, devices, checkpoint, runtime, timeout, backend, strict, transport,
-            coordinator, token, split_points, virtual_stages, runner, microbatch_weight,
+            coordinator, token, split_points, virtual_stages, runner, microbatch_weight, compress,
         )  # fmt: skip
         self.stages = stages
         self.microbatches = microbatches
