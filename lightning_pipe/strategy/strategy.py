@@ -23,10 +23,12 @@ from lightning_pipe.grads import GradStash
 from lightning_pipe.partition import Partitioner
 from lightning_pipe.partition.traced import TracedPartitioner
 from lightning_pipe.pipeline import Pipeline, resolve_partitioner
+from lightning_pipe.rng import run_seed
 from lightning_pipe.runtime import BaseRuntime, runtime_registry
 from lightning_pipe.strategy.arguments import check_arguments
 from lightning_pipe.strategy.asynchronous import AsyncTraining
 from lightning_pipe.strategy.hooks import RuntimeHooks
+from lightning_pipe.strategy.random_state import StageRandomState
 from lightning_pipe.strategy.remote import StageGradZeroing, StageParameters
 from lightning_pipe.strategy.steps import PipelinedSteps
 from lightning_pipe.strategy.trace import PipeTrace
@@ -41,7 +43,7 @@ _RUNTIME_HOOKS = (
 )
 
 
-class PipeStrategy(PipelinedSteps, SingleDeviceStrategy):
+class PipeStrategy(PipelinedSteps, StageRandomState, SingleDeviceStrategy):
     """Splits the LightningModule's pipelined module into stages and runs each step as a pipeline.
 
     Args:
@@ -281,8 +283,10 @@ class PipeStrategy(PipelinedSteps, SingleDeviceStrategy):
             backend=self.backend,
             strict=self.strict,
             transport=self.transport,
+            seed=run_seed(),  # seed_everything's seed: each stage's generators start from it and the stage index
             **self._transport_options,
         ).start()
+        self.restore_random_state(self.pipeline)
         if self._stage_params is not None and self.optimizers:
             self._stage_params.attach(self.pipeline, self.optimizers, self.root_device)
         self._hooked = {
@@ -314,6 +318,8 @@ class PipeStrategy(PipelinedSteps, SingleDeviceStrategy):
     def teardown(self) -> None:
         self._trace = self.execution_trace()  # kept after this fit/validate/test/predict
         self._coordinator_ops = None
+        self._end_stream()
+        self.keep_random_state()
         self._shutdown()
         super().teardown()
 
