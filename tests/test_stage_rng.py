@@ -21,6 +21,7 @@ from helpers import QUIET, Classifier, dataset, loader
 from lightning.pytorch.callbacks import ModelCheckpoint
 from rpc_models import wait_no_children
 from torch import nn
+from torch.utils.data import TensorDataset
 
 from lightning_pipe import PipeStrategy
 from lightning_pipe.strategy.random_state import CHECKPOINT_KEY
@@ -143,3 +144,39 @@ def test_a_second_fit_goes_on_drawing() -> None:
     trainer.fit(module, loader(dataset(rows=16), 8))
     assert trainer.global_step == 4
     assert_same(torch.cat([p.detach().flatten() for p in module.parameters()]), whole)
+
+
+class GPT2(L.LightningModule):
+    """HuggingFace GPT-2 from a config with dropout 0.1 (embeddings, residuals, attention): traced and cut."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        transformers = pytest.importorskip("transformers")
+        transformers.logging.set_verbosity_error()
+        config = transformers.GPT2Config(
+            vocab_size=48, n_positions=16, n_embd=16, n_layer=4, n_head=2, use_cache=False,
+            resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1, bos_token_id=0, eos_token_id=0,
+        )  # fmt: skip
+        self.model = transformers.GPT2LMHeadModel(config)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (ids,) = batch
+        return self.model(input_ids=ids, labels=ids).loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_huggingface_gpt2_with_dropout_replays_and_repeats() -> None:
+    def run(plain: bool = False, **options: Any) -> torch.Tensor:
+        L.seed_everything(0)
+        module = GPT2()
+        ids = torch.randint(0, 48, (24, 10), generator=torch.Generator().manual_seed(0))
+        strategy = "auto" if plain else PipeStrategy(microbatches=4, split_points=["transformer.h.2"], **options)
+        L.Trainer(**QUIET, max_steps=3, strategy=strategy).fit(module, loader(TensorDataset(ids), 8))
+        return torch.cat([p.detach().flatten() for p in module.parameters()])
+
+    never = run(checkpoint="never")
+    assert_same(run(checkpoint="always"), never)
+    assert_same(run(runner="linear"), never)
+    assert (run(plain=True) - never).abs().max().item() > 1e-4  # the dropout is on

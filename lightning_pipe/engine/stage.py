@@ -177,15 +177,15 @@ class StageWorker(StageStateCalls):
             self._initialized.add(s)
             runtime.initialize_module(shard.module, inputs, None)
         t = self._span(action, "recv", t)
-        random = self.random[s]
-        with self._autocast(device), random.drawing(training):  # the stage's own generators
+        stage_rng = self.random[s]
+        with self._autocast(device), stage_rng.drawing(training):  # the stage's own generators
             if not training:
                 with torch.no_grad():
                     outputs = shard.forward.run(model, inputs, device)
                 out_mask = [False] * len(tree.flatten(outputs)[0])
             elif self.spec.checkpoint[s]:
                 leaves = tree.as_leaves(inputs, mask)
-                state = random.snapshot()  # the recomputation replays this forward's draws
+                state = stage_rng.snapshot()  # the recomputation replays this forward's draws
                 with torch.no_grad():
                     outputs = shard.forward.run(self._model(s, m), leaves, device)
                 self._saved[(s, m)] = Activation(leaves, None, state)

@@ -85,8 +85,12 @@ _COMPOSITE_TORCH = (
 ATEN_DRAWS = {"native_dropout", "dropout", "feature_dropout", "alpha_dropout", "feature_alpha_dropout"}
 
 
+#: function -> the position of its generator argument where it is not keyword-only
+POSITIONS: dict[Any, int | None] = _public_functions()
+
+
 def _kinds() -> dict[Any, Kind]:
-    kinds: dict[Any, Kind] = {fn: Kind.INJECT for fn in _public_functions()}
+    kinds: dict[Any, Kind] = {fn: Kind.INJECT for fn in POSITIONS}
     kinds.update({getattr(F, n): Kind.COMPOSITE for n in _COMPOSITE_NAMES if hasattr(F, n)})
     kinds.update({getattr(torch, n): Kind.COMPOSITE for n in _COMPOSITE_TORCH if hasattr(torch, n)})
     kinds[F.scaled_dot_product_attention] = Kind.SDPA
@@ -95,7 +99,6 @@ def _kinds() -> dict[Any, Kind]:
 
 
 KINDS: dict[Any, Kind] = _kinds()
-POSITIONS: dict[Any, int | None] = _public_functions()
 
 
 def kind_of(func: Callable[..., Any]) -> Kind:

@@ -55,10 +55,15 @@ class StageRandomState(Strategy):
         return checkpoint
 
     def stage_random_state(self) -> dict[str, Any] | None:
-        """The stages' generator states now (the last known ones while an asynchronous stream owns the stages)."""
-        streaming = self._async is not None and self._async.stream is not None and not self._async.stream.closed
-        if self.pipeline is None or not self.pipeline.built or streaming:
+        """The stages' generator states now; before the stages are built, the ones they will get.
+
+        None in the middle of an asynchronous stream: it owns the stages (and such a checkpoint misses the
+        updates of batches in flight anyway).
+        """
+        if self.pipeline is None or not self.pipeline.built:
             return self._random_state
+        if self._async is not None and self._async.stream is not None and not self._async.stream.closed:
+            return None
         return self.pipeline.random_state()
 
     def restore_random_state(self, pipeline: Pipeline) -> None:
