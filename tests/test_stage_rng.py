@@ -17,7 +17,7 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import QUIET, Classifier, dataset, loader
+from helpers import QUIET, Classifier, dataset, gpt2_config, loader
 from lightning.pytorch.callbacks import ModelCheckpoint
 from rpc_models import wait_no_children
 from torch import nn
@@ -153,11 +153,7 @@ class GPT2(L.LightningModule):
         super().__init__()
         transformers = pytest.importorskip("transformers")
         transformers.logging.set_verbosity_error()
-        config = transformers.GPT2Config(
-            vocab_size=48, n_positions=16, n_embd=16, n_layer=4, n_head=2, use_cache=False,
-            resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1, bos_token_id=0, eos_token_id=0,
-        )  # fmt: skip
-        self.model = transformers.GPT2LMHeadModel(config)
+        self.model = transformers.GPT2LMHeadModel(gpt2_config(transformers, dropout=0.1))
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         (ids,) = batch
