@@ -51,6 +51,8 @@ DRAWS: dict[str, Callable[[], torch.Tensor]] = {
     "Tensor.exponential_": lambda: torch.empty(5).exponential_(),
     "nn.init.kaiming_uniform_": lambda: nn.init.kaiming_uniform_(torch.empty(4, 4)),
     "torch.ops.aten.bernoulli_": lambda: torch.ops.aten.bernoulli_.float(torch.empty(6), 0.5),
+    "torch.ops.aten.rand.default": lambda: torch.ops.aten.rand.default([5]),
+    "torch.ops.aten.native_dropout": lambda: torch.ops.aten.native_dropout.default(X, 0.3, True)[0],
     "F.rrelu": lambda: F.rrelu(X, training=True),
     "F.gumbel_softmax": lambda: F.gumbel_softmax(X, tau=1.0),
     "F.fractional_max_pool2d": lambda: F.fractional_max_pool2d(X, 3, output_size=(5, 5), return_indices=True)[1],

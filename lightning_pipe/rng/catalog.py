@@ -81,7 +81,8 @@ _COMPOSITE_TORCH = (
     "dropout dropout_ feature_dropout feature_dropout_ alpha_dropout alpha_dropout_ feature_alpha_dropout "
     "feature_alpha_dropout_ native_dropout"
 ).split()
-#: aten ops without a generator argument that draw (the dispatch-level mode reimplements them)
+#: aten ops without a generator argument that draw (under the aten-level mode they decompose into ops that take
+#: one, or, native_dropout, are reimplemented)
 ATEN_DRAWS = {"native_dropout", "dropout", "feature_dropout", "alpha_dropout", "feature_alpha_dropout"}
 
 
@@ -111,13 +112,14 @@ def kind_of(func: Callable[..., Any]) -> Kind:
         return kind
     kind = Kind.PASS
     schema = getattr(func, "_schema", None)
-    if schema is not None:
+    if schema is not None:  # a torch.ops overload
         name = schema.name.partition("::")[2]
-        if name in GENERATOR_OPS:
+        slots = [(i, a) for i, a in enumerate(schema.arguments) if "Generator" in str(a.type)]
+        if slots and name in GENERATOR_OPS:
             kind = Kind.INJECT
-            POSITIONS[func] = GENERATOR_OPS[name]
-        elif name in ATEN_DRAWS:
-            kind = Kind.COMPOSITE
+            POSITIONS[func] = None if slots[0][1].kwarg_only else slots[0][0]
+        elif name in GENERATOR_OPS or name in ATEN_DRAWS:  # no generator here (aten.rand.default): the
+            kind = Kind.COMPOSITE  # aten-level mode calls the overload with one, or reimplements the op
     elif isinstance(func, torch._ops.OpOverloadPacket):
         name = func._qualified_op_name.partition("::")[2]
         if name in GENERATOR_OPS or name in ATEN_DRAWS:
