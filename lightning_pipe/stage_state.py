@@ -129,19 +129,23 @@ class StageState:
         return {"seed": self.seed, "stages": dict(sorted(stages.items()))}
 
     def load_random_state(self, state: dict[str, Any]) -> None:
-        """Continue the sequences of `random_state` (a resumed run); stages it lacks keep their fresh generators."""
+        """Continue the sequences of `random_state` (a resumed run).
+
+        The states of another number of stages are not loaded (a warning): the stages start from the run's seed.
+        """
         stages: dict[int, dict[str, torch.Tensor]] = state.get("stages", {})
         if set(stages) != set(range(len(self.shards))):
             warnings.warn(
-                f"the saved random states are of stages {sorted(stages)}, this pipeline has {len(self.shards)} "
-                "stages: the stages without a saved state start from the seed",
+                f"the saved random generator states are of {len(stages)} stages, this pipeline has "
+                f"{len(self.shards)}: its stages start from the run's seed (their dropout masks do not continue "
+                "the saved run's)",
                 stacklevel=2,
             )
+            return
         rank_of = self.coordinator.rank_of_stage
         each: list[dict[int, dict[str, torch.Tensor]]] = [{} for _ in range(self.coordinator.num_ranks)]
         for index, states in stages.items():
-            if 0 <= index < len(rank_of):
-                each[rank_of[index]][index] = states
+            each[rank_of[index]][index] = states
         self.coordinator.call("load_random_state", each=[(own,) for own in each])
 
     def sync_module(self) -> None:
