@@ -16,6 +16,7 @@ from torch import nn
 
 from lightning_pipe import tree
 from lightning_pipe.loss import Criterion, Loss, as_loss
+from lightning_pipe.rng.generators import RandomState, replaying
 
 Scaler = Any  # torch.amp.GradScaler or None
 
@@ -33,12 +34,13 @@ class Activation:
 
     ``inputs`` is the stage's input. Without activation checkpointing ``outputs`` holds the forward's
     result with its autograd graph; with checkpointing it is ``None`` and the backward recomputes the
-    forward from ``inputs`` (with the random state of the original forward).
+    forward from ``inputs``. ``rng_state`` is the stage's generator state before the forward (a
+    `RandomState`; None when the stage draws nothing), so the recomputation draws the same numbers.
     """
 
     inputs: Any
     outputs: Any = None
-    rng_state: torch.Tensor | None = None
+    rng_state: RandomState | torch.Tensor | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -147,10 +149,8 @@ class BackwardModule:
 
 
 def recompute(model: nn.Module, activation: Activation) -> Any:
-    """Run the forward again from a checkpointed input, with the original random state."""
-    with torch.random.fork_rng(devices=[]), torch.enable_grad(), frozen_running_stats(model):
-        if activation.rng_state is not None:
-            torch.set_rng_state(activation.rng_state)
+    """Run the forward again from a checkpointed input, drawing the random numbers the original forward drew."""
+    with replaying(activation.rng_state), torch.enable_grad(), frozen_running_stats(model):
         return call_module(model, activation.inputs)
 
 

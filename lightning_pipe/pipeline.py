@@ -39,6 +39,7 @@ from lightning_pipe.microbatch_weights import MicrobatchWeight, check_weight_fun
 from lightning_pipe.partition import Partitioner, ShardedTask
 from lightning_pipe.partition.traced import TracedPartitioner, for_module
 from lightning_pipe.partition.tracer import CallArgs
+from lightning_pipe.rng import run_seed
 from lightning_pipe.runtime import BaseRuntime, runtime_registry
 from lightning_pipe.schedule import resolve_schedule
 from lightning_pipe.stage_state import StageState
@@ -101,6 +102,8 @@ class Pipeline(StageState):
     ``V`` of them, stage ``s`` on rank ``s % (stages // V)``. ``runner`` picks how the workers run
     the schedule (see `lightning_pipe.engine.runners`); ``schedule`` is a registered name, a
     `Schedule` subclass or a function returning per-rank action lists. ``checkpoint``: see `checkpointing`.
+    Each stage draws its random numbers (dropout) from generators of its own, seeded from ``seed`` and its
+    index (default: ``PL_GLOBAL_SEED`` when Lightning's ``seed_everything`` ran, else ``torch.initial_seed()``).
     """
 
     def __init__(
@@ -122,6 +125,7 @@ class Pipeline(StageState):
         split_points: Sequence[str] | None = None,
         virtual_stages: int = 1,
         runner: str = "parallel",
+        seed: int | None = None,
         **transport_options: Any,
     ) -> None:
         self.worker_of_stage = worker_of_stages(runner, stages, virtual_stages)
@@ -149,6 +153,7 @@ class Pipeline(StageState):
         self.coordinator_ops = CoordinatorOps(self.backend, stages - 1)  # op substitution in the loss
         self.communicator = _communicator(transport, transport_options)
         self.coordinator_device = coordinator_device or self.runtimes[-1].torch_device
+        self.seed = run_seed(seed)
         self.shards: list[ShardedTask] = []
         self._coordinator: Coordinator | None = None
         self._started = False
@@ -195,6 +200,7 @@ class Pipeline(StageState):
                     runtime=runtimes[held[0]] if shared else runtimes,
                     autocast=self.autocast,
                     backend=self.backend,
+                    seed=self.seed,
                 )
             )
         self._coordinator = Coordinator(

@@ -7,7 +7,8 @@ trains; with ``local`` the stages share the module's parameters and most of this
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import warnings
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -24,6 +25,7 @@ class StageState:
     """Gradients, parameters, checkpoints and optimizers of the stages (a mixin of `Pipeline`)."""
 
     module: nn.Module
+    seed: int
     shards: list[ShardedTask]
     partitioner: Partitioner
     communicator: Communicator
@@ -118,6 +120,33 @@ class StageState:
         for shard in self.shards:
             keys[self.coordinator.rank_of_stage[shard.index]] += list(shard.module.state_dict())
         self.coordinator.call("load_state_dict", each=[({k: state[k] for k in own},) for own in keys])
+
+    def random_state(self) -> dict[str, Any]:
+        """The stages' random generator states: ``{"seed": run seed, "stages": {stage: {device: state}}}``."""
+        stages: dict[int, dict[str, torch.Tensor]] = {}
+        for part in self.coordinator.call("random_state"):
+            stages.update(part)
+        return {"seed": self.seed, "stages": dict(sorted(stages.items()))}
+
+    def load_random_state(self, state: dict[str, Any]) -> None:
+        """Continue the sequences of `random_state` (a resumed run).
+
+        The states of another number of stages are not loaded (a warning): the stages start from the run's seed.
+        """
+        stages: dict[int, dict[str, torch.Tensor]] = state.get("stages", {})
+        if set(stages) != set(range(len(self.shards))):
+            warnings.warn(
+                f"the saved random generator states are of {len(stages)} stages, this pipeline has "
+                f"{len(self.shards)}: its stages start from the run's seed (their dropout masks do not continue "
+                "the saved run's)",
+                stacklevel=2,
+            )
+            return
+        rank_of = self.coordinator.rank_of_stage
+        each: list[dict[int, dict[str, torch.Tensor]]] = [{} for _ in range(self.coordinator.num_ranks)]
+        for index, states in stages.items():
+            each[rank_of[index]][index] = states
+        self.coordinator.call("load_random_state", each=[(own,) for own in each])
 
     def sync_module(self) -> None:
         """Copy the stages' parameters and buffers into ``module`` (with transport="rpc" they train apart)."""

@@ -76,3 +76,11 @@ def twins(module: L.LightningModule) -> tuple[L.LightningModule, L.LightningModu
 
 def max_param_diff(a: nn.Module, b: nn.Module) -> float:
     return max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters(), strict=True))
+
+
+def gpt2_config(transformers: Any, dropout: float = 0.0) -> Any:
+    """A tiny HuggingFace GPT-2 config (4 layers of width 16, 48 tokens), ``dropout`` everywhere it has one."""
+    return transformers.GPT2Config(
+        vocab_size=48, n_positions=16, n_embd=16, n_layer=4, n_head=2, use_cache=False,
+        resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip

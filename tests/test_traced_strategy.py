@@ -11,7 +11,7 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import QUIET
+from helpers import QUIET, gpt2_config
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from traced_models import KeywordNet, SkipCNN, TinyGPT, gpt_batch
@@ -198,10 +198,7 @@ def test_lightning_demo_transformer(stages: int) -> None:
 def test_huggingface_gpt2_from_a_config() -> None:
     transformers = pytest.importorskip("transformers")
     transformers.logging.set_verbosity_error()
-    config = transformers.GPT2Config(
-        vocab_size=48, n_positions=16, n_embd=16, n_layer=4, n_head=2, use_cache=False,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
-    )  # fmt: skip
+    config = gpt2_config(transformers)
     torch.manual_seed(0)
 
     def step(model: nn.Module, batch: Any) -> torch.Tensor:

@@ -58,3 +58,4 @@ class StageContext:
     grad_enabled: bool
     training: bool  # the module's train()/eval() flag
     trainable: int  # parameters that require grad
+    random: bool = False  # it draws random numbers from its stage's own generators (lightning_pipe.rng)

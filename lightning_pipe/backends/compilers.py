@@ -83,6 +83,11 @@ class InductorCompiler(EagerCompiler):
 
         if not is_dynamo_supported():
             return "torch.compile does not support this Python version"
+        if ctx.random:
+            return (
+                "the stage draws random numbers (dropout): compiled code would draw them from torch's process-wide "
+                "generator instead of the stage's own, and activation recomputation could not replay them"
+            )
         if ctx.device.type == "cpu":
             try:
                 from torch._inductor.cpp_builder import get_cpp_compiler

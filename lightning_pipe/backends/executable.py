@@ -2,7 +2,7 @@
 
 The stage worker hands it to the executor modules in place of the shard's module, so a user's
 executor modules run on backends unchanged. Stage checkers run the first time an input signature
-(shapes, dtypes, devices, grad mode, train flag) is seen; the choice is cached per signature.
+(shapes, dtypes, devices, grad mode, train flag, random draws routed) is seen; the choice is cached per signature.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from lightning_pipe.backends.config import MODES, BackendPlan, StageChain, resol
 from lightning_pipe.backends.meta import metas_of, signature
 from lightning_pipe.backends.ops import OpTable, SubstitutionMode
 from lightning_pipe.backends.trace import StageTrace
+from lightning_pipe.rng import routing_active
 
 log = logging.getLogger("lightning_pipe.backends")
 # a new signature may compile; stage threads compile one at a time (Dynamo and 2-core machines like that better)
@@ -62,6 +63,7 @@ class StageExecutable(nn.Module):
             torch.is_grad_enabled(),
             self.module.training,
             torch.is_autocast_enabled(self.device.type),
+            routing_active(),
         )
         start = 0
         position = self._decisions.get(key)
@@ -98,6 +100,7 @@ class StageExecutable(nn.Module):
             torch.is_grad_enabled(),
             self.module.training,
             sum(1 for p in self.module.parameters() if p.requires_grad),
+            routing_active(),
         )
         for position in range(start, len(self.chain.backends)):
             backend = self.chain.backends[position]

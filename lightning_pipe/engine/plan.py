@@ -36,6 +36,7 @@ class StageSpec:
     runtime: Any = None  # a BaseRuntime for every shard, {stage: BaseRuntime}, or None: chosen by device type
     autocast: AutocastSpec | None = None
     backend: Any = None  # a backends.BackendPlan (names and op maps, no compiled objects), None: defaults
+    seed: int | None = None  # the run's seed: each stage's generators are seeded from it and the stage index
     options: dict[str, Any] = field(default_factory=dict)
 
 

@@ -23,6 +23,7 @@ from lightning_pipe.engine.versions import StageVersions, stage_versions
 from lightning_pipe.errors import PipeTimeoutError, StageError
 from lightning_pipe.executors import Activation, output_grads, recompute
 from lightning_pipe.grads import GradStash
+from lightning_pipe.rng import StageRandom, run_seed
 from lightning_pipe.runtime import BaseRuntime, runtime_registry
 from lightning_pipe.schedule import Action, Kind, peak_activations
 
@@ -60,6 +61,8 @@ class StageWorker(StageStateCalls, StageMemoryCalls):
         # each shard's forward per mode, run by its backend; executor modules get these as their model
         devices = {index: runtime.torch_device for index, runtime in self.runtimes.items()}
         self.executables, self.traces = build_executables(self.shards.values(), spec.backend, devices)
+        seed = run_seed(spec.seed)
+        self.random = {index: StageRandom(seed, index, devices[index], s.module) for index, s in self.shards.items()}
         self._pending: dict[Key, Message] = {}
         self._saved: dict[tuple[int, int], Activation] = {}
         self._weight_work: dict[tuple[int, int], WeightGradient] = {}  # I done, W pending
@@ -176,17 +179,18 @@ class StageWorker(StageStateCalls, StageMemoryCalls):
             self._initialized.add(s)
             runtime.initialize_module(shard.module, inputs, None)
         t = self._span(action, "recv", t)
-        with self._autocast(device):
+        stage_rng = self.random[s]
+        with self._autocast(device), stage_rng.drawing(training):  # the stage's own generators
             if not training:
                 with torch.no_grad():
                     outputs = shard.forward.run(model, inputs, device)
                 out_mask = [False] * len(tree.flatten(outputs)[0])
             elif self.recompute[s]:
                 leaves = tree.as_leaves(inputs, mask)
-                rng = torch.get_rng_state()
+                state = stage_rng.snapshot()  # the recomputation replays this forward's draws
                 with torch.no_grad():
                     outputs = shard.forward.run(self._model(s, m), leaves, device)
-                self._saved[(s, m)] = Activation(leaves, None, rng)
+                self._saved[(s, m)] = Activation(leaves, None, state)
                 self.stash.hold((s, m), self._stash_size(s, self._saved[(s, m)], True))
                 out_mask = [isinstance(t, torch.Tensor) and t.is_floating_point() for t in tree.flatten(outputs)[0]]
             else:

@@ -16,6 +16,7 @@ from torch import nn
 
 from lightning_pipe.errors import PipeError
 from lightning_pipe.grads import GradStash
+from lightning_pipe.rng import StageRandom
 
 GroupSpec = dict[str, Any]  # {"hparams": {...}, "names": [...]}: one param group, this rank's part of it
 
@@ -25,6 +26,7 @@ class StageStateCalls:
 
     shards: dict[int, Any]
     rank: int
+    random: dict[int, StageRandom]
     _grads: GradStash
     _optimizer: torch.optim.Optimizer | None = None
     _optimizer_names: list[list[str]] = []
@@ -60,6 +62,16 @@ class StageStateCalls:
             for variant, sources, constants in variants:
                 moved = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in constants.items()}
                 task.module.install_with_constants(variant, sources, moved)
+
+    # random generators
+    def call_random_state(self) -> dict[int, dict[str, torch.Tensor]]:
+        """Each stage's generator states, by stage index (for checkpoints)."""
+        return {index: random.generators.state() for index, random in self.random.items()}
+
+    def call_load_random_state(self, states: dict[int, dict[str, torch.Tensor]]) -> None:
+        """Restore the generator states of this rank's stages (a resumed run continues their sequences)."""
+        for index, state in states.items():
+            self.random[index].generators.load_state(state)
 
     def call_grads(self) -> dict[str, torch.Tensor | None]:
         return {name: p.grad for name, p in self._named_parameters().items()}

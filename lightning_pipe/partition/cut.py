@@ -21,6 +21,7 @@ from torch.fx.graph_module import _format_import_block, _forward_from_src
 from torch.package import sys_importer
 
 from lightning_pipe.errors import PartitionError
+from lightning_pipe.rng.detect import random_calls
 
 CutKey = tuple[str, str, int]  # (op, target, occurrence) of the first node of a stage
 
@@ -155,18 +156,25 @@ class TracedShard(nn.Module):
         for target in sorted(targets, key=lambda t: t.count(".")):
             self._adopt(root, target, constants)
         self.install(variant, {mode: _source(graph) for mode, graph in graphs.items()})
+        # what the stage's code can draw, for its random generators (lightning_pipe.rng.detect)
+        called = {str(n.target) for g in graphs.values() for n in g.nodes if n.op == "call_module"}
+        self.called_modules = sorted(set(getattr(self, "called_modules", ())) | called)
+        drawn = getattr(self, "random_calls", [])
+        self.random_calls = None if drawn is None else sorted(set(drawn) | set(random_calls(graphs.values())))
 
     def install_with_constants(self, variant: int, sources: dict[bool, str], constants: dict[str, Any]) -> None:
         """A variant traced in another process: its code and the constants it reads (a stage of transport="rpc")."""
         for target in sorted(constants, key=lambda t: t.count(".")):
             self._adopt(self, target, constants)
         self.install(variant, sources)
+        self.random_calls = None  # code without its graph: what it draws shows when it runs
 
     def install(self, variant: int, sources: dict[bool, str]) -> None:
         """Add a variant's generated code (the attributes it reads must be there already)."""
         for mode, src in sources.items():
             self._sources[(variant, mode)] = src
         self._compile()
+        self.code_version = getattr(self, "code_version", 0) + 1
 
     def forward(self, variant: int, *inputs: Any) -> tuple[Any, ...]:
         code = self._forward.get((variant, self.training))

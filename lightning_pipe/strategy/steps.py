@@ -60,6 +60,10 @@ class PipelinedSteps:
 
         def _build(self, sample: Any) -> Pipeline: ...
 
+        def step_random(
+            self, context: Callable[[], AbstractContextManager[Any]], name: str, args: tuple[Any, ...], index: int
+        ) -> Callable[[], AbstractContextManager[Any]]: ...
+
 
     def _capture_input(self, lightning_module: pl.LightningModule, pipelined: nn.Module, batch: Any) -> Any:
         """Run ``training_step`` on ``batch`` until it calls the pipelined module; return that input."""
@@ -118,7 +122,8 @@ class PipelinedSteps:
         context = _with_ops(context, self._coordinator_ops, "train" if training else "eval")
         turn = threading.Lock()  # one driver at a time runs the user's step
         drivers = [
-            Driver(_bind(step_fn, p, rest, kwargs), i, context, self.timeout, turn) for i, p in enumerate(pieces)
+            Driver(_bind(step_fn, p, rest, kwargs), i, self.step_random(context, name, args, i), self.timeout, turn)
+            for i, p in enumerate(pieces)
         ]
         restore_log = patch(lightning_module, "log", recorder)
         try:

@@ -25,11 +25,13 @@ from lightning_pipe.microbatch_weights import MicrobatchWeight
 from lightning_pipe.partition import Partitioner
 from lightning_pipe.partition.traced import TracedPartitioner
 from lightning_pipe.pipeline import Pipeline, resolve_partitioner
+from lightning_pipe.rng import run_seed
 from lightning_pipe.runtime import BaseRuntime, runtime_registry
 from lightning_pipe.strategy.arguments import check_arguments
 from lightning_pipe.strategy.asynchronous import AsyncTraining
 from lightning_pipe.strategy.hooks import RuntimeHooks
 from lightning_pipe.strategy.patch import Patches
+from lightning_pipe.strategy.random_state import StageRandomState
 from lightning_pipe.strategy.remote import StageGradZeroing, StageParameters
 from lightning_pipe.strategy.steps import PipelinedSteps
 from lightning_pipe.strategy.trace import PipeTrace
@@ -44,7 +46,7 @@ _RUNTIME_HOOKS = (
 )
 
 
-class PipeStrategy(PipelinedSteps, SingleDeviceStrategy):
+class PipeStrategy(PipelinedSteps, StageRandomState, SingleDeviceStrategy):
     """Splits the LightningModule's pipelined module into stages and runs each step as a pipeline.
 
     Args:
@@ -309,8 +311,10 @@ class PipeStrategy(PipelinedSteps, SingleDeviceStrategy):
             backend=backend,
             strict=self.strict,
             transport=self.transport,
+            seed=run_seed(),  # seed_everything's seed: each stage's generators start from it and the stage index
             **self._transport_options,
         ).start()
+        self.restore_random_state(self.pipeline)
         if self._stage_params is not None and self.optimizers:
             self._stage_params.attach(self.pipeline, self.optimizers, self.root_device)
         self._hooked = {
@@ -342,6 +346,8 @@ class PipeStrategy(PipelinedSteps, SingleDeviceStrategy):
     def teardown(self) -> None:
         try:
             self._trace = self.execution_trace()  # kept after this fit/validate/test/predict
+            self._end_stream()
+            self.keep_random_state()
         finally:
             self._coordinator_ops = None
             self._shutdown()
