@@ -15,6 +15,7 @@ from lightning_pipe import tree
 from lightning_pipe.backends import StageTrace, build_executables
 from lightning_pipe.comm.base import COORDINATOR, Endpoint, Message, MessageKind, deadline, remaining
 from lightning_pipe.engine.plan import ASYNC, EVAL, TRAIN, LossPlan, StageSpec, StepPlan
+from lightning_pipe.engine.replicas import StageReplicas
 from lightning_pipe.engine.split_backward import WeightGradient, backward_input, backward_weight
 from lightning_pipe.engine.stage_memory import StageMemoryCalls
 from lightning_pipe.engine.stage_state import StageStateCalls
@@ -78,6 +79,12 @@ class StageWorker(StageStateCalls, StageMemoryCalls):
         self._loss: LossPlan | None = None  # set when this rank computes the step's losses
         self._outputs: dict[int, Any] = {}  # last stage: outputs awaiting their loss, by microbatch
         self._losses: list[Message] = []  # last stage: this step's losses, sent with its end (one wake-up)
+        self.replicas: StageReplicas | None = None  # launched mode: gradients averaged over the stage's replicas
+
+    def replicate(self, group: Any) -> None:
+        """Average this worker's gradients over ``group`` (its stages' data-parallel group) after each step."""
+        devices = {index: runtime.torch_device for index, runtime in self.runtimes.items()}
+        self.replicas = StageReplicas({i: s.module for i, s in self.shards.items()}, group, devices)
 
     # event loop
     def serve(self) -> None:
@@ -139,6 +146,10 @@ class StageWorker(StageStateCalls, StageMemoryCalls):
                     self._backward_weight(action)
                 idle_since = time.perf_counter()
                 records.append((str(action), start, idle_since))
+            if set_aside and self.replicas is not None:
+                start = time.perf_counter()
+                self.replicas.reduce(self.shards)
+                self._parts.append((f"{action} reduce", start, time.perf_counter()))  # after the last action
             for index, shard in self.shards.items():
                 self.runtimes[index].get_pending_result(shard.module, True)
             for loss in self._losses:
