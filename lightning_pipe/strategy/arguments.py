@@ -28,7 +28,7 @@ def check_arguments(
     timeout: float,
     backend: BackendArg,
     strict: bool,
-    transport: str,
+    transport: str | None,
     coordinator: str | None,
     token: str | None,
     split_points: Sequence[str] | None,
@@ -53,7 +53,7 @@ def check_arguments(
     if not timeout or timeout <= 0:
         raise ConfigurationError(f"timeout={timeout!r}: pass a positive number of seconds")
     asynchronous = bool(getattr(resolve_schedule(schedule), "asynchronous", False))  # unknown names fail here
-    if asynchronous and transport != "local":
+    if asynchronous and transport not in (None, "local"):
         raise ConfigurationError(
             f"PipeStrategy(schedule='async') runs with transport='local'; with transport={transport!r} train "
             "with lightning_pipe.Pipeline(...).train_async(...) or pick schedule='1f1b'"
@@ -70,12 +70,13 @@ def check_arguments(
     if stages is None and split_points:
         stages = len(split_points) + 1
     resolve_backends(backend, stages or (len(device_names) if device_names else None), strict)
-    if transport not in TRANSPORTS:
-        raise ConfigurationError(f"unknown transport {transport!r}; available: {', '.join(sorted(TRANSPORTS))}")
+    if transport is not None and transport not in TRANSPORTS and transport != "p2p":
+        known = ", ".join(sorted({*TRANSPORTS, "p2p"}))
+        raise ConfigurationError(f"unknown transport {transport!r}; available: {known} (or None: by the process count)")
     resolve_codec(compress)  # an unknown codec, or zstd without its package, fails here
     given = (("coordinator", coordinator), ("token", token), ("compress", compress))
     options: dict[str, Any] = {k: v for k, v in given if v is not None}
-    if options and transport == "local":
+    if options and transport != "rpc":
         verb = "needs" if len(options) == 1 else "need"
         raise ConfigurationError(f"{' and '.join(options)} {verb} transport='rpc' (stages in worker processes)")
     return stages, device_names, asynchronous, options

@@ -64,7 +64,6 @@ class PipelinedSteps:
             self, context: Callable[[], AbstractContextManager[Any]], name: str, args: tuple[Any, ...], index: int
         ) -> Callable[[], AbstractContextManager[Any]]: ...
 
-
     def _capture_input(self, lightning_module: pl.LightningModule, pipelined: nn.Module, batch: Any) -> Any:
         """Run ``training_step`` on ``batch`` until it calls the pipelined module; return that input."""
 

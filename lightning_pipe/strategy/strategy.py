@@ -3,21 +3,19 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.plugins.precision import MixedPrecision
-from lightning.pytorch.strategies import SingleDeviceStrategy
+from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
 from lightning_pipe.backends import BackendArg, CoordinatorOps, ExecutionTrace, resolve_backends
 from lightning_pipe.backends.compiled import TorchCompiled, unwrap_compiled
-from lightning_pipe.engine import AutocastSpec
 from lightning_pipe.engine.versions import Staleness
 from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.grads import GradStash
@@ -25,28 +23,24 @@ from lightning_pipe.microbatch_weights import MicrobatchWeight
 from lightning_pipe.partition import Partitioner
 from lightning_pipe.partition.traced import TracedPartitioner
 from lightning_pipe.pipeline import Pipeline, resolve_partitioner
-from lightning_pipe.rng import run_seed
 from lightning_pipe.runtime import BaseRuntime, runtime_registry
 from lightning_pipe.strategy.arguments import check_arguments
 from lightning_pipe.strategy.asynchronous import AsyncTraining
+from lightning_pipe.strategy.building import PipelineBuilding
 from lightning_pipe.strategy.hooks import RuntimeHooks
+from lightning_pipe.strategy.launched import LaunchedMode
+from lightning_pipe.strategy.layout import LOCAL
+from lightning_pipe.strategy.optimization import StageOptimization
 from lightning_pipe.strategy.patch import Patches
 from lightning_pipe.strategy.random_state import StageRandomState
 from lightning_pipe.strategy.remote import StageGradZeroing, StageParameters
 from lightning_pipe.strategy.steps import PipelinedSteps
 from lightning_pipe.strategy.trace import PipeTrace
 
-_RUNTIME_HOOKS = (
-    "train_epoch_begin",
-    "train_pre_step",
-    "train_post_step",
-    "train_validation_begin",
-    "eval_pre_step",
-    "eval_post_step",
-)
 
-
-class PipeStrategy(PipelinedSteps, StageRandomState, SingleDeviceStrategy):
+class PipeStrategy(
+    PipelinedSteps, StageRandomState, StageOptimization, PipelineBuilding, LaunchedMode, ParallelStrategy
+):
     """Splits the LightningModule's pipelined module into stages and runs each step as a pipeline.
 
     Args:
@@ -77,9 +71,13 @@ class PipeStrategy(PipelinedSteps, StageRandomState, SingleDeviceStrategy):
             there, or where ``partition`` balances it; its forward may take several positional and
             keyword arguments and return a tensor, tuple or dict. Without ``stages``, one stage more
             than split points.
-        transport: ``"local"`` (stages are threads of this process) or ``"rpc"`` (stage worker
-            processes: one per stage on this machine, or ``lightning-pipe worker`` processes that
-            join ``coordinator``); see `lightning_pipe.comm.rpc`.
+        transport: ``None`` (the default): launched mode when the Trainer runs more than one process
+            (``devices x num_nodes > 1`` or a launcher's ``WORLD_SIZE > 1``: R pipeline replicas of the stages,
+            one process per stage and device, activations point to point over torch.distributed, gradients
+            averaged over the replicas; see `lightning_pipe.strategy.layout`), else ``"local"``.
+            ``"local"``: stages are threads of this process, on the Trainer's devices. ``"rpc"``: stage
+            worker processes (one per stage on this machine, or ``lightning-pipe worker`` processes that join
+            ``coordinator``); see `lightning_pipe.comm.rpc`. ``"p2p"``: launched mode in any case.
         coordinator: with ``transport="rpc"``, ``"HOST:PORT"`` where workers on other machines join.
         token: with ``transport="rpc"``, the secret workers must present (default ``$LIGHTNING_PIPE_TOKEN``).
         compress: with ``transport="rpc"``, how activations and gradients cross between processes:
@@ -113,7 +111,7 @@ class PipeStrategy(PipelinedSteps, StageRandomState, SingleDeviceStrategy):
         timeout: float = 300.0,
         backend: BackendArg = None,
         strict: bool = False,
-        transport: str = "local",
+        transport: str | None = None,
         coordinator: str | None = None,
         token: str | None = None,
         compress: Any = None,
@@ -126,9 +124,7 @@ class PipeStrategy(PipelinedSteps, StageRandomState, SingleDeviceStrategy):
         trace: str | os.PathLike[str] | PipeTrace | None = None,
         microbatch_weight: MicrobatchWeight | None = None,
     ) -> None:
-        super().__init__(
-            device="cpu", accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin
-        )
+        super().__init__(accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
         stages, device_names, asynchronous, options = check_arguments(
             stages, microbatches, schedule, devices, checkpoint, runtime, timeout, backend, strict, transport,
             coordinator, token, split_points, virtual_stages, runner, microbatch_weight, compress,
@@ -151,13 +147,11 @@ class PipeStrategy(PipelinedSteps, StageRandomState, SingleDeviceStrategy):
         self.transport = transport
         self._transport_options = options
         #: with stages that own their parameters (not "local"): Lightning's optimizers, stepped on the stages
-        self._stage_params = StageParameters() if transport != "local" else None
+        self._stage_params: StageParameters | None = None
         #: schedule="async": stage optimizers, the open stream, the measured staleness
         self._async = AsyncTraining() if asynchronous else None
         self._trace = ExecutionTrace([])  # the traces of pipelines already closed
         self._coordinator_ops: CoordinatorOps | None = None  # op substitution in the user's step code
-        #: set by Lightning's accelerator connector to the Trainer's devices
-        self.parallel_devices: list[torch.device] | None = None
         self.pipeline: Pipeline | None = None
         self._pipelined: nn.Module | None = None
         self._compiled: TorchCompiled | None = None  # the pipelined module is torch.compile(...) of this
@@ -165,6 +159,7 @@ class PipeStrategy(PipelinedSteps, StageRandomState, SingleDeviceStrategy):
         self._outside = GradStash()  # parameters outside the pipelined module (before/after the call)
         self._hooked: set[str] = set()
         self._seen_batch = False
+        self._released = True  # launched mode: the serving ranks were told that this fit ended
         #: the last step's `StepResult` (per-rank action timings, the schedule), kept after teardown
         self.last_step: Any = None
 
@@ -173,6 +168,8 @@ class PipeStrategy(PipelinedSteps, StageRandomState, SingleDeviceStrategy):
         """One device per stage, from ``devices``, the Trainer's devices or cpu."""
         if self.stage_devices is not None:
             return self.stage_devices
+        if self.layout is not None:  # launched mode: a stage per process of this replica's pipeline
+            return self.launched_stage_devices(self.layout.ranks_per_pipeline * self.virtual_stages)
         trainer_devices = [str(d) for d in (self.parallel_devices or [torch.device("cpu")])]
         if all(d == "cpu" for d in trainer_devices):
             return ["cpu"] * (self.stages or len(trainer_devices))
@@ -187,7 +184,9 @@ class PipeStrategy(PipelinedSteps, StageRandomState, SingleDeviceStrategy):
     @property
     @override
     def root_device(self) -> torch.device:
-        """The coordinator's device: where the last stage's output and the loss live."""
+        """The coordinator's device: where the last stage's output and the loss live (launched: this process's)."""
+        if self.layout is not None:
+            return self.launched_root_device
         devices = self.resolve_devices()
         if isinstance(self.runtime, BaseRuntime):
             return self.runtime.torch_device
@@ -198,6 +197,9 @@ class PipeStrategy(PipelinedSteps, StageRandomState, SingleDeviceStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
         self._trainer = trainer
+        self._released = False
+        if self.mode != LOCAL and self._stage_params is None:
+            self._stage_params = StageParameters()  # the stages own their parameters
         lightning_module = self.lightning_module
         assert lightning_module is not None
         if not lightning_module.automatic_optimization:
@@ -287,61 +289,6 @@ class PipeStrategy(PipelinedSteps, StageRandomState, SingleDeviceStrategy):
         if self.pipe_trace is not None and not any(cb is self.pipe_trace for cb in callbacks):
             callbacks.append(self.pipe_trace)
 
-    def _build(self, sample: Any) -> Pipeline:
-        if self.pipeline is not None:
-            return self.pipeline
-        assert self._pipelined is not None
-        devices = self.resolve_devices()
-        compiled = self._compiled
-        backend = compiled.plan(self.backend, len(devices), self.strict) if compiled is not None else self.backend
-        self.pipeline = Pipeline(
-            self._split_module(),
-            stages=len(devices),
-            schedule=self.schedule,
-            partition=self.partitioner,
-            devices=devices,
-            checkpoint=self.checkpoint,
-            runtime=self.runtime,
-            timeout=self.timeout,
-            autocast=self._autocast(),
-            sample=sample,
-            coordinator_device=self.root_device,
-            virtual_stages=self.virtual_stages,
-            runner=self.runner,
-            backend=backend,
-            strict=self.strict,
-            transport=self.transport,
-            seed=run_seed(),  # seed_everything's seed: each stage's generators start from it and the stage index
-            **self._transport_options,
-        ).start()
-        self.restore_random_state(self.pipeline)
-        if self._stage_params is not None and self.optimizers:
-            self._stage_params.attach(self.pipeline, self.optimizers, self.root_device)
-        self._hooked = {
-            name
-            for name in _RUNTIME_HOOKS
-            if any(getattr(type(rt), name) is not getattr(BaseRuntime, name) for rt in self.pipeline.runtimes)
-        }
-        return self.pipeline
-
-    def _autocast(self) -> AutocastSpec | None:
-        plugin = self.precision_plugin
-        if isinstance(plugin, MixedPrecision):
-            return AutocastSpec(torch.bfloat16 if plugin.precision == "bf16-mixed" else torch.float16)
-        return None
-
-    def execution_trace(self) -> ExecutionTrace:
-        """Per stage: which backend ran its forwards and which substituted ops ran where (``print`` it).
-
-        Ops of the user's step code (the loss) count under the last stage, mode ``"coordinator"``.
-        """
-        trace = self._trace
-        if self.pipeline is not None:
-            trace = trace.merged(self.pipeline.execution_trace())
-        if self._coordinator_ops is not None:
-            trace = trace.merged(ExecutionTrace([self._coordinator_ops.trace]))
-        return trace
-
     @override
     def teardown(self) -> None:
         try:
@@ -353,7 +300,7 @@ class PipeStrategy(PipelinedSteps, StageRandomState, SingleDeviceStrategy):
             self._shutdown()
         super().teardown()
 
-    def _shutdown(self) -> None:
+    def _shutdown(self, error: BaseException | None = None) -> None:
         try:
             self._end_stream()
             if self._stage_params is not None and self._stage_params.views and self.pipeline is not None:
@@ -361,9 +308,14 @@ class PipeStrategy(PipelinedSteps, StageRandomState, SingleDeviceStrategy):
                 self._stage_params.fold_into_templates()
         finally:  # whatever failed above: the user's objects as they were, the stages stopped
             self._patches.restore()
-            if self.pipeline is not None:
-                pipeline, self.pipeline = self.pipeline, None
-                pipeline.close()
+            try:
+                if self.pipeline is not None:
+                    pipeline, self.pipeline = self.pipeline, None
+                    pipeline.close()
+            finally:
+                if self.layout is not None and self.layout.coordinates and not self._released:
+                    self._released = True  # the serving ranks return from this fit (raise, after an error)
+                    self.release_stages(error)
             self._seen_batch = False
 
     @override
@@ -373,88 +325,11 @@ class PipeStrategy(PipelinedSteps, StageRandomState, SingleDeviceStrategy):
         if self._async is not None and self._async.stream is not None:
             self._async.stream.abort()  # stages may be gone: nothing to drain
             self._async.stream = None
-        self._shutdown()
+        self._shutdown(exception)
 
     @override
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
         return super().batch_to_device(batch, device or self.root_device, dataloader_idx)
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        if self._stage_params is not None:  # the stages' parts, now or once the stages are built
-            self._stage_params.load(self.optimizers, checkpoint["optimizer_states"])
-            return
-        if self._async is not None and self._async.template is not None:
-            for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"], strict=False):
-                if optimizer is self._async.template:
-                    self._async.load_state_dict(state)
-                else:
-                    optimizer.load_state_dict(state)
-            return
-        # torch moves each state to its parameter's device; Lightning's version would move it to one device
-        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"], strict=False):
-            optimizer.load_state_dict(state)
-
-    # stages that own their parameters (transport="rpc"): steps and checkpoints go through them
-    @override
-    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        if self._stage_params is None or self._stage_params.view(optimizer) is None:
-            return super().optimizer_step(optimizer, closure, model, **kwargs)
-        model = model or self.lightning_module
-        return self._stage_params.optimizer_step(self.precision_plugin, optimizer, model, closure, **kwargs)
-
-    @override
-    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        if self._async is not None and getattr(optimizer, "_optimizer", optimizer) is self._async.template:
-            return self._async.state_dict()
-        state = self._stage_params.state(optimizer) if self._stage_params is not None else None
-        return state if state is not None else super().optimizer_state(optimizer)
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        if self._async is not None and self._async.stream is not None and not self._async.stream.closed:
-            rank_zero_warn(
-                "PipeStrategy(schedule='async'): a checkpoint in the middle of a stream holds the live weights, "
-                "with the updates of batches in flight missing; checkpoints at the end of an epoch or validation "
-                "see every update"
-            )
-        if self._stage_params is not None and self.pipeline is not None:
-            self.pipeline.sync_module()
-        return super().lightning_module_state_dict()
-
-    # the memory plan
-    def plan(self, model: nn.Module, sample_batch: Any, verbose: bool = True) -> Any:
-        """Predict each stage's activation memory for one training step, before training.
-
-        ``model`` is the LightningModule (its ``training_step`` runs on ``sample_batch`` up to the
-        pipelined call, to find the pipeline's input) or the pipelined module itself (then
-        ``sample_batch`` is its input). Prints the per-stage table unless ``verbose=False``; returns a
-        `lightning_pipe.memory.MemoryPlan`. ``checkpoint="auto"`` is planned without recomputation: the
-        plan it starts from (it recomputes where a device's free memory is short of it).
-        """
-        from lightning_pipe.memory import plan as memory_plan
-
-        if isinstance(model, pl.LightningModule):
-            called = self._find_pipelined(model)
-            sample = self._capture_input(model, called, sample_batch)
-        else:
-            called, sample = model, sample_batch
-        compiled = unwrap_compiled(called)
-        pipelined = compiled.module if compiled is not None else called
-        if not isinstance(self.partitioner, Partitioner) or isinstance(self.partitioner, TracedPartitioner):
-            raise ConfigurationError("plan() covers nn.Sequential pipelines; traced models are not planned yet")
-        return memory_plan(
-            pipelined,
-            sample,
-            len(self.resolve_devices()),
-            self.microbatches,
-            self.schedule,
-            self.virtual_stages,
-            self.partitioner,
-            self.checkpoint,
-            self.runner,
-            verbose,
-        )
 
     # steps
     @override
@@ -472,26 +347,6 @@ class PipeStrategy(PipelinedSteps, StageRandomState, SingleDeviceStrategy):
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._run("predict_step", args, kwargs, self.precision_plugin.predict_step_context)
-
-    @override
-    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-        """Put the gradients the pipeline computed during ``training_step`` on ``p.grad``.
-
-        Lightning zeroes gradients between ``training_step`` and ``backward``, so the pipeline keeps
-        them aside until now. The precision plugin's hooks still run (``on_before_backward``,
-        ``on_after_backward``); ``LightningModule.backward`` is not called: the pipeline did the backward.
-        """
-        lightning_module = self.lightning_module
-        assert lightning_module is not None and self.pipeline is not None
-        self.pre_backward(closure_loss)
-        closure_loss = self.precision_plugin.pre_backward(closure_loss, lightning_module)
-        scale = 1.0 / self._trainer.accumulate_grad_batches
-        if self._async is None:  # async: the stages stepped their own parameters
-            self.pipeline.apply_grads(scale)
-        self._outside.apply(scale)
-        closure_loss = self.precision_plugin.post_backward(closure_loss, lightning_module)
-        self.post_backward(closure_loss)
-        return closure_loss
 
     def staleness(self) -> list[Staleness]:
         """schedule="async": per stage, the staleness its microbatches saw over this strategy's fits."""

@@ -1,0 +1,111 @@
+"""Which mode a `PipeStrategy` runs in, and in launched mode which process holds what.
+
+The mode rule, the Lightning way (as DDP decides by the number of processes):
+
+- ``transport="local"``: one process; the Trainer's devices are the stage devices (threads).
+- ``transport="rpc"``: one Lightning process; stages in worker processes of a private RPC world.
+- ``transport=None`` (the default): launched mode when the Trainer has more than one process
+  (``devices x num_nodes > 1``, or a launcher's ``WORLD_SIZE > 1``), else ``"local"``.
+- ``transport="p2p"``: launched mode, whatever the number of processes.
+
+In launched mode the ``W = devices x num_nodes`` processes form R pipeline replicas of P ranks each
+(P = stages / virtual_stages), the ranks of one pipeline consecutive, so that a pipeline stays inside
+one node when P <= devices::
+
+    global rank    0   1   2   3          (devices=4, stages=2)
+    replica        0   0   1   1
+    pipeline rank  0   1   0   1
+                   ^coordinator ^coordinator
+
+Pipeline rank 0 of each replica is its coordinator: it runs Lightning's loop and the user's step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lightning_pipe.errors import ConfigurationError
+
+LOCAL, RPC, LAUNCHED = "local", "rpc", "launched"
+
+
+def choose_mode(transport: str | None, processes: int) -> str:
+    """The mode for ``transport`` (``None``: decided by the number of processes) in a run of ``processes``."""
+    if transport is None:
+        return LAUNCHED if processes > 1 else LOCAL
+    if transport == "p2p":
+        return LAUNCHED
+    return RPC if transport == "rpc" else LOCAL
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Launched mode: ``replicas`` pipelines of ``ranks_per_pipeline`` processes; this process is ``global_rank``."""
+
+    world_size: int
+    global_rank: int
+    ranks_per_pipeline: int
+    devices_per_node: int
+
+    @classmethod
+    def of(cls, world_size: int, global_rank: int, stages: int, virtual_stages: int, devices_per_node: int) -> Layout:
+        """The layout of ``stages`` stages in ``world_size`` processes; raises naming the numbers and the fix."""
+        per_pipeline = stages // virtual_stages
+        if world_size % per_pipeline:
+            fits = [p * virtual_stages for p in range(1, world_size + 1) if world_size % p == 0]
+            raise ConfigurationError(
+                f"PipeStrategy(stages={stages}) in {world_size} processes: each pipeline replica takes "
+                f"{per_pipeline} processes (one per {'worker of ' if virtual_stages > 1 else ''}stage), and "
+                f"{world_size} is not a multiple of {per_pipeline}; pick stages from "
+                f"{', '.join(map(str, fits))}, or a Trainer with devices x num_nodes a multiple of {per_pipeline}"
+            )
+        return cls(world_size, global_rank, per_pipeline, devices_per_node)
+
+    @property
+    def replicas(self) -> int:
+        return self.world_size // self.ranks_per_pipeline
+
+    @property
+    def replica(self) -> int:
+        return self.global_rank // self.ranks_per_pipeline
+
+    @property
+    def pipeline_rank(self) -> int:
+        return self.global_rank % self.ranks_per_pipeline
+
+    @property
+    def coordinates(self) -> bool:
+        """Whether this process runs Lightning's loop (pipeline rank 0 of its replica)."""
+        return self.pipeline_rank == 0
+
+    def pipeline_ranks(self, replica: int | None = None) -> list[int]:
+        """Global ranks of a replica's pipeline (default: this process's), in pipeline order."""
+        first = (self.replica if replica is None else replica) * self.ranks_per_pipeline
+        return list(range(first, first + self.ranks_per_pipeline))
+
+    def replica_ranks(self, pipeline_rank: int | None = None) -> list[int]:
+        """Global ranks holding the same pipeline rank in every replica (its data-parallel group)."""
+        rank = self.pipeline_rank if pipeline_rank is None else pipeline_rank
+        return [r * self.ranks_per_pipeline + rank for r in range(self.replicas)]
+
+    @property
+    def coordinator_ranks(self) -> list[int]:
+        """The processes that run Lightning's loop: Lightning's collectives (logging, checkpoints) span these."""
+        return self.replica_ranks(0)
+
+    def local_index(self, global_rank: int) -> int:
+        """The device index of ``global_rank`` on its node (ranks fill the nodes in order)."""
+        return global_rank % self.devices_per_node
+
+    def describe(self, global_rank: int) -> str:
+        return (
+            f"global rank {global_rank} (pipeline rank {global_rank % self.ranks_per_pipeline} "
+            f"of replica {global_rank // self.ranks_per_pipeline})"
+        )
+
+    def picture(self) -> str:
+        """One line per replica: which global rank holds which pipeline rank (logged at the start)."""
+        return "; ".join(
+            f"replica {r}: " + ", ".join(f"rank {g} -> pipeline rank {i}" for i, g in enumerate(self.pipeline_ranks(r)))
+            for r in range(self.replicas)
+        )
