@@ -262,7 +262,9 @@ class LaunchedMode(_Strategy):
 
     # Lightning's collectives: among the coordinators (the processes that run Lightning's loop)
     def _coordinator_group(self) -> Any:
-        if self.layout is None or self.layout.replicas == 1 or self._groups is None:
+        """The coordinators' group; None where there is nothing to agree on (one replica, or a serving rank)."""
+        layout = self.layout
+        if layout is None or layout.replicas == 1 or self._groups is None or not layout.coordinates:
             return None
         return self._groups.coordinators
 

@@ -1,0 +1,110 @@
+"""Starting training scripts the way users do (Lightning's launcher, torchrun, SLURM), always ending them.
+
+Every launch runs in its own process session; whatever is left of it when the launch returns (a
+timeout, a failure) is SIGKILLed with the whole session, so no test leaves a process behind.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Run:
+    returncodes: list[int | None]
+    output: str
+    seconds: float
+    ended: float  # time.time() when the last process had ended
+
+    @property
+    def ok(self) -> bool:
+        return all(code == 0 for code in self.returncodes)
+
+
+def base_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_", "PL_"))}
+    for key in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK"):
+        env.pop(key, None)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env["MASTER_ADDR"] = "127.0.0.1"
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def run_all(commands: list[tuple[list[str], dict[str, str]]], timeout: float) -> Run:
+    """Start every command (each in a session of its own), wait for all within ``timeout``, kill what is left."""
+    start = time.monotonic()
+    procs = [
+        subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         start_new_session=True, text=True)  # fmt: skip
+        for cmd, env in commands
+    ]
+    outputs = []
+    try:
+        for proc in procs:
+            left = max(1.0, timeout - (time.monotonic() - start))
+            try:
+                out, _ = proc.communicate(timeout=left)
+            except subprocess.TimeoutExpired:
+                _kill(proc)
+                out, _ = proc.communicate()
+                out += f"\n[test] killed after {timeout:.0f} s"
+            outputs.append(out)
+    finally:
+        for proc in procs:
+            _kill(proc)
+    return Run([p.returncode for p in procs], "\n".join(outputs), time.monotonic() - start, time.time())
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher's children are in its session
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def lightning_launch(script: str, args: list[str], timeout: float = 240) -> Run:
+    """``python script.py ...``: Lightning's own launcher starts the other processes."""
+    env = base_env()
+    env["MASTER_PORT"] = str(free_port())
+    return run_all([([sys.executable, script, *args], env)], timeout)
+
+
+def torchrun(script: str, args: list[str], nproc: int = 4, timeout: float = 240) -> Run:
+    """``torchrun --nproc-per-node N --master-addr 127.0.0.1 --master-port P script.py ...``."""
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--nnodes", "1",
+        "--master-addr", "127.0.0.1", "--master-port", str(free_port()), script, *args,
+    ]  # fmt: skip
+    return run_all([(cmd, base_env())], timeout)
+
+
+def slurm(script: str, args: list[str], nodes: int = 2, tasks_per_node: int = 2, timeout: float = 240) -> Run:
+    """What ``srun`` starts on ``nodes`` nodes, simulated here: one process per task with SLURM's variables."""
+    port = str(free_port())
+    commands = []
+    for rank in range(nodes * tasks_per_node):
+        env = base_env()
+        env.update(
+            SLURM_NTASKS=str(nodes * tasks_per_node), SLURM_NTASKS_PER_NODE=str(tasks_per_node),
+            SLURM_NNODES=str(nodes), SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank % tasks_per_node),
+            SLURM_NODEID=str(rank // tasks_per_node), SLURM_JOB_ID="4242", SLURM_JOB_NAME="train",
+            SLURM_NODELIST="127.0.0.1", MASTER_PORT=port,
+        )  # fmt: skip
+        commands.append(([sys.executable, script, *args], env))
+    return run_all(commands, timeout)

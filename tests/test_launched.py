@@ -1,0 +1,130 @@
+"""Launched mode end to end: 4 real processes on 127.0.0.1 (gloo), started the three ways users start them.
+
+Each launch trains several cases (layouts R x P, optimizers, schedules, accumulation and clipping) in
+the same processes; the coordinators save what they trained, and here it must equal the unsplit
+model trained on the global batch (to 1e-5), on every replica. A checkpoint written under 2 x 2
+resumes under 1 x 4, under local mode, and loads into a plain Trainer.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+from launched_train import GLOBAL_BATCH, STEPS, Net, make_data, make_model, parse_case
+from launching import ROOT, Run, lightning_launch, slurm, torchrun
+from torch.utils.data import DataLoader
+
+from lightning_pipe import PipeStrategy
+
+SCRIPT = str(ROOT / "tests" / "launched_train.py")
+pytestmark = pytest.mark.slow
+
+
+def reference(name: str, steps: int = STEPS) -> dict[str, torch.Tensor]:
+    """The unsplit model trained on the global batches as Lightning would (accumulation, clipping)."""
+    case = parse_case(name)
+    torch.manual_seed(0)
+    model = make_model()
+    if case["optimizer"] == "adam":
+        optimizer: torch.optim.Optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    else:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = make_data(STEPS * case["accumulate"]).tensors
+    batches = STEPS * case["accumulate"]
+    batch = 0
+    for _ in range(steps):
+        optimizer.zero_grad()
+        for _ in range(case["accumulate"]):
+            rows = slice((batch % batches) * GLOBAL_BATCH, (batch % batches + 1) * GLOBAL_BATCH)
+            (F.mse_loss(model(x[rows]), y[rows]) / case["accumulate"]).backward()
+            batch += 1
+        if case["clip"] is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), case["clip"])
+        optimizer.step()
+    return model.state_dict()
+
+
+def check_trained(out: Path, name: str, coordinators: list[int], steps: int = STEPS) -> None:
+    expected = reference(name, steps)
+    for rank in coordinators:
+        got = torch.load(out / f"{name}-rank{rank}.pt")
+        assert got.keys() == expected.keys()
+        for key in expected:
+            diff = (got[key] - expected[key]).abs().max().item()
+            assert diff < 1e-5, f"{name}: {key} of rank {rank} differs from the unsplit model by {diff:.2e}"
+
+
+def coordinators(name: str, processes: int = 4) -> list[int]:
+    stages = parse_case(name)["stages"]
+    return list(range(0, processes, stages))
+
+
+def assert_ok(run: Run) -> None:
+    assert run.ok, f"launch failed ({run.returncodes}):\n{run.output[-6000:]}"
+
+
+def test_lightning_launcher_trains_like_the_unsplit_model_on_the_global_batch(tmp_path: Path) -> None:
+    """``python train.py``, devices=4: 2 x 2 (gpipe SGD; 1f1b Adam, accumulation 2, clipping), 1 x 4, 4 x 1."""
+    cases = ["s2-sgd-gpipe", "s2-adam-1f1b-acc2-clip", "s4-sgd-1f1b", "s1-adam-gpipe", "s2-adam-1f1b-save"]
+    run = lightning_launch(SCRIPT, ["--devices", "4", "--cases", ",".join(cases), "--out", str(tmp_path)])
+    assert_ok(run)
+    for name in cases:
+        check_trained(tmp_path, name, coordinators(name))
+    info = json.loads((tmp_path / "s2-sgd-gpipe.json").read_text())
+    assert info["replicas"] == 2 and info["world_size"] == 4
+    assert "launched mode, 4 processes = 2 replica(s) x 2 pipeline rank(s)" in run.output
+    assert sorted(p.name for p in tmp_path.glob("done-*")) == [f"done-rank{r}" for r in range(4)]
+    # the 2 x 2 checkpoint: resumed under 1 x 4 (torchrun), under local mode, and by a plain Trainer
+    checkpoint = tmp_path / "s2-adam-1f1b-save.ckpt"
+    assert checkpoint.exists()
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    run = torchrun(SCRIPT, ["--devices", "4", "--cases", "s4-adam-1f1b-resume", "--resume", str(checkpoint),
+                            "--out", str(resumed)])  # fmt: skip
+    assert_ok(run)
+    check_trained(resumed, "s4-adam-1f1b-resume", [0], steps=STEPS + 1)
+    expected = reference("s2-adam-1f1b", STEPS + 1)
+    for strategy in (PipeStrategy(stages=2, microbatches=2, transport="local"), "auto"):
+        L.seed_everything(0, verbose=False)
+        model = Net("adam")
+        trainer = L.Trainer(
+            accelerator="cpu", devices=1, strategy=strategy, max_steps=STEPS + 1, logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        )  # fmt: skip
+        trainer.fit(model, DataLoader(make_data(STEPS), batch_size=GLOBAL_BATCH), ckpt_path=str(checkpoint))
+        for key, value in model.model.state_dict().items():
+            assert (value - expected[key]).abs().max().item() < 1e-5, f"{strategy}: {key}"
+
+
+def test_torchrun_trains_1x4_and_2x2(tmp_path: Path) -> None:
+    cases = ["s4-adam-gpipe", "s2-sgd-1f1b"]
+    run = torchrun(SCRIPT, ["--devices", "4", "--cases", ",".join(cases), "--out", str(tmp_path)])
+    assert_ok(run)
+    for name in cases:
+        check_trained(tmp_path, name, coordinators(name))
+
+
+def test_two_slurm_nodes_simulated_on_one_machine(tmp_path: Path) -> None:
+    """num_nodes=2, devices=2 under SLURM's variables: a pipeline per node (2 x 2), then plain DDP (4 x 1)."""
+    cases = ["s2-adam-1f1b", "s1-sgd-gpipe"]
+    args = ["--devices", "2", "--num-nodes", "2", "--cases", ",".join(cases), "--out", str(tmp_path)]
+    run = slurm(SCRIPT, args)
+    assert_ok(run)
+    for name in cases:
+        check_trained(tmp_path, name, coordinators(name))
+
+
+def test_a_sigkilled_rank_ends_every_process_with_an_error_naming_it(tmp_path: Path) -> None:
+    """Global rank 2 (the coordinator of replica 1) dies mid-step; the whole run ends within 30 s."""
+    args = ["--devices", "4", "--cases", "s2-sgd-1f1b", "--out", str(tmp_path), "--kill-rank", "2", "--kill-call", "3"]
+    run = lightning_launch(SCRIPT, args, timeout=120)
+    assert not run.ok
+    killed = float((tmp_path / "killed-at").read_text())
+    assert run.ended - killed < 30, run.output[-4000:]
+    assert "global rank 2 (pipeline rank 0 of replica 1)" in run.output, run.output[-6000:]
+    assert not list(tmp_path.glob("done-*"))
