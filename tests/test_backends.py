@@ -30,7 +30,8 @@ from lightning_pipe.backends import (
     unregister_backend,
 )
 from lightning_pipe.errors import ConfigurationError, StageError
-from lightning_pipe.pipeline import TRANSPORTS, Pipeline
+from lightning_pipe.pipeline import Pipeline
+from lightning_pipe.transports import TRANSPORTS
 
 LINEAR = "torch.nn.functional.linear"
 XENT = "torch.nn.functional.cross_entropy"
