@@ -48,6 +48,8 @@ from lightning_pipe.transports import register_transport as register_transport
 from lightning_pipe.transports import resolve_transport
 
 log = logging.getLogger("lightning_pipe")
+
+
 def resolve_partitioner(
     partition: str | Sequence[int] | Partitioner,
     module: nn.Module | None = None,
@@ -330,8 +332,6 @@ class Pipeline(PipelineInputs, StageState):
         return WeightedLoss(as_loss(criterion), self.unpack, context)
 
 
-
 def _chain(first: Any, rest: Iterator[Any]) -> Iterator[Any]:
     yield first
     yield from rest
-

@@ -316,6 +316,7 @@ class Coordinator(CoordinatorMessages):
             if pairs:
                 torch.autograd.backward([p[0] for p in pairs], [p[1] for p in pairs])
 
+
 class _Received(nn.Module):
     """The loss module's model: hands the last stage's output to the criterion as received (a tuple stays a tuple)."""
 
