@@ -642,7 +642,7 @@ def cpu_seconds(pid: int) -> tuple[float, float]:
 def available_transports() -> list[str]:
     import importlib.util
 
-    from lightning_pipe.pipeline import TRANSPORTS
+    from lightning_pipe.transports import TRANSPORTS
 
     spec = importlib.util.find_spec("lightning_pipe.comm.rpc")
     if spec is not None and spec.origin is not None and Path(spec.origin).is_relative_to(REPO):

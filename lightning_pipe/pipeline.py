@@ -28,7 +28,7 @@ from torch import nn
 from lightning_pipe.backends import BackendArg, BackendPlan, CoordinatorOps, ExecutionTrace, resolve_backends
 from lightning_pipe.backends.compiled import split_compiled
 from lightning_pipe.checkpointing import AutoCheckpoint, RecomputePlan, checkpoint_flags
-from lightning_pipe.comm import Communicator, LocalCommunicator
+from lightning_pipe.comm import Communicator
 from lightning_pipe.engine import AutocastSpec, Coordinator, StageSpec, StepResult
 from lightning_pipe.engine.runners import worker_of_stages
 from lightning_pipe.engine.versions import Staleness
@@ -38,28 +38,16 @@ from lightning_pipe.microbatch import split
 from lightning_pipe.microbatch_weights import MicrobatchWeight, check_weight_function, shares
 from lightning_pipe.partition import Partitioner, ShardedTask
 from lightning_pipe.partition.traced import TracedPartitioner, for_module
-from lightning_pipe.partition.tracer import CallArgs
+from lightning_pipe.pipeline_inputs import PipelineInputs
 from lightning_pipe.rng import run_seed
 from lightning_pipe.runtime import BaseRuntime, runtime_registry
 from lightning_pipe.schedule import resolve_schedule
 from lightning_pipe.stage_state import StageState
+from lightning_pipe.transports import TRANSPORTS as TRANSPORTS  # re-exported: strategy/arguments.py
+from lightning_pipe.transports import register_transport as register_transport
+from lightning_pipe.transports import resolve_transport
 
 log = logging.getLogger("lightning_pipe")
-TRANSPORTS: dict[str, Callable[..., Communicator]] = {"local": LocalCommunicator}
-
-
-def register_transport(name: str, factory: Callable[..., Communicator]) -> None:
-    """Make ``factory(**options)`` available as ``transport=name``."""
-    TRANSPORTS[name] = factory
-
-
-def _rpc(**options: Any) -> Communicator:
-    from lightning_pipe.comm.rpc import RpcCommunicator
-
-    return RpcCommunicator(**options)
-
-
-register_transport("rpc", _rpc)
 
 
 def resolve_partitioner(
@@ -95,7 +83,7 @@ class AsyncRun:
         return max(s.max for s in self.staleness)
 
 
-class Pipeline(StageState):
+class Pipeline(PipelineInputs, StageState):
     """Stages built from an ``nn.Sequential``, a schedule and a communicator.
 
     ``stages`` counts the pieces of the model; with ``virtual_stages=V`` each worker (rank) holds
@@ -151,7 +139,7 @@ class Pipeline(StageState):
         self.autocast = autocast
         self.backend = resolve_backends(backend, stages, strict)
         self.coordinator_ops = CoordinatorOps(self.backend, stages - 1)  # op substitution in the loss
-        self.communicator = _communicator(transport, transport_options)
+        self.communicator = resolve_transport(transport, transport_options)
         self.coordinator_device = coordinator_device or self.runtimes[-1].torch_device
         self.seed = run_seed(seed)
         self.shards: list[ShardedTask] = []
@@ -232,57 +220,6 @@ class Pipeline(StageState):
             self._started = False
             if self._coordinator is not None:
                 self._coordinator.close()
-
-    def pack(self, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> Any:
-        """The first stage's input for the call ``module(*args, **kwargs)``."""
-        if self.traced:
-            call = CallArgs(tuple(args), dict(kwargs or {}))
-            self.build(call)
-            partitioner: TracedPartitioner = self.partitioner  # type: ignore[assignment]
-            known, state = len(partitioner.variants), self._shard_state()
-            packed = partitioner.pack(call.args, call.kwargs)
-            if len(partitioner.variants) > known and self.communicator.stages_own_parameters:
-                self._install_variants(partitioner, known, state)
-            return packed
-        if kwargs:
-            raise ConfigurationError(
-                f"the pipelined nn.Sequential was called with keyword arguments ({', '.join(kwargs)}); "
-                "an nn.Sequential takes one input (pass split_points=... to trace a module with keyword arguments)"
-            )
-        return args[0] if len(args) == 1 else tuple(args)
-
-    def _shard_state(self) -> list[set[str]]:
-        """Per shard, the names of its submodules, parameters and buffers."""
-        if not self.communicator.stages_own_parameters:
-            return []
-        return [
-            {n for n, _ in shard.module.named_modules(remove_duplicate=False) if n}
-            | {n for n, _ in shard.module.named_parameters(remove_duplicate=False)}
-            | {n for n, _ in shard.module.named_buffers(remove_duplicate=False)}
-            for shard in self.shards
-        ]
-
-    def _install_variants(self, partitioner: TracedPartitioner, first: int, before: list[set[str]]) -> None:
-        """Send the stages (in other processes) the code of the call variants traced since ``first``."""
-        updates: list[dict[int, Any]] = [{} for _ in range(self.coordinator.num_ranks)]
-        for shard, held, now in zip(self.shards, before, self._shard_state(), strict=True):
-            for variant in range(first, len(partitioner.variants)):
-                sources, constants = partitioner.variant_update(shard.index, variant)
-                new = sorted(n for n in now - held if not any(n == c or c.startswith(n + ".") for c in constants))
-                if new:
-                    raise ConfigurationError(
-                        f"the pipelined module was called in a new way that makes stage {shard.index} use "
-                        f"{', '.join(new[:5])}, which its worker process does not hold; call it the same way every "
-                        "time, or build the pipeline on a call of each way first"
-                    )
-                updates[self.coordinator.rank_of_stage[shard.index]].setdefault(shard.index, []).append(
-                    (variant, sources, constants)
-                )
-        self.coordinator.call("install_variants", each=[(own,) for own in updates])
-
-    def unpack(self, output: Any) -> Any:
-        """The module's output (tensor, tuple, dict...) from the last stage's output."""
-        return self.partitioner.unpack(output) if self.traced else output  # type: ignore[attr-defined]
 
     def __enter__(self) -> Pipeline:
         return self.start()
@@ -394,36 +331,7 @@ class Pipeline(StageState):
         context = functools.partial(self.coordinator_ops.context, ops) if ops else contextlib.nullcontext
         return WeightedLoss(as_loss(criterion), self.unpack, context)
 
-    def _microbatches(self, inputs: Any, kwargs: dict[str, Any] | None, microbatches: int) -> list[Any]:
-        """The first stage's input for each microbatch; builds the pipeline on the first one."""
-        if not self.traced and not kwargs:
-            xs = split(inputs, microbatches)
-            self.build(xs[0])
-            return xs
-        call = CallArgs.of(inputs)
-        pieces = split((call.args, dict(kwargs or {})), microbatches)
-        return [self.pack(args, kw) for args, kw in pieces]
-
-
-def _communicator(transport: str | Communicator, options: dict[str, Any]) -> Communicator:
-    if isinstance(transport, Communicator):
-        if options:
-            raise ConfigurationError(
-                f"transport options {sorted(options)} belong in the constructor of the communicator passed as transport"
-            )
-        return transport
-    try:
-        factory = TRANSPORTS[transport]
-    except KeyError:
-        known = ", ".join(sorted(TRANSPORTS))
-        raise ConfigurationError(f"unknown transport {transport!r}; available: {known}") from None
-    try:
-        return factory(**options)
-    except TypeError as exc:
-        raise ConfigurationError(f"transport={transport!r} does not take these options: {exc}") from None
-
 
 def _chain(first: Any, rest: Iterator[Any]) -> Iterator[Any]:
     yield first
     yield from rest
-

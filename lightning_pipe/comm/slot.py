@@ -22,7 +22,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_pipe.comm.control import WorkerLink, WorkerRefused, parse_address
+from lightning_pipe.comm.control import parse_address
+from lightning_pipe.comm.control_link import WorkerLink, WorkerRefused
 from lightning_pipe.comm.rpc_stages import EXIT, REPORT
 from lightning_pipe.comm.rpc_world import join_world, leave_world
 from lightning_pipe.errors import TransportError

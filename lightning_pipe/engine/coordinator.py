@@ -11,19 +11,18 @@ import torch
 from torch import nn
 
 from lightning_pipe import tree
-from lightning_pipe.comm.base import Communicator, Endpoint, Message, MessageKind, deadline, remaining
+from lightning_pipe.comm.base import Communicator, Endpoint, Message, MessageKind
+from lightning_pipe.engine.coordinator_messages import CoordinatorMessages, Key
 from lightning_pipe.engine.plan import ASYNC, EVAL, TRAIN, LossPlan, StageSpec, StepPlan
 from lightning_pipe.engine.runners import check_runner, worker_lists
 from lightning_pipe.engine.stage import StageWorker
-from lightning_pipe.errors import ConfigurationError, PipeTimeoutError, StageError
+from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.executors import output_grads
 from lightning_pipe.loss import Criterion, Loss, as_loss
 from lightning_pipe.schedule import Schedule
 
-Key = tuple[str, int, int]  # (kind, stage, microbatch)
 Record = tuple[str, float, float]  # (action or "action part", start, end), time.perf_counter() seconds
 F = TypeVar("F", bound=Callable[..., Any])
-_POLL = 1.0  # seconds between liveness checks while waiting
 
 
 def _share_cores(method: F) -> F:
@@ -60,7 +59,7 @@ class StepResult:
     parts: list[list[tuple[str, float, float]]] = field(default_factory=list)
 
 
-class Coordinator:
+class Coordinator(CoordinatorMessages):
     """Drives the stage workers through a communicator, one step at a time.
 
     The coordinator holds no layers: it sends microbatch inputs to the first stage, receives the
@@ -114,12 +113,6 @@ class Coordinator:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    @property
-    def endpoint(self) -> Endpoint:
-        if self._endpoint is None:
-            raise RuntimeError("the pipeline is not started; call start() or use it as a context manager")
-        return self._endpoint
 
     def schedule(self, num_microbatches: int) -> Schedule:
         ranks = self.num_stages // self.virtual_stages  # the schedule's ranks; workers may be fewer (linear)
@@ -243,27 +236,6 @@ class Coordinator:
         self.last_result = StepResult(outputs=outputs, records=records, schedule=schedule, parts=parts)
         return self.last_result
 
-    def call(self, name: str, *args: Any, each: Sequence[tuple[Any, ...]] | None = None) -> list[Any]:
-        """Run ``StageWorker.call_<name>(*args)`` on every rank; returns their results in rank order.
-
-        With ``each``, rank ``r`` gets ``*args, *each[r]``: what only that rank needs.
-        """
-        self._step += 1
-        step = self._step
-        for rank in range(self.num_ranks):
-            rank_args = args + tuple(each[rank]) if each is not None else args
-            self.endpoint.send(rank, Message(MessageKind.CALL, step, payload=(name, rank_args)))
-        results: list[Any] = [None] * self.num_ranks
-        for _ in range(self.num_ranks):
-            message = self._next(step, f"the reply to {name!r}")
-            while message.kind != MessageKind.REPLY:
-                message = self._next(step, f"the reply to {name!r}")
-            ok, value = message.payload
-            if not ok:
-                raise value
-            results[message.source] = value
-        return results
-
     # internals
     def _begin(self, mode: str, actions: list[list[Any]], loss: LossPlan | None = None, **options: Any) -> int:
         lists = worker_lists(actions, self.num_stages, self.rank_of_stage)
@@ -344,58 +316,9 @@ class Coordinator:
             if pairs:
                 torch.autograd.backward([p[0] for p in pairs], [p[1] for p in pairs])
 
-    def _wait(self, step: int, kind: str, stage: int, microbatch: int, pop: bool = True) -> Message:
-        key = (kind, stage, microbatch)
-        while key not in self._pending:
-            self._store(self._next(step, _describe(kind, stage, microbatch)))
-        return self._pending.pop(key) if pop else self._pending[key]
-
-    def _store(self, message: Message) -> None:
-        if message.kind == MessageKind.DONE:
-            self._pending[(message.kind, -1, message.source)] = message
-        else:
-            self._pending[(message.kind, message.stage, message.microbatch)] = message
-
-    def _next(self, step: int, what: str) -> Message:
-        """Next message of this step; raises a stage's error, or a timeout naming what was awaited."""
-        until = deadline(self.timeout)
-        while True:
-            message = self.endpoint.recv(min(_POLL, remaining(until)))
-            if message is None:
-                self.communicator.check_alive()
-                if remaining(until) <= 0:
-                    raise PipeTimeoutError(
-                        f"the coordinator waited {self.timeout:.1f} s for {what}; "
-                        "raise PipeStrategy(timeout=...) if a stage legitimately takes that long"
-                    )
-                continue
-            if message.step != step:
-                continue  # left over from an aborted step
-            if message.kind == MessageKind.ERROR:
-                error: StageError = message.payload
-                raise error
-            return message
-
-    def _abort(self, step: int) -> None:
-        if self._endpoint is None:
-            return
-        for rank in range(self.num_ranks):
-            self._endpoint.send(rank, Message(MessageKind.ABORT, step))
-        self._pending.clear()
-
 
 class _Received(nn.Module):
     """The loss module's model: hands the last stage's output to the criterion as received (a tuple stays a tuple)."""
 
     def forward(self, *output: Any) -> Any:
         return output[0] if len(output) == 1 else output
-
-
-def _describe(kind: str, stage: int, microbatch: int) -> str:
-    if kind == MessageKind.DONE:
-        return f"rank {microbatch} to finish the step"
-    if kind == MessageKind.OUTPUT:
-        return f"the output of microbatch {microbatch} from the last stage ({stage})"
-    if kind == MessageKind.INPUT_GRAD:
-        return f"the input gradient of microbatch {microbatch} from stage 0"
-    return f"{kind} of microbatch {microbatch} from stage {stage}"

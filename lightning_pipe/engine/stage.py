@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import copy
 import time
 import traceback
 from collections.abc import Iterator
@@ -12,28 +11,24 @@ from typing import Any
 import torch
 
 from lightning_pipe import tree
-from lightning_pipe.backends import StageTrace, build_executables
-from lightning_pipe.comm.base import COORDINATOR, Endpoint, Message, MessageKind, deadline, remaining
+from lightning_pipe.backends import build_executables
+from lightning_pipe.comm.base import COORDINATOR, Endpoint, Message, MessageKind
 from lightning_pipe.engine.plan import ASYNC, EVAL, TRAIN, LossPlan, StageSpec, StepPlan
 from lightning_pipe.engine.replicas import StageReplicas
 from lightning_pipe.engine.split_backward import WeightGradient, backward_input, backward_weight
+from lightning_pipe.engine.stage_inbox import Key, StageInbox, StepAborted
 from lightning_pipe.engine.stage_memory import StageMemoryCalls
 from lightning_pipe.engine.stage_state import StageStateCalls
 from lightning_pipe.engine.stash import StashMeter, signature
 from lightning_pipe.engine.versions import StageVersions, stage_versions
-from lightning_pipe.errors import PipeTimeoutError, StageError
+from lightning_pipe.errors import StageError
 from lightning_pipe.executors import Activation, output_grads, recompute
 from lightning_pipe.grads import GradStash
 from lightning_pipe.rng import StageRandom, run_seed
 from lightning_pipe.runtime import BaseRuntime, runtime_registry
-from lightning_pipe.schedule import Action, Kind, peak_activations
+from lightning_pipe.schedule import Action, Kind
 
 _IDLE_POLL = 1.0  # seconds between checks while waiting for the next step
-Key = tuple[int, str, int, int]  # (step, kind, stage, microbatch)
-
-
-class _Abort(Exception):
-    """The coordinator dropped the current step."""
 
 
 class _LossError(Exception):
@@ -44,7 +39,7 @@ class _LossError(Exception):
         self.error = error
 
 
-class StageWorker(StageStateCalls, StageMemoryCalls):
+class StageWorker(StageInbox, StageStateCalls, StageMemoryCalls):
     """Holds one or more shards on a device, serves steps, control calls and stop requests."""
 
     def __init__(self, spec: StageSpec, endpoint: Endpoint) -> None:
@@ -155,7 +150,7 @@ class StageWorker(StageStateCalls, StageMemoryCalls):
             for loss in self._losses:
                 self.endpoint.send(COORDINATOR, loss)
             outcome = Message(MessageKind.DONE, step, payload=(records, self._parts))
-        except _Abort:
+        except StepAborted:
             self._forget(step)
         except _LossError as exc:  # the user's step code failed: raise its own exception, not a StageError
             outcome = Message(MessageKind.ERROR, step, payload=exc.error)
@@ -343,83 +338,6 @@ class StageWorker(StageStateCalls, StageMemoryCalls):
         else:
             self.endpoint.send(COORDINATOR, Message(MessageKind.INPUT_GRAD, step, s, m, payload))
 
-    def _wait(self, step: int, kind: str, stage: int, microbatch: int) -> Message:
-        key = (step, kind, stage, microbatch)
-        until = deadline(self.spec.timeout)
-        while key not in self._pending:
-            what = "activation" if kind == MessageKind.ACTIVATION else "gradient"
-            self._receive(step, until, f"stage {stage} waited {{}} for the {what} of microbatch {microbatch}")
-        return self._pending.pop(key)
-
-    def _receive(self, step: int, until: float, what: str) -> None:
-        """Take one message from the inbox: store inputs, serve calls, raise on abort, stop or timeout."""
-        message = self.endpoint.recv(remaining(until))
-        if message is None:
-            raise PipeTimeoutError(
-                what.format(f"{self.spec.timeout:.1f} s")
-                + "; raise PipeStrategy(timeout=...) if a stage legitimately takes that long"
-            )
-        if message.kind == MessageKind.ABORT and message.step >= step:
-            raise _Abort
-        if message.kind == MessageKind.STOP:
-            self._stop = True
-            raise _Abort
-        if message.kind == MessageKind.CALL:
-            self._call(message)
-            return
-        self._pending[(message.step, message.kind, message.stage, message.microbatch)] = message
-
-    def _in_order(self, step: int, actions: list[Action]) -> Iterator[Action]:
-        """The list's order (``parallel`` and ``linear`` runners), each action once its inputs arrived."""
-        for action in actions:
-            until = deadline(self.spec.timeout)
-            while not self._ready(step, action, True, 0):
-                what = "the gradient" if action.kind.is_backward else "the activation"
-                self._receive(
-                    step, until, f"stage {action.stage} waited {{}} for {what} of microbatch {action.microbatch}"
-                )
-            yield action
-
-    def _dataflow(self, step: int, actions: list[Action]) -> Iterator[Action]:
-        """The dataflow runner: yield whichever action is ready, preferring the schedule's order.
-
-        The earliest remaining action of the list may always run; a later forward may run ahead
-        only while this rank holds fewer activations than the list's own peak, so the memory plan
-        still holds and no run can deadlock that the fixed order would not. Under ``schedule="async"``
-        each stage keeps its list's order (only the stages of one worker interleave): which weight
-        version a forward uses, and which backwards one update sums, follow that order.
-        """
-        remaining = list(actions)
-        cap = peak_activations([actions])[0]
-        until = deadline(self.spec.timeout)
-        while remaining:
-            action = self._next_ready(step, remaining, cap)
-            if action is None:
-                waiting = ", ".join(map(str, remaining[:4]))
-                self._receive(step, until, f"rank {self.rank} waited {{}} for the inputs of any of {waiting}")
-                continue
-            remaining.remove(action)
-            until = deadline(self.spec.timeout)
-            yield action
-
-    def _next_ready(self, step: int, remaining: list[Action], cap: int) -> Action | None:
-        waiting: set[int] = set()  # async: stages whose earliest remaining action is not ready
-        for i, action in enumerate(remaining):
-            if action.stage not in waiting and self._ready(step, action, i == 0, cap):
-                return action
-            if self._asynchronous:
-                waiting.add(action.stage)
-        return None
-
-    def _ready(self, step: int, action: Action, first: bool, cap: int) -> bool:
-        key = (action.stage, action.microbatch)
-        if action.kind is Kind.FORWARD:
-            arrived = (step, MessageKind.ACTIVATION, *key) in self._pending
-            return arrived and (first or len(self._saved) < cap)
-        if action.kind is Kind.BACKWARD_WEIGHT:
-            return key in self._weight_work
-        return (step, MessageKind.GRAD, *key) in self._pending and key in self._saved
-
     def _forget(self, step: int) -> None:
         self._aborted = max(self._aborted, step)
         self._pending = {k: v for k, v in self._pending.items() if k[0] > step}
@@ -435,47 +353,3 @@ class StageWorker(StageStateCalls, StageMemoryCalls):
             return
         with torch.autocast(**self.spec.autocast.for_device(device.type)):
             yield
-
-    # control calls (``call_<name>``), run on the worker between steps
-    def call_apply_grads(self, scale: float) -> None:
-        """Add the last step's gradients, times ``scale``, to ``p.grad`` (the strategy's backward)."""
-        self._grads.apply(scale)
-
-    def call_discard_grads(self) -> None:
-        self._grads.discard()
-
-    def call_train(self, mode: bool) -> None:
-        for shard in self.shards.values():
-            shard.module.train(mode)
-
-    def call_runtime_hook(self, name: str, args: tuple[Any, ...]) -> None:
-        """Call ``runtime.<name>(module, *args)`` for each shard of this rank."""
-        for index, shard in self.shards.items():
-            hook = getattr(self.runtimes[index], name)
-            if name in ("train_epoch_begin", "train_validation_begin"):
-                hook(shard.module)
-            elif name == "get_pending_result":
-                hook(shard.module, *args)
-            elif name == "initialize_module":
-                hook(shard.module, *args)
-            else:  # pre/post step hooks: (trainer, module, batch_idx, batch[, outputs])
-                hook(args[0], shard.module, *args[1:])
-
-    def call_execution_trace(self, reset: bool = False) -> list[StageTrace]:
-        """A copy of each shard's backend trace; ``reset`` zeroes the counts afterwards."""
-        traces = [copy.deepcopy(trace) for trace in self.traces.values()]
-        if reset:
-            for trace in self.traces.values():
-                trace.reset()
-        return traces
-
-    def call_ping(self) -> int:
-        return self.rank
-
-    def call_async_stats(self) -> list[Any]:
-        """Each stage's `Staleness` in the last asynchronous run."""
-        return [versions.stats for versions in self._versions.values()]
-
-    def call_stash_peak(self) -> int:
-        """Most bytes of stashed tensors this rank held at once during the last training step."""
-        return self.stash.peak

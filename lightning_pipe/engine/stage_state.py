@@ -1,4 +1,4 @@
-"""Control calls for the state a stage owns: parameters, buffers, gradients and its part of the optimizer.
+"""Control calls a stage serves between steps: its parameters, buffers, gradients, optimizer, hooks and traces.
 
 With the RPC transport a stage's parameters exist only in its worker process. The coordinator
 reaches them through these calls (``Coordinator.call("<name>", ...)``) between steps; nothing here
@@ -7,6 +7,7 @@ moves parameters during a step. Names are the unsplit module's: a shard keeps it
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -14,9 +15,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_pipe.backends import StageTrace
+from lightning_pipe.engine.stash import StashMeter
+from lightning_pipe.engine.versions import StageVersions
 from lightning_pipe.errors import PipeError
 from lightning_pipe.grads import GradStash
 from lightning_pipe.rng import StageRandom
+from lightning_pipe.runtime import BaseRuntime
 
 GroupSpec = dict[str, Any]  # {"hparams": {...}, "names": [...]}: one param group, this rank's part of it
 
@@ -27,6 +32,10 @@ class StageStateCalls:
     shards: dict[int, Any]
     rank: int
     random: dict[int, StageRandom]
+    runtimes: dict[int, BaseRuntime]
+    traces: dict[int, StageTrace]
+    stash: StashMeter
+    _versions: dict[int, StageVersions]
     _grads: GradStash
     _optimizer: torch.optim.Optimizer | None = None
     _optimizer_names: list[list[str]] = []
@@ -63,6 +72,10 @@ class StageStateCalls:
                 moved = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in constants.items()}
                 task.module.install_with_constants(variant, sources, moved)
 
+    def call_train(self, mode: bool) -> None:
+        for shard in self.shards.values():
+            shard.module.train(mode)
+
     # random generators
     def call_random_state(self) -> dict[int, dict[str, torch.Tensor]]:
         """Each stage's generator states, by stage index (for checkpoints)."""
@@ -77,6 +90,13 @@ class StageStateCalls:
         return {name: p.grad for name, p in self._named_parameters().items()}
 
     # gradients
+    def call_apply_grads(self, scale: float) -> None:
+        """Add the last step's gradients, times ``scale``, to ``p.grad`` (the strategy's backward)."""
+        self._grads.apply(scale)
+
+    def call_discard_grads(self) -> None:
+        self._grads.discard()
+
     def call_step_grads(self, names: list[str]) -> dict[str, torch.Tensor | None]:
         """The last step's gradients of ``names``, before ``apply_grads`` (a tied weight's copies on this rank)."""
         params = self._named_parameters()
@@ -174,3 +194,36 @@ class StageStateCalls:
             flat += names
         by_index = {i: state[n] for i, n in enumerate(flat) if n in state}
         optimizer.load_state_dict({"state": by_index, "param_groups": groups})
+
+    # the worker's runtimes, backend traces and counters
+    def call_runtime_hook(self, name: str, args: tuple[Any, ...]) -> None:
+        """Call ``runtime.<name>(module, *args)`` for each shard of this rank."""
+        for index, shard in self.shards.items():
+            hook = getattr(self.runtimes[index], name)
+            if name in ("train_epoch_begin", "train_validation_begin"):
+                hook(shard.module)
+            elif name == "get_pending_result":
+                hook(shard.module, *args)
+            elif name == "initialize_module":
+                hook(shard.module, *args)
+            else:  # pre/post step hooks: (trainer, module, batch_idx, batch[, outputs])
+                hook(args[0], shard.module, *args[1:])
+
+    def call_execution_trace(self, reset: bool = False) -> list[StageTrace]:
+        """A copy of each shard's backend trace; ``reset`` zeroes the counts afterwards."""
+        traces = [copy.deepcopy(trace) for trace in self.traces.values()]
+        if reset:
+            for trace in self.traces.values():
+                trace.reset()
+        return traces
+
+    def call_ping(self) -> int:
+        return self.rank
+
+    def call_async_stats(self) -> list[Any]:
+        """Each stage's `Staleness` in the last asynchronous run."""
+        return [versions.stats for versions in self._versions.values()]
+
+    def call_stash_peak(self) -> int:
+        """Most bytes of stashed tensors this rank held at once during the last training step."""
+        return self.stash.peak
