@@ -17,18 +17,16 @@ close of the link.
 from __future__ import annotations
 
 import pickle
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 
 from lightning_pipe import tree
 from lightning_pipe.comm import by_value
 from lightning_pipe.comm.base import Message, MessageKind
 
-# cloudpickle inspects a TreeSpec the way torch >= 2.9 deprecates; the signature's pickling is ours, not the user's
-warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
 HEADER_FIELDS = 8
 CONTROL, CLOSE, KEEPALIVE = -1, -2, -3
 #: the messages whose payloads repeat in structure: described by a signature negotiated once per link
@@ -66,6 +64,27 @@ class Signature:
     @property
     def nbytes(self) -> int:
         return sum(_numel(m.shape) * m.dtype.itemsize for m in self.metas)
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        # a TreeSpec pickles its leaves as the deprecated LeafSpec (a FutureWarning on every load): send its parts
+        return _signature, (self.kind, _spec_parts(self.spec), self.others, self.metas)
+
+
+def _spec_parts(spec: Any) -> Any:
+    if spec.is_leaf():
+        return None
+    return (spec.type, spec.context, [_spec_parts(child) for child in spec.children()])
+
+
+def _spec_of(parts: Any) -> Any:
+    if parts is None:
+        return pytree.treespec_leaf()
+    kind, context, children = parts
+    return pytree.TreeSpec(kind, context, [_spec_of(child) for child in children])
+
+
+def _signature(kind: str, parts: Any, others: tuple[tuple[int, Any], ...], metas: tuple[TensorMeta, ...]) -> Signature:
+    return Signature(kind, _spec_of(parts), others, metas)
 
 
 def split_payload(kind: str, payload: Any) -> tuple[Signature | None, list[torch.Tensor]]:
