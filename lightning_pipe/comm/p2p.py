@@ -9,6 +9,9 @@ and gradients then go from process to process with ``isend``/``irecv`` (`p2p_wir
     process of ranks[0]                       process of ranks[1]        process of ranks[2]
     coordinator --by reference--> rank 0 --activation--> rank 1 --activation--> rank 2 --output--> coordinator
                 <-input grad----         <----grad----          <----grad-----         <--grad----
+
+It needs a process group, so it is not a ``transport=`` name of `Pipeline`: the strategy passes an
+instance, and ends the other processes' `serve_stages` with `release` when the run ends.
 """
 
 from __future__ import annotations

@@ -12,6 +12,10 @@ Idle senders send a keep-alive header every few seconds, so a receiver that hear
 ``timeout`` seconds knows its peer hangs. `close` sends a close frame on every link and waits
 (bounded) for the peers' close frames, so no thread stays blocked on a finished world; a thread
 whose peer never closes (a hung process) is a daemon blocked in ``wait`` until the world ends.
+
+Under NCCL the tensors travel on the process's CUDA device, each link thread on a stream of its own
+(ordered after the sender's work by an event). That path is the same code and is untested here; a
+sender and a receiver thread of one link use the same NCCL peer communicator concurrently.
 """
 
 from __future__ import annotations
