@@ -2,5 +2,16 @@
 
 from lightning_pipe.comm.base import COORDINATOR, Communicator, Endpoint, Message, MessageKind
 from lightning_pipe.comm.local import LocalCommunicator
+from lightning_pipe.comm.p2p import P2PCommunicator
+from lightning_pipe.comm.p2p_serve import serve_stages
 
-__all__ = ["COORDINATOR", "Communicator", "Endpoint", "LocalCommunicator", "Message", "MessageKind"]
+__all__ = [
+    "COORDINATOR",
+    "Communicator",
+    "Endpoint",
+    "LocalCommunicator",
+    "Message",
+    "MessageKind",
+    "P2PCommunicator",
+    "serve_stages",
+]

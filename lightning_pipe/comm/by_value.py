@@ -57,6 +57,12 @@ def loads(blob: bytes, tensors: list[torch.Tensor]) -> Any:
     return payload
 
 
+def copy(payload: Any) -> Any:
+    """A copy of ``payload`` as another process would receive it: by value, owning new tensors."""
+    blob, tensors = dumps(payload)
+    return loads(blob, [t.detach().clone() for t in tensors])
+
+
 class _Pickler(cloudpickle.Pickler):
     def __init__(self, file: io.BytesIO, protocol: int) -> None:
         super().__init__(file, protocol=protocol)

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from lightning_pipe.comm.base import Message, MessageKind
+from lightning_pipe.comm.placement import retarget
 from lightning_pipe.comm.rpc_endpoint import RpcEndpoint, TransportStats, register_inbox
 from lightning_pipe.comm.rpc_world import quiet_closing
 
@@ -33,7 +34,7 @@ def build_stage(
 ) -> dict[str, Any]:
     """Build the stage worker of ``spec`` in this process and start its event loop."""
     if device is not None:
-        _retarget(spec, device)
+        retarget(spec, device)
     endpoint = RpcEndpoint(spec.rank, launch, names, hosts, codec)
     worker = worker_cls(spec, endpoint)
     endpoint.watch(p for shard in worker.shards.values() for p in shard.module.parameters())
@@ -54,15 +55,6 @@ def _serve(worker: Any) -> None:
         if report is not None:
             report(f"the event loop of rank {worker.rank} crashed:\n{traceback.format_exc()}")
         raise
-
-
-def _retarget(spec: Any, device: str) -> None:
-    """Place a spec's shards on the device the worker offered."""
-    for shard in spec.shards:
-        shard.device = device
-    runtime = spec.runtime
-    if runtime is not None and runtime.device_spec != device:
-        spec.runtime = type(runtime)(device, runtime.config)
 
 
 def stop_stage(launch: str, rank: int, timeout: float) -> bool:

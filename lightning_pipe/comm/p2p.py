@@ -1,0 +1,209 @@
+"""The p2p communicator: stages in the processes of a torch.distributed pipeline group, messages point to point.
+
+Launched mode (several processes started by Lightning's launcher, torchrun or SLURM): a pipeline
+is the S processes ``ranks`` (global ranks in pipeline order) of one process group. The process of
+``ranks[0]`` runs the coordinator and, in a thread, the stage worker of pipeline rank 0; the others
+run `serve_stages`. Stage specs are pickled by value once and built where they run; activations
+and gradients then go from process to process with ``isend``/``irecv`` (`p2p_wire`, `p2p_frames`).
+
+    process of ranks[0]                       process of ranks[1]        process of ranks[2]
+    coordinator --by reference--> rank 0 --activation--> rank 1 --activation--> rank 2 --output--> coordinator
+                <-input grad----         <----grad----          <----grad-----         <--grad----
+
+It needs a process group, so it is not a ``transport=`` name of `Pipeline`: the strategy passes an
+instance, and ends the other processes' `serve_stages` with `release` when the run ends.
+"""
+
+from __future__ import annotations
+
+import threading
+import traceback
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch.distributed as dist
+
+from lightning_pipe.comm import by_value
+from lightning_pipe.comm.base import COORDINATOR, Communicator, Endpoint, Message, deadline, remaining
+from lightning_pipe.comm.p2p_serve import (
+    BUILD,
+    BUILT,
+    RELEASE,
+    STOPPED,
+    OnBuild,
+    P2PEndpoint,
+    build_worker,
+    default_describe,
+    stop_message,
+)
+from lightning_pipe.comm.p2p_wire import LOST, STATS, STATS_REPLY, WIRE, Wire, WireStats
+from lightning_pipe.errors import ConfigurationError, PipeTimeoutError, StageError, TransportError
+
+_POLL = 0.2  # seconds between liveness checks while the coordinator waits for its processes
+
+
+class P2PCommunicator(Communicator):
+    """Stage workers in the processes of ``group``: pipeline rank k in the process of global rank ``ranks[k]``.
+
+    Args:
+        group: the process group of this pipeline (exactly the processes of ``ranks``).
+        ranks: global ranks in pipeline order; ``ranks[0]`` is this process.
+        describe: names a global rank in errors (default ``"global rank N"``).
+        on_build: called with each stage worker right after it is built, in any process of the
+            pipeline (here for pipeline rank 0; `serve_stages` takes its own for the others).
+        timeout: seconds any single wait may take (a build, a send, a stop, hearing from a peer).
+    """
+
+    name = "p2p"
+    shares_objects = False
+    stages_own_parameters = True
+
+    def __init__(
+        self,
+        group: Any,
+        ranks: Sequence[int],
+        describe: Callable[[int], str] | None = None,
+        on_build: OnBuild | None = None,
+        timeout: float = 300.0,
+    ) -> None:
+        if not ranks or dist.get_rank() != ranks[0]:
+            raise ConfigurationError(
+                f"P2PCommunicator runs in the process of ranks[0] (the coordinator's), but ranks={list(ranks)} "
+                f"and this is global rank {dist.get_rank()}; the other processes call serve_stages"
+            )
+        self.group, self.ranks, self.timeout = group, list(ranks), timeout
+        self.describe = describe or default_describe
+        self.on_build = on_build
+        self._wire: Wire | None = None
+        self._built: list[int] = []  # pipeline ranks whose worker runs
+        self._stage0: threading.Thread | None = None
+        self._crash = ""  # why the stage thread of pipeline rank 0 ended, if it crashed
+        self._early: list[Message] = []  # control notices that arrived while waiting for others
+
+    # Communicator
+    def launch(self, specs: list[Any], worker_cls: Any) -> Endpoint:
+        if self._built:
+            raise TransportError("this communicator already runs a pipeline; shut it down first")
+        if len(specs) > len(self.ranks):
+            raise ConfigurationError(
+                f"the pipeline has {len(specs)} ranks but this communicator's group has {len(self.ranks)} processes "
+                f"(ranks={self.ranks}); pass stages that fit the launched pipeline dimension"
+            )
+        wire = self._open()
+        self.check_alive()
+        endpoint = P2PEndpoint(COORDINATOR, wire)
+        until = deadline(self.timeout)
+        for k, spec in enumerate(specs[1:], start=1):  # the spec holds the user's modules: by value
+            wire.send(k, WIRE, Message(BUILD, payload=(spec, worker_cls)))
+        self._built = list(range(len(specs)))
+        self._stage0 = threading.Thread(
+            target=self._serve_stage0, args=(by_value.copy(specs[0]), worker_cls, wire),
+            name="lightning_pipe-stage-0", daemon=True,
+        )  # fmt: skip
+        self._stage0.start()
+        replies = self._await(BUILT, self._built, until, "the stage builds")
+        failed = [rank for rank in self._built if not replies[rank][0]]
+        if failed:
+            self._built = [rank for rank in self._built if rank not in failed]
+            self.shutdown(self.timeout)
+            error: StageError = replies[failed[0]][1]
+            raise error
+        return endpoint
+
+    def shutdown(self, timeout: float) -> None:
+        """Stop every built worker (they go back to waiting for a build); returns within ``timeout`` seconds."""
+        wire, built, self._built = self._wire, self._built, []
+        if wire is None or not built:
+            return
+        until = deadline(timeout)
+        remote = [rank for rank in built if rank != 0]
+        for rank in remote:
+            wire.send(rank, rank, stop_message())
+        if 0 in built:
+            wire.inbox(0).put(stop_message())
+        if self._stage0 is not None:
+            self._stage0.join(remaining(until))
+        try:
+            self._await(STOPPED, [rank for rank in remote if not wire.is_gone(rank)], until, "the stages to stop")
+        except (PipeTimeoutError, TransportError) as exc:
+            warnings.warn(f"stopping the stages: {exc}", RuntimeWarning, stacklevel=2)
+        wire.drop_inbox(COORDINATOR)
+
+    def check_alive(self) -> None:
+        """Raise `TransportError` naming the lost process once any process of the pipeline is gone."""
+        error = self._wire.error() if self._wire is not None else None
+        if error is not None:
+            raise error
+        if 0 in self._built and self._stage0 is not None and not self._stage0.is_alive():
+            where = self.describe(self.ranks[0])
+            raise TransportError(f"the stage worker thread of {where} ended unexpectedly{self._crash}")
+
+    # beyond the Communicator interface
+    def release(self, error: str | None = None, timeout: float | None = None) -> None:
+        """End `serve_stages` on every other process of the pipeline (with ``error``: it raises that there).
+
+        Never hangs: bounded by ``timeout`` (default: this communicator's), also with processes gone.
+        """
+        timeout = self.timeout if timeout is None else timeout
+        until = deadline(timeout)
+        self.shutdown(timeout)
+        wire = self._open()
+        for rank in range(1, len(self.ranks)):
+            wire.send(rank, WIRE, Message(RELEASE, payload=error))
+        self._wire = None
+        left = wire.close(remaining(until))
+        if left:
+            warnings.warn(f"p2p links still open after release: {', '.join(left)}", RuntimeWarning, stacklevel=2)
+
+    def stats(self, reset: bool = False) -> dict[int, WireStats]:
+        """What each endpoint sent (``COORDINATOR`` and every pipeline rank) since it started or the last reset."""
+        wire = self._open()
+        out = dict(wire.stats(reset))
+        others = range(1, len(self.ranks))
+        for rank in others:
+            wire.send(rank, WIRE, Message(STATS, payload=reset))
+        for stats in self._await(STATS_REPLY, list(others), deadline(self.timeout), "statistics").values():
+            out.update(stats)
+        return out
+
+    # internals
+    def _open(self) -> Wire:
+        if self._wire is None:
+            self._wire = Wire(self.group, self.ranks, 0, self.describe, self.timeout)
+        return self._wire
+
+    def _serve_stage0(self, spec: Any, worker_cls: Any, wire: Wire) -> None:
+        endpoint = P2PEndpoint(0, wire)
+        worker, reply = build_worker(spec, worker_cls, endpoint, self.on_build)
+        wire.send(0, WIRE, Message(BUILT, payload=reply, source=0))
+        if worker is None:
+            return
+        try:
+            worker.serve()
+        except TransportError:
+            pass  # a process of the pipeline is lost: the coordinator raises it from its own endpoint
+        except BaseException:  # check_alive reports it
+            self._crash = f": its event loop crashed:\n{traceback.format_exc()}"
+        finally:
+            wire.drop_inbox(0)
+
+    def _await(self, kind: str, ranks: list[int], until: float, what: str) -> dict[int, Any]:
+        """The payload of a ``kind`` notice from each of ``ranks`` (others are kept for their own wait)."""
+        wire = self._open()
+        inbox, got = wire.inbox(WIRE), {}
+        for early in [m for m in self._early if m.kind == kind and m.source in ranks]:
+            self._early.remove(early)
+            got[early.source] = early.payload
+        while len(got) < len(set(ranks)):
+            message = inbox.get(min(_POLL, remaining(until)))
+            if message is None or message.kind == LOST:
+                self.check_alive()
+                if remaining(until) <= 0:
+                    missing = ", ".join(self.describe(self.ranks[r]) for r in sorted(set(ranks) - set(got)))
+                    raise PipeTimeoutError(f"waited {self.timeout:.0f} s for {what} of {missing}")
+            elif message.kind == kind and message.source in ranks:
+                got[message.source] = message.payload
+            else:
+                self._early.append(message)
+        return got

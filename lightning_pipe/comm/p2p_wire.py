@@ -1,0 +1,301 @@
+"""The links of one process of a pipeline: a sender and a receiver thread per peer, over torch.distributed.
+
+Each peer (another process of the same pipeline group) gets a sender thread that drains a FIFO
+queue, so a stage's sends overlap with its next computation and each link keeps its order, and a
+receiver thread that posts ``irecv`` for the next frame (`p2p_frames`) and puts the message into
+the inbox of its destination endpoint in this process. Messages between endpoints of this process
+(the coordinator and pipeline rank 0) go straight into the inbox, by reference.
+
+A broken link (the peer process died: gloo fails the pending receive, or a send fails) marks the
+peer lost; every endpoint of this process then raises `TransportError` from its next ``recv``.
+Idle senders send a keep-alive header every few seconds, so a receiver that hears nothing for
+``timeout`` seconds knows its peer hangs. `close` sends a close frame on every link and waits
+(bounded) for the peers' close frames, so no thread stays blocked on a finished world; a thread
+whose peer never closes (a hung process) is a daemon blocked in ``wait`` until the world ends.
+
+Under NCCL the tensors travel on the process's CUDA device, each link thread on a stream of its own
+(ordered after the sender's work by an event). That path is the same code and is untested here; a
+sender and a receiver thread of one link use the same NCCL peer communicator concurrently.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import queue
+import threading
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_pipe.comm import p2p_frames as frames
+from lightning_pipe.comm.base import COORDINATOR, Message, QueueInbox, deadline, remaining
+from lightning_pipe.comm.placement import process_device
+from lightning_pipe.errors import TransportError
+
+WIRE = -2  # the endpoint id of a process's own control inbox (builds, releases, notices)
+LOST = "p2p-lost"  # wakes a waiting endpoint: a peer is gone
+STATS = "p2p-stats"  # asks a process for its statistics, answered by its receiver thread
+STATS_REPLY = "p2p-stats-reply"
+CRASHED = "p2p-crashed"  # a serving process's stage loop broke: the receiving process counts it as lost
+_CLOSE = object()  # a sender queue's last item
+
+
+@dataclass
+class WireStats:
+    """What one endpoint sent, by message kind: messages, raw tensor bytes, pickled bytes and header bytes."""
+
+    messages: Counter[str] = field(default_factory=Counter)
+    tensor_bytes: Counter[str] = field(default_factory=Counter)
+    pickled_bytes: Counter[str] = field(default_factory=Counter)
+    header_bytes: Counter[str] = field(default_factory=Counter)
+    local: Counter[str] = field(default_factory=Counter)  # passed by reference within the process
+    signatures: int = 0  # signatures negotiated (their bytes are in pickled_bytes)
+
+    def total_bytes(self) -> int:
+        return sum(self.tensor_bytes.values())
+
+
+class Wire:
+    """This process's links to the other processes of one pipeline (``ranks`` in pipeline order)."""
+
+    def __init__(
+        self, group: Any, ranks: Sequence[int], me: int, describe: Callable[[int], str], timeout: float
+    ) -> None:
+        self.group, self.ranks, self.me, self.describe, self.timeout = group, list(ranks), me, describe, timeout
+        self.device = process_device(group)
+        self.keepalive = max(0.05, min(5.0, timeout / 4))
+        self.lost: tuple[int, str] | None = None  # the first peer lost (pipeline rank) and why
+        self._dead: set[int] = set()  # peers whose link broke
+        self._closed: set[int] = set()  # peers that closed their side: nothing more goes to them
+        self._inboxes: dict[int, QueueInbox] = {WIRE: QueueInbox()}
+        self._stats: dict[int, WireStats] = {}
+        self._lock = threading.Lock()
+        self._queues: dict[int, queue.SimpleQueue[Any]] = {}
+        self._threads: list[threading.Thread] = []
+        self._local = threading.local()  # each link thread's CUDA stream
+        for peer in range(len(self.ranks)):
+            if peer == me:
+                continue
+            self._queues[peer] = queue.SimpleQueue()
+            g = self.ranks[peer]
+            for role, target in (("send", self._send_loop), ("recv", self._recv_loop)):
+                name = f"lightning_pipe-p2p-{role}-{g}"
+                thread = threading.Thread(target=target, args=(peer,), name=name, daemon=True)
+                thread.start()
+                self._threads.append(thread)
+
+    # endpoints of this process
+    def inbox(self, endpoint: int) -> QueueInbox:
+        """The inbox of ``endpoint`` in this process (made on first use)."""
+        with self._lock:
+            return self._inboxes.setdefault(endpoint, QueueInbox())
+
+    def drop_inbox(self, endpoint: int) -> None:
+        with self._lock:
+            self._inboxes.pop(endpoint, None)
+
+    def send(self, process: int, destination: int, message: Message) -> None:
+        """Deliver ``message`` to endpoint ``destination`` of pipeline rank ``process``; a lost peer's are dropped."""
+        if process == self.me:
+            stats = self._count(message.source)
+            with self._lock:
+                stats.local[message.kind] += 1
+            self._deliver(destination, message)
+        elif process not in self._dead and process not in self._closed:
+            self._queues[process].put((destination, message, self._ready()))
+
+    def is_gone(self, peer: int) -> bool:
+        """Whether nothing can reach ``peer`` any more (its link broke or it closed it)."""
+        return peer in self._dead or peer in self._closed
+
+    def error(self) -> TransportError | None:
+        """The error every endpoint raises once a peer is lost."""
+        if self.lost is None:
+            return None
+        peer, reason = self.lost
+        return TransportError(f"lost {self.describe(self.ranks[peer])}: {reason}; the pipeline stops")
+
+    def stats(self, reset: bool = False) -> dict[int, WireStats]:
+        with self._lock:
+            out = copy.deepcopy(self._stats)  # a snapshot: the live counters keep counting
+            if reset:
+                self._stats = {}
+            return out
+
+    def close(self, timeout: float) -> list[str]:
+        """Close every link and wait for the peers' close frames; the names of threads still running."""
+        until = deadline(timeout)
+        for q in self._queues.values():
+            q.put(_CLOSE)
+        for thread in self._threads:
+            thread.join(remaining(until))
+        return [t.name for t in self._threads if t.is_alive()]
+
+    def mark_lost(self, peer: int, reason: str) -> None:
+        with self._lock:
+            if peer in self._dead:
+                return
+            self._dead.add(peer)
+            if self.lost is None:
+                self.lost = (peer, reason)
+            inboxes = list(self._inboxes.values())
+        for inbox in inboxes:  # wake whoever waits
+            inbox.put(Message(LOST))
+
+    # delivery
+    def _deliver(self, destination: int, message: Message) -> None:
+        if destination == WIRE and message.kind == STATS:
+            process = 0 if message.source == COORDINATOR else message.source
+            self.send(process, WIRE, Message(STATS_REPLY, payload=self.stats(message.payload), source=self.me))
+            return
+        if destination == WIRE and message.kind == CRASHED:
+            self.mark_lost(message.source, message.payload)
+            return
+        with self._lock:
+            inbox = self._inboxes.get(destination)
+        if inbox is not None:  # else: an endpoint that has already stopped
+            inbox.put(message)
+
+    def _count(self, source: int) -> WireStats:
+        with self._lock:
+            return self._stats.setdefault(source, WireStats())
+
+    # the threads
+    def _send_loop(self, peer: int) -> None:
+        signatures: dict[frames.Signature, int] = {}
+        while True:
+            try:
+                item = self._queues[peer].get(timeout=self.keepalive)
+            except queue.Empty:
+                item = None
+            if peer in self._dead or (peer in self._closed and item is not _CLOSE):
+                if item is _CLOSE:
+                    return
+                continue
+            try:
+                if item is None:
+                    self._transmit(peer, frames.control_header(frames.KEEPALIVE), None, [])
+                elif item is _CLOSE:
+                    self._transmit(peer, frames.control_header(frames.CLOSE), None, [])
+                    return
+                else:
+                    destination, message, ready = item
+                    with self._on_stream(ready):
+                        self._send_message(peer, destination, message, signatures)
+            except Exception as exc:
+                self.mark_lost(peer, f"sending failed: {_first_line(exc)}")
+
+    def _send_message(self, peer: int, destination: int, message: Message, signatures: dict[Any, int]) -> None:
+        stats, kind = self._count(message.source), message.kind
+        signature: frames.Signature | None = None
+        tensors: list[torch.Tensor] = []
+        if kind in frames.TENSOR_KINDS:
+            signature, tensors = frames.split_payload(kind, message.payload)
+        if signature is not None:
+            extra = b""
+            marker = signatures.get(signature)
+            if marker is None:
+                marker = signatures[signature] = len(signatures)
+                extra = frames.encode_signature(signature)
+                stats.signatures += 1
+        else:
+            marker = frames.CONTROL
+            extra, tensors = frames.encode_control(message)
+        head = frames.header(marker, destination, message, len(extra))
+        with self._lock:
+            stats.messages[kind] += 1
+            stats.header_bytes[kind] += head.numel() * 8
+            stats.pickled_bytes[kind] += len(extra)
+            stats.tensor_bytes[kind] += sum(t.numel() * t.element_size() for t in tensors)
+        self._transmit(peer, head, extra, tensors)
+
+    def _transmit(self, peer: int, head: torch.Tensor, extra: bytes | None, tensors: list[torch.Tensor]) -> None:
+        """Send one frame and wait until it left: the tensors stay referenced until then."""
+        parts = [head]
+        if extra:
+            parts.append(torch.frombuffer(bytearray(extra), dtype=torch.uint8))
+        parts += [t.detach().to(self.device).contiguous() for t in tensors if t.numel() > 0]
+        dst = self.ranks[peer]
+        works = [dist.isend(p.to(self.device), dst=dst, group=self.group) for p in parts]
+        for work in works:
+            if work is not None:
+                work.wait(timedelta(seconds=self.timeout))
+
+    def _recv_loop(self, peer: int) -> None:
+        signatures: dict[int, frames.Signature] = {}
+        src = self.ranks[peer]
+        try:
+            while True:
+                head = self._receive(src, [torch.empty(frames.HEADER_FIELDS, dtype=torch.int64, device=self.device)])[0]
+                fields = head.tolist()
+                marker, destination, extra = fields[0], fields[1], fields[6]
+                if marker == frames.CLOSE:
+                    self._closed.add(peer)
+                    return
+                if marker == frames.KEEPALIVE:
+                    continue
+                blob = self._receive_bytes(src, extra)
+                if marker == frames.CONTROL:
+                    pickled, metas = frames.control_metas(blob)
+                    message = frames.decode_control(pickled, metas, self._receive_all(src, metas))
+                else:
+                    if blob:
+                        signatures[marker] = frames.decode_signature(blob)
+                    signature = signatures[marker]
+                    message = frames.message_of(signature, fields, self._receive_all(src, list(signature.metas)))
+                self._deliver(destination, message)
+        except Exception as exc:
+            self.mark_lost(peer, _first_line(exc))
+
+    def _receive_bytes(self, src: int, count: int) -> bytes:
+        if count == 0:
+            return b""
+        return bytes(self._receive(src, [torch.empty(count, dtype=torch.uint8, device=self.device)])[0].cpu().numpy())
+
+    def _receive_all(self, src: int, metas: list[frames.TensorMeta]) -> list[torch.Tensor]:
+        tensors = [meta.empty(self.device) for meta in metas]
+        self._receive(src, [t for t in tensors if t.numel() > 0])
+        return tensors
+
+    def _receive(self, src: int, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        with self._on_stream(None):
+            works = [dist.irecv(t, src=src, group=self.group) for t in tensors]
+            for work in works:
+                if work is not None:
+                    work.wait(timedelta(seconds=self.timeout))
+            if self.device.type == "cuda":  # ready for the stage's stream, whichever it is
+                torch.cuda.current_stream().synchronize()
+        return tensors
+
+    # CUDA ordering (the same code with another device; not exercised on CPU)
+    def _ready(self) -> Any:
+        """In the sending thread: an event after the work that produced the message's tensors (CUDA only)."""
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
+
+    def _on_stream(self, ready: Any) -> Any:
+        """A dedicated stream of the calling link thread, after ``ready``; nothing on the CPU."""
+        if self.device.type != "cuda":
+            return contextlib.nullcontext()
+        stream = torch.cuda.Stream(self.device) if not hasattr(self._local, "stream") else self._local.stream
+        self._local.stream = stream
+        if ready is not None:
+            stream.wait_event(ready)
+        return torch.cuda.stream(stream)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc)
+    if "Connection closed by peer" in text or "Connection reset by peer" in text:
+        return "its process ended (connection closed by peer)"
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}".rstrip(": ")

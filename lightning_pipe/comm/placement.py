@@ -1,0 +1,29 @@
+"""Where a stage built in another process runs: that process's own device, whatever the spec said.
+
+A `StageSpec` is made in the coordinator's process, whose shards name the coordinator's idea of a
+device. A worker process places them on the device it was given (an RPC slot's offer, or in
+launched mode the current CUDA device of the process) before the stage worker is built.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def retarget(spec: Any, device: str) -> None:
+    """Place a spec's shards (and its runtime) on ``device``."""
+    for shard in spec.shards:
+        shard.device = device
+    runtime = spec.runtime
+    if runtime is not None and runtime.device_spec != device:
+        spec.runtime = type(runtime)(device, runtime.config)
+
+
+def process_device(group: Any) -> torch.device:
+    """The device of a process of ``group``: its current CUDA device under NCCL, else the CPU."""
+    if "nccl" in str(dist.get_backend(group)).lower():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

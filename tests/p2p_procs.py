@@ -1,0 +1,214 @@
+"""The processes of the p2p tests: ``python p2p_procs.py SCENARIO RANK WORLD PORT OUTDIR``.
+
+Each process joins a gloo world on 127.0.0.1, plays its part of the scenario and writes
+``OUTDIR/<rank>.json`` (``{"ok": ...}`` and what it measured, or the error's traceback).
+Pipeline rank 0 of each pipeline compares against a local model itself.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import signal
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from rpc_models import FailsOn
+from torch import nn
+
+from lightning_pipe import Pipeline
+from lightning_pipe.comm.p2p import P2PCommunicator
+from lightning_pipe.comm.p2p_frames import TENSOR_KINDS
+from lightning_pipe.comm.p2p_serve import serve_stages
+from lightning_pipe.errors import StageError, TransportError
+
+
+def mlp(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+def data(seed: int, rows: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, 8, generator=g), torch.randint(0, 3, (rows,), generator=g)
+
+
+class KillsItsProcess(nn.Module):
+    """SIGKILLs the process it runs in at its first training forward (a stage lost mid-step)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled():
+            os.kill(os.getpid(), signal.SIGKILL)
+        return x
+
+
+def describer(ranks: list[int], replica: int) -> Callable[[int], str]:
+    return lambda g: f"global rank {g} (pipeline rank {ranks.index(g)} of replica {replica})"
+
+
+def close(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).detach().abs().max())
+
+
+def train_and_compare(comm: P2PCommunicator, stages: int, schedule: str, batches: list[Any]) -> dict[str, float]:
+    """Two SGD steps on the pipeline and on the unsplit model; the largest differences."""
+    model = mlp()
+    reference = copy.deepcopy(model)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    out: dict[str, float] = {}
+    with Pipeline(model, stages=stages, schedule=schedule, partition="uniform", transport=comm, timeout=60) as pipe:
+        opt = pipe.optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        for step, (xs, ys) in enumerate(batches):
+            opt.zero_grad()
+            ref_opt.zero_grad()
+            pipe.train_step(xs[0], ys[0], F.cross_entropy, microbatches=4)
+            sum(F.cross_entropy(reference(x), y) for x, y in zip(xs, ys, strict=True)).div(len(xs)).backward()
+            opt.step()
+            ref_opt.step()
+            if step == 0:
+                comm.stats(reset=True)
+        stats = comm.stats()
+        state = pipe.state_dict()
+        out["state"] = max(close(state[k], v) for k, v in reference.state_dict().items())
+        x, _ = data(99)
+        out["forward"] = close(pipe.forward(x, microbatches=2), reference(x))
+    kinds = [k for k in TENSOR_KINDS]
+    out["tensor_pickled"] = sum(s.pickled_bytes[k] for s in stats.values() for k in kinds)
+    out["tensor_messages"] = sum(s.messages[k] for s in stats.values() for k in kinds)
+    out["tensor_header_bytes"] = sum(s.header_bytes[k] for s in stats.values() for k in kinds)
+    out["tensor_bytes"] = sum(s.tensor_bytes[k] for s in stats.values() for k in kinds)
+    return out
+
+
+def coordinator_train(group: Any, ranks: list[int], replica: int = 0, on_build: Any = None) -> dict[str, Any]:
+    comm = P2PCommunicator(group, ranks, describer(ranks, replica), on_build=on_build, timeout=60)
+    result: dict[str, Any] = {}
+    try:
+        mine = [data(10 * replica + step) for step in range(2)]
+        if on_build is None:
+            batches = [([x], [y]) for x, y in mine]
+        else:  # two replicas, gradients averaged: the unsplit model sees both replicas' batches
+            other = [data(10 * (1 - replica) + step) for step in range(2)]
+            batches = [([x, ox], [y, oy]) for (x, y), (ox, oy) in zip(mine, other, strict=True)]
+        for schedule in ("gpipe", "1f1b"):
+            result[schedule] = train_and_compare(comm, len(ranks), schedule, batches)
+        if len(ranks) == 2 and on_build is None:
+            result.update(large_tensor(comm), stage_error=stage_error(comm))
+    finally:
+        comm.release()
+    return result
+
+
+def large_tensor(comm: P2PCommunicator) -> dict[str, Any]:
+    x = torch.randn(4096, 4096)  # 64 MiB, there and back
+    with Pipeline(nn.Sequential(nn.ReLU(), nn.ReLU()), stages=2, partition="uniform", transport=comm) as pipe:
+        start = time.perf_counter()
+        y = pipe.forward(x)
+        seconds = time.perf_counter() - start
+    return {"large_equal": bool(torch.equal(y, x.relu())), "large_seconds": seconds}
+
+
+def stage_error(comm: P2PCommunicator) -> str:
+    model = nn.Sequential(nn.Linear(8, 8), FailsOn(7.0))
+    x, y = data(3)
+    x[0, 0] = 7.0  # reaches stage 1 only through the linear layer if it were identity: use the failing row below
+    model[0].weight.data = torch.eye(8)
+    model[0].bias.data.zero_()
+    with Pipeline(model, stages=2, partition="uniform", transport=comm, timeout=60) as pipe:
+        try:
+            pipe.train_step(x, y, lambda out, target: out.sum())
+        except StageError as exc:
+            return str(exc)
+    return "no StageError"
+
+
+def kill_stage(group: Any, ranks: list[int]) -> dict[str, Any]:
+    comm = P2PCommunicator(group, ranks, describer(ranks, 0), timeout=60)
+    model = nn.Sequential(nn.Linear(8, 8), KillsItsProcess())
+    x, y = data(0)
+    start = time.monotonic()
+    error = "no TransportError"
+    try:
+        with Pipeline(model, stages=2, partition="uniform", transport=comm, timeout=60) as pipe:
+            start = time.monotonic()
+            try:
+                pipe.train_step(x, y, lambda out, target: out.sum())
+            except TransportError as exc:
+                error = str(exc)
+    finally:
+        comm.release("stage lost", timeout=10)
+    return {"error": error, "seconds": time.monotonic() - start}
+
+
+def kill_coordinator(group: Any, ranks: list[int], outdir: str) -> None:
+    comm = P2PCommunicator(group, ranks, describer(ranks, 0), timeout=60)
+    pipe = Pipeline(mlp(), stages=2, partition="uniform", transport=comm, timeout=60).start()
+    x, y = data(0)
+    pipe.train_step(x, y, F.cross_entropy)
+    write(outdir, 0, {"ok": True, "killed_at": time.time()})
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def serve(group: Any, ranks: list[int], replica: int, on_build: Any = None) -> dict[str, Any]:
+    start = time.time()
+    try:
+        serve_stages(group, ranks, describer(ranks, replica), on_build=on_build, timeout=60)
+    except TransportError as exc:
+        return {"error": str(exc), "at": time.time(), "start": start}
+    return {"error": None}
+
+
+def run(scenario: str, rank: int, world: int, outdir: str) -> dict[str, Any]:
+    if scenario == "dp":  # two pipelines of two; each stage's gradients averaged over the replicas
+        pipelines = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        replicas = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+        replica, ranks = rank // 2, [2 * (rank // 2), 2 * (rank // 2) + 1]
+        dp = replicas[rank % 2]
+        on_build = lambda worker: worker.replicate(dp)  # noqa: E731
+        if rank % 2 == 0:
+            return coordinator_train(pipelines[replica], ranks, replica, on_build)
+        return serve(pipelines[replica], ranks, replica, on_build)
+    ranks = list(range(world))
+    group = dist.new_group(ranks)
+    if rank > 0:
+        return serve(group, ranks, 0)
+    if scenario == "train":
+        return coordinator_train(group, ranks)
+    if scenario == "kill_stage":
+        return kill_stage(group, ranks)
+    if scenario == "kill_coordinator":
+        kill_coordinator(group, ranks, outdir)
+    raise ValueError(scenario)
+
+
+def write(outdir: str, rank: int, result: dict[str, Any]) -> None:
+    path = os.path.join(outdir, f"{rank}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(result, f)
+    os.replace(path + ".tmp", path)
+
+
+def main() -> None:
+    scenario, rank, world, port, outdir = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+    torch.set_num_threads(1)
+    init = f"tcp://127.0.0.1:{port}"
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    try:
+        result = {"ok": True} | run(scenario, rank, world, outdir)
+    except BaseException:
+        result = {"ok": False, "traceback": traceback.format_exc()}
+    write(outdir, rank, result)
+    sys.stdout.flush()
+    os._exit(0)  # the world may hold a lost peer: destroying it could wait for that peer
+
+
+if __name__ == "__main__":
+    main()

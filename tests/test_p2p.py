@@ -1,0 +1,134 @@
+"""transport=P2PCommunicator: stages in the processes of a gloo world, messages by isend/irecv.
+
+Each test starts real processes (`p2p_procs`) on 127.0.0.1; pipeline rank 0 of each pipeline
+compares against the unsplit model itself and writes what it measured. Every process is waited
+for with a deadline and killed by the test if it is still running.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from rpc_models import worker_env
+
+from lightning_pipe.comm.base import Message, MessageKind
+from lightning_pipe.comm.p2p_frames import decode_signature, encode_signature, join_payload, split_payload
+
+HELPER = Path(__file__).with_name("p2p_procs.py")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_world(scenario: str, world: int, tmp_path: Path, timeout: float = 50.0) -> dict[int, dict[str, Any]]:
+    """Run ``scenario`` in ``world`` processes; each rank's result (a killed rank has none)."""
+    port, env = free_port(), worker_env() | {"LIGHTNING_PIPE_WORKER": "1", "OMP_NUM_THREADS": "1"}
+    logs = [open(tmp_path / f"{rank}.log", "wb") for rank in range(world)]  # noqa: SIM115
+    command = [sys.executable, str(HELPER), scenario, "", str(world), str(port), str(tmp_path)]
+    processes = []
+    try:
+        for rank in range(world):
+            command[3] = str(rank)
+            processes.append(subprocess.Popen(command, stdout=logs[rank], stderr=subprocess.STDOUT, env=env))
+        until = time.monotonic() + timeout
+        for process in processes:
+            try:
+                process.wait(max(0.1, until - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"{scenario}: a process ran past {timeout} s\n{tails(tmp_path, world)}")
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait(10)
+        for log in logs:
+            log.close()
+    results = {}
+    for rank in range(world):
+        path = tmp_path / f"{rank}.json"
+        if path.exists():
+            results[rank] = json.loads(path.read_text())
+            assert results[rank]["ok"], f"rank {rank}: {results[rank].get('traceback')}\n{tails(tmp_path, world)}"
+    return results
+
+
+def tails(tmp_path: Path, world: int) -> str:
+    return "\n".join(f"--- rank {r} ---\n{(tmp_path / f'{r}.log').read_text()[-2000:]}" for r in range(world))
+
+
+def check_training(result: dict[str, Any]) -> None:
+    for schedule in ("gpipe", "1f1b"):
+        got = result[schedule]
+        assert got["state"] < 1e-6, f"{schedule}: parameters differ from the unsplit model's by {got['state']}"
+        assert got["forward"] < 1e-6, f"{schedule}: outputs differ by {got['forward']}"
+        # signatures are negotiated in the first step: later steps send headers and raw tensors only
+        assert got["tensor_pickled"] == 0, f"{schedule}: {got['tensor_pickled']} pickled bytes in a warm step"
+        assert got["tensor_messages"] > 0 and got["tensor_bytes"] > 0
+        assert got["tensor_header_bytes"] == 64 * got["tensor_messages"]
+
+
+def test_two_processes_train_like_the_unsplit_model_and_carry_errors(tmp_path: Path) -> None:
+    results = run_world("train", 2, tmp_path)
+    coordinator = results[0]
+    check_training(coordinator)
+    assert coordinator["large_equal"], "a 64 MiB activation crossed damaged"
+    error = coordinator["stage_error"]
+    assert error.startswith("stage 1 on global rank 1 (pipeline rank 1 of replica 0) failed"), error
+    assert "ValueError: bad row reached the stage" in error
+    assert results[1]["error"] is None, "the serving process left serve_stages cleanly on release"
+
+
+def test_three_processes_train_like_the_unsplit_model(tmp_path: Path) -> None:
+    results = run_world("train", 3, tmp_path)
+    check_training(results[0])
+    assert results[1]["error"] is None and results[2]["error"] is None
+
+
+def test_two_pipelines_of_two_average_gradients_over_their_replicas(tmp_path: Path) -> None:
+    """Four processes, two pipelines at once on different data; on_build replicates each stage over its replicas."""
+    results = run_world("dp", 4, tmp_path)
+    for coordinator in (0, 2):
+        check_training(results[coordinator])
+    assert results[1]["error"] is None and results[3]["error"] is None
+
+
+def test_a_stage_process_killed_mid_step_fails_the_step_naming_it(tmp_path: Path) -> None:
+    results = run_world("kill_stage", 2, tmp_path)
+    assert 1 not in results, "the stage's process killed itself"
+    error, seconds = results[0]["error"], results[0]["seconds"]
+    assert error.startswith("lost global rank 1 (pipeline rank 1 of replica 0): "), error
+    assert seconds < 30
+
+
+def test_a_serving_process_leaves_when_its_coordinator_is_killed(tmp_path: Path) -> None:
+    results = run_world("kill_coordinator", 2, tmp_path)
+    error = results[1]["error"]
+    assert error is not None and error.startswith("lost global rank 0 (pipeline rank 0 of replica 0): "), error
+    assert results[1]["at"] - results[0]["killed_at"] < 30
+
+
+def test_a_signature_describes_a_payload_without_its_tensors() -> None:
+    x, grad = torch.randn(3, 4), torch.ones(2, dtype=torch.float64)
+    payload = ({"x": x, "n": 3}, [True, None], (grad,))
+    signature, tensors = split_payload(MessageKind.ACTIVATION, payload)
+    assert signature is not None and [t is x for t in tensors] == [True, False]
+    again = decode_signature(encode_signature(signature))
+    assert again == signature and hash(again) == hash(signature)
+    rebuilt = join_payload(again, [x.clone(), grad.clone()])
+    assert rebuilt[0]["n"] == 3 and rebuilt[1] == [True, None]
+    assert torch.equal(rebuilt[0]["x"], x) and torch.equal(rebuilt[2][0], grad)
+    assert signature.nbytes == x.numel() * 4 + grad.numel() * 8
+    other, _ = split_payload(MessageKind.ACTIVATION, ({"x": x[:2], "n": 3}, [True, None], (grad,)))
+    assert other != signature, "another shape is another signature"
+    assert Message(MessageKind.GRAD).kind == "grad"
