@@ -119,7 +119,7 @@ def large_tensor(comm: P2PCommunicator) -> dict[str, Any]:
 def stage_error(comm: P2PCommunicator) -> str:
     model = nn.Sequential(nn.Linear(8, 8), FailsOn(7.0))
     x, y = data(3)
-    x[0, 0] = 7.0  # reaches stage 1 only through the linear layer if it were identity: use the failing row below
+    x[0, 0] = 7.0  # the linear layer of stage 0 is the identity: the marked row reaches stage 1 as it is
     model[0].weight.data = torch.eye(8)
     model[0].bias.data.zero_()
     with Pipeline(model, stages=2, partition="uniform", transport=comm, timeout=60) as pipe:
