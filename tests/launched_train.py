@@ -135,7 +135,7 @@ def main() -> None:
             rank = trainer.global_rank
             torch.save(model.model.state_dict(), out / f"{name}-rank{rank}.pt")
             if trainer.is_global_zero:
-                info = {"world_size": trainer.world_size, "replicas": layout.replicas if layout else 1,
+                info = {"world_size": layout.world_size if layout else 1, "replicas": layout.replicas if layout else 1,
                         "loss": float(trainer.callback_metrics["train_loss"])}  # fmt: skip
                 (out / f"{name}.json").write_text(json.dumps(info))
         if case["save"]:

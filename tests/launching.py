@@ -50,8 +50,9 @@ def run_all(commands: list[tuple[list[str], dict[str, str]]], timeout: float) ->
     """Start every command (each in a session of its own), wait for all within ``timeout``, kill what is left."""
     start = time.monotonic()
     procs = [
-        subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         start_new_session=True, text=True)  # fmt: skip
+        subprocess.Popen(
+            cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True, text=True
+        )  # fmt: skip
         for cmd, env in commands
     ]
     outputs = []

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import pytest
@@ -17,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from launched_train import GLOBAL_BATCH, STEPS, Net, make_data, make_model, parse_case
 from launching import ROOT, Run, lightning_launch, slurm, torchrun
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_pipe import PipeStrategy
 
@@ -25,8 +26,21 @@ SCRIPT = str(ROOT / "tests" / "launched_train.py")
 pytestmark = pytest.mark.slow
 
 
-def reference(name: str, steps: int = STEPS) -> dict[str, torch.Tensor]:
-    """The unsplit model trained on the global batches as Lightning would (accumulation, clipping)."""
+def shuffled(rows: int, epoch: int) -> list[int]:
+    """The global order of Lightning's distributed sampler in an epoch (it shuffles training data, seeded by
+    ``seed_everything``); replica r reads every R-th index of it, so a step's R batches are its next R x b rows."""
+    sampler = DistributedSampler(range(rows), num_replicas=1, rank=0, shuffle=True, seed=0)
+    sampler.set_epoch(epoch)
+    return list(sampler)
+
+
+def in_order(rows: int, epoch: int) -> list[int]:
+    return list(range(rows))
+
+
+def reference(name: str, steps: int = STEPS, orders: tuple[Any, ...] = (shuffled, shuffled)) -> dict[str, torch.Tensor]:
+    """The unsplit model trained on the global batches as Lightning would (accumulation, clipping);
+    ``orders[e]`` gives the rows of epoch ``e`` in the order they are read."""
     case = parse_case(name)
     torch.manual_seed(0)
     model = make_model()
@@ -40,7 +54,8 @@ def reference(name: str, steps: int = STEPS) -> dict[str, torch.Tensor]:
     for _ in range(steps):
         optimizer.zero_grad()
         for _ in range(case["accumulate"]):
-            rows = slice((batch % batches) * GLOBAL_BATCH, (batch % batches + 1) * GLOBAL_BATCH)
+            epoch, index = divmod(batch, batches)
+            rows = orders[epoch](len(x), epoch)[index * GLOBAL_BATCH : (index + 1) * GLOBAL_BATCH]
             (F.mse_loss(model(x[rows]), y[rows]) / case["accumulate"]).backward()
             batch += 1
         if case["clip"] is not None:
@@ -88,7 +103,7 @@ def test_lightning_launcher_trains_like_the_unsplit_model_on_the_global_batch(tm
                             "--out", str(resumed)])  # fmt: skip
     assert_ok(run)
     check_trained(resumed, "s4-adam-1f1b-resume", [0], steps=STEPS + 1)
-    expected = reference("s2-adam-1f1b", STEPS + 1)
+    expected = reference("s2-adam-1f1b", STEPS + 1, (shuffled, in_order))  # no distributed sampler in one process
     for strategy in (PipeStrategy(stages=2, microbatches=2, transport="local"), "auto"):
         L.seed_everything(0, verbose=False)
         model = Net("adam")

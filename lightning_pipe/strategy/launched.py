@@ -29,7 +29,7 @@ from lightning.fabric.utilities.distributed import (
     _sync_ddp_if_available,
 )
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch.distributed.device_mesh import init_device_mesh
 from typing_extensions import override
@@ -184,6 +184,29 @@ class LaunchedMode(_Strategy):
         return self.layout is not None
 
     @property
+    def world_size(self) -> int:  # type: ignore[override]
+        """1 in launched mode, as Lightning's loop must see it.
+
+        Lightning's training loop broadcasts a SIGTERM flag over the whole torch.distributed world
+        before every batch when ``world_size > 1``; the processes that serve a stage do not run that
+        loop and cannot join it. The strategy's own collectives (``reduce``, ``barrier``, ``broadcast``,
+        ``all_gather``, ``reduce_boolean_decision``) span the coordinators, one per replica; ``layout``
+        holds the real numbers (``layout.world_size`` processes, ``layout.replicas`` replicas).
+        """
+        if self.layout is not None:
+            return 1
+        return super().world_size
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        coordinators = self._coordinator_group()
+        if coordinators is None:
+            return decision
+        assert self.layout is not None
+        votes = self.reduce(torch.tensor(int(decision), device=self.launched_root_device), reduce_op="sum")
+        return bool(votes == self.layout.replicas) if all else bool(votes)
+
+    @property
     def launched_root_device(self) -> torch.device:
         assert self.parallel_devices is not None
         return self.parallel_devices[self.local_rank]
@@ -209,7 +232,7 @@ class LaunchedMode(_Strategy):
         if not self._mode_logged:
             self._mode_logged = True
             layout = self.layout
-            log.info(
+            rank_zero_info(
                 f"PipeStrategy: launched mode, {layout.world_size} processes = {layout.replicas} replica(s) x "
                 f"{layout.ranks_per_pipeline} pipeline rank(s); {layout.picture()}"
             )
@@ -238,7 +261,7 @@ class LaunchedMode(_Strategy):
 
     def serve_stages(self) -> None:
         """What a process that does not coordinate runs instead of the Trainer's loop."""
-        from lightning_pipe.comm.p2p import serve_stages
+        from lightning_pipe.comm.p2p_serve import serve_stages
 
         self.setup_environment()
         assert self.layout is not None and self._groups is not None
