@@ -33,3 +33,16 @@ def test_causal_lm_example() -> None:
     assert check["rows"][1] > 1e-3  # weighted by rows they are not
     losses = result["losses"]
     assert len(losses) == 10 and losses[-1] < losses[0] - 0.3
+
+
+@pytest.mark.slow
+def test_digits_example_runs_launched_as_the_readme_says() -> None:
+    """``python examples/digits.py --devices 4``: 2 replicas x 2 stages, started by Lightning's launcher."""
+    pytest.importorskip("sklearn", reason="the digits example needs scikit-learn (lightning_pipe[examples])")
+    from launching import ROOT, lightning_launch
+
+    run = lightning_launch(str(ROOT / "examples" / "digits.py"), ["--devices", "4", "--epochs", "5"], timeout=240)
+    assert run.ok, run.output[-4000:]
+    assert "launched mode, 4 processes = 2 replica(s) x 2 pipeline rank(s)" in run.output
+    accuracies = [float(line.split()[-1]) for line in run.output.splitlines() if line.startswith("validation accuracy")]
+    assert len(accuracies) == 1 and accuracies[0] > 0.9, run.output[-2000:]  # printed once, on global rank 0
