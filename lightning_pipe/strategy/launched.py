@@ -36,7 +36,7 @@ from typing_extensions import override
 
 from lightning_pipe.engine.runners import worker_of_stages
 from lightning_pipe.errors import ConfigurationError
-from lightning_pipe.strategy.layout import LAUNCHED, Layout, choose_mode
+from lightning_pipe.strategy.layout import LAUNCHED, LOCAL, Layout, choose_mode
 
 if TYPE_CHECKING:
     from lightning.pytorch.strategies import ParallelStrategy as _Strategy
@@ -222,6 +222,10 @@ class LaunchedMode(_Strategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         if self.layout is None:
+            if not self._mode_logged:
+                self._mode_logged = True
+                where = "threads of this process" if self.mode == LOCAL else "rpc worker processes"
+                rank_zero_info(f"PipeStrategy: {self.mode} mode, one Lightning process, stages in {where}")
             return
         device = self.launched_root_device
         if not dist.is_initialized():
