@@ -2,10 +2,11 @@
 
 Launched mode (several processes started by Lightning's launcher, torchrun or SLURM): a pipeline
 is the S processes ``ranks`` (global ranks in pipeline order) of one process group. The process of
-``ranks[coordinator]`` runs the coordinator and, in a thread, the stage worker of that pipeline rank; the
-others run `serve_stages`. The strategy puts the coordinator with the last stage: the loss is computed
-where the last stage's output is, and a microbatch's loss costs no round trip between processes. Stage specs are pickled by value once and built where they run; activations
-and gradients then go from process to process with ``isend``/``irecv`` (`p2p_wire`, `p2p_frames`).
+``ranks[coordinator]`` runs the coordinator and, in a thread, the stage worker of that pipeline rank;
+the others run `serve_stages`. The strategy puts the coordinator with the last stage: the loss is
+computed where the last stage's output is, and a microbatch's loss costs no round trip between
+processes. Stage specs are pickled by value once and built where they run; activations and gradients
+then go from process to process with ``isend``/``irecv`` (`p2p_wire`, `p2p_frames`).
 
     (coordinator=0)
     process of ranks[0]                       process of ranks[1]        process of ranks[2]
