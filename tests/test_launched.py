@@ -135,11 +135,11 @@ def test_two_slurm_nodes_simulated_on_one_machine(tmp_path: Path) -> None:
 
 
 def test_a_sigkilled_rank_ends_every_process_with_an_error_naming_it(tmp_path: Path) -> None:
-    """Global rank 2 (the coordinator of replica 1) dies mid-step; the whole run ends within 30 s."""
-    args = ["--devices", "4", "--cases", "s2-sgd-1f1b", "--out", str(tmp_path), "--kill-rank", "2", "--kill-call", "3"]
+    """Global rank 3 (stage 0 of replica 1) dies mid-step; the whole run ends within 30 s."""
+    args = ["--devices", "4", "--cases", "s2-sgd-1f1b", "--out", str(tmp_path), "--kill-rank", "3", "--kill-call", "3"]
     run = lightning_launch(SCRIPT, args, timeout=120)
     assert not run.ok
     killed = float((tmp_path / "killed-at").read_text())
     assert run.ended - killed < 30, run.output[-4000:]
-    assert "global rank 2 (pipeline rank 0 of replica 1)" in run.output, run.output[-6000:]
+    assert "lost global rank 3 (pipeline rank 0 of replica 1)" in run.output, run.output[-6000:]
     assert not list(tmp_path.glob("done-*"))

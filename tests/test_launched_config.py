@@ -31,7 +31,8 @@ def test_a_trainer_with_four_devices_runs_two_replicas_of_two_stages() -> None:
     layout = strategy.layout
     assert strategy.mode == LAUNCHED and isinstance(strategy.launcher, PipeLauncher)
     assert layout is not None and (layout.replicas, layout.ranks_per_pipeline) == (2, 2)
-    assert layout.coordinates and layout.pipeline_ranks() == [0, 1] and layout.replica_ranks() == [0, 2]
+    assert layout.coordinates and layout.pipeline_ranks() == [1, 0] and layout.replica_ranks() == [0, 2]
+    assert layout.pipeline_rank == 1  # the coordinator holds the last stage
     assert strategy.distributed_sampler_kwargs == {"num_replicas": 2, "rank": 0}
     assert strategy.world_size == 1  # as Lightning's loop sees it: its collectives span the coordinators
     assert strategy.resolve_devices() == ["cpu", "cpu"]
@@ -54,10 +55,11 @@ def test_a_layout_that_does_not_divide_fails_naming_the_numbers_and_the_fix() ->
 
 def test_a_pipeline_stays_in_a_node_and_replicas_span_nodes() -> None:
     layout = Layout.of(world_size=8, global_rank=5, stages=4, virtual_stages=1, devices_per_node=4)
-    assert (layout.replica, layout.pipeline_rank, layout.coordinates) == (1, 1, False)
-    assert layout.pipeline_ranks() == [4, 5, 6, 7] and layout.coordinator_ranks == [0, 4]
-    assert layout.describe(4) == "global rank 4 (pipeline rank 0 of replica 1)"
-    assert "replica 1: rank 4 -> pipeline rank 0" in layout.picture()
+    assert (layout.replica, layout.pipeline_rank, layout.coordinates) == (1, 2, False)
+    assert layout.pipeline_ranks() == [7, 6, 5, 4] and layout.coordinator_ranks == [0, 4]
+    assert layout.replica_ranks() == [1, 5]  # stage 2's data-parallel group
+    assert layout.describe(7) == "global rank 7 (pipeline rank 0 of replica 1)"
+    assert "replica 1: rank 4 -> pipeline rank 3 (coordinator), rank 5 -> pipeline rank 2" in layout.picture()
     interleaved = Layout.of(world_size=4, global_rank=0, stages=4, virtual_stages=2, devices_per_node=4)
     assert (interleaved.replicas, interleaved.ranks_per_pipeline) == (2, 2)
 

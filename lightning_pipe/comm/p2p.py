@@ -2,13 +2,18 @@
 
 Launched mode (several processes started by Lightning's launcher, torchrun or SLURM): a pipeline
 is the S processes ``ranks`` (global ranks in pipeline order) of one process group. The process of
-``ranks[0]`` runs the coordinator and, in a thread, the stage worker of pipeline rank 0; the others
-run `serve_stages`. Stage specs are pickled by value once and built where they run; activations
-and gradients then go from process to process with ``isend``/``irecv`` (`p2p_wire`, `p2p_frames`).
+``ranks[coordinator]`` runs the coordinator and, in a thread, the stage worker of that pipeline rank;
+the others run `serve_stages`. The strategy puts the coordinator with the last stage: the loss is
+computed where the last stage's output is, and a microbatch's loss costs no round trip between
+processes. Stage specs are pickled by value once and built where they run; activations and gradients
+then go from process to process with ``isend``/``irecv`` (`p2p_wire`, `p2p_frames`).
 
+    (coordinator=0)
     process of ranks[0]                       process of ranks[1]        process of ranks[2]
     coordinator --by reference--> rank 0 --activation--> rank 1 --activation--> rank 2 --output--> coordinator
                 <-input grad----         <----grad----          <----grad-----         <--grad----
+    (coordinator=2, as the strategy runs it: the output and its gradient stay in the coordinator's process)
+    coordinator --input--> rank 0 --activation--> rank 1 --activation--> rank 2 --by reference--> coordinator
 
 It needs a process group, so it is not a ``transport=`` name of `Pipeline`: the strategy passes an
 instance, and ends the other processes' `serve_stages` with `release` when the run ends.
@@ -48,16 +53,21 @@ class P2PCommunicator(Communicator):
 
     Args:
         group: the process group of this pipeline (exactly the processes of ``ranks``).
-        ranks: global ranks in pipeline order; ``ranks[0]`` is this process.
+        ranks: global ranks in pipeline order; ``ranks[coordinator]`` is this process.
         describe: names a global rank in errors (default ``"global rank N"``).
         on_build: called with each stage worker right after it is built, in any process of the
             pipeline (here for pipeline rank 0; `serve_stages` takes its own for the others).
         timeout: seconds any single wait may take (a build, a send, a stop, hearing from a peer).
+        coordinator: the pipeline rank whose stage worker runs in this process (the others are remote).
     """
 
     name = "p2p"
-    shares_objects = False
     stages_own_parameters = True
+
+    @property
+    def shares_objects(self) -> bool:  # type: ignore[override]
+        """Whether the last stage runs in this process: then it computes the losses itself (no round trip)."""
+        return self._last_rank == self.coordinator
 
     def __init__(
         self,
@@ -66,26 +76,28 @@ class P2PCommunicator(Communicator):
         describe: Callable[[int], str] | None = None,
         on_build: OnBuild | None = None,
         timeout: float = 300.0,
+        coordinator: int = 0,
     ) -> None:
-        if not ranks or dist.get_rank() != ranks[0]:
+        if not 0 <= coordinator < len(ranks) or dist.get_rank() != ranks[coordinator]:
             raise ConfigurationError(
-                f"P2PCommunicator runs in the process of ranks[0] (the coordinator's), but ranks={list(ranks)} "
-                f"and this is global rank {dist.get_rank()}; the other processes call serve_stages"
+                f"P2PCommunicator runs in the process of ranks[{coordinator}] (the coordinator's), but "
+                f"ranks={list(ranks)} and this is global rank {dist.get_rank()}; the other processes call serve_stages"
             )
-        self.group, self.ranks, self.timeout = group, list(ranks), timeout
+        self.group, self.ranks, self.timeout, self.coordinator = group, list(ranks), timeout, coordinator
         self.describe = describe or default_describe
         self.on_build = on_build
         self._wire: Wire | None = None
         self._built: list[int] = []  # pipeline ranks whose worker runs
-        self._stage0: threading.Thread | None = None
-        self._crash = ""  # why the stage thread of pipeline rank 0 ended, if it crashed
+        self._local: threading.Thread | None = None  # the stage worker of this process (pipeline rank coordinator)
+        self._crash = ""  # why that stage thread ended, if it crashed
         self._early: list[Message] = []  # control notices that arrived while waiting for others
+        self._last_rank = -1  # the pipeline rank of the last stage, once launched
 
     # Communicator
     def launch(self, specs: list[Any], worker_cls: Any) -> Endpoint:
         if self._built:
             raise TransportError("this communicator already runs a pipeline; shut it down first")
-        if len(specs) > len(self.ranks):
+        if len(specs) != len(self.ranks):
             raise ConfigurationError(
                 f"the pipeline has {len(specs)} ranks but this communicator's group has {len(self.ranks)} processes "
                 f"(ranks={self.ranks}); pass stages that fit the launched pipeline dimension"
@@ -94,14 +106,17 @@ class P2PCommunicator(Communicator):
         self.check_alive()
         endpoint = P2PEndpoint(COORDINATOR, wire)
         until = deadline(self.timeout)
-        for k, spec in enumerate(specs[1:], start=1):  # the spec holds the user's modules: by value
-            wire.send(k, WIRE, Message(BUILD, payload=(spec, worker_cls)))
+        here = self.coordinator
+        for k, spec in enumerate(specs):  # the spec holds the user's modules: by value
+            if k != here:
+                wire.send(k, WIRE, Message(BUILD, payload=(spec, worker_cls)))
         self._built = list(range(len(specs)))
-        self._stage0 = threading.Thread(
-            target=self._serve_stage0, args=(by_value.copy(specs[0]), worker_cls, wire),
-            name="lightning_pipe-stage-0", daemon=True,
+        self._last_rank = specs[0].rank_of_stage[-1]
+        self._local = threading.Thread(
+            target=self._serve_local, args=(by_value.copy(specs[here]), worker_cls, wire),
+            name=f"lightning_pipe-stage-{here}", daemon=True,
         )  # fmt: skip
-        self._stage0.start()
+        self._local.start()
         replies = self._await(BUILT, self._built, until, "the stage builds")
         failed = [rank for rank in self._built if not replies[rank][0]]
         if failed:
@@ -117,13 +132,14 @@ class P2PCommunicator(Communicator):
         if wire is None or not built:
             return
         until = deadline(timeout)
-        remote = [rank for rank in built if rank != 0]
+        here = self.coordinator
+        remote = [rank for rank in built if rank != here]
         for rank in remote:
             wire.send(rank, rank, stop_message())
-        if 0 in built:
-            wire.inbox(0).put(stop_message())
-        if self._stage0 is not None:
-            self._stage0.join(remaining(until))
+        if here in built:
+            wire.inbox(here).put(stop_message())
+        if self._local is not None:
+            self._local.join(remaining(until))
         try:
             self._await(STOPPED, [rank for rank in remote if not wire.is_gone(rank)], until, "the stages to stop")
         except (PipeTimeoutError, TransportError) as exc:
@@ -135,8 +151,8 @@ class P2PCommunicator(Communicator):
         error = self._wire.error() if self._wire is not None else None
         if error is not None:
             raise error
-        if 0 in self._built and self._stage0 is not None and not self._stage0.is_alive():
-            where = self.describe(self.ranks[0])
+        if self.coordinator in self._built and self._local is not None and not self._local.is_alive():
+            where = self.describe(self.ranks[self.coordinator])
             raise TransportError(f"the stage worker thread of {where} ended unexpectedly{self._crash}")
 
     # beyond the Communicator interface
@@ -149,7 +165,7 @@ class P2PCommunicator(Communicator):
         until = deadline(timeout)
         self.shutdown(timeout)
         wire = self._open()
-        for rank in range(1, len(self.ranks)):
+        for rank in self._others():
             wire.send(rank, WIRE, Message(RELEASE, payload=error))
         self._wire = None
         left = wire.close(remaining(until))
@@ -160,7 +176,7 @@ class P2PCommunicator(Communicator):
         """What each endpoint sent (``COORDINATOR`` and every pipeline rank) since it started or the last reset."""
         wire = self._open()
         out = dict(wire.stats(reset))
-        others = range(1, len(self.ranks))
+        others = self._others()
         for rank in others:
             wire.send(rank, WIRE, Message(STATS, payload=reset))
         for stats in self._await(STATS_REPLY, list(others), deadline(self.timeout), "statistics").values():
@@ -170,13 +186,19 @@ class P2PCommunicator(Communicator):
     # internals
     def _open(self) -> Wire:
         if self._wire is None:
-            self._wire = Wire(self.group, self.ranks, 0, self.describe, self.timeout)
+            here = self.coordinator
+            self._wire = Wire(self.group, self.ranks, here, self.describe, self.timeout, here)
         return self._wire
 
-    def _serve_stage0(self, spec: Any, worker_cls: Any, wire: Wire) -> None:
-        endpoint = P2PEndpoint(0, wire)
+    def _others(self) -> list[int]:
+        """The pipeline ranks in other processes."""
+        return [rank for rank in range(len(self.ranks)) if rank != self.coordinator]
+
+    def _serve_local(self, spec: Any, worker_cls: Any, wire: Wire) -> None:
+        here = self.coordinator
+        endpoint = P2PEndpoint(here, wire)
         worker, reply = build_worker(spec, worker_cls, endpoint, self.on_build)
-        wire.send(0, WIRE, Message(BUILT, payload=reply, source=0))
+        wire.send(here, WIRE, Message(BUILT, payload=reply, source=here))
         if worker is None:
             return
         try:
@@ -186,7 +208,7 @@ class P2PCommunicator(Communicator):
         except BaseException:  # check_alive reports it
             self._crash = f": its event loop crashed:\n{traceback.format_exc()}"
         finally:
-            wire.drop_inbox(0)
+            wire.drop_inbox(here)
 
     def _await(self, kind: str, ranks: list[int], until: float, what: str) -> dict[int, Any]:
         """The payload of a ``kind`` notice from each of ``ranks`` (others are kept for their own wait)."""

@@ -39,7 +39,7 @@ class P2PEndpoint(Endpoint):
 
     def send(self, rank: int, message: Message) -> None:
         message.source = self.rank
-        self.wire.send(0 if rank == COORDINATOR else rank, rank, message)
+        self.wire.send(self.wire.coordinator if rank == COORDINATOR else rank, rank, message)
 
     def recv(self, timeout: float | None) -> Message | None:
         message = self.inbox.get(timeout)
@@ -49,7 +49,7 @@ class P2PEndpoint(Endpoint):
         return None if message is not None and message.kind == LOST else message
 
     def host(self, rank: int) -> str:
-        return self.wire.describe(self.wire.ranks[0 if rank == COORDINATOR else rank])
+        return self.wire.describe(self.wire.ranks[self.wire.coordinator if rank == COORDINATOR else rank])
 
 
 def build_worker(spec: Any, worker_cls: Any, endpoint: P2PEndpoint, on_build: OnBuild | None) -> tuple[Any, Any]:
@@ -74,14 +74,16 @@ def serve_stages(
     describe: Callable[[int], str] | None = None,
     on_build: OnBuild | None = None,
     timeout: float = 300.0,
+    coordinator: int = 0,
 ) -> None:
-    """Serve the stages the coordinator (the process of ``ranks[0]``) builds here, until it releases the pipeline.
+    """Serve the stages the coordinator (the process of ``ranks[coordinator]``) builds here, until it releases
+    the pipeline.
 
     Raises `TransportError` naming the lost process when a process of the pipeline dies (also while
     idle between builds), or when the coordinator releases the pipeline with an error.
     """
-    me = _pipeline_rank(ranks)
-    wire = Wire(group, ranks, me, describe or default_describe, timeout)
+    me = _pipeline_rank(ranks, coordinator)
+    wire = Wire(group, ranks, me, describe or default_describe, timeout, coordinator)
     control = wire.inbox(WIRE)
     try:
         while True:
@@ -105,7 +107,7 @@ def serve_stages(
 def _serve_one(wire: Wire, spec: Any, worker_cls: Any, on_build: OnBuild | None) -> None:
     endpoint = P2PEndpoint(spec.rank, wire)
     worker, reply = build_worker(spec, worker_cls, endpoint, on_build)
-    wire.send(0, WIRE, Message(BUILT, payload=reply, source=wire.me))
+    wire.send(wire.coordinator, WIRE, Message(BUILT, payload=reply, source=wire.me))
     if worker is None:
         wire.drop_inbox(spec.rank)
         return
@@ -115,11 +117,11 @@ def _serve_one(wire: Wire, spec: Any, worker_cls: Any, on_build: OnBuild | None)
         raise
     except BaseException:  # the event loop itself broke: the coordinator counts this process as lost
         crash = f"its stage loop crashed:\n{traceback.format_exc()}"
-        wire.send(0, WIRE, Message(CRASHED, payload=crash, source=wire.me))
+        wire.send(wire.coordinator, WIRE, Message(CRASHED, payload=crash, source=wire.me))
         raise
     finally:
         wire.drop_inbox(spec.rank)
-    wire.send(0, WIRE, Message(STOPPED, source=wire.me))
+    wire.send(wire.coordinator, WIRE, Message(STOPPED, source=wire.me))
 
 
 def stop_message() -> Message:
@@ -130,11 +132,11 @@ def default_describe(rank: int) -> str:
     return f"global rank {rank}"
 
 
-def _pipeline_rank(ranks: Sequence[int]) -> int:
+def _pipeline_rank(ranks: Sequence[int], coordinator: int) -> int:
     rank = dist.get_rank()
-    if rank not in ranks or ranks.index(rank) == 0:
+    if rank not in ranks or list(ranks).index(rank) == coordinator:
         raise ConfigurationError(
-            f"serve_stages runs on pipeline ranks 1.. of ranks={list(ranks)}, but this is global rank {rank}; "
-            "the process of ranks[0] runs the coordinator (P2PCommunicator)"
+            f"serve_stages runs on the pipeline ranks of ranks={list(ranks)} but {coordinator}, and this is global "
+            f"rank {rank}; the process of ranks[{coordinator}] runs the coordinator (P2PCommunicator)"
         )
     return list(ranks).index(rank)

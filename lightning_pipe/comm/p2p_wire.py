@@ -65,9 +65,16 @@ class Wire:
     """This process's links to the other processes of one pipeline (``ranks`` in pipeline order)."""
 
     def __init__(
-        self, group: Any, ranks: Sequence[int], me: int, describe: Callable[[int], str], timeout: float
+        self,
+        group: Any,
+        ranks: Sequence[int],
+        me: int,
+        describe: Callable[[int], str],
+        timeout: float,
+        coordinator: int = 0,
     ) -> None:
         self.group, self.ranks, self.me, self.describe, self.timeout = group, list(ranks), me, describe, timeout
+        self.coordinator = coordinator  # the pipeline rank whose process runs the coordinator
         self.device = process_device(group)
         self.keepalive = max(0.05, min(5.0, timeout / 4))
         self.lost: tuple[int, str] | None = None  # the first peer lost (pipeline rank) and why
@@ -151,7 +158,7 @@ class Wire:
     # delivery
     def _deliver(self, destination: int, message: Message) -> None:
         if destination == WIRE and message.kind == STATS:
-            process = 0 if message.source == COORDINATOR else message.source
+            process = self.coordinator if message.source == COORDINATOR else message.source
             self.send(process, WIRE, Message(STATS_REPLY, payload=self.stats(message.payload), source=self.me))
             return
         if destination == WIRE and message.kind == CRASHED:

@@ -3,10 +3,11 @@
 Lightning starts the processes as it does for DDP: its own subprocess launcher (``python train.py``
 with ``devices=K``), or none when ``torchrun`` or SLURM started them (the cluster environments it
 detects). `PipeLauncher` is that launcher with one change: the processes that do not coordinate a
-pipeline (pipeline rank > 0) serve their stage instead of running the Trainer's loop, and return from
-``fit`` / ``validate`` / ``test`` / ``predict`` when their coordinator ends it. The coordinators
-(pipeline rank 0 of each replica) run the loop, the user's step and their own stage; Lightning's
-collectives (logging with ``sync_dist``, checkpoint decisions, barriers) span the coordinators only.
+pipeline (all but the first of each replica's block) serve their stage instead of running the
+Trainer's loop, and return from ``fit`` / ``validate`` / ``test`` / ``predict`` when their coordinator
+ends it. The coordinators (the first process of each replica, holding its last stage) run the loop,
+the user's step and that stage; Lightning's collectives (logging with ``sync_dist``, checkpoint
+decisions, barriers) span the coordinators only.
 
 Process groups (torch's `DeviceMesh`, dims ``("replica", "pipeline")``): a pipeline's P ranks carry its
 activations and gradients point to point (`lightning_pipe.comm.p2p`); the R ranks of one stage average
@@ -253,6 +254,7 @@ class LaunchedMode(_Strategy):
                 describe=self.layout.describe,
                 on_build=self._on_build(),
                 timeout=self.timeout,
+                coordinator=self.layout.coordinator,
             )
         return self._p2p
 
@@ -275,6 +277,7 @@ class LaunchedMode(_Strategy):
             describe=self.layout.describe,
             on_build=self._on_build(),
             timeout=self.timeout,
+            coordinator=self.layout.coordinator,
         )
 
     def release_stages(self, error: BaseException | None = None) -> None:

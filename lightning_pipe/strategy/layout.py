@@ -10,14 +10,15 @@ The mode rule, the Lightning way (as DDP decides by the number of processes):
 
 In launched mode the ``W = devices x num_nodes`` processes form R pipeline replicas of P ranks each
 (P = stages / virtual_stages), the ranks of one pipeline consecutive, so that a pipeline stays inside
-one node when P <= devices::
+one node when P <= devices. The first process of each replica's block is its coordinator: it runs
+Lightning's loop and the user's step, and holds the pipeline's LAST rank, where the loss is computed,
+so that a microbatch's output and its loss gradient never cross between processes (the inputs go to
+stage 0 once per microbatch, one way). Global rank 0 is the coordinator of replica 0::
 
     global rank    0   1   2   3          (devices=4, stages=2)
     replica        0   0   1   1
-    pipeline rank  0   1   0   1
+    pipeline rank  1   0   1   0          (stage 0 on pipeline rank 0)
                    ^coordinator ^coordinator
-
-Pipeline rank 0 of each replica is its coordinator: it runs Lightning's loop and the user's step.
 """
 
 from __future__ import annotations
@@ -71,27 +72,36 @@ class Layout:
 
     @property
     def pipeline_rank(self) -> int:
-        return self.global_rank % self.ranks_per_pipeline
+        return self.pipeline_rank_of(self.global_rank)
+
+    def pipeline_rank_of(self, global_rank: int) -> int:
+        """The pipeline rank a process holds: the first of a replica's block holds the last pipeline rank."""
+        return self.ranks_per_pipeline - 1 - global_rank % self.ranks_per_pipeline
+
+    @property
+    def coordinator(self) -> int:
+        """The pipeline rank of the coordinator's process: the last (it holds the last stage)."""
+        return self.ranks_per_pipeline - 1
 
     @property
     def coordinates(self) -> bool:
-        """Whether this process runs Lightning's loop (pipeline rank 0 of its replica)."""
-        return self.pipeline_rank == 0
+        """Whether this process runs Lightning's loop (the first of its replica's block)."""
+        return self.pipeline_rank == self.coordinator
 
     def pipeline_ranks(self, replica: int | None = None) -> list[int]:
-        """Global ranks of a replica's pipeline (default: this process's), in pipeline order."""
+        """Global ranks of a replica's pipeline (default: this process's), in pipeline order (stage 0 first)."""
         first = (self.replica if replica is None else replica) * self.ranks_per_pipeline
-        return list(range(first, first + self.ranks_per_pipeline))
+        return list(reversed(range(first, first + self.ranks_per_pipeline)))
 
     def replica_ranks(self, pipeline_rank: int | None = None) -> list[int]:
         """Global ranks holding the same pipeline rank in every replica (its data-parallel group)."""
         rank = self.pipeline_rank if pipeline_rank is None else pipeline_rank
-        return [r * self.ranks_per_pipeline + rank for r in range(self.replicas)]
+        return [r * self.ranks_per_pipeline + self.ranks_per_pipeline - 1 - rank for r in range(self.replicas)]
 
     @property
     def coordinator_ranks(self) -> list[int]:
         """The processes that run Lightning's loop: Lightning's collectives (logging, checkpoints) span these."""
-        return self.replica_ranks(0)
+        return self.replica_ranks(self.coordinator)
 
     def local_index(self, global_rank: int) -> int:
         """The device index of ``global_rank`` on its node (ranks fill the nodes in order)."""
@@ -99,13 +109,18 @@ class Layout:
 
     def describe(self, global_rank: int) -> str:
         return (
-            f"global rank {global_rank} (pipeline rank {global_rank % self.ranks_per_pipeline} "
+            f"global rank {global_rank} (pipeline rank {self.pipeline_rank_of(global_rank)} "
             f"of replica {global_rank // self.ranks_per_pipeline})"
         )
 
     def picture(self) -> str:
         """One line per replica: which global rank holds which pipeline rank (logged at the start)."""
         return "; ".join(
-            f"replica {r}: " + ", ".join(f"rank {g} -> pipeline rank {i}" for i, g in enumerate(self.pipeline_ranks(r)))
+            f"replica {r}: "
+            + ", ".join(
+                f"rank {g} -> pipeline rank {self.pipeline_rank_of(g)}"
+                + (" (coordinator)" if self.pipeline_rank_of(g) == self.coordinator else "")
+                for g in sorted(self.pipeline_ranks(r))
+            )
             for r in range(self.replicas)
         )
