@@ -3,9 +3,10 @@
 Every process runs the same user code, ``Trainer(accelerator="cpu", devices=S,
 strategy=PipeStrategy(stages=S, microbatches=M, schedule=...)).fit(...)`` with PipeStrategy's defaults
 otherwise, in the environment ``torchrun --nproc-per-node S --master-addr 127.0.0.1 --master-port P``
-gives it (Lightning detects `TorchElasticEnvironment`). Rank 0 runs Lightning's loop and stage 0 and is
-driven over a pipe like the local Trainer contender (`serve_one_fit`: one fit, stages kept between
-rounds); the other ranks serve their stage inside ``fit`` and return when rank 0's fit ends.
+gives it (Lightning detects `TorchElasticEnvironment`). Rank 0, the coordinator, runs Lightning's loop,
+the user's step and the stage the strategy gives it, and is driven over a pipe like the local Trainer
+contender (`serve_one_fit`: one fit, stages kept between rounds); the other ranks serve their stage
+inside ``fit`` and return when rank 0's fit ends.
 Activations and gradients go point to point over gloo (`lightning_pipe.comm.p2p`).
 """
 
@@ -65,7 +66,7 @@ def start_launched(ctx: Any, contender: Contender, cfg: Config) -> None:
 
 
 def serve_coordinator(conn: Connection, cfg: Config) -> None:
-    """Global rank 0: Lightning's loop, the user's step and stage 0, taking commands between steps."""
+    """Global rank 0: Lightning's loop, the user's step and its stage, taking commands between steps."""
     try:
         quiet_lightning(cfg)
         batches = make_batches(cfg.workload)
