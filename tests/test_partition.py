@@ -35,8 +35,8 @@ def test_params_balance_puts_the_big_layers_apart() -> None:
     assert sum(Partitioner("time").balance(lopsided(), 3, sample)) == 6
 
 
-def test_stages_default_to_the_trainers_devices() -> None:
-    trainer = L.Trainer(**QUIET, devices=3, max_steps=1, strategy=PipeStrategy(partition="uniform"))
+def test_stages_default_to_the_trainers_devices_with_transport_local() -> None:
+    trainer = L.Trainer(**QUIET, devices=3, max_steps=1, strategy=PipeStrategy(partition="uniform", transport="local"))
     trainer.fit(Classifier(), loader())
     assert trainer.strategy.resolve_devices() == ["cpu", "cpu", "cpu"]  # type: ignore[attr-defined]
     assert len(trainer.strategy.last_step.records) == 3  # type: ignore[attr-defined]
