@@ -1,29 +1,33 @@
-"""The links of one process of a pipeline: a sender and a receiver thread per peer, over torch.distributed.
+"""The links of one process of a pipeline to its peers, over torch.distributed point-to-point sends.
 
-Each peer (another process of the same pipeline group) gets a sender thread that drains a FIFO
-queue, so a stage's sends overlap with its next computation and each link keeps its order, and a
-receiver thread that posts ``irecv`` for the next frame (`p2p_frames`) and puts the message into
-the inbox of its destination endpoint in this process. Messages between endpoints of this process
-(the coordinator and pipeline rank 0) go straight into the inbox, by reference.
+A send posts its frame's ``isend``s (`p2p_frames`) from the sending thread itself, under the link's
+lock, and returns: the transfer runs in the process group's own I/O threads, so a stage's sends
+overlap with its next computation, each link keeps its order, and no thread has to be woken to send
+(on a machine whose cores are all computing, every wake-up is a wait for a core). A frame's tensors
+stay referenced until their sends completed. Each peer gets a receiver thread that posts ``irecv``
+for the next frame and puts the message into the inbox of its destination endpoint in this process.
+Messages between endpoints of this process (the coordinator and its own pipeline rank) go straight
+into the inbox, by reference.
 
 A broken link (the peer process died: gloo fails the pending receive, or a send fails) marks the
 peer lost; every endpoint of this process then raises `TransportError` from its next ``recv``.
-Idle senders send a keep-alive header every few seconds, so a receiver that hears nothing for
-``timeout`` seconds knows its peer hangs. `close` sends a close frame on every link and waits
+A keep-alive thread sends a header on every link that was idle for a few seconds, so a receiver
+that hears nothing for ``timeout`` seconds knows its peer hangs. `close` sends a close frame on every link and waits
 (bounded) for the peers' close frames, so no thread stays blocked on a finished world; a thread
 whose peer never closes (a hung process) is a daemon blocked in ``wait`` until the world ends.
 
-Under NCCL the tensors travel on the process's CUDA device, each link thread on a stream of its own
-(ordered after the sender's work by an event). That path is the same code and is untested here; a
-sender and a receiver thread of one link use the same NCCL peer communicator concurrently.
+Under NCCL the tensors travel on the process's CUDA device, sends and receives on streams of their
+own (a send ordered after the sender's work by an event). That path is the same code and is untested
+here; a sending and a receiving thread of one link use the same NCCL peer communicator concurrently.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
-import queue
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -43,7 +47,6 @@ LOST = "p2p-lost"  # wakes a waiting endpoint: a peer is gone
 STATS = "p2p-stats"  # asks a process for its statistics, answered by its receiver thread
 STATS_REPLY = "p2p-stats-reply"
 CRASHED = "p2p-crashed"  # a serving process's stage loop broke: the receiving process counts it as lost
-_CLOSE = object()  # a sender queue's last item
 
 
 @dataclass
@@ -59,6 +62,31 @@ class WireStats:
 
     def total_bytes(self) -> int:
         return sum(self.tensor_bytes.values())
+
+
+class _Link:
+    """This process's side of one link: its lock, the signatures it negotiated, the sends in flight."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.signatures: dict[frames.Signature, int] = {}
+        self.pending: collections.deque[tuple[Any, torch.Tensor]] = collections.deque()
+        self.last_send = time.monotonic()
+        self.closed = False
+
+    def reap(self, timeout: float) -> None:
+        """Forget the sends that completed (raising a failed one's error); the oldest go first."""
+        while self.pending and (self.pending[0][0] is None or self.pending[0][0].is_completed()):
+            work, _ = self.pending.popleft()
+            if work is not None:
+                work.wait(timedelta(seconds=timeout))  # done: returns at once, or raises its error
+
+    def drain(self, timeout: float) -> None:
+        """Wait until every send of this link completed."""
+        while self.pending:
+            work, _ = self.pending.popleft()
+            if work is not None:
+                work.wait(timedelta(seconds=max(0.1, timeout)))
 
 
 class Wire:
@@ -83,19 +111,23 @@ class Wire:
         self._inboxes: dict[int, QueueInbox] = {WIRE: QueueInbox()}
         self._stats: dict[int, WireStats] = {}
         self._lock = threading.Lock()
-        self._queues: dict[int, queue.SimpleQueue[Any]] = {}
+        self._links: dict[int, _Link] = {}
         self._threads: list[threading.Thread] = []
-        self._local = threading.local()  # each link thread's CUDA stream
+        self._local = threading.local()  # each thread's CUDA stream for sends and receives
+        self._closing = threading.Event()
         for peer in range(len(self.ranks)):
             if peer == me:
                 continue
-            self._queues[peer] = queue.SimpleQueue()
-            g = self.ranks[peer]
-            for role, target in (("send", self._send_loop), ("recv", self._recv_loop)):
-                name = f"lightning_pipe-p2p-{role}-{g}"
-                thread = threading.Thread(target=target, args=(peer,), name=name, daemon=True)
-                thread.start()
-                self._threads.append(thread)
+            self._links[peer] = _Link()
+            name = f"lightning_pipe-p2p-recv-{self.ranks[peer]}"
+            thread = threading.Thread(target=self._recv_loop, args=(peer,), name=name, daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        if self._links:
+            name = f"lightning_pipe-p2p-keepalive-{self.ranks[me]}"
+            thread = threading.Thread(target=self._keepalive_loop, name=name, daemon=True)
+            thread.start()
+            self._threads.append(thread)
 
     # endpoints of this process
     def inbox(self, endpoint: int) -> QueueInbox:
@@ -115,7 +147,13 @@ class Wire:
                 stats.local[message.kind] += 1
             self._deliver(destination, message)
         elif process not in self._dead and process not in self._closed:
-            self._queues[process].put((destination, message, self._ready()))
+            link = self._links[process]
+            try:
+                with link.lock, self._on_stream(self._ready()):
+                    if not link.closed:
+                        self._send_message(process, link, destination, message)
+            except Exception as exc:
+                self.mark_lost(process, f"sending failed: {_first_line(exc)}")
 
     def is_gone(self, peer: int) -> bool:
         """Whether nothing can reach ``peer`` any more (its link broke or it closed it)."""
@@ -138,8 +176,19 @@ class Wire:
     def close(self, timeout: float) -> list[str]:
         """Close every link and wait for the peers' close frames; the names of threads still running."""
         until = deadline(timeout)
-        for q in self._queues.values():
-            q.put(_CLOSE)
+        self._closing.set()
+        for peer, link in self._links.items():
+            with link.lock:
+                if link.closed:
+                    continue
+                link.closed = True
+                if peer in self._dead:
+                    continue
+                try:
+                    self._transmit(peer, link, frames.control_header(frames.CLOSE), None, [])
+                    link.drain(remaining(until))
+                except Exception as exc:
+                    self.mark_lost(peer, f"closing failed: {_first_line(exc)}")
         for thread in self._threads:
             thread.join(remaining(until))
         return [t.name for t in self._threads if t.is_alive()]
@@ -173,32 +222,21 @@ class Wire:
         with self._lock:
             return self._stats.setdefault(source, WireStats())
 
-    # the threads
-    def _send_loop(self, peer: int) -> None:
-        signatures: dict[frames.Signature, int] = {}
-        while True:
-            try:
-                item = self._queues[peer].get(timeout=self.keepalive)
-            except queue.Empty:
-                item = None
-            if peer in self._dead or (peer in self._closed and item is not _CLOSE):
-                if item is _CLOSE:
-                    return
-                continue
-            try:
-                if item is None:
-                    self._transmit(peer, frames.control_header(frames.KEEPALIVE), None, [])
-                elif item is _CLOSE:
-                    self._transmit(peer, frames.control_header(frames.CLOSE), None, [])
-                    return
-                else:
-                    destination, message, ready = item
-                    with self._on_stream(ready):
-                        self._send_message(peer, destination, message, signatures)
-            except Exception as exc:
-                self.mark_lost(peer, f"sending failed: {_first_line(exc)}")
+    # sending (in the sending thread) and the keep-alives
+    def _keepalive_loop(self) -> None:
+        while not self._closing.wait(self.keepalive / 2):
+            now = time.monotonic()
+            for peer, link in self._links.items():
+                if now - link.last_send < self.keepalive or peer in self._dead:
+                    continue
+                try:
+                    with link.lock:
+                        if not link.closed:
+                            self._transmit(peer, link, frames.control_header(frames.KEEPALIVE), None, [])
+                except Exception as exc:
+                    self.mark_lost(peer, f"sending failed: {_first_line(exc)}")
 
-    def _send_message(self, peer: int, destination: int, message: Message, signatures: dict[Any, int]) -> None:
+    def _send_message(self, peer: int, link: _Link, destination: int, message: Message) -> None:
         stats, kind = self._count(message.source), message.kind
         signature: frames.Signature | None = None
         tensors: list[torch.Tensor] = []
@@ -206,9 +244,9 @@ class Wire:
             signature, tensors = frames.split_payload(kind, message.payload)
         if signature is not None:
             extra = b""
-            marker = signatures.get(signature)
+            marker = link.signatures.get(signature)
             if marker is None:
-                marker = signatures[signature] = len(signatures)
+                marker = link.signatures[signature] = len(link.signatures)
                 extra = frames.encode_signature(signature)
                 stats.signatures += 1
         else:
@@ -220,19 +258,22 @@ class Wire:
             stats.header_bytes[kind] += head.numel() * 8
             stats.pickled_bytes[kind] += len(extra)
             stats.tensor_bytes[kind] += sum(t.numel() * t.element_size() for t in tensors)
-        self._transmit(peer, head, extra, tensors)
+        self._transmit(peer, link, head, extra, tensors)
 
-    def _transmit(self, peer: int, head: torch.Tensor, extra: bytes | None, tensors: list[torch.Tensor]) -> None:
-        """Send one frame and wait until it left: the tensors stay referenced until then."""
+    def _transmit(
+        self, peer: int, link: _Link, head: torch.Tensor, extra: bytes | None, tensors: list[torch.Tensor]
+    ) -> None:
+        """Post one frame's sends (the caller holds the link's lock); its tensors stay referenced until sent."""
         parts = [head]
         if extra:
             parts.append(torch.frombuffer(bytearray(extra), dtype=torch.uint8))
         parts += [t.detach().to(self.device).contiguous() for t in tensors if t.numel() > 0]
         dst = self.ranks[peer]
-        works = [dist.isend(p.to(self.device), dst=dst, group=self.group) for p in parts]
-        for work in works:
-            if work is not None:
-                work.wait(timedelta(seconds=self.timeout))
+        link.reap(self.timeout)
+        for part in parts:
+            part = part.to(self.device)
+            link.pending.append((dist.isend(part, dst=dst, group=self.group), part))
+        link.last_send = time.monotonic()
 
     def _recv_loop(self, peer: int) -> None:
         signatures: dict[int, frames.Signature] = {}
