@@ -9,12 +9,20 @@ for the next frame and puts the message into the inbox of its destination endpoi
 Messages between endpoints of this process (the coordinator and its own pipeline rank) go straight
 into the inbox, by reference.
 
+Over gloo, which matches a receive by (source, tag), the tensors of a signature's messages carry a
+tag of their own, and the receiver keeps one body of every signature it knows posted ahead: the
+body's bytes travel while the header does, instead of after the header told the receiver what to
+post (measured on `mlp`: 0.77 -> 0.88 of torch's pipelining). On close each side fills the bodies
+its peer posted ahead with zeros after its close header. NCCL matches by order only: there every
+part of a frame has tag 0 and the body is posted after its header.
+
 A broken link (the peer process died: gloo fails the pending receive, or a send fails) marks the
 peer lost; every endpoint of this process then raises `TransportError` from its next ``recv``.
 A keep-alive thread sends a header on every link that was idle for a few seconds, so a receiver
-that hears nothing for ``timeout`` seconds knows its peer hangs. `close` sends a close frame on every link and waits
-(bounded) for the peers' close frames, so no thread stays blocked on a finished world; a thread
-whose peer never closes (a hung process) is a daemon blocked in ``wait`` until the world ends.
+that hears nothing for ``timeout`` seconds knows its peer hangs. `close` sends a close frame on
+every link and waits (bounded) for the peers' close frames, so no thread stays blocked on a
+finished world; a thread whose peer never closes (a hung process) is a daemon blocked in ``wait``
+until the world ends.
 
 Under NCCL the tensors travel on the process's CUDA device, sends and receives on streams of their
 own (a send ordered after the sender's work by an event). That path is the same code and is untested
