@@ -98,6 +98,7 @@ class Net(L.LightningModule):
 
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--accelerator", default="cpu", help="cpu (gloo) or gpu (NCCL)")
     parser.add_argument("--devices", type=int, default=4)
     parser.add_argument("--num-nodes", type=int, default=1)
     parser.add_argument("--cases", default="s2-sgd-1f1b")
@@ -115,7 +116,7 @@ def main() -> None:
         model = Net(case["optimizer"], killer)
         steps = STEPS + 1 if case["resume"] else STEPS
         trainer = L.Trainer(
-            accelerator="cpu",
+            accelerator=args.accelerator,
             devices=args.devices,
             num_nodes=args.num_nodes,
             strategy=PipeStrategy(stages=case["stages"], microbatches=2, schedule=case["schedule"], timeout=60),
@@ -133,7 +134,7 @@ def main() -> None:
         layout = trainer.strategy.layout
         if layout is None or layout.coordinates:
             rank = trainer.global_rank
-            torch.save(model.model.state_dict(), out / f"{name}-rank{rank}.pt")
+            torch.save({k: v.cpu() for k, v in model.model.state_dict().items()}, out / f"{name}-rank{rank}.pt")
             if trainer.is_global_zero:
                 info = {"world_size": layout.world_size if layout else 1, "replicas": layout.replicas if layout else 1,
                         "loss": float(trainer.callback_metrics["train_loss"])}  # fmt: skip

@@ -143,3 +143,13 @@ def test_a_sigkilled_rank_ends_every_process_with_an_error_naming_it(tmp_path: P
     assert run.ended - killed < 30, run.output[-4000:]
     assert "lost global rank 3 (pipeline rank 0 of replica 1)" in run.output, run.output[-6000:]
     assert not list(tmp_path.glob("done-*"))
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices: NCCL point to point between stages")
+def test_two_gpus_train_a_pipeline_over_nccl(tmp_path: Path) -> None:
+    """The same code path on CUDA: 1 x 2 over NCCL, then 2 x 1 (plain DDP on the stage module)."""
+    cases = ["s2-sgd-1f1b", "s1-adam-gpipe"]
+    args = ["--accelerator", "gpu", "--devices", "2", "--cases", ",".join(cases), "--out", str(tmp_path)]
+    assert_ok(lightning_launch(SCRIPT, args))
+    for name in cases:
+        check_trained(tmp_path, name, coordinators(name, processes=2))
