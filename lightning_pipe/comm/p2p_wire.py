@@ -16,17 +16,13 @@ post (measured on `mlp`: 0.77 -> 0.88 of torch's pipelining). On close each side
 its peer posted ahead with zeros after its close header. NCCL matches by order only: there every
 part of a frame has tag 0 and the body is posted after its header.
 
-A broken link (the peer process died: gloo fails the pending receive, or a send fails) marks the
-peer lost; every endpoint of this process then raises `TransportError` from its next ``recv``.
-A keep-alive thread sends a header on every link that was idle for a few seconds, so a receiver
-that hears nothing for ``timeout`` seconds knows its peer hangs. `close` sends a close frame on
-every link and waits (bounded) for the peers' close frames, so no thread stays blocked on a
-finished world; a thread whose peer never closes (a hung process) is a daemon blocked in ``wait``
-until the world ends.
-
-Under NCCL the tensors travel on the process's CUDA device, sends and receives on streams of their
-own (a send ordered after the sender's work by an event). That path is the same code and is untested
-here; a sending and a receiving thread of one link use the same NCCL peer communicator concurrently.
+A broken link (the peer died: gloo fails the pending receive, or a send fails) marks the peer lost;
+every endpoint of this process then raises `TransportError` from its next ``recv``. Idle links get a
+keep-alive header every few seconds, so silence for ``timeout`` seconds means a hung peer. `close`
+sends a close frame on every link and waits (bounded) for the peers' ones; a thread whose peer never
+closes (a hung process) is a daemon blocked in ``wait`` until the world ends. Under NCCL the tensors
+travel on the process's CUDA device, on streams of their own (a send after the sender's work by an
+event): the same code, untested here.
 """
 
 from __future__ import annotations
