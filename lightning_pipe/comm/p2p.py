@@ -56,7 +56,7 @@ class P2PCommunicator(Communicator):
         ranks: global ranks in pipeline order; ``ranks[coordinator]`` is this process.
         describe: names a global rank in errors (default ``"global rank N"``).
         on_build: called with each stage worker right after it is built, in any process of the
-            pipeline (here for pipeline rank 0; `serve_stages` takes its own for the others).
+            pipeline (here for pipeline rank ``coordinator``; `serve_stages` takes its own for the others).
         timeout: seconds any single wait may take (a build, a send, a stop, hearing from a peer).
         coordinator: the pipeline rank whose stage worker runs in this process (the others are remote).
     """

@@ -1,9 +1,9 @@
 """The stage side of the p2p communicator: building a stage worker, and the loop of a serving process.
 
-In launched mode the processes of pipeline ranks 1..S-1 run `serve_stages`: they wait for the
-coordinator's builds, serve each built stage until its STOP, and return when the coordinator
-releases the pipeline. Pipeline rank 0 builds its stage the same way (`build_worker`) in a thread
-of the coordinator's process.
+In launched mode every process of a pipeline but the coordinator's runs `serve_stages`: it waits for
+the coordinator's builds, serves each built stage until its STOP, and returns when the coordinator
+releases the pipeline. The coordinator's own pipeline rank builds its stage the same way
+(`build_worker`) in a thread of the coordinator's process.
 """
 
 from __future__ import annotations
@@ -133,10 +133,10 @@ def default_describe(rank: int) -> str:
 
 
 def _pipeline_rank(ranks: Sequence[int], coordinator: int) -> int:
-    rank = dist.get_rank()
-    if rank not in ranks or list(ranks).index(rank) == coordinator:
+    rank, ranks = dist.get_rank(), list(ranks)
+    if rank not in ranks or ranks.index(rank) == coordinator:
         raise ConfigurationError(
             f"serve_stages runs on the pipeline ranks of ranks={list(ranks)} but {coordinator}, and this is global "
             f"rank {rank}; the process of ranks[{coordinator}] runs the coordinator (P2PCommunicator)"
         )
-    return list(ranks).index(rank)
+    return ranks.index(rank)

@@ -52,9 +52,6 @@ class StageReplicas:
             if ddp is None:
                 continue
             params = [p for p in ddp.module.parameters() if p.requires_grad]
-            for p in params:
-                if p.grad is None:  # no gradient this step: reduce zeros, as the unsplit module's would be
-                    p.grad = torch.zeros_like(p)
-            ddp.reducer.prepare_for_backward([])
+            ddp.reducer.prepare_for_backward([])  # a parameter without a gradient gets the touch's zeros
             touch = torch.stack([p.reshape(-1)[:1].sum() for p in params]).sum() * 0.0
             touch.backward()

@@ -17,7 +17,6 @@ Lightning's collectives never interleave with a stage's on one group.
 
 from __future__ import annotations
 
-import logging
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -35,18 +34,16 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from torch.distributed.device_mesh import init_device_mesh
 from typing_extensions import override
 
+from lightning_pipe.comm import P2PCommunicator, serve_stages
 from lightning_pipe.engine.runners import worker_of_stages
 from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.strategy.layout import LAUNCHED, LOCAL, Layout, choose_mode
 
 if TYPE_CHECKING:
     from lightning.pytorch.strategies import ParallelStrategy as _Strategy
-
-    from lightning_pipe.comm.p2p import P2PCommunicator
 else:
     _Strategy = object
 
-log = logging.getLogger("lightning_pipe")
 PROCESS_GROUP_TIMEOUT = timedelta(minutes=30)  # Lightning's default: serving ranks wait this long between fits
 
 
@@ -244,41 +241,30 @@ class LaunchedMode(_Strategy):
 
     def launched_communicator(self) -> P2PCommunicator:
         """The point-to-point transport of this replica's pipeline (one per strategy, reused by every fit)."""
-        from lightning_pipe.comm.p2p import P2PCommunicator
-
-        assert self.layout is not None and self._groups is not None
         if self._p2p is None:
-            self._p2p = P2PCommunicator(
-                self._groups.pipeline,
-                self.layout.pipeline_ranks(),
-                describe=self.layout.describe,
-                on_build=self._on_build(),
-                timeout=self.timeout,
-                coordinator=self.layout.coordinator,
-            )
+            self._p2p = P2PCommunicator(**self._pipeline())
         return self._p2p
-
-    def _on_build(self) -> Any:
-        assert self.layout is not None and self._groups is not None
-        if self.layout.replicas == 1:
-            return None
-        group = self._groups.replicas
-        return lambda worker: worker.replicate(group)
 
     def serve_stages(self) -> None:
         """What a process that does not coordinate runs instead of the Trainer's loop."""
-        from lightning_pipe.comm.p2p_serve import serve_stages
-
         self.setup_environment()
+        serve_stages(**self._pipeline())
+
+    def _pipeline(self) -> dict[str, Any]:
+        """This process's pipeline as both sides of the p2p transport take it: group, ranks, names, DDP hook."""
         assert self.layout is not None and self._groups is not None
-        serve_stages(
-            self._groups.pipeline,
-            self.layout.pipeline_ranks(),
-            describe=self.layout.describe,
-            on_build=self._on_build(),
-            timeout=self.timeout,
-            coordinator=self.layout.coordinator,
-        )
+        on_build = None
+        if self.layout.replicas > 1:
+            replicas = self._groups.replicas
+            on_build = lambda worker: worker.replicate(replicas)  # noqa: E731 - a closure over this group
+        return {
+            "group": self._groups.pipeline,
+            "ranks": self.layout.pipeline_ranks(),
+            "describe": self.layout.describe,
+            "on_build": on_build,
+            "timeout": self.timeout,
+            "coordinator": self.layout.coordinator,
+        }
 
     def release_stages(self, error: BaseException | None = None) -> None:
         """End the serving ranks' ``fit`` (with the coordinator's error, if it failed)."""
