@@ -108,12 +108,20 @@ def coordinator_train(group: Any, ranks: list[int], replica: int = 0, on_build: 
 
 
 def large_tensor(comm: P2PCommunicator) -> dict[str, Any]:
-    x = torch.randn(4096, 4096)  # 64 MiB, there and back
+    """Messages larger than an inline frame: a 64 MiB activation there and back, then two of 16 MiB (the
+    second into a body posted ahead), and a stage built with 16 MiB of parameters (a large control message)."""
+    x = torch.randn(4096, 4096)
     with Pipeline(nn.Sequential(nn.ReLU(), nn.ReLU()), stages=2, partition="uniform", transport=comm) as pipe:
         start = time.perf_counter()
         y = pipe.forward(x)
         seconds = time.perf_counter() - start
-    return {"large_equal": bool(torch.equal(y, x.relu())), "large_seconds": seconds}
+    equal = torch.equal(y, x.relu())
+    model = nn.Sequential(nn.Linear(2048, 2048), nn.ReLU())
+    with Pipeline(model, stages=2, partition="uniform", transport=comm) as pipe:
+        for step in range(2):
+            x = torch.randn(2048, 2048, generator=torch.Generator().manual_seed(step))
+            equal = equal and torch.allclose(pipe.forward(x), model(x), atol=1e-6)
+    return {"large_equal": bool(equal), "large_seconds": seconds}
 
 
 def stage_error(comm: P2PCommunicator) -> str:

@@ -20,7 +20,18 @@ import torch
 from rpc_models import worker_env
 
 from lightning_pipe.comm.base import Message, MessageKind
-from lightning_pipe.comm.p2p_frames import decode_signature, encode_signature, join_payload, split_payload
+from lightning_pipe.comm.p2p_frames import (
+    INLINE_BYTES,
+    TensorMeta,
+    decode_signature,
+    encode_signature,
+    header,
+    inline_size,
+    join_payload,
+    pack,
+    split_payload,
+    unpack,
+)
 
 HELPER = Path(__file__).with_name("p2p_procs.py")
 
@@ -132,3 +143,18 @@ def test_a_signature_describes_a_payload_without_its_tensors() -> None:
     other, _ = split_payload(MessageKind.ACTIVATION, ({"x": x[:2], "n": 3}, [True, None], (grad,)))
     assert other != signature, "another shape is another signature"
     assert Message(MessageKind.GRAD).kind == "grad"
+
+
+def test_an_inline_frame_packs_a_message_into_one_buffer_and_back() -> None:
+    tensors = [torch.randn(3, 5), torch.arange(7), torch.tensor([True, False]), torch.empty(0, 4)]
+    tensors += [torch.randn(2).half(), torch.randn(4, 6).t()]  # the last is not contiguous
+    metas = [TensorMeta.of(t) for t in tensors]
+    head = header(3, 1, Message(MessageKind.GRAD, step=2, stage=1, microbatch=5), extra=5, inline=True)
+    frame = pack(head, b"hello", tensors)
+    assert frame.dtype == torch.uint8 and frame.numel() == inline_size(5, metas) <= INLINE_BYTES
+    assert frame[:64].view(torch.int64).tolist() == [3, 1, -1, 2, 1, 5, 5, 1]
+    blob, back = unpack(frame, 5, metas)
+    assert blob == b"hello"
+    assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(back, tensors, strict=True))
+    copied = back[0].untyped_storage().data_ptr() != frame.untyped_storage().data_ptr()
+    assert copied, "copies: the receiver posts the frame's buffer again at once"

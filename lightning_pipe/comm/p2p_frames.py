@@ -1,11 +1,17 @@
 """The frames of the p2p communicator: what a message looks like on a point-to-point link.
 
-A frame is a small int64 header, then (if the header counts any) one uint8 tensor of pickled
-bytes, then the message's tensors, each sent as its own contiguous buffer::
+A frame is a small int64 header, then (if the header counts any) pickled bytes, then the
+message's tensors::
 
-    header  [marker, destination, source, step, stage, microbatch, extra bytes, 0]   int64 x 8
+    header  [marker, destination, source, step, stage, microbatch, extra bytes, inline]   int64 x 8
     extra   pickled bytes (a new signature, or a control message and its tensors' metadata)
     tensors raw, in the order of the payload's leaves
+
+Sent *inline* (``inline`` = 1), the three parts are packed into one uint8 buffer of at most
+`INLINE_BYTES`, each part at an offset aligned to `ALIGN`: one send and one receive per message,
+the receiver's buffer posted before the frame arrives (gloo lets a receive be larger than its
+send; the header says what the buffer holds). Otherwise each part is its own buffer (NCCL, whose
+receives must match their sends' sizes, and messages too large to pack).
 
 ``marker`` >= 0 names a *signature*: activations and gradients of one kind, tree structure and
 tensor shapes repeat every microbatch, so the first message of a signature carries the pickled
@@ -17,6 +23,7 @@ close of the link.
 from __future__ import annotations
 
 import pickle
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +35,9 @@ from lightning_pipe.comm import by_value
 from lightning_pipe.comm.base import Message, MessageKind
 
 HEADER_FIELDS = 8
+HEADER_BYTES = HEADER_FIELDS * 8
+ALIGN = 64  # offsets of the parts of an inline frame: any dtype's view of the bytes is aligned
+INLINE_BYTES = 1 << 20  # the largest inline frame: a receiver keeps two buffers of this size per peer
 CONTROL, CLOSE, KEEPALIVE = -1, -2, -3
 #: the messages whose payloads repeat in structure: described by a signature negotiated once per link
 TENSOR_KINDS = frozenset((MessageKind.ACTIVATION, MessageKind.OUTPUT, MessageKind.GRAD, MessageKind.INPUT_GRAD))
@@ -114,9 +124,46 @@ def join_payload(signature: Signature, tensors: list[torch.Tensor]) -> Any:
     return tree.unflatten(leaves, signature.spec)
 
 
-def header(marker: int, destination: int, message: Message, extra: int) -> torch.Tensor:
-    fields = [marker, destination, message.source, message.step, message.stage, message.microbatch, extra, 0]
+def header(marker: int, destination: int, message: Message, extra: int, inline: bool = False) -> torch.Tensor:
+    fields = [marker, destination, message.source, message.step, message.stage, message.microbatch, extra, int(inline)]
     return torch.tensor(fields, dtype=torch.int64)
+
+
+def inline_size(extra: int, metas: Sequence[TensorMeta]) -> int:
+    """The bytes of an inline frame with ``extra`` pickled bytes and tensors of ``metas``."""
+    return _aligned(HEADER_BYTES) + _aligned(extra) + sum(_aligned(_numel(m.shape) * m.dtype.itemsize) for m in metas)
+
+
+def pack(head: torch.Tensor, extra: bytes, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One uint8 buffer holding a frame's header, pickled bytes and tensors (a copy of each)."""
+    parts = [head.view(torch.uint8), torch.frombuffer(bytearray(extra), dtype=torch.uint8) if extra else None]
+    parts += [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors]
+    frame = torch.empty(sum(_aligned(p.numel()) for p in parts if p is not None), dtype=torch.uint8)
+    offset = 0
+    for part in parts:
+        if part is not None:
+            frame[offset : offset + part.numel()].copy_(part)
+            offset += _aligned(part.numel())
+    return frame
+
+
+def unpack(frame: torch.Tensor, extra: int, metas: Sequence[TensorMeta] | None) -> tuple[bytes, list[torch.Tensor]]:
+    """The pickled bytes of an inline frame and copies of its tensors (``metas``: None when the bytes name them)."""
+    offset = _aligned(HEADER_BYTES)
+    blob = bytes(frame[offset : offset + extra].numpy()) if extra else b""
+    offset += _aligned(extra)
+    if metas is None:  # a control message: its bytes hold its tensors' metadata
+        metas = control_metas(blob)[1]
+    tensors = []
+    for meta in metas:
+        size = _numel(meta.shape) * meta.dtype.itemsize
+        tensors.append(frame[offset : offset + size].view(meta.dtype).view(meta.shape).clone())
+        offset += _aligned(size)
+    return blob, tensors
+
+
+def _aligned(size: int) -> int:
+    return -(-size // ALIGN) * ALIGN
 
 
 def control_header(marker: int) -> torch.Tensor:

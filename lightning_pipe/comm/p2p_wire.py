@@ -4,25 +4,25 @@ A send posts its frame's ``isend``s (`p2p_frames`) from the sending thread itsel
 lock, and returns: the transfer runs in the process group's own I/O threads, so a stage's sends
 overlap with its next computation, each link keeps its order, and no thread has to be woken to send
 (on a machine whose cores are all computing, every wake-up is a wait for a core). A frame's tensors
-stay referenced until their sends completed. Each peer gets a receiver thread that posts ``irecv``
-for the next frame and puts the message into the inbox of its destination endpoint in this process.
-Messages between endpoints of this process (the coordinator and its own pipeline rank) go straight
-into the inbox, by reference.
+stay referenced until their sends completed. Each peer gets a receiving thread (`p2p_receive`) that
+puts the messages into the inbox of their destination endpoint in this process. Messages between
+endpoints of this process (the coordinator and its own pipeline rank) go straight into the inbox,
+by reference.
 
-Over gloo, which matches a receive by (source, tag), the tensors of a signature's messages carry a
-tag of their own, and the receiver keeps one body of every signature it knows posted ahead: the
-body's bytes travel while the header does, instead of after the header told the receiver what to
-post (measured on `mlp`: 0.77 -> 0.88 of torch's pipelining). On close each side fills the bodies
-its peer posted ahead with zeros after its close header. NCCL matches by order only: there every
-part of a frame has tag 0 and the body is posted after its header.
+Over gloo a message of up to `INLINE_BYTES` is one inline frame: one ``isend`` of a packed copy,
+received into a buffer posted before it arrives. Every ``isend`` and ``irecv`` takes the gloo pair's
+lock, which the I/O thread also holds; on a machine whose cores are all busy a sender can wait
+milliseconds for it, so fewer operations per message is what counts (measured on `mlp`: a header and
+a body per message spent 2-7 ms in single ``isend`` calls). Under NCCL, whose receives must match
+their sends' sizes, every part of a frame is its own send, in order.
 
 A broken link (the peer died: gloo fails the pending receive, or a send fails) marks the peer lost;
 every endpoint of this process then raises `TransportError` from its next ``recv``. Idle links get a
 keep-alive header every few seconds, so silence for ``timeout`` seconds means a hung peer. `close`
-sends a close frame on every link and waits (bounded) for the peers' ones; a thread whose peer never
-closes (a hung process) is a daemon blocked in ``wait`` until the world ends. Under NCCL the tensors
-travel on the process's CUDA device, on streams of their own (a send after the sender's work by an
-event): the same code, untested here.
+sends a close frame on every link (filling whatever the peer posted ahead) and waits (bounded) for
+the peers' ones; a thread whose peer never closes (a hung process) is a daemon blocked in ``wait``
+until the world ends. Under NCCL the tensors travel on the process's CUDA device, on streams of
+their own (a send after the sender's work by an event): the same code, untested here.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ import torch.distributed as dist
 
 from lightning_pipe.comm import p2p_frames as frames
 from lightning_pipe.comm.base import COORDINATOR, Message, QueueInbox, deadline, remaining
+from lightning_pipe.comm.p2p_receive import FRAME_TAG, SPILL_TAG, Receiver, ahead_of_time, body_tag, first_line
 from lightning_pipe.comm.placement import process_device
 from lightning_pipe.errors import TransportError
 
@@ -108,9 +109,9 @@ class Wire:
         self.group, self.ranks, self.me, self.describe, self.timeout = group, list(ranks), me, describe, timeout
         self.coordinator = coordinator  # the pipeline rank whose process runs the coordinator
         self.device = process_device(group)
-        #: gloo matches a receive by (source, tag): a signature's body gets a tag of its own and is received
-        #: into buffers posted before its header arrives (one round trip and one wake-up less per message)
-        self.tagged = dist.get_backend(group) == "gloo"
+        #: gloo matches a receive by (source, tag) and takes a receive larger than its send: messages go as
+        #: inline frames into buffers posted ahead (`p2p_receive`); NCCL gets each part of a frame in order
+        self.framed = dist.get_backend(group) == "gloo"
         self.keepalive = max(0.05, min(5.0, timeout / 4))
         self.lost: tuple[int, str] | None = None  # the first peer lost (pipeline rank) and why
         self._dead: set[int] = set()  # peers whose link broke
@@ -127,7 +128,7 @@ class Wire:
                 continue
             self._links[peer] = _Link()
             name = f"lightning_pipe-p2p-recv-{self.ranks[peer]}"
-            thread = threading.Thread(target=self._recv_loop, args=(peer,), name=name, daemon=True)
+            thread = threading.Thread(target=Receiver(self, peer).run, name=name, daemon=True)
             thread.start()
             self._threads.append(thread)
         if self._links:
@@ -152,15 +153,15 @@ class Wire:
             stats = self._count(message.source)
             with self._lock:
                 stats.local[message.kind] += 1
-            self._deliver(destination, message)
+            self.deliver(destination, message)
         elif process not in self._dead and process not in self._closed:
             link = self._links[process]
             try:
-                with link.lock, self._on_stream(self._ready()):
+                with link.lock, self.on_stream(self._ready()):
                     if not link.closed:
                         self._send_message(process, link, destination, message)
             except Exception as exc:
-                self.mark_lost(process, f"sending failed: {_first_line(exc)}")
+                self.mark_lost(process, f"sending failed: {first_line(exc)}")
 
     def is_gone(self, peer: int) -> bool:
         """Whether nothing can reach ``peer`` any more (its link broke or it closed it)."""
@@ -192,17 +193,10 @@ class Wire:
                 if peer in self._dead:
                     continue
                 try:
-                    self._transmit(peer, link, frames.control_header(frames.CLOSE), None, [])
-                    if self.tagged:  # the peer posted one body of each signature ahead: fill them
-                        for signature, marker in link.signatures.items():
-                            dummies = [meta.empty(self.device).zero_() for meta in signature.metas]
-                            for t in dummies:
-                                if t.numel() > 0:
-                                    work = dist.isend(t, dst=self.ranks[peer], group=self.group, tag=1 + marker)
-                                    link.pending.append((work, t))
+                    self._close_link(peer, link)
                     link.drain(remaining(until))
                 except Exception as exc:
-                    self.mark_lost(peer, f"closing failed: {_first_line(exc)}")
+                    self.mark_lost(peer, f"closing failed: {first_line(exc)}")
         for thread in self._threads:
             thread.join(remaining(until))
         return [t.name for t in self._threads if t.is_alive()]
@@ -219,7 +213,12 @@ class Wire:
             inbox.put(Message(LOST))
 
     # delivery
-    def _deliver(self, destination: int, message: Message) -> None:
+    def peer_closed(self, peer: int) -> None:
+        """``peer`` closed its side of the link (its receiving thread saw the close frame)."""
+        self._closed.add(peer)
+
+    def deliver(self, destination: int, message: Message) -> None:
+        """Put ``message`` into the inbox of endpoint ``destination`` of this process (or answer a notice)."""
         if destination == WIRE and message.kind == STATS:
             process = self.coordinator if message.source == COORDINATOR else message.source
             self.send(process, WIRE, Message(STATS_REPLY, payload=self.stats(message.payload), source=self.me))
@@ -246,9 +245,9 @@ class Wire:
                 try:
                     with link.lock:
                         if not link.closed:
-                            self._transmit(peer, link, frames.control_header(frames.KEEPALIVE), None, [])
+                            self._keepalive(peer, link)
                 except Exception as exc:
-                    self.mark_lost(peer, f"sending failed: {_first_line(exc)}")
+                    self.mark_lost(peer, f"sending failed: {first_line(exc)}")
 
     def _send_message(self, peer: int, link: _Link, destination: int, message: Message) -> None:
         stats, kind = self._count(message.source), message.kind
@@ -263,112 +262,52 @@ class Wire:
                 marker = link.signatures[signature] = len(link.signatures)
                 extra = frames.encode_signature(signature)
                 stats.signatures += 1
+            metas: list[frames.TensorMeta] | tuple[frames.TensorMeta, ...] = signature.metas
         else:
             marker = frames.CONTROL
             extra, tensors = frames.encode_control(message)
-        head = frames.header(marker, destination, message, len(extra))
+            metas = [frames.TensorMeta.of(t) for t in tensors]
+        inline = self.framed and frames.inline_size(len(extra), metas) <= frames.INLINE_BYTES
+        head = frames.header(marker, destination, message, len(extra), inline)
         with self._lock:
             stats.messages[kind] += 1
             stats.header_bytes[kind] += head.numel() * 8
             stats.pickled_bytes[kind] += len(extra)
             stats.tensor_bytes[kind] += sum(t.numel() * t.element_size() for t in tensors)
-        body_tag = self._body_tag(marker) if signature is not None else 0
-        self._transmit(peer, link, head, extra, tensors, body_tag)
-
-    def _body_tag(self, marker: int) -> int:
-        """The tag of a signature's tensors: its own where the backend matches receives by tag (gloo), so the
-        receiver can post them before the header arrives; 0 elsewhere (NCCL matches by order only)."""
-        return 1 + marker if self.tagged else 0
-
-    def _transmit(
-        self,
-        peer: int,
-        link: _Link,
-        head: torch.Tensor,
-        extra: bytes | None,
-        tensors: list[torch.Tensor],
-        body_tag: int = 0,
-    ) -> None:
-        """Post one frame's sends (the caller holds the link's lock); its tensors stay referenced until sent."""
-        parts = [(head.to(self.device), 0)]
+        if inline:
+            self._transmit(peer, link, [(frames.pack(head, extra, tensors), FRAME_TAG)])
+            return
+        spill = SPILL_TAG if self.framed else 0  # what follows a header-only frame, in order
+        tensor_tag = body_tag(marker) if self.framed and signature is not None else spill
+        parts = [(head, FRAME_TAG)]
         if extra:
-            parts.append((torch.frombuffer(bytearray(extra), dtype=torch.uint8).to(self.device), 0))
-        parts += [(t.detach().to(self.device).contiguous(), body_tag) for t in tensors if t.numel() > 0]
+            parts.append((torch.frombuffer(bytearray(extra), dtype=torch.uint8), spill))
+        parts += [(t, tensor_tag) for t in tensors if t.numel() > 0]
+        self._transmit(peer, link, parts)
+
+    def _close_link(self, peer: int, link: _Link) -> None:
+        """Send the close frame(s) and fill the bodies the peer posted ahead (the caller holds the lock)."""
+        close = frames.control_header(frames.CLOSE)
+        if not self.framed:
+            self._transmit(peer, link, [(close, 0)])
+            return
+        self._transmit(peer, link, [(close.clone(), FRAME_TAG), (close, FRAME_TAG)])  # one per posted frame
+        for signature, marker in link.signatures.items():
+            if ahead_of_time(signature):
+                dummies = [meta.empty(self.device).zero_() for meta in signature.metas]
+                self._transmit(peer, link, [(t, body_tag(marker)) for t in dummies if t.numel() > 0])
+
+    def _keepalive(self, peer: int, link: _Link) -> None:
+        self._transmit(peer, link, [(frames.control_header(frames.KEEPALIVE), FRAME_TAG)])
+
+    def _transmit(self, peer: int, link: _Link, parts: list[tuple[torch.Tensor, int]]) -> None:
+        """Post one frame's sends (the caller holds the link's lock); its tensors stay referenced until sent."""
         dst = self.ranks[peer]
         link.reap(self.timeout)
         for part, tag in parts:
+            part = part.detach().to(self.device).contiguous()
             link.pending.append((dist.isend(part, dst=dst, group=self.group, tag=tag), part))
         link.last_send = time.monotonic()
-
-    def _recv_loop(self, peer: int) -> None:
-        signatures: dict[int, frames.Signature] = {}
-        ahead: dict[int, tuple[list[torch.Tensor], list[Any]]] = {}  # gloo: each signature's next body, posted
-        src = self.ranks[peer]
-        try:
-            while True:
-                head = self._receive(src, [torch.empty(frames.HEADER_FIELDS, dtype=torch.int64, device=self.device)])[0]
-                fields = head.tolist()
-                marker, destination, extra = fields[0], fields[1], fields[6]
-                if marker == frames.CLOSE:
-                    for _, works in ahead.values():  # the peer fills them with dummies on close
-                        self._complete(works)
-                    self._closed.add(peer)
-                    return
-                if marker == frames.KEEPALIVE:
-                    continue
-                blob = self._receive_bytes(src, extra)
-                if marker == frames.CONTROL:
-                    pickled, metas = frames.control_metas(blob)
-                    message = frames.decode_control(pickled, metas, self._receive_all(src, metas))
-                else:
-                    if blob:
-                        signatures[marker] = frames.decode_signature(blob)
-                    signature = signatures[marker]
-                    metas, tag = list(signature.metas), self._body_tag(marker)
-                    posted = ahead.pop(marker, None)
-                    tensors, works = posted if posted is not None else self._post(src, metas, tag)
-                    self._complete(works)
-                    if self.tagged:
-                        ahead[marker] = self._post(src, metas, tag)
-                    message = frames.message_of(signature, fields, tensors)
-                self._deliver(destination, message)
-        except Exception as exc:
-            self.mark_lost(peer, _first_line(exc))
-
-    def _receive_bytes(self, src: int, count: int) -> bytes:
-        if count == 0:
-            return b""
-        return bytes(self._receive(src, [torch.empty(count, dtype=torch.uint8, device=self.device)])[0].cpu().numpy())
-
-    def _receive_all(self, src: int, metas: list[frames.TensorMeta]) -> list[torch.Tensor]:
-        tensors, works = self._post(src, metas, 0)
-        self._complete(works)
-        return tensors
-
-    def _post(self, src: int, metas: list[frames.TensorMeta], tag: int) -> tuple[list[torch.Tensor], list[Any]]:
-        """Post the receives of a body: its tensors (empty ones are not sent) and their works."""
-        tensors = [meta.empty(self.device) for meta in metas]
-        with self._on_stream(None):
-            works = [dist.irecv(t, src=src, group=self.group, tag=tag) for t in tensors if t.numel() > 0]
-        return tensors, works
-
-    def _complete(self, works: list[Any]) -> None:
-        with self._on_stream(None):
-            for work in works:
-                if work is not None:
-                    work.wait(timedelta(seconds=self.timeout))
-            if self.device.type == "cuda":  # ready for the stage's stream, whichever it is
-                torch.cuda.current_stream().synchronize()
-
-    def _receive(self, src: int, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        with self._on_stream(None):
-            works = [dist.irecv(t, src=src, group=self.group) for t in tensors]
-            for work in works:
-                if work is not None:
-                    work.wait(timedelta(seconds=self.timeout))
-            if self.device.type == "cuda":  # ready for the stage's stream, whichever it is
-                torch.cuda.current_stream().synchronize()
-        return tensors
 
     # CUDA ordering (the same code with another device; not exercised on CPU)
     def _ready(self) -> Any:
@@ -379,7 +318,7 @@ class Wire:
         event.record()
         return event
 
-    def _on_stream(self, ready: Any) -> Any:
+    def on_stream(self, ready: Any) -> Any:
         """A dedicated stream of the calling link thread, after ``ready``; nothing on the CPU."""
         if self.device.type != "cuda":
             return contextlib.nullcontext()
@@ -388,11 +327,3 @@ class Wire:
         if ready is not None:
             stream.wait_event(ready)
         return torch.cuda.stream(stream)
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc)
-    if "Connection closed by peer" in text or "Connection reset by peer" in text:
-        return "its process ended (connection closed by peer)"
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    return f"{type(exc).__name__}: {lines[0] if lines else ''}".rstrip(": ")

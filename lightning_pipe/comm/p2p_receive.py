@@ -1,0 +1,185 @@
+"""The receiving side of a p2p link: one thread per peer turns the peer's frames into messages.
+
+Two ways, by what the backend can match (`p2p_frames` has the layout of a frame):
+
+- *framed* (gloo, which matches a receive by (source, tag) and lets it be larger than its send):
+  the thread keeps two frame buffers of `INLINE_BYTES` posted on tag `FRAME_TAG`, so a frame's bytes
+  move as soon as the peer sends them, and most messages are one inline frame. While it takes one
+  message apart, the next frame already lands in the other buffer. A message too large to pack
+  sends a header-only frame, then its pickled bytes and a control message's tensors on `SPILL_TAG`
+  and a signature's tensors on a tag of their own (`body_tag`), where one body of each such
+  signature is posted ahead.
+- *ordered* (NCCL, whose receives match their sends by order and size): header, pickled bytes and
+  tensors as separate receives of exact size, on tag 0.
+
+The close of a link is a `CLOSE` header; in framed mode the peer sends two (one for each posted
+buffer) and fills the bodies posted ahead (`Wire.close`), so no receive is left pending.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_pipe.comm import p2p_frames as frames
+from lightning_pipe.comm.base import Message
+
+if TYPE_CHECKING:
+    from lightning_pipe.comm.p2p_wire import Wire
+
+FRAME_TAG = 0  # every frame's header (inline frames: the whole message)
+SPILL_TAG = 1  # the pickled bytes and control tensors of a message too large to send inline
+FRAME_BUFFERS = 2  # frames a receiver keeps posted per peer
+
+
+def body_tag(marker: int) -> int:
+    """The tag of the tensors of signature ``marker`` when they travel outside the frame (framed mode)."""
+    return 2 + marker
+
+
+def ahead_of_time(signature: frames.Signature) -> bool:
+    """Whether a framed receiver posts this signature's body ahead: its messages never fit inline."""
+    return frames.inline_size(0, signature.metas) > frames.INLINE_BYTES
+
+
+class Receiver:
+    """The receiving thread of one peer's link (``Wire`` starts it); delivers into the wire's inboxes."""
+
+    def __init__(self, wire: Wire, peer: int) -> None:
+        self.wire, self.peer, self.src = wire, peer, wire.ranks[peer]
+        self.signatures: dict[int, frames.Signature] = {}
+        self.ahead: dict[int, tuple[list[torch.Tensor], list[Any]]] = {}  # framed: one body per large signature
+
+    def run(self) -> None:
+        try:
+            self._framed() if self.wire.framed else self._ordered()
+        except Exception as exc:
+            self.wire.mark_lost(self.peer, first_line(exc))
+
+    # framed (gloo)
+    def _framed(self) -> None:
+        buffers = [torch.empty(frames.INLINE_BYTES, dtype=torch.uint8) for _ in range(FRAME_BUFFERS)]
+        works = [self._irecv(buffer, FRAME_TAG) for buffer in buffers]
+        turn = 0
+        while True:
+            self._complete([works[turn]])
+            frame = buffers[turn]
+            fields = frame[: frames.HEADER_BYTES].view(torch.int64).tolist()
+            marker, destination, extra, inline = fields[0], fields[1], fields[6], fields[7]
+            if marker == frames.CLOSE:
+                self._complete([works[1 - turn]])  # the peer's second close frame
+                self._closed()
+                return
+            message = None
+            if marker != frames.KEEPALIVE:
+                if inline:
+                    message = self._inline(fields, frame)
+                    works[turn] = self._irecv(frame, FRAME_TAG)
+                else:  # only the header was in the frame: post it again at once
+                    works[turn] = self._irecv(frame, FRAME_TAG)
+                    message = self._spilled(fields, marker, extra)
+            else:
+                works[turn] = self._irecv(frame, FRAME_TAG)
+            if message is not None:
+                self.wire.deliver(destination, message)
+            turn = 1 - turn
+
+    def _inline(self, fields: list[int], frame: torch.Tensor) -> Message:
+        marker, extra = fields[0], fields[6]
+        if marker == frames.CONTROL:
+            blob, tensors = frames.unpack(frame, extra, None)
+            pickled, metas = frames.control_metas(blob)
+            return frames.decode_control(pickled, metas, tensors)
+        known = self.signatures.get(marker)
+        if known is None:  # the signature's first message: its bytes are in the frame
+            blob, _ = frames.unpack(frame, extra, ())
+            known = self.signatures[marker] = frames.decode_signature(blob)
+        _, tensors = frames.unpack(frame, extra, known.metas)
+        return frames.message_of(known, fields, tensors)
+
+    def _spilled(self, fields: list[int], marker: int, extra: int) -> Message:
+        blob = self._receive_bytes(extra, SPILL_TAG)
+        if marker == frames.CONTROL:
+            pickled, metas = frames.control_metas(blob)
+            return frames.decode_control(pickled, metas, self._receive_all(metas, SPILL_TAG))
+        if blob:
+            self.signatures[marker] = frames.decode_signature(blob)
+        signature = self.signatures[marker]
+        metas, tag = list(signature.metas), body_tag(marker)
+        posted = self.ahead.pop(marker, None)
+        tensors, works = posted if posted is not None else self._post(metas, tag)
+        self._complete(works)
+        if ahead_of_time(signature):
+            self.ahead[marker] = self._post(metas, tag)
+        return frames.message_of(signature, fields, tensors)
+
+    # ordered (NCCL)
+    def _ordered(self) -> None:
+        device = self.wire.device
+        while True:
+            head = torch.empty(frames.HEADER_FIELDS, dtype=torch.int64, device=device)
+            self._complete([self._irecv(head, 0)])
+            fields = head.tolist()
+            marker, destination, extra = fields[0], fields[1], fields[6]
+            if marker == frames.CLOSE:
+                self._closed()
+                return
+            if marker == frames.KEEPALIVE:
+                continue
+            blob = self._receive_bytes(extra, 0)
+            if marker == frames.CONTROL:
+                pickled, metas = frames.control_metas(blob)
+                message = frames.decode_control(pickled, metas, self._receive_all(metas, 0))
+            else:
+                if blob:
+                    self.signatures[marker] = frames.decode_signature(blob)
+                signature = self.signatures[marker]
+                message = frames.message_of(signature, fields, self._receive_all(list(signature.metas), 0))
+            self.wire.deliver(destination, message)
+
+    # receives
+    def _closed(self) -> None:
+        for _, works in self.ahead.values():  # the peer fills them with dummies on close
+            self._complete(works)
+        self.wire.peer_closed(self.peer)
+
+    def _receive_bytes(self, count: int, tag: int) -> bytes:
+        if count == 0:
+            return b""
+        buffer = torch.empty(count, dtype=torch.uint8, device=self.wire.device)
+        self._complete([self._irecv(buffer, tag)])
+        return bytes(buffer.cpu().numpy())
+
+    def _receive_all(self, metas: list[frames.TensorMeta], tag: int) -> list[torch.Tensor]:
+        tensors, works = self._post(metas, tag)
+        self._complete(works)
+        return tensors
+
+    def _post(self, metas: list[frames.TensorMeta], tag: int) -> tuple[list[torch.Tensor], list[Any]]:
+        """Post the receives of a body: its tensors (empty ones are not sent) and their works."""
+        tensors = [meta.empty(self.wire.device) for meta in metas]
+        return tensors, [self._irecv(t, tag) for t in tensors if t.numel() > 0]
+
+    def _irecv(self, tensor: torch.Tensor, tag: int) -> Any:
+        with self.wire.on_stream(None):
+            return dist.irecv(tensor, src=self.src, group=self.wire.group, tag=tag)
+
+    def _complete(self, works: list[Any]) -> None:
+        with self.wire.on_stream(None):
+            for work in works:
+                if work is not None:
+                    work.wait(timedelta(seconds=self.wire.timeout))
+            if self.wire.device.type == "cuda":  # ready for the stage's stream, whichever it is
+                torch.cuda.current_stream().synchronize()
+
+
+def first_line(exc: BaseException) -> str:
+    """What a failed send or receive says, in one line (a peer's process that ended, said plainly)."""
+    text = str(exc)
+    if "Connection closed by peer" in text or "Connection reset by peer" in text:
+        return "its process ended (connection closed by peer)"
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}".rstrip(": ")
