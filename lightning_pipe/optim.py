@@ -7,7 +7,8 @@ with the same hyperparameters per parameter group over its own parameters; the t
 ``param_groups`` stay the place where hyperparameters change (LR schedulers write there) and changes
 travel with the next step. Clipping uses the global norm over all stages, a GradScaler's inf check
 covers all stages, and `state_dict` is the template's layout, so a checkpoint does not depend on
-the transport.
+the transport. What returns nothing (the step, ``zero_grad``, clipping's scaling) is posted to the
+stages (`Coordinator.post`): a stage's failure there is raised at the coordinator's next call or step.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ class StagedModel(Protocol):
     communicator: Communicator
 
     @property
-    def coordinator(self) -> Any: ...  # engine.Coordinator: ``num_ranks`` and ``call(name, *args, each=...)``
+    def coordinator(self) -> Any: ...  # engine.Coordinator: ``num_ranks``, ``call`` and ``post(name, *args, each=...)``
 
     @property
     def tied(self) -> list[list[tuple[int, str]]]: ...
@@ -82,6 +83,10 @@ class StageOptimizers:
     def _call(self, name: str, *args: Any, each: Any = None) -> list[Any]:
         return self.pipeline.coordinator.call(name, *args, each=each)
 
+    def _post(self, name: str, *args: Any) -> None:
+        """What returns nothing goes without a round trip: the stages run it before the next call or step."""
+        self.pipeline.coordinator.post(name, *args)
+
     def _hparams(self) -> list[dict[str, Any]]:
         return [{k: v for k, v in group.items() if k != "params"} for group in self.template.param_groups]
 
@@ -112,14 +117,14 @@ class StageOptimizers:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._call("optimizer_step", self._changed())
+        self._post("optimizer_step", self._changed())
         # the parameters outside the pipeline; the stages' copies here have no gradient and are skipped
         # (an LR scheduler also learns that its optimizer stepped)
         self.template.step()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self._call("zero_grad", set_to_none)
+        self._post("zero_grad", set_to_none)
         self.template.zero_grad(set_to_none)
 
     # what Lightning's precision plugins do to gradients, over all stages
@@ -135,13 +140,13 @@ class StageOptimizers:
             total = (sum(parts) + local_sum) ** (1.0 / norm_type)
         coef = max_norm / (total + 1e-6)
         if coef < 1.0:
-            self._call("scale_grads", coef)
+            self._post("scale_grads", coef)
             for g in local:
                 g.detach().mul_(coef)
         return torch.tensor(total)
 
     def clip_grad_value_(self, value: float) -> None:
-        self._call("clamp_grads", float(value))
+        self._post("clamp_grads", float(value))
         for g in self._local_grads():
             g.detach().clamp_(-value, value)
 

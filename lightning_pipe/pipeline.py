@@ -216,6 +216,7 @@ class Pipeline(PipelineInputs, StageState):
         return self
 
     def close(self) -> None:
+        """Stop the stages; what was posted to them since the last call is not waited for (`Coordinator.post`)."""
         if self._started:
             self._started = False
             if self._coordinator is not None:
@@ -225,7 +226,11 @@ class Pipeline(PipelineInputs, StageState):
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
-        self.close()
+        try:
+            if exc[0] is None and self._started and self._coordinator is not None:
+                self._coordinator.flush()  # a failed posted call (the last optimizer step) is raised, not lost
+        finally:
+            self.close()
 
     def parameters_of_stages(self) -> list[nn.Parameter]:
         return [p for shard in self.shards for p in shard.module.parameters()]

@@ -40,7 +40,12 @@ class StageState:
 
         Each copy of a tied weight (`tied`) first gets the sum of every copy's gradient of the step,
         the gradient the one shared parameter gets in the unsplit module.
+
+        Stages that own their parameters are posted the work (`Coordinator.post`): only later calls
+        read their gradients, and each stage runs them after it. Stages that share ``module``'s
+        parameters have them in ``p.grad`` when this returns: the caller's optimizer reads them next.
         """
+        send = self.coordinator.post if self.communicator.stages_own_parameters else self.coordinator.call
         tied = self.tied
         if tied:
             names: list[list[str]] = [[] for _ in range(self.coordinator.num_ranks)]
@@ -58,8 +63,8 @@ class StageState:
                     total += g.to(total.device)
                 for rank, name in holders:
                     totals[rank][name] = total
-            self.coordinator.call("set_step_grads", each=[(own,) for own in totals])
-        self.coordinator.call("apply_grads", scale)
+            send("set_step_grads", each=[(own,) for own in totals])
+        send("apply_grads", scale)
 
     @property
     def tied(self) -> list[list[tuple[int, str]]]:

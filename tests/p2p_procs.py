@@ -101,7 +101,7 @@ def coordinator_train(group: Any, ranks: list[int], replica: int = 0, on_build: 
         for schedule in ("gpipe", "1f1b"):
             result[schedule] = train_and_compare(comm, len(ranks), schedule, batches)
         if len(ranks) == 2 and on_build is None:
-            result.update(large_tensor(comm), stage_error=stage_error(comm))
+            result.update(large_tensor(comm), stage_error=stage_error(comm), posted_error=posted_error(comm))
     finally:
         comm.release()
     return result
@@ -133,6 +133,18 @@ def stage_error(comm: P2PCommunicator) -> str:
     with Pipeline(model, stages=2, partition="uniform", transport=comm, timeout=60) as pipe:
         try:
             pipe.train_step(x, y, lambda out, target: out.sum())
+        except StageError as exc:
+            return str(exc)
+    return "no StageError"
+
+
+def posted_error(comm: P2PCommunicator) -> str:
+    """A posted call fails on the remote stage only (it has no stage 5): raised at the next step."""
+    x, y = data(3)
+    with Pipeline(mlp(), stages=2, partition="uniform", transport=comm, timeout=60) as pipe:
+        pipe.coordinator.post("load_random_state", each=[({},), ({5: {}},)])
+        try:
+            pipe.train_step(x, y, F.cross_entropy)
         except StageError as exc:
             return str(exc)
     return "no StageError"

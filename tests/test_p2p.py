@@ -97,6 +97,9 @@ def test_two_processes_train_like_the_unsplit_model_and_carry_errors(tmp_path: P
     error = coordinator["stage_error"]
     assert error.startswith("stage 1 on global rank 1 (pipeline rank 1 of replica 0) failed"), error
     assert "ValueError: bad row reached the stage" in error
+    posted = coordinator["posted_error"]  # a call the coordinator posted, raised at its next step
+    assert posted.startswith("stage 1 on global rank 1 (pipeline rank 1 of replica 0) failed"), posted
+    assert "in action load_random_state: KeyError(5)" in posted
     assert results[1]["error"] is None, "the serving process left serve_stages cleanly on release"
 
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from rpc_models import OverflowsBackward, wait_no_children
 from torch import nn
 
-from lightning_pipe import Pipeline
+from lightning_pipe import Pipeline, StageError
 from lightning_pipe.comm import COORDINATOR, MessageKind
 from lightning_pipe.comm.rpc import RpcCommunicator
 
@@ -168,6 +168,33 @@ def test_grad_scaler_sees_an_overflow_in_one_stage(pool: RpcCommunicator) -> Non
         assert opt.unscale_(0.5) is True
 
 
+def test_posted_calls_run_in_order_and_a_failure_is_raised_at_the_next_wait(pool: RpcCommunicator) -> None:
+    model = mlp()
+    reference = copy.deepcopy(model)
+    x, y = data()
+    F.cross_entropy(reference(x), y).backward()
+    with rpc_pipeline(pool, model, 4) as pipe:
+        opt = pipe.optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        for _ in range(3):  # each round: posts, then a call that sees every one of them
+            pipe.train_step(x, y, F.cross_entropy)  # apply_grads is posted
+            pipe.coordinator.post("scale_grads", 0.5)
+            got = pipe.grads()
+            for name, p in reference.named_parameters():
+                torch.testing.assert_close(got[name], p.grad * 0.5, atol=1e-5, rtol=0)
+            opt.zero_grad()
+            assert all(g is None for g in pipe.grads().values())
+        one_too_many = [([{}],)] * 3 + [([{}, {}],)]  # rank 3's optimizer has one group, not two
+        pipe.coordinator.post("set_hparams", each=one_too_many)
+        with pytest.raises(StageError, match=r"stage 3 on .* failed in action set_hparams: ValueError") as info:
+            pipe.train_step(x, y, F.cross_entropy)
+        assert "call_set_hparams" in info.value.remote_traceback
+        assert pipe.coordinator.call("ping") == [0, 1, 2, 3]
+        pipe.coordinator.post("set_hparams", [{}, {}])  # fails on every rank: raised once
+        with pytest.raises(StageError, match="failed in action set_hparams"):
+            pipe.coordinator.call("ping")
+        assert pipe.coordinator.call("ping") == [0, 1, 2, 3]
+
+
 def test_no_parameter_crosses_processes_during_a_step(pool: RpcCommunicator) -> None:
     """Per step: one message per activation/gradient hand-off, and exactly their bytes, nothing else."""
     model = mlp(depth=4, width=32)
@@ -189,14 +216,14 @@ def test_no_parameter_crosses_processes_during_a_step(pool: RpcCommunicator) -> 
             MessageKind.STEP: stages,
             MessageKind.ACTIVATION: microbatches,
             MessageKind.GRAD: microbatches,
-            MessageKind.CALL: stages,  # apply_grads
+            MessageKind.POST: stages,  # apply_grads, which no stage answers unless it fails
         }
         assert coordinator.tensor_bytes[MessageKind.ACTIVATION] == x.numel() * x.element_size()
         assert coordinator.tensor_bytes[MessageKind.GRAD] == boundary[-1]
         for rank in range(stages):
             s = stats[rank]
             forward_kind = MessageKind.OUTPUT if rank == stages - 1 else MessageKind.ACTIVATION
-            expected = {forward_kind: microbatches, MessageKind.DONE: 1, MessageKind.REPLY: 1}
+            expected = {forward_kind: microbatches, MessageKind.DONE: 1}
             if rank > 0:
                 expected[MessageKind.GRAD] = microbatches
             assert s.messages == expected, f"rank {rank}"

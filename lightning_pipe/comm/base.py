@@ -30,6 +30,8 @@ class MessageKind:
     ABORT = "abort"  # coordinator -> rank: drop the step
     CALL = "call"  # coordinator -> rank: run a control method (payload: (name, args))
     REPLY = "reply"  # rank -> coordinator: a control method's result
+    POST = "post"  # coordinator -> rank: run a control method, reply only if it fails (payload: (name, args))
+    POST_FAILED = "post_failed"  # rank -> coordinator: a posted method failed (payload: StageError; step: the post's)
     STOP = "stop"  # coordinator -> rank: leave the event loop
 
 

@@ -16,7 +16,7 @@ receives must match their sends' sizes, and messages too large to pack).
 ``marker`` >= 0 names a *signature*: activations and gradients of one kind, tree structure and
 tensor shapes repeat every microbatch, so the first message of a signature carries the pickled
 signature and later ones only the header and the raw tensors. Negative markers are a control
-message (pickled by value each time: steps, calls, replies, errors, builds), a keep-alive, or the
+message (pickled by value each time: steps, calls, posts, replies, errors, builds), a keep-alive, or the
 close of the link.
 """
 

@@ -22,7 +22,7 @@ from lightning_pipe.comm.base import Endpoint, Message, MessageKind, QueueInbox
 from lightning_pipe.comm.by_value import ByValue
 from lightning_pipe.comm.compress import Codec, decode_payload, encode_payload, wire_bytes
 
-_CONTROL = (MessageKind.STEP, MessageKind.CALL)  # the coordinator's control messages to the stages
+_CONTROL = (MessageKind.STEP, MessageKind.CALL, MessageKind.POST)  # the coordinator's control messages to stages
 _TENSORS = (MessageKind.ACTIVATION, MessageKind.OUTPUT, MessageKind.GRAD, MessageKind.INPUT_GRAD)  # compressed
 _INBOXES: dict[tuple[str, int], OrderedInbox] = {}  # the inboxes of this process, by (launch, rank)
 

@@ -95,6 +95,7 @@ class Coordinator(CoordinatorMessages):
         self._endpoint: Endpoint | None = None
         self._step = 0
         self._pending: dict[Key, Message] = {}
+        self._posted, self._raised_posts = False, 0
         self._schedules: dict[tuple[int, int], Schedule] = {}
         self.last_result: StepResult | None = None
 
@@ -104,6 +105,8 @@ class Coordinator(CoordinatorMessages):
         return self
 
     def close(self) -> None:
+        """Stop the stages; calls posted since the last `call` are not waited for (see `post`)."""
+        self._posted = False
         if self._endpoint is not None:
             self._endpoint = None
             self.communicator.shutdown(max(5.0, min(self.timeout, 30.0)))
@@ -112,7 +115,11 @@ class Coordinator(CoordinatorMessages):
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
-        self.close()
+        try:
+            if exc[0] is None:
+                self.flush()  # a failed posted call (the last optimizer step) is raised, not lost
+        finally:
+            self.close()
 
     def schedule(self, num_microbatches: int) -> Schedule:
         ranks = self.num_stages // self.virtual_stages  # the schedule's ranks; workers may be fewer (linear)

@@ -1,4 +1,4 @@
-"""`CoordinatorMessages`: the coordinator's side of the endpoint: control calls, waits, stage errors, aborts."""
+"""`CoordinatorMessages`: the coordinator's side of the endpoint: calls and posts, waits, stage errors, aborts."""
 
 from __future__ import annotations
 
@@ -21,6 +21,8 @@ class CoordinatorMessages:
     _endpoint: Endpoint | None
     _step: int
     _pending: dict[Key, Message]
+    _posted: bool  # calls were posted since the last reply of every rank
+    _raised_posts: int  # failures of calls posted up to this step number are raised already (or dropped)
 
     @property
     def endpoint(self) -> Endpoint:
@@ -31,13 +33,10 @@ class CoordinatorMessages:
     def call(self, name: str, *args: Any, each: Sequence[tuple[Any, ...]] | None = None) -> list[Any]:
         """Run ``StageWorker.call_<name>(*args)`` on every rank; returns their results in rank order.
 
-        With ``each``, rank ``r`` gets ``*args, *each[r]``: what only that rank needs.
+        With ``each``, rank ``r`` gets ``*args, *each[r]``: what only that rank needs. A rank runs it
+        after everything posted to it before (`post`), and a posted call that failed is raised here.
         """
-        self._step += 1
-        step = self._step
-        for rank in range(self.num_ranks):
-            rank_args = args + tuple(each[rank]) if each is not None else args
-            self.endpoint.send(rank, Message(MessageKind.CALL, step, payload=(name, rank_args)))
+        step = self._send_call(MessageKind.CALL, name, args, each)
         results: list[Any] = [None] * self.num_ranks
         for _ in range(self.num_ranks):
             message = self._next(step, f"the reply to {name!r}")
@@ -47,7 +46,33 @@ class CoordinatorMessages:
             if not ok:
                 raise value
             results[message.source] = value
+        self._posted = False  # every rank ran the posted calls before this one: their failures were raised
         return results
+
+    def post(self, name: str, *args: Any, each: Sequence[tuple[Any, ...]] | None = None) -> None:
+        """Send ``StageWorker.call_<name>(*args)`` to every rank without waiting for it (same arguments as `call`).
+
+        Each rank runs what the coordinator sends it in order, so a later call or step sees the
+        posted call's effect. A rank answers only if the call failed; the coordinator raises that
+        `StageError` (the rank, the call, its traceback) at its next wait of any kind: a call's
+        reply, a step's messages. Only the first failure of the calls posted until then is raised.
+        `close` does not wait for posted calls: a failure that arrives later is not raised (`flush`
+        waits for them, as leaving a ``with`` block without an error does).
+        """
+        self._send_call(MessageKind.POST, name, args, each)
+        self._posted = True
+
+    def flush(self) -> None:
+        """Wait until every rank ran the calls posted so far; raises the first that failed."""
+        if self._posted:
+            self.call("ping")
+
+    def _send_call(self, kind: str, name: str, args: tuple[Any, ...], each: Sequence[tuple[Any, ...]] | None) -> int:
+        self._step += 1
+        for rank in range(self.num_ranks):
+            rank_args = args + tuple(each[rank]) if each is not None else args
+            self.endpoint.send(rank, Message(kind, self._step, payload=(name, rank_args)))
+        return self._step
 
     def _wait(self, step: int, kind: str, stage: int, microbatch: int, pop: bool = True) -> Message:
         key = (kind, stage, microbatch)
@@ -73,6 +98,11 @@ class CoordinatorMessages:
                         f"the coordinator waited {self.timeout:.1f} s for {what}; "
                         "raise PipeStrategy(timeout=...) if a stage legitimately takes that long"
                     )
+                continue
+            if message.kind == MessageKind.POST_FAILED:  # whatever step this is: a posted call failed
+                if message.step > self._raised_posts:  # else posted before a failure that was raised
+                    self._raised_posts = self._step
+                    raise message.payload
                 continue
             if message.step != step:
                 continue  # left over from an aborted step

@@ -94,7 +94,7 @@ class StageWorker(StageInbox, StageStateCalls, StageMemoryCalls):
                 return
             if message.kind == MessageKind.STEP:
                 self._run_step(message.step, message.payload)
-            elif message.kind == MessageKind.CALL:
+            elif message.kind in (MessageKind.CALL, MessageKind.POST):
                 self._call(message)
             elif message.kind == MessageKind.ABORT:
                 self._forget(message.step)
@@ -102,13 +102,18 @@ class StageWorker(StageInbox, StageStateCalls, StageMemoryCalls):
                 self._pending[(message.step, message.kind, message.stage, message.microbatch)] = message
 
     def _call(self, message: Message) -> None:
+        """Run a CALL and reply with its result or error; run a POST and reply only with its error."""
         name, args = message.payload
+        posted = message.kind == MessageKind.POST
         try:
             result: Any = getattr(self, f"call_{name}")(*args)
+            if posted:
+                return
             reply = Message(MessageKind.REPLY, message.step, payload=(True, result))
         except Exception as exc:  # reported to the coordinator, which raises it
             error = StageError(self.rank, None, name, repr(exc), traceback.format_exc(), self.endpoint.host(self.rank))
-            reply = Message(MessageKind.REPLY, message.step, payload=(False, error))
+            failed = Message(MessageKind.POST_FAILED, message.step, payload=error)
+            reply = failed if posted else Message(MessageKind.REPLY, message.step, payload=(False, error))
         self.endpoint.send(COORDINATOR, reply)
 
     # a step

@@ -44,7 +44,7 @@ class StageInbox:
         return self._pending.pop(key)
 
     def _receive(self, step: int, until: float, what: str) -> None:
-        """Take one message from the inbox: store inputs, serve calls, raise on abort, stop or timeout."""
+        """Take one message from the inbox: store inputs, serve calls and posts, raise on abort, stop or timeout."""
         message = self.endpoint.recv(remaining(until))
         if message is None:
             raise PipeTimeoutError(
@@ -56,7 +56,7 @@ class StageInbox:
         if message.kind == MessageKind.STOP:
             self._stop = True
             raise StepAborted
-        if message.kind == MessageKind.CALL:
+        if message.kind in (MessageKind.CALL, MessageKind.POST):
             self._call(message)
             return
         self._pending[(message.step, message.kind, message.stage, message.microbatch)] = message
