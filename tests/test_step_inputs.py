@@ -3,6 +3,7 @@ the user's step code still runs one microbatch at a time, in order, with weighte
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from typing import Any
@@ -15,7 +16,7 @@ from helpers import QUIET, Classifier, dataset, loader, mlp
 from torch import nn
 
 from lightning_pipe import PipeStrategy
-from lightning_pipe.strategy.session import StepInputs
+from lightning_pipe.strategy.session import Driver, DriverThreads, StepInputs
 
 
 class _Signal(nn.Module):
@@ -154,3 +155,23 @@ def test_error_before_a_later_microbatchs_call_aborts_the_running_step() -> None
     trainer = L.Trainer(strategy=PipeStrategy(stages=2, microbatches=4, partition=[3, 4]), max_steps=2, **QUIET)
     trainer.fit(model, loader(batch_size=16))
     assert trainer.global_step == 2
+
+
+def test_driver_threads_are_kept_between_steps_and_end_on_close() -> None:
+    threads = DriverThreads()
+    seen: list[int] = []
+
+    def step() -> int:
+        seen.append(threading.get_ident())
+        return len(seen)
+
+    for _ in range(3):  # three steps of one microbatch: one thread runs them all
+        driver = Driver(step, 0, contextlib.nullcontext, timeout=10.0, threads=threads)
+        assert driver.start() == ("return", len(seen))
+        driver.abandon()
+    assert len(seen) == 3 and len(set(seen)) == 1
+    threads.close()
+    deadline = time.monotonic() + 10
+    while any(t.ident == seen[0] for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not any(t.ident == seen[0] for t in threading.enumerate()), "close ends the idle threads"

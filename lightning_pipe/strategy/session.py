@@ -7,7 +7,9 @@ The user's ``training_step`` calls the pipelined module somewhere in the middle:
     loss = F.mse_loss(out, y) # after the call: runs when that microbatch's output is back
 
 Each microbatch's step runs in a driver thread that stops at the call, so all inputs reach the
-pipeline before the first output is needed. The pipeline starts on microbatch 0 as soon as its step
+pipeline before the first output is needed. The threads are kept between steps (`DriverThreads`):
+starting a thread costs a hand-off to it, and on a machine whose cores all compute a stage, every
+hand-off waits for a core. The pipeline starts on microbatch 0 as soon as its step
 reaches the call (`StepInputs`), while the later steps still run up to theirs. Only one driver runs
 user code at a time (the others wait: a step's drivers share one lock), the parts before the call in
 microbatch order and the parts after it in microbatch order, so ``self.log`` and other side effects
@@ -39,8 +41,53 @@ class MissingCall(PipeError):
     """The step finished without calling the pipelined module."""
 
 
+class DriverThreads:
+    """Threads that run drivers, one driver at a time each, kept for the next step until `close`.
+
+    A thread whose driver never ends (abandoned while the user's code blocks) is simply not reused.
+    """
+
+    def __init__(self, keep: bool = True) -> None:
+        self.keep = keep  # False: each thread ends with its driver
+        self._idle: list[queue.SimpleQueue[Driver | None]] = []
+        self._lock = threading.Lock()
+        self._generation = 0  # counts closes: a thread started before the last close ends after its driver
+
+    def run(self, driver: Driver) -> None:
+        with self._lock:
+            jobs = self._idle.pop() if self._idle else None
+        if jobs is None:
+            jobs = queue.SimpleQueue()
+            args = (jobs, self._generation)
+            threading.Thread(target=self._serve, args=args, name="lightning_pipe-microbatch", daemon=True).start()
+        jobs.put(driver)
+
+    def close(self) -> None:
+        """End the idle threads (a later `run` starts new ones)."""
+        with self._lock:
+            idle, self._idle = self._idle, []
+            self._generation += 1
+        for jobs in idle:
+            jobs.put(None)
+
+    def _serve(self, jobs: queue.SimpleQueue[Driver | None], generation: int) -> None:
+        thread = threading.current_thread()
+        while (driver := jobs.get()) is not None:
+            thread.name = f"lightning_pipe-microbatch-{driver.index}"
+            try:
+                driver.run()
+            finally:
+                with self._lock:
+                    kept = self.keep and generation == self._generation
+                    if kept:  # idle again before the driver counts as ended: the next step reuses this thread
+                        self._idle.append(jobs)
+                driver.ended.set()
+            if not kept:
+                return
+
+
 class Driver:
-    """One microbatch's step in its own thread, resumed by the caller like a coroutine."""
+    """One microbatch's step in a thread of its own (`DriverThreads`), resumed by the caller like a coroutine."""
 
     def __init__(
         self,
@@ -49,8 +96,10 @@ class Driver:
         context: Callable[[], AbstractContextManager[Any]],
         timeout: float,
         turn: threading.Lock | None = None,
+        threads: DriverThreads | None = None,
     ) -> None:
         self.index = index
+        self._threads = threads if threads is not None else DriverThreads(keep=False)
         self._turn = turn if turn is not None else threading.Lock()  # held while this step's user code runs
         self._fn = fn
         self._context = context
@@ -59,7 +108,8 @@ class Driver:
         self._to_caller: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._grad = torch.is_grad_enabled()
         self._inference = torch.is_inference_mode_enabled()
-        self._thread = threading.Thread(target=self._main, name=f"lightning_pipe-microbatch-{index}", daemon=True)
+        self._started = False
+        self.ended = threading.Event()  # its thread left the step
         self.calls = 0
         self.finished = False
         self.result: Any = None
@@ -68,7 +118,8 @@ class Driver:
     def start(self) -> tuple[str, Any]:
         """Run until the step calls the pipelined module (``("call", (args, kwargs))``) or returns."""
         with self._turn:
-            self._thread.start()
+            self._started = True
+            self._threads.run(self)
             return self._wait()
 
     def resume(self, value: Any) -> tuple[str, Any]:
@@ -79,11 +130,11 @@ class Driver:
 
     def abandon(self) -> None:
         """Unwind a driver that is waiting inside the pipelined call; joins its thread."""
-        if self._thread.ident is None:  # never started
+        if not self._started:
             return
-        if self._thread.is_alive() and not self.finished:
+        if not self.ended.is_set() and not self.finished:
             self._to_driver.put(("abandon", None))
-        self._thread.join(self._timeout)
+        self.ended.wait(self._timeout)
 
     def _wait(self) -> tuple[str, Any]:
         try:
@@ -102,7 +153,8 @@ class Driver:
         return kind, value
 
     # driver side
-    def _main(self) -> None:
+    def run(self) -> None:
+        """The step, in a thread of `DriverThreads` (which sets `ended` after it)."""
         _current.driver = self
         try:
             with torch.inference_mode(self._inference) if self._inference else _nothing():

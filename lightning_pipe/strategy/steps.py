@@ -34,7 +34,7 @@ from lightning_pipe.pipeline import Pipeline
 from lightning_pipe.strategy.asynchronous import AsyncTraining
 from lightning_pipe.strategy.outputs import combine_eval, combine_predict, combine_training
 from lightning_pipe.strategy.patch import Patches, patch
-from lightning_pipe.strategy.session import Driver, LogRecorder, MissingCall, StepInputs, current_driver
+from lightning_pipe.strategy.session import Driver, DriverThreads, LogRecorder, MissingCall, StepInputs, current_driver
 
 
 class PipelinedSteps:
@@ -52,6 +52,7 @@ class PipelinedSteps:
     _coordinator_ops: CoordinatorOps | None
     _seen_batch: bool
     _trainer: Any
+    driver_threads: DriverThreads  # the threads of the microbatches' steps, kept between steps
 
     if TYPE_CHECKING:
 
@@ -72,7 +73,8 @@ class PipelinedSteps:
             assert driver is not None
             return driver.call(args, kwargs)
 
-        driver = Driver(_bind(lightning_module.training_step, batch, (0,), {}), 0, contextlib.nullcontext, self.timeout)
+        step = _bind(lightning_module.training_step, batch, (0,), {})
+        driver = Driver(step, 0, contextlib.nullcontext, self.timeout, threads=self.driver_threads)
         patches = Patches()
         patches.set(pipelined, "forward", capture)
         patches.set(lightning_module, "log", lambda *args, **kwargs: None)
@@ -121,7 +123,14 @@ class PipelinedSteps:
         context = _with_ops(context, self._coordinator_ops, "train" if training else "eval")
         turn = threading.Lock()  # one driver at a time runs the user's step
         drivers = [
-            Driver(_bind(step_fn, p, rest, kwargs), i, self.step_random(context, name, args, i), self.timeout, turn)
+            Driver(
+                _bind(step_fn, p, rest, kwargs),
+                i,
+                self.step_random(context, name, args, i),
+                self.timeout,
+                turn,
+                self.driver_threads,
+            )
             for i, p in enumerate(pieces)
         ]
         restore_log = patch(lightning_module, "log", recorder)

@@ -34,6 +34,7 @@ from lightning_pipe.strategy.optimization import StageOptimization
 from lightning_pipe.strategy.patch import Patches
 from lightning_pipe.strategy.random_state import StageRandomState
 from lightning_pipe.strategy.remote import StageGradZeroing, StageParameters
+from lightning_pipe.strategy.session import DriverThreads
 from lightning_pipe.strategy.steps import PipelinedSteps
 from lightning_pipe.strategy.trace import PipeTrace
 
@@ -156,6 +157,7 @@ class PipeStrategy(
         self._pipelined: nn.Module | None = None
         self._compiled: TorchCompiled | None = None  # the pipelined module is torch.compile(...) of this
         self._patches = Patches()  # attributes set on the user's objects for this fit, restored exactly
+        self.driver_threads = DriverThreads()
         self._outside = GradStash()  # parameters outside the pipelined module (before/after the call)
         self._hooked: set[str] = set()
         self._seen_batch = False
@@ -308,6 +310,7 @@ class PipeStrategy(
                 self._stage_params.fold_into_templates()
         finally:  # whatever failed above: the user's objects as they were, the stages stopped
             self._patches.restore()
+            self.driver_threads.close()
             try:
                 if self.pipeline is not None:
                     pipeline, self.pipeline = self.pipeline, None
