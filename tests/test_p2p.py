@@ -23,6 +23,7 @@ from lightning_pipe.comm.base import Message, MessageKind
 from lightning_pipe.comm.p2p_frames import (
     INLINE_BYTES,
     TensorMeta,
+    bundle,
     decode_signature,
     encode_signature,
     header,
@@ -30,6 +31,7 @@ from lightning_pipe.comm.p2p_frames import (
     join_payload,
     pack,
     split_payload,
+    unbundle,
     unpack,
 )
 
@@ -161,3 +163,18 @@ def test_an_inline_frame_packs_a_message_into_one_buffer_and_back() -> None:
     assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(back, tensors, strict=True))
     copied = back[0].untyped_storage().data_ptr() != frame.untyped_storage().data_ptr()
     assert copied, "copies: the receiver posts the frame's buffer again at once"
+
+
+def test_a_bundle_carries_consecutive_microbatches_as_one_message() -> None:
+    inputs = [Message(MessageKind.ACTIVATION, 7, 0, m, ((torch.full((2, 3), float(m)),), [False])) for m in (1, 2, 3)]
+    one = bundle(inputs)
+    head = header(0, 0, one, extra=0, inline=True, bundled=len(inputs)).tolist()
+    assert head[5] == 1 and head[7] == 1 + 2 * 2, "the first microbatch and the count are in the header"
+    back = unbundle(one, head)
+    assert [(m.kind, m.step, m.stage, m.microbatch) for m in back] == [
+        (MessageKind.ACTIVATION, 7, 0, m) for m in (1, 2, 3)
+    ]
+    assert all(torch.equal(b.payload[0][0], i.payload[0][0]) for b, i in zip(back, inputs, strict=True))
+    assert unbundle(inputs[0], header(0, 0, inputs[0], extra=0).tolist()) == [inputs[0]]
+    with pytest.raises(ValueError, match="consecutive"):
+        bundle([inputs[0], inputs[2]])

@@ -49,10 +49,18 @@ class Endpoint(ABC):
     """One participant's view: its own inbox and a way to send to any rank or the coordinator."""
 
     rank: int
+    #: `send_many` sends several messages as one (the coordinator then feeds a step's later inputs together)
+    bundles: bool = False
 
     @abstractmethod
     def send(self, rank: int, message: Message) -> None:
         """Deliver ``message`` to ``rank``'s inbox (``COORDINATOR`` for the coordinator)."""
+
+    def send_many(self, rank: int, messages: list[Message]) -> None:
+        """Deliver ``messages`` to ``rank`` in order (a transport may send them as one: tensor messages of one
+        kind, step and stage, of consecutive microbatches)."""
+        for message in messages:
+            self.send(rank, message)
 
     @abstractmethod
     def recv(self, timeout: float | None) -> Message | None:

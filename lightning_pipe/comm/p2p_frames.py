@@ -3,15 +3,18 @@
 A frame is a small int64 header, then (if the header counts any) pickled bytes, then the
 message's tensors::
 
-    header  [marker, destination, source, step, stage, microbatch, extra bytes, inline]   int64 x 8
+    header  [marker, destination, source, step, stage, microbatch, extra bytes, flags]   int64 x 8
     extra   pickled bytes (a new signature, or a control message and its tensors' metadata)
     tensors raw, in the order of the payload's leaves
 
-Sent *inline* (``inline`` = 1), the three parts are packed into one uint8 buffer of at most
-`INLINE_BYTES`, each part at an offset aligned to `ALIGN`: one send and one receive per message,
+``flags`` = inline + 2 x (bundled - 1). Sent *inline* (bit 0), the three parts are packed into one
+uint8 buffer of at most `INLINE_BYTES`, each part at an offset aligned to `ALIGN`: one send and one receive per message,
 the receiver's buffer posted before the frame arrives (gloo lets a receive be larger than its
 send; the header says what the buffer holds). Otherwise each part is its own buffer (NCCL, whose
-receives must match their sends' sizes, and messages too large to pack).
+receives must match their sends' sizes, and messages too large to pack). A *bundle* is one tensor
+message standing for several of one kind, step and stage, of consecutive microbatches (the
+coordinator's feed of a step's inputs): its payload is the tuple of theirs, and it has a signature
+like any other; the receiver delivers them one by one (`unbundle`).
 
 ``marker`` >= 0 names a *signature*: activations and gradients of one kind, tree structure and
 tensor shapes repeat every microbatch, so the first message of a signature carries the pickled
@@ -124,9 +127,32 @@ def join_payload(signature: Signature, tensors: list[torch.Tensor]) -> Any:
     return tree.unflatten(leaves, signature.spec)
 
 
-def header(marker: int, destination: int, message: Message, extra: int, inline: bool = False) -> torch.Tensor:
-    fields = [marker, destination, message.source, message.step, message.stage, message.microbatch, extra, int(inline)]
+def header(
+    marker: int, destination: int, message: Message, extra: int, inline: bool = False, bundled: int = 1
+) -> torch.Tensor:
+    flags = int(inline) + 2 * (bundled - 1)
+    fields = [marker, destination, message.source, message.step, message.stage, message.microbatch, extra, flags]
     return torch.tensor(fields, dtype=torch.int64)
+
+
+def bundle(messages: Sequence[Message]) -> Message:
+    """One message for several tensor messages of one kind, step and stage, of consecutive microbatches."""
+    first = messages[0]
+    for offset, message in enumerate(messages):
+        same = (message.kind, message.step, message.stage) == (first.kind, first.step, first.stage)
+        if not same or message.microbatch != first.microbatch + offset:
+            raise ValueError("a bundle holds messages of one kind, step and stage, of consecutive microbatches")
+    payload = tuple(message.payload for message in messages)
+    return Message(first.kind, first.step, first.stage, first.microbatch, payload, first.source)
+
+
+def unbundle(message: Message, fields: list[int]) -> list[Message]:
+    """The messages a received message stands for (itself unless its header says it is a bundle)."""
+    count = 1 + (fields[7] >> 1)
+    if count == 1:
+        return [message]
+    kind, step, stage, first, source = message.kind, message.step, message.stage, message.microbatch, message.source
+    return [Message(kind, step, stage, first + i, message.payload[i], source) for i in range(count)]
 
 
 def inline_size(extra: int, metas: Sequence[TensorMeta]) -> int:

@@ -84,7 +84,8 @@ class Receiver:
             else:
                 works[turn] = self._irecv(frame, FRAME_TAG)
             if message is not None:
-                self.wire.deliver(destination, message)
+                for each in frames.unbundle(message, fields):
+                    self.wire.deliver(destination, each)
             turn = 1 - turn
 
     def _inline(self, fields: list[int], frame: torch.Tensor) -> Message:
@@ -138,7 +139,8 @@ class Receiver:
                     self.signatures[marker] = frames.decode_signature(blob)
                 signature = self.signatures[marker]
                 message = frames.message_of(signature, fields, self._receive_all(list(signature.metas), 0))
-            self.wire.deliver(destination, message)
+            for each in frames.unbundle(message, fields):
+                self.wire.deliver(destination, each)
 
     # receives
     def _closed(self) -> None:

@@ -32,6 +32,8 @@ OnBuild = Callable[[Any], None]
 class P2PEndpoint(Endpoint):
     """An endpoint of this process: its inbox on the wire; ``recv`` raises once a peer of the pipeline is lost."""
 
+    bundles = True
+
     def __init__(self, rank: int, wire: Wire) -> None:
         self.rank = rank
         self.wire = wire
@@ -40,6 +42,11 @@ class P2PEndpoint(Endpoint):
     def send(self, rank: int, message: Message) -> None:
         message.source = self.rank
         self.wire.send(self.wire.coordinator if rank == COORDINATOR else rank, rank, message)
+
+    def send_many(self, rank: int, messages: list[Message]) -> None:
+        for message in messages:
+            message.source = self.rank
+        self.wire.send_many(self.wire.coordinator if rank == COORDINATOR else rank, rank, messages)
 
     def recv(self, timeout: float | None) -> Message | None:
         message = self.inbox.get(timeout)

@@ -147,7 +147,7 @@ class Wire:
         with self._lock:
             self._inboxes.pop(endpoint, None)
 
-    def send(self, process: int, destination: int, message: Message) -> None:
+    def send(self, process: int, destination: int, message: Message, bundled: int = 1) -> None:
         """Deliver ``message`` to endpoint ``destination`` of pipeline rank ``process``; a lost peer's are dropped."""
         if process == self.me:
             stats = self._count(message.source)
@@ -159,9 +159,18 @@ class Wire:
             try:
                 with link.lock, self.on_stream(self._ready()):
                     if not link.closed:
-                        self._send_message(process, link, destination, message)
+                        self._send_message(process, link, destination, message, bundled)
             except Exception as exc:
                 self.mark_lost(process, f"sending failed: {first_line(exc)}")
+
+    def send_many(self, process: int, destination: int, messages: list[Message]) -> None:
+        """Deliver ``messages`` (tensor messages of one kind, step and stage, of consecutive microbatches) in
+        order; to another process as one message (`p2p_frames.bundle`): one frame instead of one each."""
+        if process == self.me or len(messages) == 1:
+            for message in messages:
+                self.send(process, destination, message)
+            return
+        self.send(process, destination, frames.bundle(messages), bundled=len(messages))
 
     def is_gone(self, peer: int) -> bool:
         """Whether nothing can reach ``peer`` any more (its link broke or it closed it)."""
@@ -249,7 +258,7 @@ class Wire:
                 except Exception as exc:
                     self.mark_lost(peer, f"sending failed: {first_line(exc)}")
 
-    def _send_message(self, peer: int, link: _Link, destination: int, message: Message) -> None:
+    def _send_message(self, peer: int, link: _Link, destination: int, message: Message, bundled: int = 1) -> None:
         stats, kind = self._count(message.source), message.kind
         signature: frames.Signature | None = None
         tensors: list[torch.Tensor] = []
@@ -268,7 +277,7 @@ class Wire:
             extra, tensors = frames.encode_control(message)
             metas = [frames.TensorMeta.of(t) for t in tensors]
         inline = self.framed and frames.inline_size(len(extra), metas) <= frames.INLINE_BYTES
-        head = frames.header(marker, destination, message, len(extra), inline)
+        head = frames.header(marker, destination, message, len(extra), inline, bundled)
         with self._lock:
             stats.messages[kind] += 1
             stats.header_bytes[kind] += head.numel() * 8

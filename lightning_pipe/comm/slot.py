@@ -75,9 +75,7 @@ def run_slot(
     try:
         store = dist.TCPStore(host, port, None, False, timedelta(seconds=timeout))
         tag = message["tag"]
-        join_world(
-            f"lp{tag}-{rank}", rank + 1, int(message["world_size"]), store, timeout, interface, f"lp{tag}"
-        )
+        join_world(f"lp{tag}-{rank}", rank + 1, int(message["world_size"]), store, timeout, interface, f"lp{tag}")
     except Exception as exc:
         link.send({"type": "failed", "error": f"could not join the RPC world: {exc}"})
         print(f"lightning-pipe worker: could not join the RPC world: {exc}", file=sys.stderr, flush=True)

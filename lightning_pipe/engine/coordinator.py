@@ -292,9 +292,18 @@ class Coordinator(CoordinatorMessages):
         return scaler, loss
 
     def _feed(self, step: int, inputs: Sequence[Any]) -> None:
+        """Each microbatch's input as it is made; where the transport bundles messages (`Endpoint.bundles`),
+        microbatch 0's at once (the first stage starts on it) and the others together, as one message."""
+        endpoint, first = self.endpoint, self.rank_of_stage[0]
+        later = []
         for m, x in enumerate(inputs):
-            payload = (tree.detach(x), tree.grad_mask(x))
-            self.endpoint.send(self.rank_of_stage[0], Message(MessageKind.ACTIVATION, step, 0, m, payload))
+            message = Message(MessageKind.ACTIVATION, step, 0, m, (tree.detach(x), tree.grad_mask(x)))
+            if m > 0 and endpoint.bundles:
+                later.append(message)
+            else:
+                endpoint.send(first, message)
+        if later:
+            endpoint.send_many(first, later)
 
     def _received_output(self, step: int, m: int, leaves: bool = True) -> Any:
         output, mask = self._wait(step, MessageKind.OUTPUT, self.num_stages - 1, m).payload
