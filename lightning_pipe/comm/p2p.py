@@ -27,6 +27,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from lightning_pipe.comm import by_value
@@ -92,6 +93,9 @@ class P2PCommunicator(Communicator):
         self._crash = ""  # why that stage thread ended, if it crashed
         self._early: list[Message] = []  # control notices that arrived while waiting for others
         self._last_rank = -1  # the pipeline rank of the last stage, once launched
+        # the intra-op threads this process was given (Lightning's launcher: cores // processes; torchrun: 1); a
+        # new thread starts with OpenMP's default (every core), so the local stage thread takes this count
+        self._threads = torch.get_num_threads()
 
     # Communicator
     def launch(self, specs: list[Any], worker_cls: Any) -> Endpoint:
@@ -195,6 +199,7 @@ class P2PCommunicator(Communicator):
         return [rank for rank in range(len(self.ranks)) if rank != self.coordinator]
 
     def _serve_local(self, spec: Any, worker_cls: Any, wire: Wire) -> None:
+        torch.set_num_threads(self._threads)
         here = self.coordinator
         endpoint = P2PEndpoint(here, wire)
         worker, reply = build_worker(spec, worker_cls, endpoint, self.on_build)
