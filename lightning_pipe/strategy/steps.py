@@ -74,7 +74,7 @@ class PipelinedSteps:
             return driver.call(args, kwargs)
 
         step = _bind(lightning_module.training_step, batch, (0,), {})
-        driver = Driver(step, 0, contextlib.nullcontext, self.timeout, threads=self.driver_threads)
+        driver = Driver(step, 0, contextlib.nullcontext, self.timeout)  # once per build: a thread of its own
         patches = Patches()
         patches.set(pipelined, "forward", capture)
         patches.set(lightning_module, "log", lambda *args, **kwargs: None)
