@@ -68,7 +68,6 @@ def _as_number(value: Any, index: int, argument: str) -> float:
         )
     if not math.isfinite(number) or number < 0:
         raise ConfigurationError(
-            f"{argument} returned {number} for microbatch {index}; a weight must be a finite number >= 0 "
-            f"({_EXAMPLE})"
+            f"{argument} returned {number} for microbatch {index}; a weight must be a finite number >= 0 ({_EXAMPLE})"
         )
     return number

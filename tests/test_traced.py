@@ -177,7 +177,6 @@ def test_partition_errors_name_the_fix() -> None:
         TracedPartitioner().partition(model, ["cpu"] * 2, None)
 
 
-
 def test_tied_weight_on_two_devices_is_refused_by_the_local_transport() -> None:
     """Stage threads share the one Parameter; two devices would each move it (checked before anything moves)."""
     model = TinyGPT(layers=2)

@@ -235,7 +235,9 @@ def test_untraceable_model_fails_before_training_with_the_line(tmp_path: Any) ->
     assert not [w for w in caught if "trace" in str(w.message)]
     assert_same_run(piped, plain, got, fit(plain, data))
     assert [shard.layers for shard in partitioner.partition(piped.model, ["cpu"] * 3, torch.randn(2, 4))] == [
-        ["first"], ["inner"], ["last"]
+        ["first"],
+        ["inner"],
+        ["last"],
     ]
 
 
