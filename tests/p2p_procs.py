@@ -122,6 +122,7 @@ def large_tensor(comm: P2PCommunicator) -> dict[str, Any]:
         for step in range(2):
             x = torch.randn(2048, 2048, generator=torch.Generator().manual_seed(step))
             equal = equal and torch.allclose(pipe.forward(x), model(x), atol=1e-6)
+
     return {"large_equal": bool(equal), "large_seconds": seconds}
 
 
@@ -178,10 +179,26 @@ def kill_coordinator(group: Any, ranks: list[int], outdir: str) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def serve(group: Any, ranks: list[int], replica: int, on_build: Any = None) -> dict[str, Any]:
+def coordinator_last(group: Any) -> dict[str, Any]:
+    """The layout launched mode uses: global rank 0 holds the last stage and feeds stage 0 in rank 1."""
+    comm = P2PCommunicator(group, [1, 0], describer([1, 0], 0), timeout=60, coordinator=1)
+    try:
+        batches = [([x], [y]) for x, y in (data(step) for step in range(2))]
+        result: dict[str, Any] = {"1f1b": train_and_compare(comm, 2, "1f1b", batches)}
+        model = nn.Sequential(nn.Linear(1024, 1024), nn.ReLU())
+        x = torch.randn(4096, 1024)  # 4 microbatches of 4 MiB: inputs 1-3 are one bundle too large for a frame
+        with Pipeline(model, stages=2, partition="uniform", transport=comm) as pipe:
+            result["bundle_equal"] = bool(torch.allclose(pipe.forward(x, microbatches=4), model(x), atol=1e-6))
+            result["small_bundle_equal"] = bool(torch.allclose(pipe.forward(x[:64], microbatches=4), model(x[:64])))
+    finally:
+        comm.release()
+    return result
+
+
+def serve(group: Any, ranks: list[int], replica: int, on_build: Any = None, coordinator: int = 0) -> dict[str, Any]:
     start = time.time()
     try:
-        serve_stages(group, ranks, describer(ranks, replica), on_build=on_build, timeout=60)
+        serve_stages(group, ranks, describer(ranks, replica), on_build=on_build, timeout=60, coordinator=coordinator)
     except TransportError as exc:
         return {"error": str(exc), "at": time.time(), "start": start}
     return {"error": None}
@@ -199,6 +216,8 @@ def run(scenario: str, rank: int, world: int, outdir: str) -> dict[str, Any]:
         return serve(pipelines[replica], ranks, replica, on_build)
     ranks = list(range(world))
     group = dist.new_group(ranks)
+    if scenario == "last":
+        return coordinator_last(group) if rank == 0 else serve(group, [1, 0], 0, coordinator=1)
     if rank > 0:
         return serve(group, ranks, 0)
     if scenario == "train":

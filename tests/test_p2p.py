@@ -105,6 +105,18 @@ def test_two_processes_train_like_the_unsplit_model_and_carry_errors(tmp_path: P
     assert results[1]["error"] is None, "the serving process left serve_stages cleanly on release"
 
 
+def test_the_coordinator_holding_the_last_stage_trains_like_the_unsplit_model(tmp_path: Path) -> None:
+    """Launched mode's layout: the coordinator runs the last stage and feeds stage 0 in the other process, a
+    step's later inputs as one bundle (inline, and one too large for a frame)."""
+    results = run_world("last", 2, tmp_path)
+    coordinator = results[0]
+    assert coordinator["ok"], coordinator.get("traceback")
+    got = coordinator["1f1b"]
+    assert got["state"] < 1e-5 and got["forward"] < 1e-5, got
+    assert coordinator["bundle_equal"] and coordinator["small_bundle_equal"]
+    assert results[1]["error"] is None
+
+
 def test_three_processes_train_like_the_unsplit_model(tmp_path: Path) -> None:
     results = run_world("train", 3, tmp_path)
     check_training(results[0])

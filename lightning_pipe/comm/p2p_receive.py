@@ -12,8 +12,8 @@ Two ways, by what the backend can match (`p2p_frames` has the layout of a frame)
 - *ordered* (NCCL, whose receives match their sends by order and size): header, pickled bytes and
   tensors as separate receives of exact size, on tag 0.
 
-The close of a link is a `CLOSE` header; in framed mode the peer sends two (one for each posted
-buffer) and fills the bodies posted ahead (`Wire.close`), so no receive is left pending.
+The close of a link is a `CLOSE` header; in framed mode the peer sends one for each posted buffer
+(`FRAME_BUFFERS`) and fills the bodies posted ahead (`Wire.close`), so no receive is left pending.
 """
 
 from __future__ import annotations
@@ -68,9 +68,9 @@ class Receiver:
             self._complete([works[turn]])
             frame = buffers[turn]
             fields = frame[: frames.HEADER_BYTES].view(torch.int64).tolist()
-            marker, destination, extra, inline = fields[0], fields[1], fields[6], fields[7]
+            marker, destination, extra, inline = fields[0], fields[1], fields[6], fields[7] & 1  # bit 0 of flags
             if marker == frames.CLOSE:
-                self._complete([works[1 - turn]])  # the peer's second close frame
+                self._complete([work for k, work in enumerate(works) if k != turn])  # the peer's other close frames
                 self._closed()
                 return
             message = None
@@ -86,7 +86,7 @@ class Receiver:
             if message is not None:
                 for each in frames.unbundle(message, fields):
                     self.wire.deliver(destination, each)
-            turn = 1 - turn
+            turn = (turn + 1) % FRAME_BUFFERS
 
     def _inline(self, fields: list[int], frame: torch.Tensor) -> Message:
         marker, extra = fields[0], fields[6]

@@ -43,7 +43,15 @@ import torch.distributed as dist
 
 from lightning_pipe.comm import p2p_frames as frames
 from lightning_pipe.comm.base import COORDINATOR, Message, QueueInbox, deadline, remaining
-from lightning_pipe.comm.p2p_receive import FRAME_TAG, SPILL_TAG, Receiver, ahead_of_time, body_tag, first_line
+from lightning_pipe.comm.p2p_receive import (
+    FRAME_BUFFERS,
+    FRAME_TAG,
+    SPILL_TAG,
+    Receiver,
+    ahead_of_time,
+    body_tag,
+    first_line,
+)
 from lightning_pipe.comm.placement import process_device
 from lightning_pipe.errors import TransportError
 
@@ -300,7 +308,7 @@ class Wire:
         if not self.framed:
             self._transmit(peer, link, [(close, 0)])
             return
-        self._transmit(peer, link, [(close.clone(), FRAME_TAG), (close, FRAME_TAG)])  # one per posted frame
+        self._transmit(peer, link, [(close.clone(), FRAME_TAG) for _ in range(FRAME_BUFFERS)])  # one per posted frame
         for signature, marker in link.signatures.items():
             if ahead_of_time(signature):
                 dummies = [meta.empty(self.device).zero_() for meta in signature.metas]
