@@ -26,13 +26,14 @@ from lightning_pipe.comm.p2p_frames import (
     bundle,
     decode_signature,
     encode_signature,
+    frame_bytes,
+    frame_tensors,
     header,
     inline_size,
     join_payload,
     pack,
     split_payload,
     unbundle,
-    unpack,
 )
 
 HELPER = Path(__file__).with_name("p2p_procs.py")
@@ -170,7 +171,7 @@ def test_an_inline_frame_packs_a_message_into_one_buffer_and_back() -> None:
     frame = pack(head, b"hello", tensors)
     assert frame.dtype == torch.uint8 and frame.numel() == inline_size(5, metas) <= INLINE_BYTES
     assert frame[:64].view(torch.int64).tolist() == [3, 1, -1, 2, 1, 5, 5, 1]
-    blob, back = unpack(frame, 5, metas)
+    blob, back = frame_bytes(frame, 5), frame_tensors(frame, 5, metas)
     assert blob == b"hello"
     assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(back, tensors, strict=True))
     copied = back[0].untyped_storage().data_ptr() != frame.untyped_storage().data_ptr()

@@ -162,30 +162,33 @@ def inline_size(extra: int, metas: Sequence[TensorMeta]) -> int:
 
 def pack(head: torch.Tensor, extra: bytes, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """One uint8 buffer holding a frame's header, pickled bytes and tensors (a copy of each)."""
-    parts = [head.view(torch.uint8), torch.frombuffer(bytearray(extra), dtype=torch.uint8) if extra else None]
+    parts = [head.view(torch.uint8)]
+    if extra:
+        parts.append(torch.frombuffer(bytearray(extra), dtype=torch.uint8))
     parts += [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors]
-    frame = torch.empty(sum(_aligned(p.numel()) for p in parts if p is not None), dtype=torch.uint8)
+    frame = torch.empty(sum(_aligned(p.numel()) for p in parts), dtype=torch.uint8)
     offset = 0
     for part in parts:
-        if part is not None:
-            frame[offset : offset + part.numel()].copy_(part)
-            offset += _aligned(part.numel())
+        frame[offset : offset + part.numel()].copy_(part)
+        offset += _aligned(part.numel())
     return frame
 
 
-def unpack(frame: torch.Tensor, extra: int, metas: Sequence[TensorMeta] | None) -> tuple[bytes, list[torch.Tensor]]:
-    """The pickled bytes of an inline frame and copies of its tensors (``metas``: None when the bytes name them)."""
+def frame_bytes(frame: torch.Tensor, extra: int) -> bytes:
+    """The ``extra`` pickled bytes of an inline frame."""
     offset = _aligned(HEADER_BYTES)
-    blob = bytes(frame[offset : offset + extra].numpy()) if extra else b""
-    offset += _aligned(extra)
-    if metas is None:  # a control message: its bytes hold its tensors' metadata
-        metas = control_metas(blob)[1]
+    return bytes(frame[offset : offset + extra].numpy()) if extra else b""
+
+
+def frame_tensors(frame: torch.Tensor, extra: int, metas: Sequence[TensorMeta]) -> list[torch.Tensor]:
+    """Copies of an inline frame's tensors: the receiver posts the frame's buffer again at once."""
+    offset = _aligned(HEADER_BYTES) + _aligned(extra)
     tensors = []
     for meta in metas:
         size = _numel(meta.shape) * meta.dtype.itemsize
         tensors.append(frame[offset : offset + size].view(meta.dtype).view(meta.shape).clone())
         offset += _aligned(size)
-    return blob, tensors
+    return tensors
 
 
 def _aligned(size: int) -> int:
@@ -208,10 +211,11 @@ def decode_signature(extra: bytes) -> Signature:
     return signature
 
 
-def encode_control(message: Message) -> tuple[bytes, list[torch.Tensor]]:
+def encode_control(message: Message) -> tuple[bytes, list[torch.Tensor], list[TensorMeta]]:
     """A control message pickled by value; its tensors stay out of the bytes and follow them raw."""
     blob, tensors = by_value.dumps(message)
-    return pickle.dumps((blob, [TensorMeta.of(t) for t in tensors]), protocol=pickle.HIGHEST_PROTOCOL), tensors
+    metas = [TensorMeta.of(t) for t in tensors]
+    return pickle.dumps((blob, metas), protocol=pickle.HIGHEST_PROTOCOL), tensors, metas
 
 
 def control_metas(extra: bytes) -> tuple[bytes, list[TensorMeta]]:

@@ -73,16 +73,11 @@ class Receiver:
                 self._complete([work for k, work in enumerate(works) if k != turn])  # the peer's other close frames
                 self._closed()
                 return
-            message = None
-            if marker != frames.KEEPALIVE:
-                if inline:
-                    message = self._inline(fields, frame)
-                    works[turn] = self._irecv(frame, FRAME_TAG)
-                else:  # only the header was in the frame: post it again at once
-                    works[turn] = self._irecv(frame, FRAME_TAG)
-                    message = self._spilled(fields, marker, extra)
-            else:
-                works[turn] = self._irecv(frame, FRAME_TAG)
+            keepalive = marker == frames.KEEPALIVE
+            message = self._inline(fields, frame) if inline and not keepalive else None
+            works[turn] = self._irecv(frame, FRAME_TAG)  # taken apart, or a header only: post it again
+            if message is None and not keepalive:
+                message = self._spilled(fields, marker, extra)
             if message is not None:
                 for each in frames.unbundle(message, fields):
                     self.wire.deliver(destination, each)
@@ -90,16 +85,14 @@ class Receiver:
 
     def _inline(self, fields: list[int], frame: torch.Tensor) -> Message:
         marker, extra = fields[0], fields[6]
-        if marker == frames.CONTROL:
-            blob, tensors = frames.unpack(frame, extra, None)
-            pickled, metas = frames.control_metas(blob)
-            return frames.decode_control(pickled, metas, tensors)
-        known = self.signatures.get(marker)
-        if known is None:  # the signature's first message: its bytes are in the frame
-            blob, _ = frames.unpack(frame, extra, ())
-            known = self.signatures[marker] = frames.decode_signature(blob)
-        _, tensors = frames.unpack(frame, extra, known.metas)
-        return frames.message_of(known, fields, tensors)
+        if marker == frames.CONTROL or marker not in self.signatures:  # the bytes say what the tensors are
+            blob = frames.frame_bytes(frame, extra)
+            if marker == frames.CONTROL:
+                pickled, metas = frames.control_metas(blob)
+                return frames.decode_control(pickled, metas, frames.frame_tensors(frame, extra, metas))
+            self.signatures[marker] = frames.decode_signature(blob)  # the signature's first message
+        known = self.signatures[marker]
+        return frames.message_of(known, fields, frames.frame_tensors(frame, extra, known.metas))
 
     def _spilled(self, fields: list[int], marker: int, extra: int) -> Message:
         blob = self._receive_bytes(extra, SPILL_TAG)

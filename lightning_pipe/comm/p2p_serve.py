@@ -41,12 +41,12 @@ class P2PEndpoint(Endpoint):
 
     def send(self, rank: int, message: Message) -> None:
         message.source = self.rank
-        self.wire.send(self.wire.coordinator if rank == COORDINATOR else rank, rank, message)
+        self.wire.send(self._process(rank), rank, message)
 
     def send_many(self, rank: int, messages: list[Message]) -> None:
         for message in messages:
             message.source = self.rank
-        self.wire.send_many(self.wire.coordinator if rank == COORDINATOR else rank, rank, messages)
+        self.wire.send_many(self._process(rank), rank, messages)
 
     def recv(self, timeout: float | None) -> Message | None:
         message = self.inbox.get(timeout)
@@ -56,7 +56,11 @@ class P2PEndpoint(Endpoint):
         return None if message is not None and message.kind == LOST else message
 
     def host(self, rank: int) -> str:
-        return self.wire.describe(self.wire.ranks[self.wire.coordinator if rank == COORDINATOR else rank])
+        return self.wire.describe(self.wire.ranks[self._process(rank)])
+
+    def _process(self, rank: int) -> int:
+        """The pipeline rank of the process that holds endpoint ``rank``."""
+        return self.wire.coordinator if rank == COORDINATOR else rank
 
 
 def build_worker(spec: Any, worker_cls: Any, endpoint: P2PEndpoint, on_build: OnBuild | None) -> tuple[Any, Any]:

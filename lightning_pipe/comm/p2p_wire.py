@@ -89,17 +89,15 @@ class _Link:
 
     def reap(self, timeout: float) -> None:
         """Forget the sends that completed (raising a failed one's error); the oldest go first."""
-        while self.pending and (self.pending[0][0] is None or self.pending[0][0].is_completed()):
+        while self.pending and self.pending[0][0].is_completed():
             work, _ = self.pending.popleft()
-            if work is not None:
-                work.wait(timedelta(seconds=timeout))  # done: returns at once, or raises its error
+            work.wait(timedelta(seconds=timeout))  # done: returns at once, or raises its error
 
     def drain(self, timeout: float) -> None:
         """Wait until every send of this link completed."""
         while self.pending:
             work, _ = self.pending.popleft()
-            if work is not None:
-                work.wait(timedelta(seconds=max(0.1, timeout)))
+            work.wait(timedelta(seconds=max(0.1, timeout)))
 
 
 class Wire:
@@ -279,11 +277,10 @@ class Wire:
                 marker = link.signatures[signature] = len(link.signatures)
                 extra = frames.encode_signature(signature)
                 stats.signatures += 1
-            metas: list[frames.TensorMeta] | tuple[frames.TensorMeta, ...] = signature.metas
+            metas: Sequence[frames.TensorMeta] = signature.metas
         else:
             marker = frames.CONTROL
-            extra, tensors = frames.encode_control(message)
-            metas = [frames.TensorMeta.of(t) for t in tensors]
+            extra, tensors, metas = frames.encode_control(message)
         inline = self.framed and frames.inline_size(len(extra), metas) <= frames.INLINE_BYTES
         head = frames.header(marker, destination, message, len(extra), inline, bundled)
         with self._lock:
@@ -308,7 +305,7 @@ class Wire:
         if not self.framed:
             self._transmit(peer, link, [(close, 0)])
             return
-        self._transmit(peer, link, [(close.clone(), FRAME_TAG) for _ in range(FRAME_BUFFERS)])  # one per posted frame
+        self._transmit(peer, link, [(close, FRAME_TAG)] * FRAME_BUFFERS)  # one per posted frame
         for signature, marker in link.signatures.items():
             if ahead_of_time(signature):
                 dummies = [meta.empty(self.device).zero_() for meta in signature.metas]
