@@ -39,6 +39,33 @@ class Sleeps(nn.Module):
         return x
 
 
+class _SlowBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor, seconds: float, fail: bool) -> torch.Tensor:
+        ctx.seconds, ctx.fail = seconds, fail  # type: ignore[attr-defined]
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        time.sleep(ctx.seconds)  # type: ignore[attr-defined]
+        if ctx.fail:  # type: ignore[attr-defined]
+            raise RuntimeError("a backward failed on a marked row")
+        return grad, None, None
+
+
+class SlowBackwardLinear(nn.Linear):
+    """A linear layer whose backward sleeps ``seconds``, and fails for a microbatch that has a row whose first
+    feature is exactly ``marker``."""
+
+    def __init__(self, features: int, out_features: int, seconds: float, marker: float) -> None:
+        super().__init__(features, out_features)
+        self.seconds, self.marker = seconds, marker
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fail = bool((x[:, 0] == self.marker).any())
+        return _SlowBackward.apply(super().forward(x), self.seconds, fail)
+
+
 def children_of(pid: int) -> list[int]:
     """Live (not zombie) child processes of ``pid``, from /proc (multiprocessing's resource tracker aside)."""
     out = []

@@ -203,8 +203,10 @@ def test_no_parameter_crosses_processes_during_a_step(pool: RpcCommunicator) -> 
     with rpc_pipeline(pool, model, stages, schedule="1f1b") as pipe:
         for _ in range(2):  # warm-up; checkpoint="auto" measures in the first step and decides before the second
             pipe.train_step(x, y, F.cross_entropy, microbatches=microbatches)
+        pipe.coordinator.settle()  # the first stages' ends of the step arrive after train_step returned
         pool.stats(reset=True)
         pipe.train_step(x, y, F.cross_entropy, microbatches=microbatches)
+        pipe.coordinator.settle()
         stats = pool.stats(reset=True)
         boundary = []  # bytes of each stage's output for the whole batch
         h = x

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
@@ -12,7 +11,7 @@ from torch import nn
 
 from lightning_pipe import tree
 from lightning_pipe.comm.base import Communicator, Endpoint, Message, MessageKind
-from lightning_pipe.engine.coordinator_messages import CoordinatorMessages, Key
+from lightning_pipe.engine.coordinator_messages import CoordinatorMessages, Key, LateRanks
 from lightning_pipe.engine.plan import ASYNC, EVAL, TRAIN, LossPlan, StageSpec, StepPlan
 from lightning_pipe.engine.runners import check_runner, worker_lists
 from lightning_pipe.engine.stage import StageWorker
@@ -47,16 +46,45 @@ def _share_cores(method: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-@dataclass
 class StepResult:
-    """What a step returns: per-microbatch losses (train) or outputs (eval), and each rank's timeline."""
+    """What a step returns: per-microbatch losses (train) or outputs (eval), and each rank's timeline.
 
-    losses: list[Any] = field(default_factory=list)
-    outputs: list[Any] = field(default_factory=list)
-    records: list[list[tuple[str, float, float]]] = field(default_factory=list)
-    schedule: Schedule | None = None
-    #: per rank, the parts of each action ("1F0 idle", start, end): see `lightning_pipe.trace`
-    parts: list[list[tuple[str, float, float]]] = field(default_factory=list)
+    ``records`` and ``parts`` of a rank the train step did not wait for (`Coordinator.train_step`)
+    are waited for when first read.
+    """
+
+    def __init__(
+        self,
+        losses: list[Any] | None = None,
+        outputs: list[Any] | None = None,
+        records: list[list[Record]] | None = None,
+        schedule: Schedule | None = None,
+        parts: list[list[Record]] | None = None,
+        settle: Callable[[], None] | None = None,
+    ) -> None:
+        self.losses = [] if losses is None else losses
+        self.outputs = [] if outputs is None else outputs
+        self.schedule = schedule
+        self._records = [] if records is None else records
+        #: per rank, the parts of each action ("1F0 idle", start, end): see `lightning_pipe.trace`
+        self._parts = [] if parts is None else parts
+        self._settle = settle
+
+    @property
+    def records(self) -> list[list[Record]]:
+        """Per rank, its actions ("1F0", start, end)."""
+        self._settled()
+        return self._records
+
+    @property
+    def parts(self) -> list[list[Record]]:
+        self._settled()
+        return self._parts
+
+    def _settled(self) -> None:
+        if self._settle is not None:
+            settle, self._settle = self._settle, None
+            settle()
 
 
 class Coordinator(CoordinatorMessages):
@@ -96,6 +124,7 @@ class Coordinator(CoordinatorMessages):
         self._step = 0
         self._pending: dict[Key, Message] = {}
         self._posted, self._raised_posts = False, 0
+        self._late: dict[int, LateRanks] = {}
         self._schedules: dict[tuple[int, int], Schedule] = {}
         self.last_result: StepResult | None = None
 
@@ -107,6 +136,7 @@ class Coordinator(CoordinatorMessages):
     def close(self) -> None:
         """Stop the stages; calls posted since the last `call` are not waited for (see `post`)."""
         self._posted = False
+        self._late.clear()
         if self._endpoint is not None:
             self._endpoint = None
             self.communicator.shutdown(max(5.0, min(self.timeout, 30.0)))
@@ -163,12 +193,13 @@ class Coordinator(CoordinatorMessages):
                 losses = [self._wait(step, MessageKind.LOSS, last, m).payload for m in range(len(inputs))]
             else:
                 losses = self._losses(step, labels, criterion, scaler, optimizer, schedule)
-            records, parts = self._finish(step)
+            records, parts = self._finish(step, late=self._may_leave(inputs))
             self._backward_inputs(step, inputs)
         except BaseException:
             self._abort(step)
             raise
-        self.last_result = StepResult(losses=losses, records=records, schedule=schedule, parts=parts)
+        settle = self.settle if step in self._late else None
+        self.last_result = StepResult(losses=losses, records=records, schedule=schedule, parts=parts, settle=settle)
         return self.last_result
 
     def train_stream(
@@ -310,13 +341,36 @@ class Coordinator(CoordinatorMessages):
         output = tree.to_device(output, self.device)
         return tree.as_leaves(output, mask) if leaves else output
 
-    def _finish(self, step: int) -> tuple[list[list[Record]], list[list[Record]]]:
-        """Each rank's action records and their parts (idle, recv, loss, compute, send), once all are done."""
-        records: list[Any] = [None] * self.num_ranks
-        parts: list[Any] = [None] * self.num_ranks
-        for rank in range(self.num_ranks):
+    def _finish(self, step: int, late: bool = False) -> tuple[list[list[Record]], list[list[Record]]]:
+        """Each rank's action records and their parts (idle, recv, loss, compute, send), once all are done.
+
+        ``late``: only the last stage's rank is waited for; the others' records fill in when their ends
+        arrive (`settle`). Older steps' late ranks are waited for here.
+        """
+        records: list[Any] = [[] for _ in range(self.num_ranks)]
+        parts: list[Any] = [[] for _ in range(self.num_ranks)]
+        waited = [self.rank_of_stage[-1]] if late else range(self.num_ranks)
+        for rank in waited:
             records[rank], parts[rank] = self._wait(step, MessageKind.DONE, -1, rank).payload
+        others = {rank for rank in range(self.num_ranks) if rank not in waited}
+        for rank in sorted(others):  # ended already
+            if (MessageKind.DONE, -1, rank) in self._pending:
+                records[rank], parts[rank] = self._pending.pop((MessageKind.DONE, -1, rank)).payload
+                others.discard(rank)
+        if others:
+            self._late[step] = LateRanks(records, parts, others)
+        self.settle(before=step)
         return records, parts
+
+    def _may_leave(self, inputs: Sequence[Any]) -> bool:
+        """Whether a train step may return before the ranks other than the last stage's finished its backwards.
+
+        Where the stages own their parameters, everything the coordinator sends them later (the optimizer
+        step, a call, the next step) runs after their step, in order; so Lightning's work after the step and
+        before the next overlaps with the first stages' last backwards. Not where the inputs need gradients
+        (they come from the first stage's last backwards).
+        """
+        return self.communicator.stages_own_parameters and not any(any(tree.grad_mask(x)) for x in inputs)
 
     def _backward_inputs(self, step: int, inputs: Sequence[Any]) -> None:
         """Carry the first stage's input gradients into whatever produced the inputs."""

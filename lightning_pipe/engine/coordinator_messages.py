@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from lightning_pipe.comm.base import Communicator, Endpoint, Message, MessageKind, deadline, remaining
@@ -10,6 +11,15 @@ from lightning_pipe.errors import PipeTimeoutError, StageError
 
 Key = tuple[str, int, int]  # (kind, stage, microbatch)
 _POLL = 1.0  # seconds between liveness checks while waiting
+
+
+@dataclass
+class LateRanks:
+    """A train step's ranks that the coordinator did not wait for: their records fill in as their ends arrive."""
+
+    records: list[Any]  # the step's per-rank lists, shared with its `StepResult`
+    parts: list[Any]
+    waiting: set[int]
 
 
 class CoordinatorMessages:
@@ -23,6 +33,7 @@ class CoordinatorMessages:
     _pending: dict[Key, Message]
     _posted: bool  # calls were posted since the last reply of every rank
     _raised_posts: int  # failures of calls posted up to this step number are raised already (or dropped)
+    _late: dict[int, LateRanks]  # by step: ranks still finishing a step the coordinator returned from
 
     @property
     def endpoint(self) -> Endpoint:
@@ -63,9 +74,43 @@ class CoordinatorMessages:
         self._posted = True
 
     def flush(self) -> None:
-        """Wait until every rank ran the calls posted so far; raises the first that failed."""
+        """Wait until every rank ran the calls posted so far and finished its steps; raises the first that failed."""
+        self.settle()
         if self._posted:
             self.call("ping")
+
+    def settle(self, before: int | None = None) -> None:
+        """Wait for the ends of the ranks that train steps (before step ``before``: all) did not wait for.
+
+        Raises a late rank's error: a stage that failed after the coordinator moved on (see
+        `Coordinator.train_step`) is raised here or at the coordinator's next wait of any kind.
+        """
+        until = deadline(self.timeout)
+        while self._endpoint is not None:
+            steps = [step for step in self._late if before is None or step < before]
+            if not steps:
+                return
+            step = min(steps)
+            rank = min(self._late[step].waiting)
+            message = self._receive(until, f"rank {rank} to finish step {step}")
+            if message is not None and message.step == self._step:
+                self._store(message)  # a message of the running step
+
+    def _late_end(self, message: Message) -> None:
+        """A late rank's end of its step: its records, or its error (raised)."""
+        late = self._late[message.step]
+        if message.kind == MessageKind.ERROR:
+            del self._late[message.step]
+            error: StageError = message.payload
+            error.add_note(
+                f"(rank {message.source} failed in step {message.step} after train_step had returned: a step waits "
+                "for the last stage only; the others' failures are raised at the coordinator's next wait)"
+            )
+            raise error
+        late.records[message.source], late.parts[message.source] = message.payload
+        late.waiting.discard(message.source)
+        if not late.waiting:
+            del self._late[message.step]
 
     def _send_call(self, kind: str, name: str, args: tuple[Any, ...], each: Sequence[tuple[Any, ...]] | None) -> int:
         self._step += 1
@@ -90,26 +135,35 @@ class CoordinatorMessages:
         """Next message of this step; raises a stage's error, or a timeout naming what was awaited."""
         until = deadline(self.timeout)
         while True:
-            message = self.endpoint.recv(min(_POLL, remaining(until)))
-            if message is None:
-                self.communicator.check_alive()
-                if remaining(until) <= 0:
-                    raise PipeTimeoutError(
-                        f"the coordinator waited {self.timeout:.1f} s for {what}; "
-                        "raise PipeStrategy(timeout=...) if a stage legitimately takes that long"
-                    )
-                continue
-            if message.kind == MessageKind.POST_FAILED:  # whatever step this is: a posted call failed
-                if message.step > self._raised_posts:  # else posted before a failure that was raised
-                    self._raised_posts = self._step
-                    raise message.payload
-                continue
-            if message.step != step:
-                continue  # left over from an aborted step
+            message = self._receive(until, what)
+            if message is None or message.step != step:
+                continue  # taken care of, or left over from an aborted step
             if message.kind == MessageKind.ERROR:
                 error: StageError = message.payload
                 raise error
             return message
+
+    def _receive(self, until: float, what: str) -> Message | None:
+        """One message, or None for a message taken care of here (or none yet): posted calls' failures are
+        raised, late ranks' ends recorded (their errors raised); a timeout names ``what`` was awaited."""
+        message = self.endpoint.recv(min(_POLL, remaining(until)))
+        if message is None:
+            self.communicator.check_alive()
+            if remaining(until) <= 0:
+                raise PipeTimeoutError(
+                    f"the coordinator waited {self.timeout:.1f} s for {what}; "
+                    "raise PipeStrategy(timeout=...) if a stage legitimately takes that long"
+                )
+            return None
+        if message.kind == MessageKind.POST_FAILED:  # whatever step this is: a posted call failed
+            if message.step > self._raised_posts:  # else posted before a failure that was raised
+                self._raised_posts = self._step
+                raise message.payload
+            return None
+        if message.kind in _ENDS and message.step in self._late:
+            self._late_end(message)
+            return None
+        return message
 
     def _abort(self, step: int) -> None:
         if self._endpoint is None:
@@ -117,6 +171,9 @@ class CoordinatorMessages:
         for rank in range(self.num_ranks):
             self._endpoint.send(rank, Message(MessageKind.ABORT, step))
         self._pending.clear()
+
+
+_ENDS = (MessageKind.DONE, MessageKind.ERROR)
 
 
 def _describe(kind: str, stage: int, microbatch: int) -> str:

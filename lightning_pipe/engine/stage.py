@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import time
 import traceback
@@ -60,6 +61,7 @@ class StageWorker(StageInbox, StageStateCalls, StageMemoryCalls):
         seed = run_seed(spec.seed)
         self.random = {index: StageRandom(seed, index, devices[index], s.module) for index, s in self.shards.items()}
         self._pending: dict[Key, Message] = {}
+        self._later: collections.deque[Message] = collections.deque()
         self._saved: dict[tuple[int, int], Activation] = {}
         self._weight_work: dict[tuple[int, int], WeightGradient] = {}  # I done, W pending
         self.stash = StashMeter()
@@ -87,7 +89,7 @@ class StageWorker(StageInbox, StageStateCalls, StageMemoryCalls):
         if self.spec.options.get("num_threads"):  # this thread's intra-op pool (it is per thread once set)
             torch.set_num_threads(self.spec.options["num_threads"])
         while not self._stop:
-            message = self.endpoint.recv(_IDLE_POLL)
+            message = self._later.popleft() if self._later else self.endpoint.recv(_IDLE_POLL)
             if message is None:
                 continue
             if message.kind == MessageKind.STOP:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -15,6 +16,10 @@ from lightning_pipe.schedule import Action, Kind, peak_activations
 Key = tuple[int, str, int, int]  # (step, kind, stage, microbatch)
 
 
+#: kinds of message that belong after the step that is running when their step number is later
+AFTER_STEP = frozenset({MessageKind.STEP, MessageKind.CALL, MessageKind.POST, MessageKind.ABORT})
+
+
 class StepAborted(Exception):
     """The coordinator dropped the current step (or stopped the worker) while the stage waited."""
 
@@ -26,6 +31,7 @@ class StageInbox:
     endpoint: Endpoint
     rank: int
     _pending: dict[Key, Message]
+    _later: collections.deque[Message]  # sent after the running step, served once it ended
     _saved: dict[tuple[int, int], Activation]
     _weight_work: dict[tuple[int, int], WeightGradient]
     _asynchronous: bool
@@ -44,22 +50,38 @@ class StageInbox:
         return self._pending.pop(key)
 
     def _receive(self, step: int, until: float, what: str) -> None:
-        """Take one message from the inbox: store inputs, serve calls and posts, raise on abort, stop or timeout."""
-        message = self.endpoint.recv(remaining(until))
+        """Take one message from the inbox: store inputs, serve calls and posts, raise on abort, stop or timeout.
+
+        What the coordinator sent after a synchronous step (a later step, call, post or abort: it moves on
+        once the last stage is done, see `Coordinator.train_step`) waits in `_later` until this step has
+        ended. An asynchronous stream serves calls as they come: the coordinator sends them between its feeds.
+        """
+        message = self._take(step, remaining(until))
         if message is None:
             raise PipeTimeoutError(
                 what.format(f"{self.spec.timeout:.1f} s")
                 + "; raise PipeStrategy(timeout=...) if a stage legitimately takes that long"
             )
-        if message.kind == MessageKind.ABORT and message.step >= step:
-            raise StepAborted
         if message.kind == MessageKind.STOP:
             self._stop = True
+            raise StepAborted
+        if message.step > step and message.kind in AFTER_STEP and not self._asynchronous:
+            self._later.append(message)
+            return
+        if message.kind == MessageKind.ABORT and message.step == step:
             raise StepAborted
         if message.kind in (MessageKind.CALL, MessageKind.POST):
             self._call(message)
             return
         self._pending[(message.step, message.kind, message.stage, message.microbatch)] = message
+
+    def _take(self, step: int, timeout: float) -> Message | None:
+        """The next message for a step: an abort of it set aside while the step before ran, else the inbox's next."""
+        for i, message in enumerate(self._later):
+            if message.step <= step:
+                del self._later[i]
+                return message
+        return self.endpoint.recv(timeout)
 
     def _in_order(self, step: int, actions: list[Action]) -> Iterator[Action]:
         """The list's order (``parallel`` and ``linear`` runners), each action once its inputs arrived."""
