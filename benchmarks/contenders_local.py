@@ -178,6 +178,7 @@ class EngineRunner(Runner):
         self.optimizer.zero_grad()
         result = self.pipe.train_step(x, y, self.loss, microbatches=self.cfg.microbatches)
         self.optimizer.step()
+        self.pipe.coordinator.settle()  # every rank done, as torch's step is timed (see settled_step_seconds)
         seconds = time.perf_counter() - start
         self.info.append(timeline_info(result, self.index) | wire_info(self.pipe.communicator))
         return seconds

@@ -100,7 +100,7 @@ def serve_trainer(conn: Connection, cfg: Config, transport: str) -> None:
             self.start = time.perf_counter()
 
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-            seconds = time.perf_counter() - self.start
+            seconds = settled_step_seconds(trainer, self.start)
             pipeline = trainer.strategy.pipeline
             wire = wire_info(pipeline.communicator) if pipeline is not None else {}  # this step's bytes
             if batch_idx >= self.warmup:
@@ -202,7 +202,7 @@ def serve_one_fit(
             return True
 
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-            self.times.append(time.perf_counter() - self.start)
+            self.times.append(settled_step_seconds(trainer, self.start))
             result = _last_result(trainer)
             if result is not None:
                 self.info.append(timeline_info(result, batch_idx))
@@ -263,6 +263,17 @@ def quiet_trainer(strategy_kwargs: dict[str, Any], callback: Any, devices: int |
         callbacks=[callback] if callback is not None else [],
         **limits,
     )
+
+
+def settled_step_seconds(trainer: Any, start: float) -> float:
+    """Seconds since ``start`` until every rank has finished the step, as torch's step is timed (a barrier
+    before it, the slowest rank's time). Where the stages own their parameters a train step returns once the
+    last stage is done (`Coordinator.settle`); a user's next batch overlaps the first stages' last
+    backwards, which this does not count."""
+    pipeline = trainer.strategy.pipeline
+    if pipeline is not None:
+        pipeline.coordinator.settle()
+    return time.perf_counter() - start
 
 
 def _last_result(trainer: Any) -> Any:

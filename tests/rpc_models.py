@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -165,3 +167,16 @@ class FakeGpuRuntime(PyTorchRuntime):
         if index not in free:
             return None
         return DeviceMemory(f"pid{os.getpid()}/{self.device_spec}", int(free[index]), 2 * int(free[index]))
+
+
+def worker_pool(workers: int) -> Iterator[Any]:
+    """A started `RpcCommunicator` of ``workers`` kept-alive worker processes, for a module-scoped fixture;
+    closed after, and no worker left behind."""
+    from lightning_pipe.comm.rpc import RpcCommunicator
+
+    communicator = RpcCommunicator(workers=workers, keep_alive=True).start(timeout=120)
+    try:
+        yield communicator
+    finally:
+        communicator.close()
+        assert wait_no_children(os.getpid()) == [], "worker processes left behind"

@@ -9,14 +9,13 @@ stage's backward sleeps, so that all of that arrives while it still runs its ste
 from __future__ import annotations
 
 import copy
-import os
 import time
 from collections.abc import Iterator
 
 import pytest
 import torch
 import torch.nn.functional as F
-from rpc_models import SlowBackwardLinear, wait_no_children
+from rpc_models import SlowBackwardLinear, worker_pool
 from torch import nn
 
 from lightning_pipe import Pipeline, StageError
@@ -27,12 +26,7 @@ MARKER = 123.0  # a row whose first feature is this fails the first stage's back
 
 @pytest.fixture(scope="module")
 def pool() -> Iterator[RpcCommunicator]:
-    communicator = RpcCommunicator(workers=2, keep_alive=True).start(timeout=120)
-    try:
-        yield communicator
-    finally:
-        communicator.close()
-        assert wait_no_children(os.getpid()) == [], "worker processes left behind"
+    yield from worker_pool(2)
 
 
 def model() -> nn.Sequential:
@@ -88,14 +82,23 @@ def test_a_first_stage_failing_after_the_step_returned_is_raised_at_the_next_wai
     marked = x.clone()
     marked[15, 0] = MARKER  # microbatch 3: the first stage's last backward, after the last stage is done
     with pipeline(net, pool) as pipe:
+        optimizer = pipe.optimizer(torch.optim.SGD(pipe.module.parameters(), lr=0.5))
+        before = pipe.state_dict()
         pipe.train_step(marked, y, F.cross_entropy, microbatches=4)  # returns: the last stage is done
+        optimizer.step()  # posted before the coordinator hears of the failure
         with pytest.raises(StageError, match=r"stage 0 .*failed in action 0B3 \(microbatch 3\)") as info:
             pipe.train_step(x, y, F.cross_entropy, microbatches=4)
         assert "a backward failed on a marked row" in str(info.value)
         assert "after train_step had returned" in "".join(getattr(info.value, "__notes__", []))
-        pipe.coordinator.call("zero_grad", True)  # the pipeline goes on
+        after = pipe.state_dict()
+        # the failed stage skipped the optimizer step sent after its step; the last stage, done, applied it
+        assert_same({k: after[k] for k in ("0.weight", "0.bias")}, {k: before[k] for k in ("0.weight", "0.bias")})
+        assert not torch.equal(after["2.weight"], before["2.weight"])
+        optimizer.zero_grad()  # the pipeline goes on
         result = pipe.train_step(x, y, F.cross_entropy, microbatches=4)
         assert len(result.records[0]) == 8
+        optimizer.step()
+        assert not torch.equal(pipe.state_dict()["0.weight"], before["0.weight"])  # posted calls run again
         pipe.train_step(marked, y, F.cross_entropy, microbatches=4)
         with pytest.raises(StageError, match="0B3"):  # raised by leaving the block, not lost
             pipe.__exit__(None, None, None)

@@ -7,13 +7,12 @@ processes start once; each test builds its stages on them afresh.
 from __future__ import annotations
 
 import copy
-import os
 from collections.abc import Iterator
 
 import pytest
 import torch
 import torch.nn.functional as F
-from rpc_models import OverflowsBackward, wait_no_children
+from rpc_models import OverflowsBackward, worker_pool
 from torch import nn
 
 from lightning_pipe import Pipeline, StageError
@@ -37,12 +36,7 @@ def data(rows: int = 24, seed: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def pool() -> Iterator[RpcCommunicator]:
-    communicator = RpcCommunicator(workers=4, keep_alive=True).start(timeout=120)
-    try:
-        yield communicator
-    finally:
-        communicator.close()
-        assert wait_no_children(os.getpid()) == [], "worker processes left behind"
+    yield from worker_pool(4)
 
 
 def rpc_pipeline(pool: RpcCommunicator, model: nn.Module, stages: int, **kwargs: object) -> Pipeline:

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import copy
 import functools
-import os
 from collections.abc import Iterator
 
 import pytest
 import torch
 import torch.nn.functional as F
-from rpc_models import wait_no_children
+from rpc_models import worker_pool
 from test_async import data as async_data
 from test_async import reference_2bw
 from test_rpc import data, mlp
@@ -21,12 +20,7 @@ from lightning_pipe.comm.rpc import RpcCommunicator
 
 @pytest.fixture(scope="module")
 def pool() -> Iterator[RpcCommunicator]:
-    communicator = RpcCommunicator(workers=2, keep_alive=True).start(timeout=120)
-    try:
-        yield communicator
-    finally:
-        communicator.close()
-        assert wait_no_children(os.getpid()) == [], "worker processes left behind"
+    yield from worker_pool(2)
 
 
 @pytest.mark.parametrize(

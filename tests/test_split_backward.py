@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import copy
+import time
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from lightning_pipe import Pipeline
 from lightning_pipe.engine.split_backward import backward_input, backward_weight
 
 
@@ -96,3 +100,44 @@ def test_nothing_to_do_without_output_gradients() -> None:
     assert got == [None]
     backward_weight(pending)
     assert model.weight.grad is None
+
+
+class _SleepsInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, p: torch.Tensor, seconds: float) -> torch.Tensor:
+        ctx.seconds = seconds
+        return p.view_as(p)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        time.sleep(ctx.seconds)
+        return grad, None
+
+
+class SlowWeightGradient(nn.Module):
+    """``x * scale``, whose gradient for ``scale`` (a weight gradient, not on the input's path) takes ``seconds``."""
+
+    def __init__(self, features: int, seconds: float) -> None:
+        super().__init__()
+        self.scale, self.seconds = nn.Parameter(torch.linspace(0.5, 1.5, features)), seconds
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * _SleepsInBackward.apply(self.scale, self.seconds)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_a_stage_sends_its_last_input_gradient_before_its_last_weight_gradient(schedule: str) -> None:
+    """The drain of a step: the first stage starts its last backward while the second computes its last weight
+    gradients (its last ``B`` runs as ``I``, send, ``W``); the gradients are the unsplit model's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), SlowWeightGradient(16, 0.2), nn.Linear(16, 4))
+    x, y = torch.randn(16, 8), torch.randn(16, 4)
+    reference = copy.deepcopy(model)
+    F.mse_loss(reference(x), y).backward()
+    with Pipeline(model, stages=2, partition=[2, 3], schedule=schedule, checkpoint="never") as pipe:
+        result = pipe.train_step(x, y, F.mse_loss, microbatches=4)
+        grads = pipe.grads()
+    (_, first_start, _), (_, _, second_end) = result.records[0][-1], result.records[1][-1]  # each rank's last B
+    assert first_start < second_end - 0.1, "stage 0's last backward waited for stage 1's weight gradients"
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, atol=1e-6, rtol=0, msg=name)

@@ -106,6 +106,7 @@ class CoordinatorMessages:
                 f"(rank {message.source} failed in step {message.step} after train_step had returned: a step waits "
                 "for the last stage only; the others' failures are raised at the coordinator's next wait)"
             )
+            self._abort(self._step)  # the failed rank runs posted calls again (it skipped those sent before this)
             raise error
         late.records[message.source], late.parts[message.source] = message.payload
         late.waiting.discard(message.source)

@@ -13,6 +13,7 @@ import torch
 
 from lightning_pipe import tree
 from lightning_pipe.backends import build_executables
+from lightning_pipe.backends.registry import EAGER
 from lightning_pipe.comm.base import COORDINATOR, Endpoint, Message, MessageKind
 from lightning_pipe.engine.plan import ASYNC, EVAL, TRAIN, LossPlan, StageSpec, StepPlan
 from lightning_pipe.engine.replicas import StageReplicas
@@ -23,7 +24,7 @@ from lightning_pipe.engine.stage_state import StageStateCalls
 from lightning_pipe.engine.stash import StashMeter, signature
 from lightning_pipe.engine.versions import StageVersions, stage_versions
 from lightning_pipe.errors import StageError
-from lightning_pipe.executors import Activation, output_grads, recompute
+from lightning_pipe.executors import Activation, BackwardModule, output_grads, recompute
 from lightning_pipe.grads import GradStash
 from lightning_pipe.rng import StageRandom, run_seed
 from lightning_pipe.runtime import BaseRuntime, runtime_registry
@@ -70,6 +71,7 @@ class StageWorker(StageInbox, StageStateCalls, StageMemoryCalls):
         self._asynchronous = False
         self._grads = GradStash(p for shard in self.shards.values() for p in shard.module.parameters())
         self._aborted = -1
+        self._failed: int | None = None  # a step that failed here, until the coordinator's abort says it knows
         self._stop = False
         self._initialized: set[int] = set()
         self._parts: list[tuple[str, float, float]] = []  # this step's action parts (see lightning_pipe.trace)
@@ -107,6 +109,8 @@ class StageWorker(StageInbox, StageStateCalls, StageMemoryCalls):
         """Run a CALL and reply with its result or error; run a POST and reply only with its error."""
         name, args = message.payload
         posted = message.kind == MessageKind.POST
+        if posted and self._failed is not None:
+            return  # sent before the coordinator heard of the failure (an optimizer step after the failed step)
         try:
             result: Any = getattr(self, f"call_{name}")(*args)
             if posted:
@@ -135,11 +139,15 @@ class StageWorker(StageInbox, StageStateCalls, StageMemoryCalls):
             if self._asynchronous:
                 self._start_async(plan)
             order = self._dataflow(step, plan.actions) if plan.dataflow else self._in_order(step, plan.actions)
+            early = self._early_input_grad(plan) if set_aside else None
             for action in order:  # each action's inputs are here: its record times the work, not the wait
                 start = time.perf_counter()
                 self._parts.append((f"{action} idle", idle_since, start))  # waiting for its inputs
                 if action.kind is Kind.FORWARD:
                     self._forward(step, action, training)
+                elif action == early:
+                    self._backward_input(step, action, held=False)  # the previous stage goes on during W
+                    self._backward_weight(action)
                 elif action.kind is Kind.BACKWARD:
                     self._backward(step, action)
                 elif action.kind is Kind.BACKWARD_INPUT:
@@ -162,6 +170,7 @@ class StageWorker(StageInbox, StageStateCalls, StageMemoryCalls):
         except _LossError as exc:  # the user's step code failed: raise its own exception, not a StageError
             outcome = Message(MessageKind.ERROR, step, payload=exc.error)
             self._forget(step)
+            self._failed = step
         except Exception as exc:
             error = StageError(
                 action.stage if action else self.rank,
@@ -173,6 +182,7 @@ class StageWorker(StageInbox, StageStateCalls, StageMemoryCalls):
             )
             outcome = Message(MessageKind.ERROR, step, payload=error)
             self._forget(step)
+            self._failed = step
         finally:
             if set_aside:
                 # before telling the coordinator: once it hears DONE, Lightning may zero p.grad
@@ -229,6 +239,25 @@ class StageWorker(StageInbox, StageStateCalls, StageMemoryCalls):
             self.endpoint.send(COORDINATOR, Message(MessageKind.OUTPUT, step, s, m, payload))
         self._span(action, "send", t)
 
+    def _early_input_grad(self, plan: StepPlan) -> Action | None:
+        """The rank's last backward of a training step, to run as ``I`` then ``W``, where that is the same.
+
+        Nothing on this rank waits for its last weight gradient, while the previous stage waits for its
+        input gradient: sent before the weight gradients are computed, the pipeline's drain is shorter
+        by one weight gradient per stage (`split_backward`: the same gradients). Between ``I`` and ``W`` the
+        gradients at the weights' boundary nodes are kept: the action's transient peak is up to one
+        microbatch's worth of them above a plain backward's. Only for stages with a previous stage, whose
+        backward is the default executor (`BackwardModule`) on eager modules (a compiled backward cannot
+        run twice on one graph).
+        """
+        backwards = [a for a in plan.actions if a.kind is Kind.BACKWARD]
+        if not backwards or backwards[-1].stage == 0:
+            return None
+        last = backwards[-1]
+        default = type(self.shards[last.stage].backward) is BackwardModule
+        eager = all(b.name == EAGER for b in self.executables[(last.stage, TRAIN)].chain.backends)
+        return last if default and eager else None
+
     def _backward(self, step: int, action: Action) -> None:
         s, m = action.stage, action.microbatch
         shard, runtime = self.shards[s], self.runtimes[s]
@@ -247,8 +276,12 @@ class StageWorker(StageInbox, StageStateCalls, StageMemoryCalls):
         self._send_input_grads(step, s, m, saved, input_grads)
         self._span(action, "send", t)
 
-    def _backward_input(self, step: int, action: Action) -> None:
-        """``I``: the gradient of the stage input now; the graph stays for the weight gradient ``W``."""
+    def _backward_input(self, step: int, action: Action, held: bool = True) -> None:
+        """``I``: the gradient of the stage input now; the graph stays for the weight gradient ``W``.
+
+        ``held=False``: ``W`` follows at once (`_early_input_grad`), so what ``I`` keeps for it is transient
+        within the backward, as a plain backward's gradients are; the stash counts neither.
+        """
         s, m = action.stage, action.microbatch
         shard, runtime = self.shards[s], self.runtimes[s]
         grads = self._wait(step, MessageKind.GRAD, s, m).payload
@@ -258,15 +291,17 @@ class StageWorker(StageInbox, StageStateCalls, StageMemoryCalls):
             outputs = saved.outputs
             if outputs is None:  # checkpointed: the recomputed graph is kept until W
                 outputs = saved.outputs = recompute(self._model(s, m), saved)
-                graph = self._stash_size(s, saved, False) - self._stash_size(s, Activation(saved.inputs), True)
-                self.stash.hold((s, m), graph)
+                if held:
+                    graph = self._stash_size(s, saved, False) - self._stash_size(s, Activation(saved.inputs), True)
+                    self.stash.hold((s, m), graph)
             self._measure_auto(s, m, saved)
             input_grads, work = backward_input(
                 tree.flatten(outputs)[0], grads, tree.flatten(saved.inputs)[0], shard.module.parameters()
             )
         self._weight_work[(s, m)] = work
-        self.stash.hold((s, m), work.nbytes())
-        self.stash.note(s, "split", work.nbytes())
+        if held:
+            self.stash.hold((s, m), work.nbytes())
+            self.stash.note(s, "split", work.nbytes())
         self._send_input_grads(step, s, m, saved, input_grads)
 
     def _backward_weight(self, action: Action) -> None:
@@ -346,6 +381,8 @@ class StageWorker(StageInbox, StageStateCalls, StageMemoryCalls):
             self.endpoint.send(COORDINATOR, Message(MessageKind.INPUT_GRAD, step, s, m, payload))
 
     def _forget(self, step: int) -> None:
+        if self._failed is not None and step >= self._failed:
+            self._failed = None  # the coordinator aborted a step after the failure: it knows
         self._aborted = max(self._aborted, step)
         self._pending = {k: v for k, v in self._pending.items() if k[0] > step}
         self._saved.clear()
