@@ -349,16 +349,18 @@ class Coordinator(CoordinatorMessages):
         """
         records: list[Any] = [[] for _ in range(self.num_ranks)]
         parts: list[Any] = [[] for _ in range(self.num_ranks)]
-        waited = [self.rank_of_stage[-1]] if late else range(self.num_ranks)
+        waited = [self.rank_of_stage[-1]] if late else list(range(self.num_ranks))
         for rank in waited:
             records[rank], parts[rank] = self._wait(step, MessageKind.DONE, -1, rank).payload
-        others = {rank for rank in range(self.num_ranks) if rank not in waited}
-        for rank in sorted(others):  # ended already
-            if (MessageKind.DONE, -1, rank) in self._pending:
-                records[rank], parts[rank] = self._pending.pop((MessageKind.DONE, -1, rank)).payload
-                others.discard(rank)
-        if others:
-            self._late[step] = LateRanks(records, parts, others)
+        waiting = set()
+        for rank in set(range(self.num_ranks)) - set(waited):
+            ended = self._pending.pop((MessageKind.DONE, -1, rank), None)  # arrived while the last one was awaited
+            if ended is None:
+                waiting.add(rank)
+            else:
+                records[rank], parts[rank] = ended.payload
+        if waiting:
+            self._late[step] = LateRanks(records, parts, waiting)
         self.settle(before=step)
         return records, parts
 

@@ -170,7 +170,6 @@ class StageWorker(StageInbox, StageStateCalls, StageMemoryCalls):
         except _LossError as exc:  # the user's step code failed: raise its own exception, not a StageError
             outcome = Message(MessageKind.ERROR, step, payload=exc.error)
             self._forget(step)
-            self._failed = step
         except Exception as exc:
             error = StageError(
                 action.stage if action else self.rank,
@@ -182,12 +181,13 @@ class StageWorker(StageInbox, StageStateCalls, StageMemoryCalls):
             )
             outcome = Message(MessageKind.ERROR, step, payload=error)
             self._forget(step)
-            self._failed = step
         finally:
             if set_aside:
                 # before telling the coordinator: once it hears DONE, Lightning may zero p.grad
                 self._grads.end()
         if outcome is not None:
+            if outcome.kind == MessageKind.ERROR:
+                self._failed = step
             self.endpoint.send(COORDINATOR, outcome)
 
     def _forward(self, step: int, action: Action, training: bool) -> None:
