@@ -75,7 +75,9 @@ def train_and_compare(comm: P2PCommunicator, stages: int, schedule: str, batches
             opt.step()
             ref_opt.step()
             if step == 0:
+                pipe.coordinator.settle()  # the first stages end their step after train_step returned
                 comm.stats(reset=True)
+        pipe.coordinator.settle()
         stats = comm.stats()
         state = pipe.state_dict()
         out["state"] = max(close(state[k], v) for k, v in reference.state_dict().items())
