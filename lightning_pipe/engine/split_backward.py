@@ -93,13 +93,12 @@ def backward_weight(work: WeightGradient) -> None:
         # contribution: pin each node's incoming gradient to the captured value
         handles = [n.register_prehook(_pin(group.grads[n])) for n in group.nodes if n in group.grads]
         try:
-            dparams = torch.autograd.grad(edges, group.params, seeds, retain_graph=True, allow_unused=True)
+            # autograd accumulates into p.grad under the parameter's own lock: a parameter that another stage
+            # thread of this process also holds (a tied weight) may be accumulated there at the same time
+            torch.autograd.backward(edges, seeds, retain_graph=True, inputs=group.params)
         finally:
             for handle in handles:
                 handle.remove()
-        for p, g in zip(group.params, dparams, strict=True):
-            if g is not None:
-                p.grad = g if p.grad is None else p.grad + g
 
 
 def _hook_boundaries(
