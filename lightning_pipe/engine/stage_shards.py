@@ -1,0 +1,91 @@
+"""`StageShards`: a stage sharded over its R replicas with FSDP2 (``PipeStrategy(data_parallel="fsdp")``).
+
+Where `StageReplicas` keeps a whole copy of the stage in every replica (DDP), this splits the stage's
+parameters, gradients and optimizer state over the replicas of that stage with torch's ``fully_shard``:
+each repeated block of the stage (an element of an ``nn.ModuleList``, a layer of an ``nn.Sequential``) is
+its own FSDP unit, so a forward or backward gathers one block's parameters at a time, and the stage
+module is the root over what is left.
+
+A pipeline step runs many backwards (one per microbatch, or their I and W halves). FSDP's gradient
+reduction is off during them (``set_requires_gradient_sync(False)``): each block's gradient accumulates
+unsharded, and its parameters are resharded after every backward (memory before speed). After the stage's
+last backward of the step `reduce` turns it on and runs FSDP's post-backward itself, as
+torch.distributed.pipelining does: one reduce-scatter per block, averaging the step's gradient over the
+replicas into each rank's shard.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class StageShards:
+    """FSDP2 of each shard module of a stage worker over ``mesh`` (the 1-D mesh of its stage's replicas)."""
+
+    def __init__(self, modules: dict[int, nn.Module], mesh: Any, mixed_precision: Any = None) -> None:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        policy = mixed_precision if mixed_precision is not None else MixedPrecisionPolicy()
+        self.modules: dict[int, Any] = {}
+        for index, module in modules.items():
+            if not any(p.requires_grad for p in module.parameters()):
+                continue
+            for block in blocks(module):
+                fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=True)
+            root = fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=True)
+            root.set_requires_gradient_sync(False)  # reduced once per step, in `reduce`
+            self.modules[index] = root
+
+    def reduce(self, stages: Iterable[int]) -> None:
+        """Reduce-scatter the step's accumulated gradients of ``stages`` (after their last backward)."""
+        from torch.distributed.fsdp import fully_shard
+
+        for index in stages:
+            module = self.modules.get(index)
+            if module is None:
+                continue
+            module.set_is_last_backward(True)
+            module.set_requires_gradient_sync(True)
+            state = fully_shard.state(module)  # type: ignore[attr-defined]
+            for unit in state._state_ctx.all_states:  # FSDP's post-backward, run where autograd would have
+                for group in unit._fsdp_param_groups:
+                    group.post_backward()
+            state._root_post_backward_final_callback()
+            module.set_requires_gradient_sync(False)
+
+
+def blocks(module: nn.Module) -> list[nn.Module]:
+    """The repeated blocks of ``module``: the elements of a list of modules (an ``nn.ModuleList``, an
+    ``nn.Sequential``, or any module whose children are named 0, 1, ..., as a traced stage holds them) that
+    have parameters, outermost first (a block's own lists are part of it)."""
+    found: list[nn.Module] = []
+
+    def visit(node: nn.Module) -> None:
+        names = list(node._modules)
+        listed = isinstance(node, (nn.ModuleList, nn.Sequential)) or (bool(names) and all(n.isdigit() for n in names))
+        for child in node.children():
+            if listed and any(True for _ in child.parameters()):
+                found.append(child)
+            else:
+                visit(child)
+
+    visit(module)
+    return found
+
+
+def mixed_precision_policy(precision: str | None) -> Any:
+    """FSDP's policy for a Lightning precision, as Lightning's FSDP strategy maps them.
+
+    ``"*-true"`` gathers and reduces in that dtype; ``"*-mixed"`` keeps fp32 parameters (autocast computes in
+    the low precision) and reduces gradients in fp32, so a mixed run's gradients match DDP's.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    low = {"16-true": torch.float16, "bf16-true": torch.bfloat16}.get(str(precision))
+    if low is not None:
+        return MixedPrecisionPolicy(param_dtype=low, reduce_dtype=low)
+    return MixedPrecisionPolicy()

@@ -1,0 +1,172 @@
+"""Reading a Lightning checkpoint one stage at a time: a single file or a sharded folder, the same interface.
+
+A stage asks for its own tensors by the LightningModule's keys (``"model.3.weight"``) and for its optimizer
+state by the same names; nothing else is read. Two layouts on disk:
+
+- a single file (``torch.save``; what a plain Trainer writes): ``state_dict`` by key, ``optimizer_states``
+  as torch optimizers save them (state by position in the optimizer's parameter list). Reading needs the
+  optimizer's parameter order (`OptimizerLayout`), which only the user's ``configure_optimizers`` knows.
+- a folder written by torch.distributed.checkpoint (`lightning_pipe.weights.sharded`): tensors under
+  ``state_dict.<key>`` and ``optimizer_<i>.state.<key>.<state name>``, the parameter order under
+  ``optimizer_<i>.layout``, Lightning's loop and callback state in ``meta.pt``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_pipe.weights.sources import DcpSource, PathLike, Prefixed, TorchFileSource, WeightSource
+
+MODEL = "state_dict"
+META_FILE = "meta.pt"  # Lightning's name for the non-tensor part of a sharded checkpoint (ModelParallelStrategy)
+OptimizerLayout = list[list[str]]  # per parameter group, the keys of its parameters in the optimizer's order
+
+
+def optimizer_key(index: int) -> str:
+    return f"optimizer_{index}"
+
+
+class CheckpointReader:
+    """A Lightning checkpoint, read by key (`model`) and by parameter name (`optimizer_state`)."""
+
+    path: Path
+
+    def model(self, prefix: str = "") -> WeightSource:
+        """The module's tensors; keys are the LightningModule's without ``prefix`` (the pipelined module's path)."""
+        raise NotImplementedError
+
+    def optimizer_state(self, index: int, key: str) -> dict[str, torch.Tensor]:
+        """The state optimizer ``index`` keeps for the parameter ``key`` (empty when it has none)."""
+        raise NotImplementedError
+
+    def optimizer_groups(self, index: int) -> list[dict[str, Any]]:
+        """The hyperparameters of optimizer ``index``'s parameter groups (without their parameters)."""
+        raise NotImplementedError
+
+    def lightning_state(self) -> dict[str, Any]:
+        """Everything Lightning restores besides the tensors: loops, callbacks, epoch, hyperparameters, ..."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Let go of the file (a single file stays mapped until then)."""
+
+
+class FileCheckpoint(CheckpointReader):
+    """A single-file checkpoint, mapped (``torch.load(mmap=True)``): a stage's reads touch only its own pages."""
+
+    def __init__(self, path: PathLike, layouts: Sequence[OptimizerLayout] = (), weights_only: bool | None = None):
+        self.path = Path(path)
+        self.file = TorchFileSource(self.path, section=MODEL, weights_only=weights_only)
+        self.layouts = list(layouts)
+
+    @property
+    def content(self) -> dict[str, Any]:
+        return self.file.content
+
+    def model(self, prefix: str = "") -> WeightSource:
+        return Prefixed(self.file, prefix)
+
+    def optimizer_state(self, index: int, key: str) -> dict[str, torch.Tensor]:
+        position = self._position(index, key)
+        states = self.content.get("optimizer_states", [])
+        if position is None or index >= len(states):
+            return {}
+        return dict(states[index]["state"].get(position, {}))
+
+    def optimizer_groups(self, index: int) -> list[dict[str, Any]]:
+        states = self.content.get("optimizer_states", [])
+        if index >= len(states):
+            return []
+        return [{k: v for k, v in group.items() if k != "params"} for group in states[index]["param_groups"]]
+
+    def lightning_state(self) -> dict[str, Any]:
+        return {k: v for k, v in self.content.items() if k not in (MODEL, "optimizer_states")}
+
+    def close(self) -> None:
+        self.file.close()
+
+    def _position(self, index: int, key: str) -> int | None:
+        if index >= len(self.layouts):
+            raise ValueError(
+                f"reading optimizer {index}'s state from {self.path} needs its parameter order (a single-file "
+                "checkpoint stores the state by position)"
+            )
+        flat = [k for group in self.layouts[index] for k in group]
+        return flat.index(key) if key in flat else None
+
+
+class ShardedCheckpoint(CheckpointReader):
+    """A folder of torch.distributed.checkpoint shards: a stage reads its keys (and chunks) only."""
+
+    def __init__(self, path: PathLike, weights_only: bool | None = None) -> None:
+        self.path = Path(path)
+        self.folder = DcpSource(self.path)
+        self._weights_only = weights_only
+        self._states: dict[int, dict[str, list[str]]] = {}
+
+    def model(self, prefix: str = "") -> WeightSource:
+        return Prefixed(self.folder, f"{MODEL}.{prefix}")
+
+    def optimizer_state(self, index: int, key: str) -> dict[str, torch.Tensor]:
+        names = self._state_names(index).get(key, [])
+        base = f"{optimizer_key(index)}.state.{key}."
+        got = self.folder.read([base + n for n in names])
+        return {n: got[base + n] for n in names}
+
+    def load_optimizer_state(self, index: int, targets: dict[str, dict[str, Any]]) -> None:
+        """Fill ``targets`` (``{key: {state name: tensor or DTensor}}``) in place: a sharded target reads its chunk."""
+        flat = {f"{optimizer_key(index)}.state.{k}.{n}": t for k, states in targets.items() for n, t in states.items()}
+        self.folder.load_into(flat)
+
+    def state_shapes(self, index: int, key: str) -> dict[str, tuple[torch.Size, torch.dtype]]:
+        """The global shape and dtype of each state optimizer ``index`` saved for ``key``."""
+        base = f"{optimizer_key(index)}.state.{key}."
+        shapes = {}
+        for name in self._state_names(index).get(key, []):
+            meta = self.folder.metadata[base + name]
+            shapes[name] = (meta.size, meta.properties.dtype)  # type: ignore[union-attr]
+        return shapes
+
+    def optimizer_groups(self, index: int) -> list[dict[str, Any]]:
+        key = f"{optimizer_key(index)}.param_groups"
+        got = self.folder.objects(key)
+        return list(got.get(key, ()))
+
+    def layout(self, index: int) -> OptimizerLayout:
+        key = f"{optimizer_key(index)}.layout"
+        return list(self.folder.objects(key).get(key, []))
+
+    def lightning_state(self) -> dict[str, Any]:
+        meta = self.path / META_FILE
+        if not meta.is_file():
+            return {}
+        if self._weights_only is None:
+            return torch.load(meta, map_location="cpu", weights_only=False)
+        return torch.load(meta, map_location="cpu", weights_only=self._weights_only)
+
+    def _state_names(self, index: int) -> dict[str, list[str]]:
+        """Per parameter key, the names of the states optimizer ``index`` saved for it."""
+        if index not in self._states:
+            base = f"{optimizer_key(index)}.state."
+            names: dict[str, list[str]] = {}
+            for flat in self.folder.metadata:
+                if flat.startswith(base):
+                    key, _, name = flat[len(base) :].rpartition(".")
+                    names.setdefault(key, []).append(name)
+            self._states[index] = names
+        return self._states[index]
+
+
+def open_checkpoint(
+    path: PathLike, layouts: Sequence[OptimizerLayout] = (), weights_only: bool | None = None
+) -> CheckpointReader:
+    """The reader for ``path``: a sharded folder or a single file (``layouts``: each optimizer's parameter order)."""
+    from lightning_pipe.weights.sources import is_distributed_checkpoint
+
+    if is_distributed_checkpoint(path):
+        return ShardedCheckpoint(path, weights_only)
+    return FileCheckpoint(path, layouts, weights_only)

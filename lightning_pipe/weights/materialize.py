@@ -1,0 +1,249 @@
+"""A stage's tensors made real on its device: from a source, or by the modules' own initialisation.
+
+A model built on the meta device (``trainer.init_module(empty_init=True)``, ``configure_model``) has shapes
+and no values. Each stage makes only its own tensors real, where it runs:
+
+- a tensor whose key (a name of the unsplit pipelined module, or another name of the same tied tensor) is in
+  the `WeightSource` is read from it;
+- any other tensor gets its module's own initialisation (``reset_parameters()``; for HuggingFace modules,
+  which have none, their model's ``_init_weights(module)``) under a generator seeded by the run's seed and
+  the module's qualified name. The initial model therefore does not depend on how it is cut, on which
+  device a stage runs, or on how many processes there are: the same seed gives the same values in every
+  layout. Initialisation runs on the CPU (its generator is the same everywhere), then moves to the device.
+
+`free_to_meta` does the opposite for what a process does not hold: the tensors of other stages go back to
+meta, so a model the user built eagerly shrinks to this process's stage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from lightning_pipe.errors import ConfigurationError
+from lightning_pipe.rng import derive_seed
+from lightning_pipe.weights.sources import WeightSource
+
+Slot = tuple[nn.Module, str, bool]  # (owner module, attribute name, is a parameter)
+
+
+@dataclass
+class Materialized:
+    """What `materialize` did: keys read from the source, modules initialised (by qualified name)."""
+
+    loaded: list[str] = field(default_factory=list)
+    initialized: list[str] = field(default_factory=list)
+
+
+def on_meta(module: nn.Module) -> bool:
+    """Whether any parameter or buffer of ``module`` has no values (is on the meta device)."""
+    return any(t.is_meta for t in _tensors(module))
+
+
+def materialize(
+    module: nn.Module,
+    device: torch.device | str,
+    source: WeightSource | None = None,
+    seed: int = 0,
+    aliases: Mapping[str, Sequence[str]] | None = None,
+    init_owner: nn.Module | None = None,
+) -> Materialized:
+    """Make every meta tensor of ``module`` real on ``device``; its keys are those of ``module.state_dict()``.
+
+    ``aliases`` gives other keys of a tied tensor (HF's ``lm_head.weight`` is saved as
+    ``transformer.wte.weight``); ``init_owner`` is the unsplit model whose ``_init_weights`` initialises modules
+    without ``reset_parameters`` (HuggingFace). Tensors that are real already are left as they are.
+    """
+    device = torch.device(device)
+    aliases = aliases or {}
+    done = Materialized()
+    made: dict[int, torch.Tensor] = {}  # id of a meta tensor -> its real one (a tied tensor is made once)
+    for qualified, owner in module.named_modules(remove_duplicate=False):
+        slots = [(key, slot, _get(slot)) for key, slot in _own_slots(qualified, owner) if _get(slot).is_meta]
+        if not slots:
+            continue
+        fresh: dict[int, tuple[str, torch.Tensor]] = {}
+        for key, _, old in slots:
+            if id(old) not in made:
+                fresh.setdefault(id(old), (key, old))
+        found = {key: _find(key, source, aliases) for key, _ in fresh.values()}
+        needs_init = [key for key, _ in fresh.values() if found[key] is None]
+        staging = torch.device("cpu") if needs_init else device  # initialisation draws on the CPU, as everywhere
+        for tid, (_, old) in fresh.items():
+            made[tid] = _empty_like(old, staging)
+        for _, slot, old in slots:
+            _set(slot, made[id(old)])
+        if needs_init:
+            _initialize(owner, qualified, seed, init_owner, needs_init)
+            done.initialized.append(qualified or "<root>")
+            for tid in fresh:
+                made[tid] = _moved(made[tid], device)
+            for _, slot, old in slots:
+                _set(slot, made[id(old)])
+        for tid, (key, _) in fresh.items():
+            name = found[key]
+            if name is None or source is None:
+                continue
+            _copy_in(made[tid], source, name, key)
+            done.loaded.append(key)
+    return done
+
+
+def _copy_in(target: torch.Tensor, source: WeightSource, name: str, key: str) -> None:
+    value = source.get(name)
+    if tuple(value.shape) != tuple(target.shape):
+        raise ConfigurationError(
+            f"{source.describe()}: {name!r} has shape {tuple(value.shape)} but the model's {key!r} has "
+            f"{tuple(target.shape)}; the weights are of another model or configuration"
+        )
+    with torch.no_grad():
+        target.copy_(value)
+
+
+def free_to_meta(module: nn.Module, keep: Iterable[torch.Tensor]) -> int:
+    """Put every parameter and buffer of ``module`` that is not in ``keep`` on the meta device; returns the bytes
+    freed (tensors held elsewhere too are freed once nobody holds them)."""
+    kept = {id(t) for t in keep}
+    replaced: dict[int, torch.Tensor] = {}
+    freed = 0
+    for qualified, owner in module.named_modules(remove_duplicate=False):
+        for _, slot in _own_slots(qualified, owner):
+            tensor = _get(slot)
+            if id(tensor) in kept or tensor.is_meta:
+                continue
+            if id(tensor) not in replaced:
+                replaced[id(tensor)] = _empty_like(tensor, torch.device("meta"))
+                freed += tensor.numel() * tensor.element_size()
+            _set(slot, replaced[id(tensor)])
+    return freed
+
+
+def adopt(shard: nn.Module, local: nn.Module) -> None:
+    """Make ``shard`` (a stage's module, as another process cut and sent it) hold ``local``'s own modules and
+    tensors at the same paths: the stage then trains the objects of this process's copy of the model.
+
+    A module of ``shard`` of the same type as ``local``'s at its path is replaced by it; any other (the
+    containers a partitioner makes to hold a path) is entered.
+    """
+    _adopt(shard, local, "")
+
+
+def _adopt(node: nn.Module, local: nn.Module, path: str) -> None:
+    for name, child in list(node._modules.items()):
+        if child is None:
+            continue
+        at = f"{path}{name}"
+        target = _submodule(local, at)
+        if target is not None and type(target) is type(child):
+            node._modules[name] = target
+        else:
+            _adopt(child, local, at + ".")
+    for store, is_param in ((node._parameters, True), (node._buffers, False)):
+        for name in list(store):
+            value = _attribute(local, f"{path}{name}")
+            if isinstance(value, torch.Tensor) and (isinstance(value, nn.Parameter) == is_param):
+                store[name] = value  # type: ignore[assignment]
+
+
+def aliases_of(module: nn.Module) -> dict[str, list[str]]:
+    """For each key of a tensor that several names share (tied weights), the other names of it."""
+    names: dict[int, list[str]] = {}
+    for qualified, owner in module.named_modules(remove_duplicate=False):
+        for key, slot in _own_slots(qualified, owner):
+            names.setdefault(id(_get(slot)), []).append(key)
+    return {
+        key: [other for other in group if other != key] for group in names.values() if len(group) > 1 for key in group
+    }
+
+
+# helpers
+def _own_slots(qualified: str, owner: nn.Module) -> list[tuple[str, Slot]]:
+    prefix = f"{qualified}." if qualified else ""
+    slots: list[tuple[str, Slot]] = [
+        (prefix + n, (owner, n, True)) for n, p in owner._parameters.items() if p is not None
+    ]
+    slots += [(prefix + n, (owner, n, False)) for n, b in owner._buffers.items() if b is not None]
+    return slots
+
+
+def _get(slot: Slot) -> torch.Tensor:
+    owner, name, is_param = slot
+    value = owner._parameters[name] if is_param else owner._buffers[name]
+    assert value is not None
+    return value
+
+
+def _set(slot: Slot, value: torch.Tensor) -> None:
+    owner, name, is_param = slot
+    if is_param:
+        owner._parameters[name] = value  # type: ignore[assignment]
+    else:
+        owner._buffers[name] = value
+
+
+def _empty_like(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    empty = torch.empty_like(tensor, device=device)
+    if isinstance(tensor, nn.Parameter):
+        return nn.Parameter(empty, requires_grad=tensor.requires_grad)
+    return empty
+
+
+def _moved(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if tensor.device == device:
+        return tensor
+    if isinstance(tensor, nn.Parameter):
+        return nn.Parameter(tensor.detach().to(device), requires_grad=tensor.requires_grad)
+    return tensor.to(device)
+
+
+def _find(key: str, source: WeightSource | None, aliases: Mapping[str, Sequence[str]]) -> str | None:
+    if source is None:
+        return None
+    for name in (key, *aliases.get(key, ())):
+        if name in source:
+            return name
+    return None
+
+
+def _initialize(owner: nn.Module, qualified: str, seed: int, init_owner: nn.Module | None, keys: list[str]) -> None:
+    init = _init_function(owner, init_owner)
+    if init is None:
+        raise ConfigurationError(
+            f"{', '.join(keys[:3])} of {type(owner).__name__} ({qualified or 'the root module'}) have no values "
+            "(built on the meta device), are not in the weights or checkpoint given, and the module has no "
+            "reset_parameters() to initialise them: give it a reset_parameters(), pass weights= or ckpt_path= "
+            "holding them, or build the model without init_module(empty_init=True) / configure_model"
+        )
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.manual_seed(derive_seed(seed, "init", qualified) % (2**63))
+        init()
+
+
+def _init_function(owner: nn.Module, init_owner: nn.Module | None) -> Callable[[], object] | None:
+    """A HuggingFace model initialises its modules itself (``_init_weights``); other modules reset themselves."""
+    hf_init = getattr(init_owner, "_init_weights", None)
+    if callable(hf_init):
+        return lambda: hf_init(owner)
+    reset = getattr(owner, "reset_parameters", None)
+    return reset if callable(reset) else None
+
+
+def _submodule(root: nn.Module, path: str) -> nn.Module | None:
+    try:
+        return root.get_submodule(path)
+    except AttributeError:
+        return None
+
+
+def _attribute(root: nn.Module, path: str) -> object:
+    owner_path, _, name = path.rpartition(".")
+    owner = _submodule(root, owner_path) if owner_path else root
+    return None if owner is None else getattr(owner, name, None)
+
+
+def _tensors(module: nn.Module) -> Iterable[torch.Tensor]:
+    yield from module.parameters()
+    yield from module.buffers()

@@ -1,0 +1,236 @@
+"""Where a stage's initial tensors come from: a checkpoint or pretrained weights, read one tensor at a time.
+
+A stage reads only its own tensors, so no process ever holds a whole model it did not build:
+
+- `TorchFileSource`: a file written by ``torch.save`` (a Lightning checkpoint, a plain state dict), opened
+  with ``torch.load(mmap=True)``: unpickling maps the file, and only the pages of the tensors a stage
+  copies are ever read.
+- `DcpSource`: a folder written by ``torch.distributed.checkpoint`` (DCP), read with ``no_dist=True``:
+  a process reads only the keys (and, for a sharded target, the chunks) it asks for.
+- `SafetensorsSource`: HuggingFace's safetensors, one file or a folder with its
+  ``model.safetensors.index.json`` (a sharded ``save_pretrained``), read with ``safetensors.safe_open``.
+
+`open_source` picks one by what ``path`` is. Every source names tensors by its own keys; `Prefixed`
+reads another namespace (a Lightning checkpoint's ``"model.3.weight"`` for a stage's ``"3.weight"``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from collections.abc import Collection, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_pipe.errors import ConfigurationError
+
+PathLike = str | os.PathLike[str]
+DCP_METADATA = ".metadata"  # the file torch.distributed.checkpoint writes into every checkpoint folder
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+class WeightSource:
+    """Tensors by key; `get` returns one without reading the others (the caller copies what it keeps)."""
+
+    def keys(self) -> Collection[str]:
+        raise NotImplementedError
+
+    def get(self, key: str) -> torch.Tensor:
+        raise NotImplementedError
+
+    def read(self, keys: Sequence[str]) -> dict[str, torch.Tensor]:
+        """Several tensors at once (a source may batch the reads)."""
+        return {key: self.get(key) for key in keys}
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.keys()
+
+    def close(self) -> None:
+        """Drop what the source holds open (file mappings); a source is not read after this."""
+
+    def describe(self) -> str:
+        return type(self).__name__
+
+
+class TorchFileSource(WeightSource):
+    """A ``torch.save`` file mapped into memory; ``section`` is the key of its state dict (``"state_dict"`` in a
+    Lightning checkpoint), ``None`` for a file that is a state dict."""
+
+    def __init__(self, path: PathLike, section: str | None = "state_dict", weights_only: bool | None = None) -> None:
+        self.path = Path(path)
+        load: dict[str, Any] = {"map_location": "cpu", "mmap": True}
+        if weights_only is not None:
+            load["weights_only"] = weights_only
+        try:
+            self.content: Any = torch.load(self.path, **load)
+        except Exception as error:  # noqa: BLE001 - retried without weights_only, as Lightning does for its own files
+            if weights_only is not None:
+                raise
+            try:
+                self.content = torch.load(self.path, weights_only=False, map_location="cpu", mmap=True)
+            except Exception:
+                raise error from None
+        state = self.content.get(section) if section is not None and isinstance(self.content, dict) else None
+        self.tensors: Mapping[str, Any] = state if isinstance(state, Mapping) else self.content
+
+    def keys(self) -> Collection[str]:
+        return self.tensors.keys()
+
+    def get(self, key: str) -> torch.Tensor:
+        return self.tensors[key]
+
+    def close(self) -> None:
+        self.content = self.tensors = {}
+
+    def describe(self) -> str:
+        return f"the checkpoint file {self.path}"
+
+
+class DcpSource(WeightSource):
+    """A torch.distributed.checkpoint folder; keys are DCP's flattened keys (``"state_dict.model.3.weight"``)."""
+
+    def __init__(self, path: PathLike) -> None:
+        from torch.distributed.checkpoint import FileSystemReader
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        self.path = Path(path)
+        self.metadata = FileSystemReader(self.path).read_metadata().state_dict_metadata
+        self._tensors = {k: m for k, m in self.metadata.items() if isinstance(m, TensorStorageMetadata)}
+
+    def keys(self) -> Collection[str]:
+        return self.metadata.keys()
+
+    def get(self, key: str) -> torch.Tensor:
+        return self.read([key])[key]
+
+    def read(self, keys: Sequence[str]) -> dict[str, torch.Tensor]:
+        missing = [k for k in keys if k not in self._tensors]
+        if missing:
+            raise KeyError(f"{self.describe()} has no tensor {missing[0]!r}")
+        targets = {k: torch.empty(self._tensors[k].size, dtype=self._tensors[k].properties.dtype) for k in keys}
+        self.load_into(targets)
+        return targets
+
+    def load_into(self, targets: dict[str, Any]) -> None:
+        """Fill ``targets`` in place (tensors, DTensors: each reads only its own chunks; other values too)."""
+        import torch.distributed.checkpoint as dcp
+
+        if targets:
+            with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+                warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+                dcp.load(targets, checkpoint_id=self.path, no_dist=True)
+
+    def objects(self, prefix: str) -> dict[str, Any]:
+        """The values that are not tensors under ``prefix`` (flattened keys), read as they were saved."""
+        from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+        wanted = {
+            k: None for k, m in self.metadata.items() if k.startswith(prefix) and isinstance(m, BytesStorageMetadata)
+        }
+        self.load_into(wanted)
+        return wanted
+
+    def describe(self) -> str:
+        return f"the distributed checkpoint {self.path}"
+
+
+class SafetensorsSource(WeightSource):
+    """HuggingFace safetensors: a file, or a folder of shards with ``model.safetensors.index.json``."""
+
+    def __init__(self, path: PathLike) -> None:
+        try:
+            from safetensors import safe_open
+        except ImportError as error:  # pragma: no cover - safetensors comes with transformers
+            raise ConfigurationError(
+                f"reading {path} needs the safetensors package: pip install safetensors"
+            ) from error
+        self.path = Path(path)
+        self._open = safe_open
+        self.files = _safetensors_files(self.path)
+        self._where: dict[str, Path] = {}
+        for file, keys in self.files.items():
+            for key in keys:
+                self._where[key] = file
+        self._handles: dict[Path, Any] = {}
+
+    def keys(self) -> Collection[str]:
+        return self._where.keys()
+
+    def get(self, key: str) -> torch.Tensor:
+        file = self._where[key]
+        handle = self._handles.get(file)
+        if handle is None:
+            handle = self._handles[file] = self._open(str(file), framework="pt", device="cpu")
+        return handle.get_tensor(key)
+
+    def close(self) -> None:
+        self._handles = {}
+
+    def describe(self) -> str:
+        return f"the safetensors weights {self.path}"
+
+
+def _safetensors_files(path: Path) -> dict[Path, list[str]]:
+    """Each safetensors file of ``path`` and the keys it holds (from the index, else from each file's header)."""
+    index = path / SAFETENSORS_INDEX if path.is_dir() else None
+    if index is not None and index.is_file():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        files: dict[Path, list[str]] = {}
+        for key, name in weight_map.items():
+            files.setdefault(path / name, []).append(key)
+        return files
+    candidates = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+    if not candidates:
+        raise ConfigurationError(f"{path} holds no .safetensors file and no {SAFETENSORS_INDEX}")
+    return {file: _header_keys(file) for file in candidates}
+
+
+def _header_keys(file: Path) -> list[str]:
+    with open(file, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+    return [key for key in header if key != "__metadata__"]
+
+
+class Prefixed(WeightSource):
+    """``source`` read under other names: key ``k`` here is ``prefix + k`` there."""
+
+    def __init__(self, source: WeightSource, prefix: str) -> None:
+        self.source, self.prefix = source, prefix
+        self._keys = [k[len(prefix) :] for k in source.keys() if k.startswith(prefix)]
+
+    def keys(self) -> Collection[str]:
+        return self._keys
+
+    def get(self, key: str) -> torch.Tensor:
+        return self.source.get(self.prefix + key)
+
+    def read(self, keys: Sequence[str]) -> dict[str, torch.Tensor]:
+        got = self.source.read([self.prefix + k for k in keys])
+        return {k[len(self.prefix) :]: v for k, v in got.items()}
+
+    def close(self) -> None:
+        self.source.close()
+
+    def describe(self) -> str:
+        return f"{self.source.describe()} (keys under {self.prefix!r})" if self.prefix else self.source.describe()
+
+
+def is_distributed_checkpoint(path: PathLike) -> bool:
+    """Whether ``path`` is a folder written by torch.distributed.checkpoint."""
+    return (Path(path) / DCP_METADATA).is_file()
+
+
+def open_source(path: PathLike, weights_only: bool | None = None) -> WeightSource:
+    """The source for ``path``: a DCP folder, safetensors (a file or a folder), or a ``torch.save`` file."""
+    where = Path(path)
+    if not where.exists():
+        raise ConfigurationError(f"no weights at {where}: the path does not exist")
+    if is_distributed_checkpoint(where):
+        return DcpSource(where)
+    if where.is_dir() or where.suffix == ".safetensors":
+        return SafetensorsSource(where)
+    return TorchFileSource(where, weights_only=weights_only)
