@@ -101,6 +101,7 @@ def _copy_in(target: torch.Tensor, source: WeightSource, name: str, key: str) ->
         )
     with torch.no_grad():
         target.copy_(value)
+    source.release(value)
 
 
 def free_to_meta(module: nn.Module, keep: Iterable[torch.Tensor]) -> int:

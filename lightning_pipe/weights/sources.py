@@ -16,8 +16,11 @@ reads another namespace (a Lightning checkpoint's ``"model.3.weight"`` for a sta
 
 from __future__ import annotations
 
+import ctypes
 import json
+import mmap
 import os
+import sys
 import warnings
 from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
@@ -48,6 +51,9 @@ class WeightSource:
     def __contains__(self, key: object) -> bool:
         return key in self.keys()
 
+    def release(self, tensor: torch.Tensor) -> None:
+        """The caller copied ``tensor`` (a value `get` returned) and will not read it again."""
+
     def close(self) -> None:
         """Drop what the source holds open (file mappings); a source is not read after this."""
 
@@ -75,6 +81,7 @@ class TorchFileSource(WeightSource):
                 raise error from None
         state = self.content.get(section) if section is not None and isinstance(self.content, dict) else None
         self.tensors: Mapping[str, Any] = state if isinstance(state, Mapping) else self.content
+        self._mapped = mapped_ranges(self.path)  # where the file lies in this process's memory
 
     def keys(self) -> Collection[str]:
         return self.tensors.keys()
@@ -82,8 +89,15 @@ class TorchFileSource(WeightSource):
     def get(self, key: str) -> torch.Tensor:
         return self.tensors[key]
 
+    def release(self, tensor: torch.Tensor) -> None:
+        """Give the pages of a copied tensor back: a mapped file's pages that were read count as this process's
+        memory until the mapping goes, so a stage reading its tensors one after the other would otherwise hold
+        a second copy of its stage (torch offers no way to unmap part of a mapped checkpoint)."""
+        forget_pages(tensor, self._mapped)
+
     def close(self) -> None:
         self.content = self.tensors = {}
+        self._mapped = []
 
     def describe(self) -> str:
         return f"the checkpoint file {self.path}"
@@ -212,6 +226,9 @@ class Prefixed(WeightSource):
         got = self.source.read([self.prefix + k for k in keys])
         return {k[len(self.prefix) :]: v for k, v in got.items()}
 
+    def release(self, tensor: torch.Tensor) -> None:
+        self.source.release(tensor)
+
     def close(self) -> None:
         self.source.close()
 
@@ -234,3 +251,51 @@ def open_source(path: PathLike, weights_only: bool | None = None) -> WeightSourc
     if where.is_dir() or where.suffix == ".safetensors":
         return SafetensorsSource(where)
     return TorchFileSource(where, weights_only=weights_only)
+
+
+_PAGE = mmap.PAGESIZE
+_MADV_DONTNEED = 4  # <sys/mman.h>; Linux
+
+
+def mapped_ranges(path: Path) -> list[tuple[int, int]]:
+    """The address ranges where this process maps the file ``path`` (Linux's /proc/self/maps; else none)."""
+    try:
+        target = os.path.realpath(path)
+        with open("/proc/self/maps") as maps:
+            lines = maps.readlines()
+    except OSError:
+        return []
+    ranges = []
+    for line in lines:
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5].strip() == target and "p" in fields[1]:  # a private mapping of it
+            start, end = fields[0].split("-")
+            ranges.append((int(start, 16), int(end, 16)))
+    return ranges
+
+
+def forget_pages(tensor: torch.Tensor, mapped: list[tuple[int, int]]) -> None:
+    """Drop the resident pages of a tensor that lies in one of the ``mapped`` ranges of a file (Linux; a no-op
+    for anything else): the next read, if any, reads the file again. Pages shared with neighbouring tensors
+    are dropped too, and read again when those are read."""
+    if _libc is None or tensor.device.type != "cpu" or tensor.numel() == 0:
+        return
+    start = tensor.untyped_storage().data_ptr()
+    end = start + tensor.untyped_storage().nbytes()
+    first, last = start - start % _PAGE, end + (-end) % _PAGE
+    if any(low <= first and last <= high for low, high in mapped):
+        _libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED)
+
+
+def _load_libc() -> Any:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        return libc
+    except (OSError, AttributeError):
+        return None
+
+
+_libc = _load_libc()
