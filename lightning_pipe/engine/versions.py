@@ -144,6 +144,42 @@ class StageVersions:
         self.stats.max = max(self.stats.max, stale)
 
 
-def stage_versions(shards: Iterable[Any], update_every: int, optimizer: OptimizerFactory) -> dict[int, StageVersions]:
-    """One `StageVersions` per shard of a worker."""
-    return {shard.index: StageVersions(shard.index, shard.module, update_every, optimizer) for shard in shards}
+class WorkerVersions:
+    """The `StageVersions` of every stage of one worker, kept across asynchronous runs with the same optimizer.
+
+    The worker sets ``active`` for each step: only an asynchronous stream runs on weight versions.
+    """
+
+    def __init__(self, shards: Iterable[Any]) -> None:
+        self.shards = list(shards)
+        self.active = False
+        self._stages: dict[int, StageVersions] = {}
+
+    def start(self, update_every: int, optimizer: OptimizerFactory) -> None:
+        """A new asynchronous run; the versions and optimizers start afresh only with another optimizer factory."""
+        first = next(iter(self._stages.values()), None)
+        if first is None or first.factory is not optimizer:
+            self._stages = {
+                shard.index: StageVersions(shard.index, shard.module, update_every, optimizer) for shard in self.shards
+            }
+        for versions in self._stages.values():
+            versions.start_run(update_every)
+
+    def model(self, stage: int, microbatch: int) -> nn.Module:
+        """The module ``stage`` runs ``microbatch`` on (`StageVersions.model`)."""
+        return self._stages[stage].model(microbatch)
+
+    def backward_done(self, stage: int, microbatch: int) -> None:
+        self._stages[stage].backward_done(microbatch)
+
+    def weights(self, stage: int) -> list[torch.Tensor]:
+        """The parameters of every version ``stage`` keeps (`StageVersions.weights`)."""
+        return self._stages[stage].weights()
+
+    def calls(self) -> dict[str, Callable[..., Any]]:
+        """The control calls served here, by the name the coordinator calls them by."""
+        return {"async_stats": self.call_async_stats}
+
+    def call_async_stats(self) -> list[Staleness]:
+        """Each stage's `Staleness` in the last asynchronous run."""
+        return [versions.stats for versions in self._stages.values()]

@@ -21,7 +21,7 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_pipe.backends import CoordinatorOps
-from lightning_pipe.engine.coordinator import StepResult
+from lightning_pipe.engine import StepResult
 from lightning_pipe.errors import ConfigurationError, PipeError
 from lightning_pipe.grads import GradStash
 from lightning_pipe.loss import Loss, WeightedLoss
