@@ -121,9 +121,9 @@ class Coordinator:
         """Wait for the posted calls and the ranks still finishing steps (`CoordinatorLink.flush`)."""
         self.link.flush()
 
-    def settle(self) -> None:
-        """Wait for the ranks still finishing train steps (`CoordinatorLink.settle`)."""
-        self.link.settle()
+    def settle(self, before: int | None = None) -> None:
+        """Wait for the ranks still finishing train steps (before step ``before``: `CoordinatorLink.settle`)."""
+        self.link.settle(before)
 
     def schedule(self, num_microbatches: int) -> Schedule:
         ranks = self.num_stages // self.virtual_stages  # the schedule's ranks; workers may be fewer (linear)
