@@ -202,8 +202,7 @@ class PipeStrategy(ProcessStrategy):
         pipelined = self.builder.setup(lightning_module, placement)
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
-        self.model = self._setup_model(self.model)
+        self.model_to_device()  # the stages place the pipelined module: no wrapper (Lightning's _setup_model)
         scaler = getattr(self.precision_plugin, "scaler", None)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
