@@ -78,6 +78,7 @@ class StepDriver:
         self._seen_batch = False
 
     def setup(self, setting: StepSetting) -> None:
+        """At the strategy's setup: the LightningModule, Trainer, device and scaler of this fit's steps."""
         self._setting = setting
 
     def close(self) -> None:
