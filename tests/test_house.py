@@ -37,13 +37,6 @@ NEVER: dict[str, tuple[str, ...]] = {
 # ``import lightning_pipe`` registers the strategy name with Lightning's StrategyRegistry (DESIGN.md):
 # the package's own __init__ is the one place outside strategy/ that may name Lightning.
 LIGHTNING_ALLOWED = ("lightning_pipe",)
-# Issue 21: the strategy's mixins type their shared ``self`` as Lightning's strategy (or as each other)
-# through TYPE_CHECKING imports used as base classes. The strategy's composition removes this list.
-TYPE_CHECKING_EXCEPTIONS = (
-    "lightning_pipe.strategy.building",
-    "lightning_pipe.strategy.launched",
-    "lightning_pipe.strategy.optimization",
-)
 
 
 @dataclass(frozen=True)
@@ -213,19 +206,11 @@ def test_type_checking_imports_serve_annotations_only() -> None:
     wrong = []
     for name, path in modules().items():
         checking = {i.name: i for i in imports_of(name, path, set()) if i.type_checking}
-        if not checking or name in TYPE_CHECKING_EXCEPTIONS:
+        if not checking:
             continue
         for used, line in uses_outside_annotations(ast.parse(path.read_text(), str(path)), set(checking)):
             wrong.append(f"{name}:{line} uses {used} (imported under TYPE_CHECKING) outside an annotation")
     assert not wrong, "; ".join(wrong)
-
-
-def test_the_type_checking_exceptions_are_still_needed() -> None:
-    """Once the strategy's composition (issue 21) removes what a listed module did, the list shrinks."""
-    for name in TYPE_CHECKING_EXCEPTIONS:
-        path = modules()[name]
-        checking = {i.name for i in imports_of(name, path, set()) if i.type_checking}
-        assert uses_outside_annotations(ast.parse(path.read_text()), checking), f"{name} no longer needs the exception"
 
 
 def test_only_the_strategy_imports_lightning() -> None:

@@ -27,15 +27,6 @@ from pathlib import Path
 
 from test_house import PACKAGE, module_name, modules
 
-# Issue 21: the strategy's mixins share one ``self`` across files; the strategy's composition into parts
-# removes these files from the list (and the test below fails for a file that no longer needs it).
-ATTRIBUTE_EXCEPTIONS = (
-    "lightning_pipe/strategy/building.py",
-    "lightning_pipe/strategy/optimization.py",
-    "lightning_pipe/strategy/random_state.py",
-    "lightning_pipe/strategy/steps.py",
-    "lightning_pipe/strategy/strategy.py",
-)
 DECLARING_BASES = ("NamedTuple", "TypedDict", "Protocol")
 
 
@@ -188,18 +179,8 @@ def unknown_reads(path: Path, root: Path = PACKAGE.parent) -> list[Read]:
 
 
 def test_no_class_reads_private_attributes_it_does_not_define() -> None:
-    wrong = [
-        str(read)
-        for path in modules().values()
-        if str(path.relative_to(PACKAGE.parent)) not in ATTRIBUTE_EXCEPTIONS
-        for read in unknown_reads(path)
-    ]
+    wrong = [str(read) for path in modules().values() for read in unknown_reads(path)]
     assert not wrong, "private attributes read but defined elsewhere (hold a part instead): " + "; ".join(wrong)
-
-
-def test_the_attribute_exceptions_are_still_needed() -> None:
-    for relative in ATTRIBUTE_EXCEPTIONS:
-        assert unknown_reads(PACKAGE.parent / relative), f"{relative} no longer needs the exception (issue 21)"
 
 
 def test_the_rule_sees_a_mixin(tmp_path: Path) -> None:
