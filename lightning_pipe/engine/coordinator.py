@@ -14,6 +14,7 @@ from lightning_pipe.comm.base import Communicator, Endpoint, Message, MessageKin
 from lightning_pipe.engine.coordinator_messages import CoordinatorMessages, Key, LateRanks
 from lightning_pipe.engine.plan import ASYNC, EVAL, TRAIN, LossPlan, StageSpec, StepPlan
 from lightning_pipe.engine.runners import check_runner, worker_lists
+from lightning_pipe.engine.shared_weights import SharedWeights
 from lightning_pipe.engine.stage import StageWorker
 from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.executors import output_grads
@@ -277,6 +278,8 @@ class Coordinator(CoordinatorMessages):
     # internals
     def _begin(self, mode: str, actions: list[list[Any]], loss: LossPlan | None = None, **options: Any) -> int:
         lists = worker_lists(actions, self.num_stages, self.rank_of_stage)
+        if mode == ASYNC:  # one object for every rank: stages of this process hand tied weights' gradients over
+            options["shared"] = SharedWeights(self.timeout)
         self._step += 1
         self._pending.clear()
         for rank, rank_actions in enumerate(lists):

@@ -329,7 +329,7 @@ class StageWorker(StageInbox, StageStateCalls, StageMemoryCalls):
         if first is None or first.factory is not plan.optimizer:
             self._versions = stage_versions(self.shards.values(), plan.update_every, plan.optimizer)
         for versions in self._versions.values():
-            versions.start_run(plan.update_every)
+            versions.start_run(plan.update_every, plan.shared)
 
     def _compute_losses(self, step: int, s: int) -> None:
         """The losses of the outputs kept so far, in microbatch order, as the coordinator would compute them.
@@ -384,6 +384,9 @@ class StageWorker(StageInbox, StageStateCalls, StageMemoryCalls):
         if self._failed is not None and step >= self._failed:
             self._failed = None  # the coordinator aborted a step after the failure: it knows
         self._aborted = max(self._aborted, step)
+        if self._asynchronous:  # stages of this process waiting on a weight shared with this one stop too
+            for versions in self._versions.values():
+                versions.drop_run()
         self._pending = {k: v for k, v in self._pending.items() if k[0] > step}
         self._saved.clear()
         self._weight_work.clear()
