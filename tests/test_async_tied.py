@@ -92,6 +92,7 @@ class Timeline:
         with self.cond:
             m = self.count(f"backward {stage}")
             self.events.append((f"backward {stage}", m))
+            self.cond.notify_all()
         self.hold(stage, m)
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -144,12 +145,25 @@ class LandsDuringUpdate(Timeline):
         del before
 
 
-class SlowStage0(Timeline):
-    """Every backward of stage 0 sleeps: stage 1 runs ahead into the next batch before stage 0's update."""
+class Stage1RunsAhead(Timeline):
+    """Stage 0's last backward of each batch but the last waits until stage 1 has begun the next batch's first
+    backward (with one microbatch a batch: has updated the next batch), then 50 ms more: stage 1 hands over
+    the next batch's gradients, or steps and waits for stage 0's update, before stage 0 updates."""
+
+    def __init__(self, model: nn.Sequential, per_batch: int, batches: int = 3, patience: float = 5.0) -> None:
+        super().__init__(model)
+        self.per_batch, self.batches, self.patience = per_batch, batches, patience
 
     def hold(self, stage: int, microbatch: int) -> None:
-        if stage == 0:
-            time.sleep(0.02)
+        batch, index = divmod(microbatch, self.per_batch)
+        if stage != 0 or index != self.per_batch - 1 or batch == self.batches - 1:
+            return
+        kind, count = (
+            ("update 1", batch + 2) if self.per_batch == 1 else ("backward 1", (batch + 1) * self.per_batch + 1)
+        )
+        with self.cond:
+            self.cond.wait_for(lambda: self.count(kind) >= count, timeout=self.patience)
+        time.sleep(0.05)
 
 
 def _mark(grad: torch.Tensor | None) -> tuple[int, int] | None:
@@ -219,25 +233,24 @@ def replay(model: nn.Sequential, data: list[tuple[torch.Tensor, torch.Tensor]], 
     return own[0][-1] | own[1][-1] | {"0.weight": tied[-1]}
 
 
-@pytest.mark.parametrize("timing,per_batch", [(Timeline, 4), (LandsDuringUpdate, 4), (SlowStage0, 4), (SlowStage0, 1)])
-def test_a_stream_with_a_tied_weight_equals_its_replay_whatever_the_timing(
-    timing: type[Timeline], per_batch: int
-) -> None:
+@pytest.mark.parametrize("timing,per_batch", [("none", 4), ("lands", 4), ("ahead", 4), ("ahead", 1)])
+def test_a_stream_with_a_tied_weight_equals_its_replay_whatever_the_timing(timing: str, per_batch: int) -> None:
     """Three batches in one stream: the parameters equal the replay (the shared weight stepped once per batch
     by stage 0 with both stages' gradients of that batch) to 1e-5, whichever stage runs ahead."""
     model, data = tied_model(), batches(3)
     expected = replay(model, data, per_batch)
-    with timing(model) as timeline, Pipeline(model, stages=2, schedule="async", partition=SPLIT) as pipe:
+    timeline = {"none": Timeline, "lands": LandsDuringUpdate}.get(timing, Stage1RunsAhead)
+    args = (per_batch,) if timing == "ahead" else ()
+    with timeline(model, *args) as seen, Pipeline(model, stages=2, schedule="async", partition=SPLIT) as pipe:
         run = pipe.train_async(data, F.cross_entropy, sgd, per_batch)
     for name, p in model.named_parameters():
         torch.testing.assert_close(p, expected[name], atol=1e-5, rtol=0, msg=name)
     assert [s.updates for s in run.staleness] == [3, 3]
-    assert timeline.count("update 0") == timeline.count("update 1") == 3
-    events = timeline.events
-    if timing is SlowStage0 and per_batch == 4:  # stage 1 ran batch 1's first backward before stage 0's update
-        assert events.index(("backward 1", 4)) < events.index(("update 0", 0))
-    if timing is SlowStage0 and per_batch == 1:  # stage 1 updated batch 1 before stage 0 updated batch 0
-        assert events.index(("update 1", 1)) < events.index(("update 0", 0))
+    assert seen.count("update 0") == seen.count("update 1") == 3
+    if timing == "ahead" and per_batch == 4:  # stage 1 began batch 1's backwards before stage 0's update
+        assert seen.events.index(("backward 1", 4)) < seen.events.index(("update 0", 0))
+    if timing == "ahead" and per_batch == 1:  # stage 1 updated batch 1 (and waited) before stage 0 updated batch 0
+        assert seen.events.index(("update 1", 1)) < seen.events.index(("update 0", 0))
 
 
 class TiedLM(L.LightningModule):
@@ -270,11 +283,14 @@ def test_trainer_one_batch_epochs_equal_a_plain_trainer_when_stage_0_lands_durin
 
 
 class FailsInBackward(Timeline):
-    """Stage 0's first backward fails once stage 1 waits for stage 0's update of the shared weight."""
+    """Stage 0's first backward fails once stage 1 has updated batches 0 and 1 (one microbatch each): stage 1
+    then waits for stage 0's update of batch 0, the shared weight its next version takes."""
 
     def hold(self, stage: int, microbatch: int) -> None:
         if stage == 0:
-            time.sleep(0.3)  # stage 1 meanwhile updates batches 0 and 1, then waits for stage 0's update of batch 0
+            with self.cond:
+                self.cond.wait_for(lambda: self.count("update 1") >= 2, timeout=5.0)
+            time.sleep(0.05)
             raise RuntimeError("stage 0 broke")
 
 
