@@ -12,8 +12,9 @@ from torch import nn
 from lightning_pipe import tree
 from lightning_pipe.comm.base import Communicator, Endpoint, Message, MessageKind
 from lightning_pipe.engine.coordinator_link import CoordinatorLink
-from lightning_pipe.engine.plan import EVAL, TRAIN, LossPlan, StageSpec, StepPlan
+from lightning_pipe.engine.plan import ASYNC, EVAL, TRAIN, LossPlan, StageSpec, StepPlan
 from lightning_pipe.engine.runners import check_runner, worker_lists
+from lightning_pipe.engine.shared_weights import SharedWeights
 from lightning_pipe.engine.stage import StageWorker
 from lightning_pipe.engine.step_result import Record, StepResult
 from lightning_pipe.errors import ConfigurationError
@@ -194,6 +195,8 @@ class Coordinator:
     # the parts of a step (the steps above use them, and so does `BatchStream`)
     def begin(self, mode: str, actions: list[list[Any]], loss: LossPlan | None = None, **options: Any) -> int:
         """Send each rank its `StepPlan`: its part of ``actions`` (one list per schedule rank); the step's number."""
+        if mode == ASYNC:  # one object for every rank: stages of this process hand tied weights' gradients over
+            options["shared"] = SharedWeights(self.timeout)
         plans = []
         for rank, rank_actions in enumerate(worker_lists(actions, self.num_stages, self.rank_of_stage)):
             plan = StepPlan(mode, rank_actions, dataflow=self.runner == "dataflow", **options)

@@ -138,6 +138,8 @@ class StageWorker:
     def _forget(self, step: int) -> None:
         if self._failed is not None and step >= self._failed:
             self._failed = None  # the coordinator aborted a step after the failure: it knows
+        if self.versions.active:  # stages of this process waiting on a weight shared with this one stop too
+            self.versions.drop_run()
         self.inbox.forget(step)
         self.actions.forget()
 

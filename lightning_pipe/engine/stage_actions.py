@@ -90,7 +90,7 @@ class StageActions:
             self.memory.stash.reset()
         try:
             if self.versions.active:
-                self.versions.start(plan.update_every, plan.optimizer)
+                self.versions.start(plan.update_every, plan.optimizer, plan.shared)
             ready = self._ready
             order = (
                 self.inbox.dataflow(step, plan.actions, ready)
