@@ -48,6 +48,7 @@ from lightning_pipe.stage_state import StageState
 from lightning_pipe.transports import TRANSPORTS as TRANSPORTS  # re-exported: strategy/arguments.py
 from lightning_pipe.transports import register_transport as register_transport
 from lightning_pipe.transports import resolve_transport
+from lightning_pipe.weights import StageInit
 
 log = logging.getLogger("lightning_pipe")
 
@@ -87,6 +88,7 @@ class Pipeline:
         virtual_stages: int = 1,
         runner: str = "parallel",
         seed: int | None = None,
+        init: StageInit | None = None,
         **transport_options: Any,
     ) -> None:
         self.worker_of_stage = worker_of_stages(runner, stages, virtual_stages)
@@ -107,6 +109,8 @@ class Pipeline:
         self.communicator = resolve_transport(transport, transport_options)
         self.coordinator_device = coordinator_device or self.runtimes[-1].torch_device
         self.seed = run_seed(seed)
+        # where the stages' tensors without values come from (built on meta), or a resumed run's values
+        self.init = init if init is not None else StageInit(seed=self.seed, overwrite=False)
         self.shards: list[ShardedTask] = []
         self.inputs = PipelineInputs(self.partitioner, self._stages_built_on)
         self._coordinator: Coordinator | None = None
@@ -150,6 +154,7 @@ class Pipeline:
             self.autocast,
             self.backend,
             self.seed,
+            self.init.for_module(self.module),
         )
         self._coordinator = Coordinator(
             self.communicator,

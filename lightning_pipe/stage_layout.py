@@ -48,6 +48,7 @@ def worker_specs(
     autocast: AutocastSpec | None,
     backend: Any,
     seed: int,
+    init: Any = None,
 ) -> list[StageSpec]:
     """Each worker's spec: the shards of the stages it holds, their runtimes, and how to run them."""
     stages = len(shards)
@@ -68,6 +69,7 @@ def worker_specs(
                 autocast=autocast,
                 backend=backend,
                 seed=seed,
+                init=init,
             )
         )
     return specs

@@ -39,12 +39,14 @@ from lightning_pipe.comm.p2p_serve import (
     STOPPED,
     OnBuild,
     P2PEndpoint,
+    Prepare,
     build_worker,
     default_describe,
     stop_message,
 )
 from lightning_pipe.comm.p2p_wire import LOST, STATS, STATS_REPLY, WIRE, Wire, WireStats
 from lightning_pipe.errors import ConfigurationError, PipeTimeoutError, StageError, TransportError
+from lightning_pipe.weights import meta_copy
 
 _POLL = 0.2  # seconds between liveness checks while the coordinator waits for its processes
 
@@ -58,6 +60,9 @@ class P2PCommunicator(Communicator):
         describe: names a global rank in errors (default ``"global rank N"``).
         on_build: called with each stage worker right after it is built, in any process of the
             pipeline (here for pipeline rank ``coordinator``; `serve_stages` takes its own for the others).
+        prepare: called with the spec of this process's stage worker before it is built (the same).
+        send_values: whether stage specs travel with their tensors' values; False where every process has its
+            own copy of the model and ``prepare`` binds the stage to it (launched mode): shapes only travel.
         timeout: seconds any single wait may take (a build, a send, a stop, hearing from a peer).
         coordinator: the pipeline rank whose stage worker runs in this process (the others are remote).
     """
@@ -78,6 +83,8 @@ class P2PCommunicator(Communicator):
         on_build: OnBuild | None = None,
         timeout: float = 300.0,
         coordinator: int = 0,
+        prepare: Prepare | None = None,
+        send_values: bool = True,
     ) -> None:
         if not 0 <= coordinator < len(ranks) or dist.get_rank() != ranks[coordinator]:
             raise ConfigurationError(
@@ -87,6 +94,8 @@ class P2PCommunicator(Communicator):
         self.group, self.ranks, self.timeout, self.coordinator = group, list(ranks), timeout, coordinator
         self.describe = describe or default_describe
         self.on_build = on_build
+        self.prepare = prepare
+        self.send_values = send_values
         self._wire: Wire | None = None
         self._built: list[int] = []  # pipeline ranks whose worker runs
         self._local: threading.Thread | None = None  # the stage worker of this process (pipeline rank coordinator)
@@ -111,13 +120,16 @@ class P2PCommunicator(Communicator):
         endpoint = P2PEndpoint(COORDINATOR, wire)
         until = deadline(self.timeout)
         here = self.coordinator
+        if not self.send_values:  # every process binds its stage to its own copy of the model: shapes travel
+            specs = [meta_copy(spec, [shard.module for shard in spec.shards]) for spec in specs]
         for k, spec in enumerate(specs):  # the spec holds the user's modules: by value
             if k != here:
                 wire.send(k, WIRE, Message(BUILD, payload=(spec, worker_cls)))
         self._built = list(range(len(specs)))
         self._last_rank = specs[0].rank_of_stage[-1]
+        local = specs[here] if not self.send_values else by_value.copy(specs[here])
         self._local = threading.Thread(
-            target=self._serve_local, args=(by_value.copy(specs[here]), worker_cls, wire),
+            target=self._serve_local, args=(local, worker_cls, wire),
             name=f"lightning_pipe-stage-{here}", daemon=True,
         )  # fmt: skip
         self._local.start()
@@ -202,7 +214,7 @@ class P2PCommunicator(Communicator):
         torch.set_num_threads(self._threads)
         here = self.coordinator
         endpoint = P2PEndpoint(here, wire)
-        worker, reply = build_worker(spec, worker_cls, endpoint, self.on_build)
+        worker, reply = build_worker(spec, worker_cls, endpoint, self.on_build, self.prepare)
         wire.send(here, WIRE, Message(BUILT, payload=reply, source=here))
         if worker is None:
             return

@@ -26,7 +26,8 @@ STOPPED = "p2p-stopped"  # process -> coordinator: its stage worker left its eve
 RELEASE = "p2p-release"  # coordinator -> process: leave serve_stages (payload: None or the error)
 _POLL = 0.5  # seconds between liveness checks of an idle serving process
 
-OnBuild = Callable[[Any], None]
+OnBuild = Callable[[Any], None]  # a stage worker was built in this process
+Prepare = Callable[[Any], None]  # a stage worker is about to be built here from this spec
 
 
 class P2PEndpoint(Endpoint):
@@ -63,10 +64,14 @@ class P2PEndpoint(Endpoint):
         return self.wire.coordinator if rank == COORDINATOR else rank
 
 
-def build_worker(spec: Any, worker_cls: Any, endpoint: P2PEndpoint, on_build: OnBuild | None) -> tuple[Any, Any]:
+def build_worker(
+    spec: Any, worker_cls: Any, endpoint: P2PEndpoint, on_build: OnBuild | None, prepare: Prepare | None = None
+) -> tuple[Any, Any]:
     """``(worker, (True, where))``, or ``(None, (False, StageError))`` naming the stage and this process."""
     try:
         retarget(spec, str(endpoint.wire.device))
+        if prepare is not None:
+            prepare(spec)
         worker = worker_cls(spec, endpoint)
         if on_build is not None:
             on_build(worker)
@@ -86,12 +91,15 @@ def serve_stages(
     on_build: OnBuild | None = None,
     timeout: float = 300.0,
     coordinator: int = 0,
+    prepare: Prepare | None = None,
 ) -> None:
     """Serve the stages the coordinator (the process of ``ranks[coordinator]``) builds here, until it releases
     the pipeline.
 
     Raises `TransportError` naming the lost process when a process of the pipeline dies (also while
-    idle between builds), or when the coordinator releases the pipeline with an error.
+    idle between builds), or when the coordinator releases the pipeline with an error. ``prepare`` sees each
+    spec before its worker is built, ``on_build`` each worker after (the strategy's: bind the stage to this
+    process's own copy of the model, replicate or shard it over its replicas).
     """
     me = _pipeline_rank(ranks, coordinator)
     wire = Wire(group, ranks, me, describe or default_describe, timeout, coordinator)
@@ -110,14 +118,14 @@ def serve_stages(
                 return
             if message.kind == BUILD:
                 spec, worker_cls = message.payload
-                _serve_one(wire, spec, worker_cls, on_build)
+                _serve_one(wire, spec, worker_cls, on_build, prepare)
     finally:
         wire.close(min(timeout, 10.0))
 
 
-def _serve_one(wire: Wire, spec: Any, worker_cls: Any, on_build: OnBuild | None) -> None:
+def _serve_one(wire: Wire, spec: Any, worker_cls: Any, on_build: OnBuild | None, prepare: Prepare | None) -> None:
     endpoint = P2PEndpoint(spec.rank, wire)
-    worker, reply = build_worker(spec, worker_cls, endpoint, on_build)
+    worker, reply = build_worker(spec, worker_cls, endpoint, on_build, prepare)
     wire.send(wire.coordinator, WIRE, Message(BUILT, payload=reply, source=wire.me))
     if worker is None:
         wire.drop_inbox(spec.rank)

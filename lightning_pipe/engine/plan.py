@@ -37,6 +37,7 @@ class StageSpec:
     autocast: AutocastSpec | None = None
     backend: Any = None  # a backends.BackendPlan (names and op maps, no compiled objects), None: defaults
     seed: int | None = None  # the run's seed: each stage's generators are seeded from it and the stage index
+    init: Any = None  # a weights.StageInit: the shards' tensors without values, or a resumed run's, made where they run
     options: dict[str, Any] = field(default_factory=dict)
 
 

@@ -18,12 +18,19 @@ A parameter that got no gradient in the step is reduced as zero (every replica a
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+
+
+class DataParallel(Protocol):
+    """A stage over its replicas (DDP: `StageReplicas`, FSDP: `engine.stage_shards.StageShards`)."""
+
+    def reduce(self, stages: Iterable[int]) -> None:
+        """Combine the step's gradients of ``stages`` over the replicas, after the step's last backward."""
 
 
 class StageReplicas:

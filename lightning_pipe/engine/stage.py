@@ -11,10 +11,12 @@ import torch
 from lightning_pipe.backends import build_executables
 from lightning_pipe.comm.base import COORDINATOR, Endpoint, Message, MessageKind
 from lightning_pipe.engine.plan import ASYNC, TRAIN, StageSpec, StepPlan
-from lightning_pipe.engine.replicas import StageReplicas
+from lightning_pipe.engine.replicas import DataParallel, StageReplicas
 from lightning_pipe.engine.stage_actions import StageActions, StepFailed
+from lightning_pipe.engine.stage_checkpoint import StageCheckpoint
 from lightning_pipe.engine.stage_inbox import StageInbox, StepAborted
 from lightning_pipe.engine.stage_memory import StageMemory
+from lightning_pipe.engine.stage_shards import StageShards
 from lightning_pipe.engine.stage_state import StageStateCalls
 from lightning_pipe.engine.versions import WorkerVersions
 from lightning_pipe.errors import PipeError, StageError
@@ -44,6 +46,8 @@ class StageWorker:
         self.runtimes: dict[int, BaseRuntime] = {
             index: chosen[index] or runtime_registry.create(shard.device) for index, shard in self.shards.items()
         }
+        if spec.init is not None:  # tensors without values (a model built on meta), a resumed run's: made here
+            spec.init.apply([(s.module, self.runtimes[i].torch_device) for i, s in self.shards.items()])
         for index, shard in self.shards.items():
             shard.module = self.runtimes[index].move_module(shard.module)
             shard.module._pipe_runtime = self.runtimes[index]
@@ -59,14 +63,27 @@ class StageWorker:
         self.actions = StageActions(
             spec, self.inbox, self.shards, self.runtimes, executables, random, self.memory, self.versions
         )
-        self.replicas: StageReplicas | None = None  # launched mode: gradients averaged over the stage's replicas
-        self.calls = _table({"ping": self.call_ping}, self.state.calls(), self.memory.calls(), self.versions.calls())
+        self.checkpoints = StageCheckpoint(self.shards, self.state)
+        self.replicas: DataParallel | None = None  # launched mode: the stage over its replicas
+        self.calls = _table(
+            {"ping": self.call_ping},
+            self.state.calls(),
+            self.memory.calls(),
+            self.versions.calls(),
+            self.checkpoints.calls(),
+        )
         self._failed: int | None = None  # a step that failed here, until the coordinator's abort says it knows
 
     def replicate(self, group: Any) -> None:
         """Average this worker's gradients over ``group`` (its stages' data-parallel group) after each step."""
         devices = {index: runtime.torch_device for index, runtime in self.runtimes.items()}
         self.replicas = StageReplicas({i: s.module for i, s in self.shards.items()}, group, devices)
+
+    def shard(self, mesh: Any, mixed_precision: Any = None) -> None:
+        """Shard this worker's stages over ``mesh`` (their replicas) with FSDP2; gradients reduce-scattered once
+        per step. Before any optimizer is built: the parameters become shards (DTensors)."""
+        self.replicas = StageShards({i: s.module for i, s in self.shards.items()}, mesh, mixed_precision)
+        self.state.regather()
 
     def call_ping(self) -> int:
         return self.rank

@@ -21,7 +21,7 @@ from lightning_pipe.backends import StageExecutable
 from lightning_pipe.backends.registry import EAGER
 from lightning_pipe.comm.base import COORDINATOR, Endpoint, Message, MessageKind
 from lightning_pipe.engine.plan import EVAL, TRAIN, LossPlan, StageSpec, StepPlan
-from lightning_pipe.engine.replicas import StageReplicas
+from lightning_pipe.engine.replicas import DataParallel
 from lightning_pipe.engine.split_backward import WeightGradient, backward_input, backward_weight
 from lightning_pipe.engine.stage_inbox import StageInbox, StepAborted
 from lightning_pipe.engine.stage_memory import StageMemory
@@ -76,7 +76,7 @@ class StageActions:
         self._outputs: dict[int, Any] = {}  # last stage: outputs awaiting their loss, by microbatch
         self._losses: list[Message] = []  # last stage: this step's losses, sent with its end (one wake-up)
 
-    def run(self, step: int, plan: StepPlan, replicas: StageReplicas | None) -> tuple[list[Record], list[Record]]:
+    def run(self, step: int, plan: StepPlan, replicas: DataParallel | None) -> tuple[list[Record], list[Record]]:
         """The step's actions, then (training) the replicas' gradient average; its records and their parts.
 
         Raises `StepAborted` when the coordinator dropped the step, `StepFailed` when it failed here.

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from lightning_pipe.backends import StageTrace
 from lightning_pipe.errors import PipeError
@@ -159,15 +160,21 @@ class StageStateCalls:
     def call_grad_norm(self, norm_type: float, skip: Sequence[str] = ()) -> float:
         """This rank's share of the global norm: the sum of ``|g|^p`` (or the max of ``|g|`` for inf).
 
-        ``skip`` names copies of a tied weight that another rank already counts.
+        ``skip`` names copies of a tied weight that another rank already counts. A gradient sharded over the
+        stage's replicas (FSDP) counts whole: its shards' shares are summed over the replicas.
         """
         grads = self._param_grads(skip)
         if not grads:
             return 0.0
-        if math.isinf(norm_type):
-            return max(g.detach().abs().max().item() for g in grads)
-        norms = torch.stack([torch.linalg.vector_norm(g.detach(), norm_type).float().cpu() for g in grads])
-        return float((norms**norm_type).sum())
+        infinite = math.isinf(norm_type)
+        shares = [
+            g.detach().abs().max().float()
+            if infinite
+            else torch.linalg.vector_norm(g.detach(), norm_type).float() ** norm_type
+            for g in (_local(g) for g in grads)
+        ]
+        share = torch.stack(shares).max() if infinite else torch.stack(shares).sum()
+        return float(_over_shards(share, grads, "max" if infinite else "sum"))
 
     def call_scale_grads(self, factor: float) -> None:
         for g in self._param_grads():
@@ -179,11 +186,13 @@ class StageStateCalls:
 
     def call_unscale_grads(self, inv_scale: float) -> bool:
         """A GradScaler's unscale on this rank: multiply by ``inv_scale``; True if any gradient is inf/nan."""
-        found = False
-        for g in self._param_grads():
+        grads = self._param_grads()
+        found = torch.zeros(())
+        for g in grads:
             g.detach().mul_(inv_scale)
-            found = found or not bool(torch.isfinite(g).all())
-        return found
+            if not bool(torch.isfinite(_local(g)).all()):
+                found = torch.ones(())
+        return bool(_over_shards(found, grads, "max"))
 
     # the optimizer
     def call_build_optimizer(self, cls: type, defaults: dict[str, Any], groups: list[GroupSpec]) -> None:
@@ -200,6 +209,21 @@ class StageStateCalls:
         if self._optimizer is None:
             raise PipeError(f"rank {self.rank} has no optimizer; build it first (StageOptimizers)")
         return self._optimizer
+
+    def has_optimizer(self) -> bool:
+        return self._optimizer is not None
+
+    def optimizer(self) -> tuple[torch.optim.Optimizer, list[list[str]]]:
+        """This rank's optimizer and, per parameter group, the names of its parameters in order."""
+        return self._stage_optimizer(), self._optimizer_names
+
+    def named_parameters(self) -> dict[str, nn.Parameter]:
+        """The parameters of this rank's shards, by the unsplit module's names."""
+        return self._named_parameters()
+
+    def regather(self) -> None:
+        """The shards' parameters were replaced (sharded by FSDP): the gradients set aside follow the new ones."""
+        self.grads = GradStash(p for shard in self.shards.values() for p in shard.module.parameters())
 
     def call_set_hparams(self, hparams: list[dict[str, Any]]) -> None:
         for group, values in zip(self._stage_optimizer().param_groups, hparams, strict=True):
@@ -253,3 +277,22 @@ class StageStateCalls:
             for trace in self.traces.values():
                 trace.reset()
         return traces
+
+
+def _local(grad: torch.Tensor) -> torch.Tensor:
+    """This process's part of a gradient: its shard where FSDP shards it (a DTensor), else all of it."""
+    return grad.to_local() if isinstance(grad, DTensor) else grad
+
+
+def _over_shards(value: torch.Tensor, grads: Sequence[torch.Tensor], op: str) -> torch.Tensor:
+    """``value`` (a reduction over this process's shards) reduced over the processes that hold the other shards."""
+    sharded = next((g for g in grads if isinstance(g, DTensor)), None)
+    if sharded is None:
+        return value
+    import torch.distributed as dist
+
+    reduced = value.detach().to(_local(sharded).device).clone()
+    dist.all_reduce(
+        reduced, dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=sharded.device_mesh.get_group()
+    )
+    return reduced.cpu()

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from lightning_pipe import tree
+from lightning_pipe.errors import PartitionError
 from lightning_pipe.executors import call_module
 
 
@@ -50,10 +51,17 @@ def param_costs(layers: Sequence[nn.Module]) -> list[float]:
     return [float(sum(p.numel() for p in layer.parameters()) or 1) for layer in layers]
 
 
+def _on_meta(layers: Sequence[nn.Module]) -> bool:
+    return any(t.is_meta for layer in layers for t in [*layer.parameters(), *layer.buffers()])
+
+
 def memory_costs(layers: Sequence[nn.Module], sample: Any) -> list[float]:
-    """Bytes of parameters plus bytes of the activation each layer produces on ``sample``."""
+    """Bytes of parameters plus bytes of the activation each layer produces on ``sample``.
+
+    A model built on the meta device is measured on a meta copy of ``sample``: shapes are all this needs.
+    """
     costs = []
-    x = sample
+    x = tree.map_tensors(lambda t: t.to("meta"), sample) if _on_meta(layers) else sample
     with torch.no_grad():
         for layer in layers:
             x = call_module(layer, x)
@@ -65,6 +73,12 @@ def memory_costs(layers: Sequence[nn.Module], sample: Any) -> list[float]:
 
 def time_costs(layers: Sequence[nn.Module], sample: Any, repeats: int = 3) -> list[float]:
     """Seconds of forward + backward per layer on ``sample`` (median of ``repeats``)."""
+    if _on_meta(layers):
+        raise PartitionError(
+            "partition='time' times each layer's forward and backward, which needs its weights, but the model was "
+            "built on the meta device (init_module(empty_init=True) or configure_model): use partition='params', "
+            "'memory' or 'uniform', or give the layer counts"
+        )
     costs = []
     x = tree.detach(sample)
     for layer in layers:

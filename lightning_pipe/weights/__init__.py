@@ -10,12 +10,14 @@ from lightning_pipe.weights.sources import (
     is_distributed_checkpoint,
     open_source,
 )
+from lightning_pipe.weights.stage_init import StageInit, meta_copy
 
 __all__ = [
     "DcpSource",
     "Materialized",
     "Prefixed",
     "SafetensorsSource",
+    "StageInit",
     "TorchFileSource",
     "WeightSource",
     "adopt",
@@ -23,6 +25,7 @@ __all__ = [
     "free_to_meta",
     "is_distributed_checkpoint",
     "materialize",
+    "meta_copy",
     "on_meta",
     "open_source",
 ]

@@ -51,6 +51,9 @@ class CheckpointReader:
         """Everything Lightning restores besides the tensors: loops, callbacks, epoch, hyperparameters, ..."""
         raise NotImplementedError
 
+    def release(self, value: Any) -> None:
+        """The caller copied ``value`` (a tensor this reader returned) and does not read it again."""
+
     def close(self) -> None:
         """Let go of the file (a single file stays mapped until then)."""
 
@@ -85,6 +88,10 @@ class FileCheckpoint(CheckpointReader):
 
     def lightning_state(self) -> dict[str, Any]:
         return {k: v for k, v in self.content.items() if k not in (MODEL, "optimizer_states")}
+
+    def release(self, value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            self.file.release(value)
 
     def close(self) -> None:
         self.file.close()

@@ -50,17 +50,23 @@ def materialize(
     seed: int = 0,
     aliases: Mapping[str, Sequence[str]] | None = None,
     init_owner: nn.Module | None = None,
+    overwrite: bool = False,
+    made: dict[int, torch.Tensor] | None = None,
 ) -> Materialized:
     """Make every meta tensor of ``module`` real on ``device``; its keys are those of ``module.state_dict()``.
 
     ``aliases`` gives other keys of a tied tensor (HF's ``lm_head.weight`` is saved as
     ``transformer.wte.weight``); ``init_owner`` is the unsplit model whose ``_init_weights`` initialises modules
-    without ``reset_parameters`` (HuggingFace). Tensors that are real already are left as they are.
+    without ``reset_parameters`` (HuggingFace). Tensors that are real already are left as they are, or, with
+    ``overwrite``, get the source's values where it holds them. ``made`` (meta tensor's id -> its real
+    tensor) carries what one call made to the next, for modules that share tensors.
     """
     device = torch.device(device)
     aliases = aliases or {}
     done = Materialized()
-    made: dict[int, torch.Tensor] = {}  # id of a meta tensor -> its real one (a tied tensor is made once)
+    if overwrite and source is not None:
+        done.loaded += _overwrite(module, source, aliases)
+    made = {} if made is None else made  # id of a meta tensor -> its real one (a tied tensor is made once)
     for qualified, owner in module.named_modules(remove_duplicate=False):
         slots = [(key, slot, _get(slot)) for key, slot in _own_slots(qualified, owner) if _get(slot).is_meta]
         if not slots:
@@ -90,6 +96,21 @@ def materialize(
             _copy_in(made[tid], source, name, key)
             done.loaded.append(key)
     return done
+
+
+def _overwrite(module: nn.Module, source: WeightSource, aliases: Mapping[str, Sequence[str]]) -> list[str]:
+    """Copy the source's values into the tensors of ``module`` that have values already."""
+    loaded, seen = [], set()
+    for qualified, owner in module.named_modules(remove_duplicate=False):
+        for key, slot in _own_slots(qualified, owner):
+            tensor = _get(slot)
+            name = _find(key, source, aliases)
+            if tensor.is_meta or id(tensor) in seen or name is None:
+                continue
+            seen.add(id(tensor))
+            _copy_in(tensor, source, name, key)
+            loaded.append(key)
+    return loaded
 
 
 def _copy_in(target: torch.Tensor, source: WeightSource, name: str, key: str) -> None:

@@ -1,0 +1,109 @@
+"""`StageCheckpoint`: a stage worker's part of a checkpoint: what it writes of a sharded folder, what it reads.
+
+In launched mode every process writes its own part of a checkpoint folder (torch.distributed.checkpoint,
+a collective over the whole world) and reads only its own part of one, so no process ever holds a
+whole model or a whole optimizer state. The coordinator starts both with a control call that every
+rank serves at once (`lightning_pipe.weights.sharded`, `lightning_pipe.weights.checkpoint`). Keys are
+the LightningModule's: ``prefix`` (the pipelined module's path, ``"model."``) before a shard's own names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from lightning_pipe.engine.stage_state import StageStateCalls
+from lightning_pipe.weights.checkpoint import OptimizerLayout, open_checkpoint
+from lightning_pipe.weights.sharded import OptimizerPart, save_sharded
+
+
+@dataclass
+class CoordinatorPart:
+    """What the coordinator's own process adds to its part of a sharded checkpoint: the LightningModule's
+    tensors outside the pipeline and their optimizer state, each optimizer's groups and layout, and (one
+    process of the run) Lightning's loop and callback state."""
+
+    model: dict[str, torch.Tensor] = field(default_factory=dict)
+    optimizer_state: dict[str, dict[str, Any]] = field(default_factory=dict)
+    groups: list[dict[str, Any]] | None = None
+    layout: OptimizerLayout | None = None
+    meta: dict[str, Any] | None = None
+
+
+class StageCheckpoint:
+    """Serves ``save_sharded`` and ``load_optimizer_from`` over the worker's shards and its optimizer."""
+
+    def __init__(self, shards: dict[int, Any], state: StageStateCalls) -> None:
+        self.shards = shards
+        self.state = state
+
+    def calls(self) -> dict[str, Callable[..., Any]]:
+        return {"save_sharded": self.call_save_sharded, "load_optimizer_from": self.call_load_optimizer_from}
+
+    def call_save_sharded(self, path: str, prefix: str, coordinator: CoordinatorPart | None = None) -> None:
+        """Write this process's part of the folder ``path`` (every process of the world at once)."""
+        part = coordinator or CoordinatorPart()
+        model = dict(part.model)
+        for shard in self.shards.values():
+            model.update({prefix + k: v for k, v in shard.module.state_dict().items()})
+        optimizers = []
+        if self.state.has_optimizer():
+            optimizer, names = self.state.optimizer()
+            flat = [n for group in names for n in group]
+            state = {prefix + flat[i]: s for i, s in optimizer.state_dict()["state"].items()}
+            state.update(part.optimizer_state)
+            optimizers.append(OptimizerPart(state, part.groups, part.layout))
+        save_sharded(path, model, optimizers, part.meta)
+
+    def call_load_optimizer_from(
+        self,
+        path: str,
+        prefix: str,
+        layout: OptimizerLayout,
+        hparams: list[dict[str, Any]],
+        aliases: dict[str, list[str]],
+    ) -> None:
+        """Read this rank's optimizer state from the checkpoint ``path`` by parameter name (a shard of each state
+        where FSDP shards the parameter), and the groups' hyperparameters."""
+        optimizer, names = self.state.optimizer()
+        params = self.state.named_parameters()
+        reader = open_checkpoint(path, [layout])
+        try:
+            by_index: dict[int, dict[str, Any]] = {}
+            index = 0
+            for group in names:
+                for name in group:
+                    for key in (name, *aliases.get(name, ())):
+                        saved = reader.optimizer_state(0, prefix + key)
+                        if saved:
+                            by_index[index] = {k: _like(params[name], v) for k, v in saved.items()}
+                            for value in saved.values():
+                                reader.release(value)
+                            break
+                    index += 1
+            groups, start = [], 0
+            for group, values in zip(names, hparams, strict=True):
+                groups.append({**values, "params": list(range(start, start + len(group)))})
+                start += len(group)
+            optimizer.load_state_dict({"state": by_index, "param_groups": groups})
+        finally:
+            reader.close()
+
+
+def _like(param: torch.Tensor, value: Any) -> Any:
+    """A saved optimizer state as ``param`` holds it: its own copy (the saved one may map a file), and where
+    the parameter is a shard of a whole (FSDP), the same shard of the saved whole."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    if isinstance(param, DTensor) and tuple(value.shape) == tuple(param.shape):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+        piece = value[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))]
+        local = piece.to(param.to_local().device, copy=True)
+        return DTensor.from_local(local, param.device_mesh, param.placements, shape=param.shape, stride=param.stride())
+    return value.to(param.device, copy=True)

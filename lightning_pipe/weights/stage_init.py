@@ -1,0 +1,99 @@
+"""`StageInit`: how a stage makes its tensors where it runs, as the coordinator describes it to every stage.
+
+The description crosses to other processes (it is part of a stage's build spec), so it names a path, not
+an open file: each process opens the checkpoint or the weights itself and reads only its stage's keys.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+
+from lightning_pipe.weights.checkpoint import MODEL
+from lightning_pipe.weights.materialize import Materialized, aliases_of, materialize, on_meta
+from lightning_pipe.weights.sources import Prefixed, WeightSource, is_distributed_checkpoint, open_source
+
+T = TypeVar("T")
+
+
+@dataclass
+class StageInit:
+    """Where a stage's initial values come from.
+
+    ``path`` is a Lightning checkpoint (a single file or a sharded folder; ``checkpoint=True``) or pretrained
+    weights of the pipelined module (safetensors, a ``torch.save``d state dict, a DCP folder); ``prefix`` is
+    the pipelined module's path in the checkpoint's keys (``"model."``). Tensors it holds are read from it
+    (also into tensors that have values already, with ``overwrite``: a resumed run); tensors without values
+    (built on meta) that it does not hold are initialised by their modules under ``seed`` and their names.
+    ``aliases`` are the other names of tied tensors; ``init_owner`` a meta copy of the pipelined module that
+    initialises modules without ``reset_parameters`` (HuggingFace's ``_init_weights``).
+    """
+
+    path: str | None = None
+    checkpoint: bool = False
+    prefix: str = ""
+    seed: int = 0
+    overwrite: bool = True
+    aliases: dict[str, list[str]] = field(default_factory=dict)
+    init_owner: nn.Module | None = None
+
+    def for_module(self, module: nn.Module) -> StageInit:
+        """This description for the pipelined ``module``: with the names its tied tensors share, and (for a model
+        that initialises its modules itself, HuggingFace's) a meta copy of it to do so."""
+        owner = self.init_owner
+        if owner is None and callable(getattr(module, "_init_weights", None)) and self._may_initialise(module):
+            owner = meta_copy(module)
+        return replace(self, aliases=self.aliases or aliases_of(module), init_owner=owner)
+
+    def _may_initialise(self, module: nn.Module) -> bool:
+        return on_meta(module)
+
+    def source(self) -> WeightSource | None:
+        """The opened source, its keys those of the pipelined module (None: nothing to read)."""
+        if self.path is None:
+            return None
+        opened = open_source(self.path)
+        if self.checkpoint:
+            section = f"{MODEL}." if is_distributed_checkpoint(self.path) else ""
+            return Prefixed(opened, section + self.prefix)
+        return Prefixed(opened, self.prefix) if self.prefix else opened
+
+    def apply(self, modules: list[tuple[nn.Module, torch.device]]) -> Materialized:
+        """Make the tensors of ``modules`` (a worker's shards, named as in the pipelined module, each with its
+        device) what this says; a tensor two of them share (a tied weight) is made once."""
+        if self.path is None and not any(on_meta(module) for module, _ in modules):
+            return Materialized()  # nothing to read, nothing without values
+        source = self.source()
+        done = Materialized()
+        made: dict[int, torch.Tensor] = {}
+        try:
+            for module, device in modules:
+                part = materialize(
+                    module, device, source, self.seed, self.aliases, self.init_owner, self.overwrite, made
+                )
+                done.loaded += part.loaded
+                done.initialized += part.initialized
+        finally:
+            if source is not None:
+                source.close()
+        return done
+
+
+def meta_copy(obj: T, modules: Iterable[nn.Module] | None = None) -> T:
+    """A copy of ``obj`` (a module, or anything holding ``modules``) whose modules' parameters and buffers are on
+    the meta device (shapes only): cheap to make, to pickle and to send, whatever the size of the model."""
+    held = [obj] if modules is None and isinstance(obj, nn.Module) else list(modules or ())
+    memo: dict[int, Any] = {}
+    for module in held:
+        for tensor in [*module.parameters(), *module.buffers()]:
+            if id(tensor) not in memo:
+                empty = torch.empty_like(tensor, device="meta")
+                memo[id(tensor)] = (
+                    nn.Parameter(empty, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else empty
+                )
+    return copy.deepcopy(obj, memo)
