@@ -38,6 +38,7 @@ from lightning_pipe.comm.control import ControlServer, Slot, parse_address
 from lightning_pipe.comm.local_workers import exit_reason
 from lightning_pipe.comm.rpc_endpoint import RpcEndpoint, TransportStats, register_inbox
 from lightning_pipe.comm.rpc_hosted import HostedWorld, wait_all, wait_future
+from lightning_pipe.comm.rpc_plane import DataPlane
 from lightning_pipe.comm.rpc_stages import build_stage, stage_stats, stop_stage
 from lightning_pipe.comm.slot import TOKEN_ENV
 from lightning_pipe.errors import PipeTimeoutError, StageError, TransportError
@@ -101,6 +102,12 @@ class RpcCommunicator(Communicator):
     def pids(self) -> dict[int, int]:
         """Process id of each rank's worker (on its own machine)."""
         return {rank: slot.pid for rank, slot in enumerate(self._world.slots)} if self._world else {}
+
+    @property
+    def data_plane(self) -> DataPlane | None:
+        """This process's side of the world's data plane (the groups activations and gradients cross), once
+        the workers joined; kept while the world lives (a pool's pipelines share it)."""
+        return self._world.plane if self._world else None
 
     @property
     def refused(self) -> list[str]:

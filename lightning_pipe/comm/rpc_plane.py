@@ -30,11 +30,10 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from lightning_pipe.comm.base import Message, QueueInbox, deadline, remaining
-from lightning_pipe.comm.p2p_wire import Wire
+from lightning_pipe.comm.p2p_wire import Wire, WireStats
 
 
 def address(launch: str, rank: int) -> int:
@@ -65,7 +64,7 @@ class PlaneLayout:
         """The layout for stage slots given as (machine, device), in rank order."""
         devices = [(host, _normalized(device)) for host, device in slots]
         users = Counter(devices)
-        cuda = [w + 1 for w, (host, device) in enumerate(devices) if device.startswith("cuda")]
+        cuda = [w + 1 for w, (host, device) in enumerate(devices) if is_cuda(device)]
         alone = tuple(w for w in cuda if users[devices[w - 1]] == 1)
         shared: dict[tuple[str, str], list[int]] = {}
         for w in cuda:
@@ -119,6 +118,18 @@ class DataPlane:
     def through_host(self, process: int) -> bool:
         """Whether tensors to ``process`` cross through host memory (gloo), not device to device."""
         return self._routes[process][0].device.type == "cpu"
+
+    def stats(self, reset: bool = False) -> dict[int, WireStats]:
+        """What each endpoint of this process (by rank; ``COORDINATOR``: -1) sent over the plane: messages
+        (a bundle counts once), tensor bytes, and the frames' headers and pickled bytes."""
+        out: dict[int, WireStats] = {}
+        for wire in self._wires:
+            for source, stats in wire.stats(reset).items():
+                total = out.setdefault(source, WireStats())
+                for name in ("messages", "tensor_bytes", "pickled_bytes", "header_bytes", "local"):
+                    getattr(total, name).update(getattr(stats, name))
+                total.signatures += stats.signatures
+        return out
 
     def attach(self, destination: int, inbox: QueueInbox) -> None:
         for wire in self._wires:
@@ -200,9 +211,11 @@ def _nccl_group(store: dist.Store, rank: int, size: int, timeout: float) -> Any:
     return ProcessGroupNCCL(store, rank, size, options)
 
 
+def is_cuda(device: str) -> bool:
+    """Whether a slot's device (any runtime's name: ``"cuda:1"``, ``"cpu"``, a custom one) is a CUDA GPU."""
+    return device.split(":")[0] == "cuda"
+
+
 def _normalized(device: str) -> str:
     """``"cuda"`` names the first GPU of its machine, as a slot offers it."""
-    parsed = torch.device(device)
-    if parsed.type == "cuda" and parsed.index is None:
-        return "cuda:0"
-    return str(parsed)
+    return "cuda:0" if device == "cuda" else device

@@ -2,9 +2,10 @@
 
 A slot connects to the coordinator, says hello (token, versions, device), waits for its rank, makes
 its side of the world's data plane (`rpc_plane`), joins the coordinator's RPC world and then serves
-the stages the coordinator builds on it, until the coordinator ends the run. If the coordinator goes away, the slot exits: nothing is left behind. The
-``lightning-pipe worker`` command (`lightning_pipe.worker`) starts one per device; ``transport="rpc"``
-without a coordinator address spawns them itself.
+the stages the coordinator builds on it, until the coordinator ends the run. If the coordinator goes
+away, the slot exits: nothing is left behind. The ``lightning-pipe worker`` command
+(`lightning_pipe.worker`) starts one per device; ``transport="rpc"`` without a coordinator address
+spawns them itself.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch.distributed as dist
 
 from lightning_pipe.comm.control import parse_address
 from lightning_pipe.comm.control_link import WorkerLink, WorkerRefused
-from lightning_pipe.comm.rpc_plane import PlaneLayout, describe_process, open_plane, world_rank
+from lightning_pipe.comm.rpc_plane import PlaneLayout, describe_process, is_cuda, open_plane, world_rank
 from lightning_pipe.comm.rpc_stages import EXIT, PLANE, REPORT
 from lightning_pipe.comm.rpc_world import join_world, leave_world
 from lightning_pipe.errors import TransportError
@@ -76,7 +77,7 @@ def run_slot(
     try:
         store = dist.TCPStore(host, port, None, False, timedelta(seconds=timeout))
         tag = message["tag"]
-        if torch.device(device).type == "cuda":
+        if is_cuda(device):
             torch.cuda.set_device(torch.device(device))  # this process's device: its NCCL group's and its stages'
         # the data plane first: the coordinator builds stages here once every process joined the RPC world
         layout = PlaneLayout.from_json(message["plane"])
