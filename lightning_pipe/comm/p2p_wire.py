@@ -101,7 +101,8 @@ class _Link:
 
 
 class Wire:
-    """This process's links to the other processes of one pipeline (``ranks`` in pipeline order)."""
+    """This process's links to the other processes of one pipeline (``ranks`` in pipeline order), or of an RPC
+    world's data plane (`rpc_plane`, over groups made apart from the default one: ``group_ranks`` and ``backend``)."""
 
     def __init__(
         self,
@@ -127,7 +128,7 @@ class Wire:
         #: inline frames into buffers posted ahead (`p2p_receive`); NCCL gets each part of a frame in order
         self.framed = self.backend == "gloo"
         self.keepalive = max(0.05, min(5.0, timeout / 4))
-        self.lost: tuple[int, str] | None = None  # the first peer lost (pipeline rank) and why
+        self.lost: tuple[int, str] | None = None  # the first peer lost (its index in ranks) and why
         self._dead: set[int] = set()  # peers whose link broke
         self._closed: set[int] = set()  # peers that closed their side: nothing more goes to them
         self._inboxes: dict[int, QueueInbox] = {WIRE: QueueInbox()}

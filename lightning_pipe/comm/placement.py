@@ -1,5 +1,4 @@
-"""Where a stage built in another process runs: that process's own device, whatever the spec said; and
-where its point-to-point tensors live and which rank of its group it is.
+"""Where things of a process live: a stage built there (its own device), its point-to-point tensors, its peers' ranks.
 
 A `StageSpec` is made in the coordinator's process, whose shards name the coordinator's idea of a
 device. A worker process places them on the device it was given (an RPC slot's offer, or in
