@@ -95,3 +95,18 @@ def test_a_pool_keeps_its_data_plane_across_pipelines(pool: RpcCommunicator) -> 
         for name, grad in want.items():
             torch.testing.assert_close(got[name], grad, rtol=0, atol=1e-5, msg=name)
     assert planes[0] is not None and planes[0] is planes[1] is pool.data_plane
+
+
+def test_a_rank_holding_consecutive_stages_hands_them_their_inputs_itself(pool: RpcCommunicator) -> None:
+    """runner="linear": every stage on rank 0, whose activations and gradients go to its own inbox."""
+    model = mlp(width=16)
+    x, y = data()
+    want = unsplit_grads(model, x, y)
+    with Pipeline(model, stages=3, runner="linear", transport=pool, partition="uniform", timeout=60) as pipe:
+        pipe.train_step(x, y, F.cross_entropy, microbatches=4)
+        pipe.coordinator.settle()
+        got = pipe.grads()
+        sent = pool.stats()[0]
+    for name, grad in want.items():
+        torch.testing.assert_close(got[name], grad, rtol=0, atol=1e-5, msg=name)
+    assert sent.messages[MessageKind.ACTIVATION] == 2 * 4  # stage 0 -> 1 and 1 -> 2, to itself

@@ -117,7 +117,7 @@ class DataPlane:
 
     def through_host(self, process: int) -> bool:
         """Whether tensors to ``process`` cross through host memory (gloo), not device to device."""
-        return self._routes[process][0].device.type == "cpu"
+        return process != self.me and self._routes[process][0].device.type == "cpu"
 
     def stats(self, reset: bool = False) -> dict[int, WireStats]:
         """What each endpoint of this process (by rank; ``COORDINATOR``: -1) sent over the plane: messages
@@ -176,7 +176,7 @@ def open_plane(
     everyone = list(range(layout.size))
     gloo = _gloo_group(dist.PrefixStore(f"{prefix}-gloo", store), me, layout.size, interface, timeout)
     wire = Wire(gloo, everyone, me, describe, timeout, group_ranks=everyone, backend="gloo")
-    routes = {w: (wire, w) for w in everyone if w != me}
+    routes = {w: (wire, w) for w in everyone}  # to itself: into its own inbox, by reference
     wires = [wire]
     if me in layout.nccl:
         members = list(layout.nccl)
