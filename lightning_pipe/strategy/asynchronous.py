@@ -46,8 +46,20 @@ class AsyncTraining:
         self.totals: dict[int, Staleness] = {}
         self._factory = self.factory  # one object: the stages keep their optimizers while it stays the same
 
-    def attach(self, optimizers: list[torch.optim.Optimizer], stage_params: list[nn.Parameter]) -> None:
+    @property
+    def streaming(self) -> bool:
+        """Whether a stream is open: it owns the stages (their weights and generators) until it drains."""
+        return self.stream is not None and not self.stream.closed
+
+    def attach(
+        self, optimizers: list[torch.optim.Optimizer], stage_params: list[nn.Parameter], accumulate: int, scaler: Any
+    ) -> None:
         """Take the hyperparameters from ``optimizers`` and hide the stage parameters from them."""
+        if accumulate != 1 or scaler:
+            raise ConfigurationError(
+                "PipeStrategy(schedule='async') steps each stage once per batch in full precision; "
+                "use accumulate_grad_batches=1 and no gradient scaler"
+            )
         ids = {id(p) for p in stage_params}
         holders = [o for o in optimizers if any(id(p) in ids for g in o.param_groups for p in g["params"])]
         if len(holders) > 1:
@@ -154,6 +166,12 @@ class AsyncTraining:
         stream.abort()
         for key in self._updates:  # the dropped updates: the next batch's update uses the next batch's values
             self._updates[key] = len(self.fed_hparams)
+
+    def abort(self) -> None:
+        """After an error: stop the open stream without draining it (its stages may be gone)."""
+        if self.stream is not None:
+            self.stream.abort()
+            self.stream = None
 
     def record(self, pipeline: Pipeline) -> None:
         for stats in pipeline.coordinator.call("async_stats"):
