@@ -2,8 +2,8 @@
 worker processes; opened and closed with every wait bounded.
 
 Opening: listen on the control port, start local worker processes (or wait for ``lightning-pipe
-worker`` slots), hand out ranks with the store's port and the data plane's layout, join the RPC world
-(the coordinator is its rank 0) and make the data plane (`rpc_plane`) with every slot at once.
+worker`` slots), hand out ranks with the store's port and the data plane's layout, make the data plane
+(`rpc_plane`) with every slot at once, then join the RPC world (the coordinator is its rank 0).
 Closing: ask each live slot to leave, close the data plane meanwhile, leave the world, end the
 worker processes (lost ones are killed first, so nothing waits for them).
 """
@@ -47,7 +47,7 @@ class HostedWorld:
 
     def open(self, count: int, timeout: float, spawn: tuple[list[str], int] | None) -> None:
         """Wait for ``count`` slots (first starting local workers: ``spawn`` = (devices, threads)), assign their
-        ranks, join the RPC world and make the data plane."""
+        ranks, make the data plane and join the RPC world."""
         until = deadline(timeout)
         server = self.server
         if spawn is not None:
