@@ -43,15 +43,8 @@ import torch.distributed as dist
 
 from lightning_pipe.comm import p2p_frames as frames
 from lightning_pipe.comm.base import COORDINATOR, Message, QueueInbox, deadline, remaining
-from lightning_pipe.comm.p2p_receive import (
-    FRAME_BUFFERS,
-    FRAME_TAG,
-    SPILL_TAG,
-    Receiver,
-    ahead_of_time,
-    body_tag,
-    first_line,
-)
+from lightning_pipe.comm.p2p_frames import FRAME_BUFFERS, FRAME_TAG, SPILL_TAG, ahead_of_time, body_tag
+from lightning_pipe.comm.p2p_receive import Receiver, first_line
 from lightning_pipe.comm.placement import group_ranks_of, process_device
 from lightning_pipe.errors import TransportError
 

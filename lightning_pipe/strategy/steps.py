@@ -20,7 +20,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_pipe.backends import CoordinatorOps
-from lightning_pipe.engine.coordinator import StepResult
+from lightning_pipe.engine import StepResult
 from lightning_pipe.errors import ConfigurationError, PipeError
 from lightning_pipe.loss import Loss, WeightedLoss
 from lightning_pipe.microbatch import batch_size, split
