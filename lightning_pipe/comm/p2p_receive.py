@@ -34,6 +34,7 @@ class ReceivingWire(Protocol):
 
     group: Any  # the process group
     ranks: list[int]  # the pipeline's processes, in pipeline order
+    group_ranks: list[int]  # each one's rank in ``group``: what a receive names as its source
     device: torch.device  # where the frames land
     framed: bool  # gloo: frames into buffers posted ahead; else (NCCL) every part in order
     timeout: float
@@ -51,7 +52,7 @@ class Receiver:
     """The receiving thread of one peer's link (``Wire`` starts it); delivers into the wire's inboxes."""
 
     def __init__(self, wire: ReceivingWire, peer: int) -> None:
-        self.wire, self.peer, self.src = wire, peer, wire.ranks[peer]
+        self.wire, self.peer, self.src = wire, peer, wire.group_ranks[peer]
         self.signatures: dict[int, frames.Signature] = {}
         self.ahead: dict[int, tuple[list[torch.Tensor], list[Any]]] = {}  # framed: one body per large signature
 
@@ -162,7 +163,7 @@ class Receiver:
 
     def _irecv(self, tensor: torch.Tensor, tag: int) -> Any:
         with self.wire.on_stream(None):
-            return dist.irecv(tensor, src=self.src, group=self.wire.group, tag=tag)
+            return dist.irecv(tensor, group=self.wire.group, tag=tag, group_src=self.src)
 
     def _complete(self, works: list[Any]) -> None:
         with self.wire.on_stream(None):
