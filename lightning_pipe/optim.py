@@ -43,7 +43,9 @@ class StagedModel(Protocol):
 class StageOptimizers:
     """The per-stage parts of ``template``; parameters of ``template`` outside the pipeline stay with it."""
 
-    def __init__(self, pipeline: StagedModel, template: torch.optim.Optimizer) -> None:
+    def __init__(
+        self, pipeline: StagedModel, template: torch.optim.Optimizer, names: dict[int, str] | None = None
+    ) -> None:
         if not pipeline.communicator.stages_own_parameters:
             raise ConfigurationError(
                 "with transport='local' the stages share the module's parameters: step the optimizer itself"
@@ -51,9 +53,13 @@ class StageOptimizers:
         self.pipeline = pipeline
         self.template = template
         locations = pipeline.parameter_locations()
-        self._layout: list[list[Location | None]] = [
-            [locations.get(id(p)) for p in group["params"]] for group in template.param_groups
-        ]
+        if names is not None:  # the template's parameters by their names in the pipelined module (launched mode)
+            by_name = {location[1]: location for location in reversed(list(locations.values()))}
+            self._layout: list[list[Location | None]] = [
+                [by_name.get(names.get(id(p), "")) for p in group["params"]] for group in template.param_groups
+            ]
+        else:
+            self._layout = [[locations.get(id(p)) for p in group["params"]] for group in template.param_groups]
         self._outside = any(loc is None for layout in self._layout for loc in layout)
         # a tied weight (one parameter of the template) has a copy on several ranks: each steps its own copy
         self._copies: dict[Location, list[Location]] = {holders[0]: holders for holders in pipeline.tied}
@@ -202,3 +208,25 @@ class StageOptimizers:
             for group, values in zip(self.template.param_groups, hparams, strict=True):
                 group.update(values)
         self._pushed = copy.deepcopy(self._hparams())
+
+    def load_where_saved(
+        self, load: Callable[[list[dict[str, Any]]], None], hparams: list[dict[str, Any]], outside: dict[int, Any]
+    ) -> None:
+        """Each rank reads its own state where it was saved (``load(hparams)`` asks them: launched mode, so that
+        no process holds another's); ``outside``: the saved state of the template's own parameters, by position."""
+        load(hparams)
+        groups, start = [], 0
+        for layout, values in zip(self._layout, hparams, strict=True):
+            groups.append({**values, "params": list(range(start, start + len(layout)))})
+            start += len(layout)
+        if self._outside:
+            self.template.load_state_dict({"state": outside, "param_groups": groups})
+        else:
+            for group, values in zip(self.template.param_groups, hparams, strict=True):
+                group.update(values)
+        self._pushed = copy.deepcopy(self._hparams())
+
+    def outside_positions(self) -> list[int]:
+        """The positions (in the template's order) of its parameters that are not on any stage."""
+        flat = [loc for layout in self._layout for loc in layout]
+        return [position for position, loc in enumerate(flat) if loc is None]

@@ -331,8 +331,10 @@ class Pipeline:
     def grads(self) -> dict[str, torch.Tensor | None]:
         return self.stage_state.grads()
 
-    def optimizer(self, template: torch.optim.Optimizer) -> StageOptimizers:
-        return self.stage_state.optimizer(template)
+    def optimizer(self, template: torch.optim.Optimizer, names: dict[int, str] | None = None) -> StageOptimizers:
+        """``template``'s per-stage parts (``names``: its parameters' names in the module, where they are not the
+        objects the stages were cut from)."""
+        return self.stage_state.optimizer(template, names)
 
     def _weighted(self, criterion: Loss | Criterion, ops: str | None = None) -> WeightedLoss:
         """The user's loss on the module's own output, weighted (targets are ``(weight, target)``)."""

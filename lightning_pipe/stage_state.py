@@ -208,6 +208,6 @@ class StageState:
                 )
         self.coordinator.call("install_variants", each=[(own,) for own in updates])
 
-    def optimizer(self, template: torch.optim.Optimizer) -> StageOptimizers:
+    def optimizer(self, template: torch.optim.Optimizer, names: dict[int, str] | None = None) -> StageOptimizers:
         """Per-stage parts of ``template`` (an optimizer over ``module``'s parameters); see `StageOptimizers`."""
-        return StageOptimizers(self, template)
+        return StageOptimizers(self, template, names)

@@ -2,8 +2,8 @@
 
 Every process runs this script; PipeStrategy makes R replicas x P pipeline ranks of them. Each case
 is one ``fit`` of 3 optimizer steps on a small MLP; after it, every coordinator saves the trained
-module's state (``<out>/<case>-rank<g>.pt``) for the test to compare with the unsplit model trained on the
-global batch. ``--save``/``--resume`` write and resume a checkpoint; ``--kill-rank G --kill-call N`` makes
+module's state (``<out>/<case>-rank<g>.pt``: every process its own stage's tensors) for the test to put
+together and compare with the unsplit model trained on the global batch. ``--save``/``--resume`` write and resume a checkpoint; ``--kill-rank G --kill-call N`` makes
 global rank G SIGKILL itself in the N-th forward of its first stage (mid-step).
 
     python tests/launched_train.py --devices 4 --cases s2-sgd-gpipe,s4-adam-1f1b --out /tmp/x
@@ -132,9 +132,11 @@ def main() -> None:
         loader = DataLoader(data, batch_size=GLOBAL_BATCH // replicas)
         trainer.fit(model, loader, ckpt_path=args.resume if case["resume"] else None)
         layout = trainer.strategy.layout
+        rank = trainer.global_rank
+        # each process's LightningModule holds its own stage's trained tensors (the rest is on meta)
+        trained = {k: v.cpu() for k, v in model.model.state_dict().items() if not v.is_meta}
+        torch.save(trained, out / f"{name}-rank{rank}.pt")
         if layout is None or layout.coordinates:
-            rank = trainer.global_rank
-            torch.save({k: v.cpu() for k, v in model.model.state_dict().items()}, out / f"{name}-rank{rank}.pt")
             if trainer.is_global_zero:
                 info = {"world_size": layout.world_size if layout else 1, "replicas": layout.replicas if layout else 1,
                         "loss": float(trainer.callback_metrics["train_loss"])}  # fmt: skip

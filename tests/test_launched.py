@@ -3,7 +3,7 @@
 Each launch trains several cases (layouts R x P, optimizers, schedules, accumulation and clipping) in
 the same processes; the coordinators save what they trained, and here it must equal the unsplit
 model trained on the global batch (to 1e-5), on every replica. A checkpoint written under 2 x 2
-resumes under 1 x 4, under local mode, and loads into a plain Trainer.
+resumes under 1 x 4 and under local mode, and consolidated into one file it loads into a plain Trainer.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from launching import ROOT, Run, lightning_launch, slurm, torchrun
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_pipe import PipeStrategy
+from lightning_pipe.weights.consolidate import consolidate
 
 SCRIPT = str(ROOT / "tests" / "launched_train.py")
 pytestmark = pytest.mark.slow
@@ -65,9 +66,16 @@ def reference(name: str, steps: int = STEPS, orders: tuple[Any, ...] = (shuffled
 
 
 def check_trained(out: Path, name: str, coordinators: list[int], steps: int = STEPS) -> None:
+    """Each replica's processes (its coordinator's block of ranks) together hold the trained model, each its
+    own stage; put together, it equals the unsplit model."""
     expected = reference(name, steps)
+    stages = parse_case(name)["stages"]
     for rank in coordinators:
-        got = torch.load(out / f"{name}-rank{rank}.pt")
+        got: dict[str, torch.Tensor] = {}
+        for member in range(rank, rank + stages):
+            own = torch.load(out / f"{name}-rank{member}.pt")
+            assert not got.keys() & own.keys() or stages == 1, f"{name}: ranks of one replica share tensors"
+            got.update(own)
         assert got.keys() == expected.keys()
         for key in expected:
             diff = (got[key] - expected[key]).abs().max().item()
@@ -103,15 +111,17 @@ def test_lightning_launcher_trains_like_the_unsplit_model_on_the_global_batch(tm
                             "--out", str(resumed)])  # fmt: skip
     assert_ok(run)
     check_trained(resumed, "s4-adam-1f1b-resume", [0], steps=STEPS + 1)
+    assert checkpoint.is_dir()  # a sharded folder: each process wrote its own stage
+    single = consolidate(checkpoint, tmp_path / "consolidated.ckpt")  # what a plain Trainer reads
     expected = reference("s2-adam-1f1b", STEPS + 1, (shuffled, in_order))  # no distributed sampler in one process
-    for strategy in (PipeStrategy(stages=2, microbatches=2, transport="local"), "auto"):
+    for strategy, path in ((PipeStrategy(stages=2, microbatches=2, transport="local"), checkpoint), ("auto", single)):
         L.seed_everything(0, verbose=False)
         model = Net("adam")
         trainer = L.Trainer(
             accelerator="cpu", devices=1, strategy=strategy, max_steps=STEPS + 1, logger=False,
             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         )  # fmt: skip
-        trainer.fit(model, DataLoader(make_data(STEPS), batch_size=GLOBAL_BATCH), ckpt_path=str(checkpoint))
+        trainer.fit(model, DataLoader(make_data(STEPS), batch_size=GLOBAL_BATCH), ckpt_path=str(path))
         for key, value in model.model.state_dict().items():
             assert (value - expected[key]).abs().max().item() < 1e-5, f"{strategy}: {key}"
 

@@ -92,8 +92,9 @@ def test_free_to_meta_keeps_a_stage_and_adopt_binds_a_sent_stage_to_this_process
     stage.add_module("1", nn.Linear(4, 4, device="meta"))
     adopt(stage, local)
     assert stage[0] is local[1]
-    freed = free_to_meta(local, list(stage.parameters()))
-    assert freed == 2 * (16 + 4) * 4
+    before = {id(p) for p in [*local[0].parameters(), *local[2].parameters()]}
+    replaced = free_to_meta(local, list(stage.parameters()))
+    assert set(replaced) == before and all(t.is_meta for t in replaced.values())
     assert local[0].weight.is_meta and local[2].weight.is_meta and not local[1].weight.is_meta
     assert sent[0].weight.is_meta
 

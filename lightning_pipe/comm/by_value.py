@@ -70,8 +70,8 @@ class _Pickler(cloudpickle.Pickler):
         self.main_names: dict[str, Any] = {}
 
     def persistent_id(self, obj: Any) -> int | None:
-        if type(obj) is torch.Tensor:  # parameters reduce to their data, a plain tensor
-            self.tensors.append(obj)
+        if type(obj) is torch.Tensor and not obj.is_meta:  # parameters reduce to their data, a plain tensor
+            self.tensors.append(obj)  # (a meta tensor, shapes only, pickles as itself)
             return len(self.tensors) - 1
         return None
 

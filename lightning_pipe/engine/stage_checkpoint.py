@@ -42,20 +42,28 @@ class StageCheckpoint:
         self.state = state
 
     def calls(self) -> dict[str, Callable[..., Any]]:
-        return {"save_sharded": self.call_save_sharded, "load_optimizer_from": self.call_load_optimizer_from}
+        return {
+            "save_sharded": self.call_save_sharded,
+            "load_optimizer_from": self.call_load_optimizer_from,
+        }
+
+    def _model(self, prefix: str) -> dict[str, torch.Tensor]:
+        return {prefix + k: v for shard in self.shards.values() for k, v in shard.module.state_dict().items()}
+
+    def _optimizer_state(self, prefix: str) -> dict[str, dict[str, Any]]:
+        if not self.state.has_optimizer():
+            return {}
+        optimizer, names = self.state.optimizer()
+        flat = [n for group in names for n in group]
+        return {prefix + flat[i]: s for i, s in optimizer.state_dict()["state"].items()}
 
     def call_save_sharded(self, path: str, prefix: str, coordinator: CoordinatorPart | None = None) -> None:
         """Write this process's part of the folder ``path`` (every process of the world at once)."""
         part = coordinator or CoordinatorPart()
-        model = dict(part.model)
-        for shard in self.shards.values():
-            model.update({prefix + k: v for k, v in shard.module.state_dict().items()})
+        model = {**part.model, **self._model(prefix)}
         optimizers = []
-        if self.state.has_optimizer():
-            optimizer, names = self.state.optimizer()
-            flat = [n for group in names for n in group]
-            state = {prefix + flat[i]: s for i, s in optimizer.state_dict()["state"].items()}
-            state.update(part.optimizer_state)
+        if self.state.has_optimizer() or part.layout is not None:
+            state = {**self._optimizer_state(prefix), **part.optimizer_state}
             optimizers.append(OptimizerPart(state, part.groups, part.layout))
         save_sharded(path, model, optimizers, part.meta)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -100,3 +101,20 @@ def check_launched(processes: int, devices: Sequence[str] | None, runner: str, a
             "PipeStrategy(schedule='async') runs with transport='local' in one process; in launched mode "
             "pick a synchronous schedule such as '1f1b'"
         )
+
+
+def check_memory_arguments(data_parallel: str, weights: Any, save_distributed_checkpoint: bool) -> None:
+    """``data_parallel``, ``weights`` and ``save_distributed_checkpoint``: known values, weights that exist."""
+    if data_parallel not in ("ddp", "fsdp"):
+        raise ConfigurationError(
+            f"PipeStrategy(data_parallel={data_parallel!r}): pass 'ddp' (each replica holds its whole stage) or "
+            "'fsdp' (each stage sharded over its replicas)"
+        )
+    if data_parallel == "fsdp" and not save_distributed_checkpoint:
+        raise ConfigurationError(
+            "PipeStrategy(data_parallel='fsdp', save_distributed_checkpoint=False): an FSDP stage is sharded over "
+            "its replicas, and one file would gather it; keep the sharded checkpoints (save_distributed_checkpoint="
+            "True) and make one file of a folder with `python -m lightning_pipe consolidate FOLDER OUT.ckpt`"
+        )
+    if weights is not None and not os.path.exists(weights):
+        raise ConfigurationError(f"PipeStrategy(weights={str(weights)!r}): no such file or folder")

@@ -29,6 +29,7 @@ from lightning_pipe.pipeline import Pipeline, resolve_partitioner
 from lightning_pipe.rng import run_seed
 from lightning_pipe.runtime import BaseRuntime, runtime_registry
 from lightning_pipe.strategy.session import capture_call
+from lightning_pipe.weights import StageInit
 
 _RUNTIME_HOOKS = (
     "train_epoch_begin",
@@ -40,7 +41,7 @@ _RUNTIME_HOOKS = (
 )
 
 
-@dataclass(frozen=True)
+@dataclass
 class Placement:
     """Where one fit's pipeline goes, as the strategy knows it at setup."""
 
@@ -49,6 +50,15 @@ class Placement:
     autocast: AutocastSpec | None  # the precision plugin's, applied in every stage
     transport: Callable[[], str | Communicator]  # a transport name, or launched mode's p2p communicator
     on_built: Callable[[Pipeline], None]  # the stages exist: random states and stage optimizers go in
+    init: StageInit | None = None  # how the stages make their tensors (a checkpoint, the weights, the seed)
+
+
+def prefix_of(lightning_module: nn.Module, pipelined: nn.Module) -> str:
+    """``pipelined``'s path in the LightningModule, with a dot: its keys in a Lightning checkpoint."""
+    for name, module in lightning_module.named_modules():
+        if module is pipelined:
+            return f"{name}." if name else ""
+    raise ConfigurationError("the pipelined module is not part of the LightningModule")
 
 
 def autocast_of(plugin: Precision) -> AutocastSpec | None:
@@ -133,6 +143,11 @@ class PipelineBuilder:
         self._placement = placement
         return self.pipelined
 
+    def prefix(self, lightning_module: nn.Module) -> str:
+        """The pipelined module's path in the LightningModule, with a dot: its keys in a Lightning checkpoint."""
+        assert self.pipelined is not None
+        return prefix_of(lightning_module, self.pipelined)
+
     @property
     def split_module(self) -> nn.Module:
         """What the pipeline splits: the pipelined module, or the original of a ``torch.compile``d one."""
@@ -150,6 +165,18 @@ class PipelineBuilder:
         assert self.pipelined is not None
         stage_ids = {id(p) for p in self.pipelined.parameters()}
         return [p for p in lightning_module.parameters() if id(p) not in stage_ids]
+
+    def parameter_names(self, optimizers: list[torch.optim.Optimizer]) -> dict[int, str]:
+        """The ids of the optimizers' parameters that are the pipelined module's, with their names in it."""
+        assert self.pipelined is not None
+        names = {id(p): name for name, p in self.pipelined.named_parameters()}
+        return {id(p): names[id(p)] for o in optimizers for g in o.param_groups for p in g["params"] if id(p) in names}
+
+    def outside_tensors(self, lightning_module: pl.LightningModule) -> list[torch.Tensor]:
+        """The LightningModule's parameters and buffers outside the pipelined module (the coordinator's own)."""
+        assert self.pipelined is not None
+        inside = {id(t) for t in [*self.pipelined.parameters(), *self.pipelined.buffers()]}
+        return [t for t in [*lightning_module.parameters(), *lightning_module.buffers()] if id(t) not in inside]
 
     def place_outside(self, model: nn.Module, device: torch.device) -> None:
         """Everything but the pipelined module goes to ``device``; the stages place their shards."""
@@ -199,6 +226,7 @@ class PipelineBuilder:
             strict=self.strict,
             transport=placement.transport(),
             seed=run_seed(),  # seed_everything's seed: each stage's generators start from it and the stage index
+            init=placement.init,
             **self.transport_options,
         ).start()
         placement.on_built(self.pipeline)

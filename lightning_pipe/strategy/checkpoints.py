@@ -1,11 +1,15 @@
-"""`Checkpoints`: what a checkpoint written under `PipeStrategy` holds beyond Lightning's own, and where
-each part comes from and goes back to.
+"""`Checkpoints`: what a checkpoint written under `PipeStrategy` holds, where each part comes from and goes to.
 
-The module's state keeps the unsplit keys (a plain Trainer loads it); where the stages own their parameters
-(rpc, launched mode) their values are copied into the LightningModule first. Each optimizer's state comes
-from wherever its parameters live (`StageOptimization`). The stages' generator states go under the
-top-level key ``"lightning_pipe"`` (``{"random_state": Pipeline.random_state()}``), which a plain Trainer
-ignores.
+The module's state keeps the unsplit keys (a plain Trainer loads it). The stages' generator states go under
+the top-level key ``"lightning_pipe"`` (``{"random_state": Pipeline.random_state()}``), which a plain Trainer
+ignores. Two ways, by where the state lives:
+
+- one process holds the model (local and rpc mode, a model with values): Lightning reads and writes the whole
+  checkpoint; where the stages own their parameters (rpc) their values are copied into the LightningModule first
+  and each optimizer's state comes from its stages (`StageOptimization`);
+- memory follows the stage (launched mode, a sharded folder, a model built on meta): a checkpoint is opened
+  rather than loaded (`Resume`): each stage reads its own tensors when it is built and its own optimizer state;
+  launched mode writes a sharded folder, every process its own part (`lightning_pipe.strategy.checkpoint_writer`).
 """
 
 from __future__ import annotations
@@ -14,11 +18,14 @@ from typing import Any
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import nn
 
 from lightning_pipe.strategy.asynchronous import AsyncTraining
 from lightning_pipe.strategy.building import PipelineBuilder
 from lightning_pipe.strategy.optimization import StageOptimization
 from lightning_pipe.strategy.random_state import RandomStreams
+from lightning_pipe.strategy.resume import Resume, optimizer_layouts
+from lightning_pipe.weights import StageInit, aliases_of, is_distributed_checkpoint, on_meta
 
 CHECKPOINT_KEY = "lightning_pipe"
 
@@ -27,8 +34,8 @@ class Checkpoints:
     """Gathers the stages' state into a checkpoint and hands a loaded checkpoint's state to the stages.
 
     `PipeStrategy` calls it from Lightning's checkpoint hooks (``save_checkpoint``, ``load_checkpoint``,
-    ``lightning_module_state_dict``, ``optimizer_state``, ``load_optimizer_state_dict``) and lets Lightning
-    do the rest (writing the file, its checkpoint IO).
+    ``lightning_module_state_dict``, ``optimizer_state``, ``load_model_state_dict``, ``load_optimizer_state_dict``)
+    and from ``setup`` (`stage_init`: how the stages make their tensors).
     """
 
     def __init__(
@@ -37,12 +44,104 @@ class Checkpoints:
         optimization: StageOptimization,
         random: RandomStreams,
         asynchronous: AsyncTraining | None,
+        weights: str | None = None,
     ) -> None:
         self.builder = builder  # the pipeline whose stages hold the state
         self.optimization = optimization
         self.random = random
         self.asynchronous = asynchronous
+        self.weights = weights  # pretrained weights of the pipelined module (PipeStrategy(weights=...))
+        self.resume: Resume | None = None  # the checkpoint this fit starts from, opened (memory follows the stage)
 
+    # reading
+    def opens_itself(self, path: Any, launched: bool, lightning_module: nn.Module | None) -> bool:
+        """Whether ``path`` is opened and read part by part (else Lightning loads it whole)."""
+        on_meta_now = lightning_module is not None and on_meta(lightning_module)
+        return launched or is_distributed_checkpoint(path) or on_meta_now
+
+    def open(self, path: Any, weights_only: bool | None, optimizers: int) -> dict[str, Any]:
+        """Open ``path`` for this fit; what Lightning restores itself (its tensors are read where they live)."""
+        self.close()
+        self.resume = Resume(path, weights_only)
+        checkpoint = self.resume.for_lightning(optimizers)
+        self.loaded(checkpoint)
+        return checkpoint
+
+    def stage_init(self, prefix: str, seed: int) -> StageInit:
+        """How the stages make their tensors: from the opened checkpoint, the pretrained weights, or the seed."""
+        if self.resume is not None:
+            return self.resume.stage_init(prefix, seed)
+        if self.weights is not None:
+            return StageInit(path=self.weights, seed=seed)
+        return StageInit(seed=seed, overwrite=False)
+
+    def load_outside(self, lightning_module: nn.Module, pipelined: nn.Module, device: torch.device, seed: int) -> None:
+        """The LightningModule's tensors outside the pipeline: the checkpoint's, or made real by the seed."""
+        if self.resume is not None:
+            self.resume.load_outside(lightning_module, pipelined, device, seed)
+        elif on_meta(lightning_module):
+            from lightning_pipe.weights import materialize
+
+            inside = {id(m) for m in pipelined.modules()}
+            materialize(lightning_module, device, None, seed, skip=inside)
+
+    def load_optimizers(
+        self, optimizers: list[torch.optim.Optimizer], states: list[Any], lightning_module: nn.Module, launched: bool
+    ) -> None:
+        """A checkpoint's optimizer states, each where its parameters live (the stages' once they exist)."""
+        resume = self.resume
+        if resume is None:
+            self.load_optimizer_states(optimizers, states)
+            return
+        layouts = self.optimization.layouts or optimizer_layouts(lightning_module, optimizers)
+        resume.set_layouts(layouts)
+        if not launched:  # one process: the optimizers' whole states, assembled from the checkpoint
+            self.load_optimizer_states(optimizers, resume.optimizer_states(layouts))
+            return
+        stage_params = self.optimization.stage_params
+        assert stage_params is not None, "launched mode: the stages own their parameters"
+        pipelined = self.builder.pipelined
+        assert pipelined is not None
+        prefix, aliases = self.builder.prefix(lightning_module), aliases_of(pipelined)
+
+        def load(optimizers: list[torch.optim.Optimizer]) -> None:
+            for index, (optimizer, layout) in enumerate(zip(optimizers, layouts, strict=True)):
+                view = stage_params.view(optimizer)
+                if view is None:
+                    continue
+                hparams = resume.groups(index)
+                keys = [k for group in layout for k in group]
+                outside = {p: resume.reader.optimizer_state(index, keys[p]) for p in view.stages.outside_positions()}
+
+                def on_stages(groups: list[dict[str, Any]], layout: list[list[str]] = layout) -> None:
+                    pipeline = self.builder.pipeline
+                    assert pipeline is not None
+                    pipeline.coordinator.call("load_optimizer_from", resume.path, prefix, layout, groups, aliases)
+
+                view.stages.load_where_saved(on_stages, hparams, {p: s for p, s in outside.items() if s})
+
+        stage_params.load_where_saved(optimizers, load)
+
+    def load_optimizer_states(self, optimizers: list[torch.optim.Optimizer], states: list[Any]) -> None:
+        """Whole optimizer states, each where its parameters live (the stages' once they exist)."""
+        stage_params = self.optimization.stage_params
+        if stage_params is not None:
+            stage_params.load(optimizers, states)
+            return
+        asynchronous = self.asynchronous
+        for optimizer, state in zip(optimizers, states, strict=False):
+            if asynchronous is not None and optimizer is asynchronous.template:
+                asynchronous.load_state_dict(state)
+            else:  # torch moves each state to its parameter's device; Lightning's version would move it to one
+                optimizer.load_state_dict(state)
+
+    def close(self) -> None:
+        """The fit took what it needs from the opened checkpoint (at teardown)."""
+        if self.resume is not None:
+            resume, self.resume = self.resume, None
+            resume.close()
+
+    # writing
     def saving(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
         """``checkpoint`` with the stages' generator states added (when there are any to save)."""
         state = self.random.state(self.builder.pipeline)
@@ -75,16 +174,3 @@ class Checkpoints:
             return asynchronous.state_dict()
         stage_params = self.optimization.stage_params
         return stage_params.state(optimizer) if stage_params is not None else None
-
-    def load_optimizer_states(self, optimizers: list[torch.optim.Optimizer], states: list[Any]) -> None:
-        """A checkpoint's ``optimizer_states``, each where its parameters live (the stages' once they exist)."""
-        stage_params = self.optimization.stage_params
-        if stage_params is not None:
-            stage_params.load(optimizers, states)
-            return
-        asynchronous = self.asynchronous
-        for optimizer, state in zip(optimizers, states, strict=False):
-            if asynchronous is not None and optimizer is asynchronous.template:
-                asynchronous.load_state_dict(state)
-            else:  # torch moves each state to its parameter's device; Lightning's version would move it to one
-                optimizer.load_state_dict(state)

@@ -36,6 +36,7 @@ from typing_extensions import override
 from lightning_pipe.comm import P2PCommunicator, serve_stages
 from lightning_pipe.engine.runners import worker_of_stages
 from lightning_pipe.strategy.layout import Layout
+from lightning_pipe.strategy.stage_placement import ProcessStage
 
 PROCESS_GROUP_TIMEOUT = timedelta(minutes=30)  # Lightning's default: serving ranks wait this long between fits
 
@@ -65,11 +66,12 @@ class ProcessGroups:
 class PipeLauncher(_SubprocessScriptLauncher):
     """Lightning's subprocess launcher (a no-op spawn under torchrun or SLURM); serving ranks serve their stage.
 
-    ``serve`` is what this process runs instead of the Trainer's function: None where it coordinates.
+    ``serve`` is what this process runs instead of the Trainer's function, given the Trainer: None where it
+    coordinates.
     """
 
     def __init__(
-        self, cluster_environment: Any, num_processes: int, num_nodes: int, serve: Callable[[], None] | None
+        self, cluster_environment: Any, num_processes: int, num_nodes: int, serve: Callable[[Any], None] | None
     ) -> None:
         super().__init__(cluster_environment, num_processes, num_nodes)
         self.serve = serve
@@ -77,7 +79,7 @@ class PipeLauncher(_SubprocessScriptLauncher):
     @override
     def launch(self, function: Any, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         if self.serve is not None:
-            return super().launch(self.serve)
+            return super().launch(self.serve, trainer)
         return super().launch(function, *args, trainer=trainer, **kwargs)
 
 
@@ -89,13 +91,20 @@ class LaunchedWorld:
     """
 
     def __init__(
-        self, layout: Layout, devices: Sequence[torch.device], timeout: float, runner: str, virtual_stages: int
+        self,
+        layout: Layout,
+        devices: Sequence[torch.device],
+        timeout: float,
+        runner: str,
+        virtual_stages: int,
+        stage: ProcessStage,
     ) -> None:
         self.layout = layout
         self.devices = list(devices)  # this node's devices, one per local rank
         self.timeout = timeout
         self.runner = runner
         self.virtual_stages = virtual_stages
+        self.stage = stage  # this process's part of the model: the stages built here bind to it
         self._groups: ProcessGroups | None = None
         self._p2p: P2PCommunicator | None = None
         self._released = True  # the serving ranks were told that this fit ended
@@ -131,25 +140,31 @@ class LaunchedWorld:
     def communicator(self) -> P2PCommunicator:
         """The point-to-point transport of this replica's pipeline (one per world, reused by every fit)."""
         if self._p2p is None:
-            self._p2p = P2PCommunicator(**self._pipeline())
+            self._p2p = P2PCommunicator(**self._pipeline(), send_values=False)
         return self._p2p
 
     def serve(self) -> None:
         """What a process that does not coordinate runs instead of the Trainer's loop (after `connect`)."""
-        serve_stages(**self._pipeline())
+        serve_stages(**{**self._pipeline(), "on_build": self._built_to_serve})
+
+    def _built_to_serve(self, worker: Any) -> None:
+        """A stage built in a serving process: this process keeps that stage of its model and nothing else."""
+        self.stage.built(worker)
+        self.stage.release()
 
     def _pipeline(self) -> dict[str, Any]:
-        """This process's pipeline as both sides of the p2p transport take it: group, ranks, names, DDP hook."""
-        assert self._groups is not None, "LaunchedWorld.connect makes the process groups first"
-        on_build = None
+        """This process's pipeline as both sides of the p2p transport take it: group, ranks, names, and the hooks
+        that bind a stage built here to this process's model and spread it over its replicas (`ProcessStage`)."""
+        groups = self._groups
+        assert groups is not None, "LaunchedWorld.connect makes the process groups first"
         if self.layout.replicas > 1:
-            replicas = self._groups.replicas
-            on_build = lambda worker: worker.replicate(replicas)  # noqa: E731 - a closure over this group
+            self.stage.replicate_over(groups.replicas, groups.mesh["replica"])
         return {
-            "group": self._groups.pipeline,
+            "group": groups.pipeline,
             "ranks": self.layout.pipeline_ranks(),
             "describe": self.layout.describe,
-            "on_build": on_build,
+            "on_build": self.stage.built,
+            "prepare": self.stage.prepare,
             "timeout": self.timeout,
             "coordinator": self.layout.coordinator,
         }

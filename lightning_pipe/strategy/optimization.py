@@ -35,6 +35,10 @@ class StageOptimization:
         #: with stages that own their parameters (not "local"): Lightning's optimizers, stepped on the stages
         self.stage_params: StageParameters | None = None
         self.outside = GradStash()  # parameters outside the pipelined module (before/after the call)
+        #: launched mode: the optimizers' parameters that are the pipelined module's, by id, with their names there
+        self.stage_names: dict[int, str] | None = None
+        #: each optimizer's parameters by their LightningModule key, per group (what checkpoints store by position)
+        self.layouts: list[list[list[str]]] = []
 
     def setup(self, stages_own_parameters: bool, outside: Iterable[nn.Parameter]) -> None:
         """At each setup: whether the stages own their parameters (kept once made: a loaded state may wait
@@ -51,10 +55,16 @@ class StageOptimization:
             callbacks.append(StageGradZeroing(self.stage_params))
         StageParameters.patch_clipping(precision)
 
-    def attach(self, pipeline: Pipeline, optimizers: list[torch.optim.Optimizer], device: torch.device) -> None:
+    def attach(
+        self,
+        pipeline: Pipeline,
+        optimizers: list[torch.optim.Optimizer],
+        device: torch.device,
+        names: dict[int, str] | None = None,
+    ) -> None:
         """A pipeline was built: give each optimizer its per-stage parts (where the stages own parameters)."""
         if self.stage_params is not None and optimizers:
-            self.stage_params.attach(pipeline, optimizers, device)
+            self.stage_params.attach(pipeline, optimizers, device, names)
 
     @contextmanager
     def set_aside(self) -> Iterator[None]:

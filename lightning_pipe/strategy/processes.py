@@ -22,6 +22,7 @@ from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.strategy.arguments import check_launched
 from lightning_pipe.strategy.launched import LaunchedWorld, PipeLauncher
 from lightning_pipe.strategy.layout import LAUNCHED, LOCAL, Layout, choose_mode
+from lightning_pipe.strategy.stage_placement import ProcessStage
 
 
 class ProcessStrategy(ParallelStrategy):
@@ -40,6 +41,7 @@ class ProcessStrategy(ParallelStrategy):
         runner: str,
         timeout: float,
         asynchronous: bool,
+        stage: ProcessStage,
         accelerator: pl.accelerators.Accelerator | None = None,
         checkpoint_io: Any = None,
         precision_plugin: Any = None,
@@ -54,6 +56,7 @@ class ProcessStrategy(ParallelStrategy):
         self.num_nodes = 1  # set by Lightning's connector from Trainer(num_nodes=...)
         #: launched mode: this process's place among the processes, made when Lightning sets the ranks
         self.world: LaunchedWorld | None = None
+        self.stage = stage  # launched mode: this process's part of the model
         self._asynchronous = asynchronous
         self._mode_logged = False
 
@@ -94,7 +97,7 @@ class ProcessStrategy(ParallelStrategy):
         global_rank = self.node_rank * len(devices) + self.local_rank
         layout = Layout.of(self.processes, global_rank, self.stages or len(devices), self.virtual_stages, len(devices))
         if self.world is None or (self.world.layout, self.world.devices) != (layout, devices):
-            self.world = LaunchedWorld(layout, devices, self.timeout, self.runner, self.virtual_stages)
+            self.world = LaunchedWorld(layout, devices, self.timeout, self.runner, self.virtual_stages, self.stage)
         environment.set_global_rank(global_rank)
         environment.set_world_size(self.processes)
         rank_zero_only.rank = utils_rank_zero_only.rank = global_rank  # type: ignore[attr-defined]
@@ -118,7 +121,7 @@ class ProcessStrategy(ParallelStrategy):
             local = f"PipeStrategy: {self.mode} mode, one Lightning process, stages in {where}"
             rank_zero_info(self.world.describe() if self.world is not None else local)
 
-    def serve_stages(self) -> None:
+    def serve_stages(self, trainer: Any = None) -> None:
         """What a process that does not coordinate runs instead of the Trainer's loop."""
         assert self.world is not None
         self.setup_environment()

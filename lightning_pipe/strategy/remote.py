@@ -81,16 +81,27 @@ class StageParameters:
     def __init__(self) -> None:
         self.views: dict[int, StageOptimizerView] = {}
         self._pending: list[Any] | None = None  # optimizer states loaded before the stages existed
+        #: a load of the states where they were saved (launched mode), waiting for the stages
+        self._pending_load: Callable[[list[torch.optim.Optimizer]], None] | None = None
 
-    def attach(self, pipeline: Pipeline, optimizers: list[torch.optim.Optimizer], device: torch.device) -> None:
+    def attach(
+        self,
+        pipeline: Pipeline,
+        optimizers: list[torch.optim.Optimizer],
+        device: torch.device,
+        names: dict[int, str] | None = None,
+    ) -> None:
         """Build each optimizer's per-stage parts; load a checkpoint's states that arrived earlier."""
         self.views = {
-            id(opt): StageOptimizerView(opt, pipeline.optimizer(opt), torch.zeros(1, device=device))
+            id(opt): StageOptimizerView(opt, pipeline.optimizer(opt, names), torch.zeros(1, device=device))
             for opt in optimizers
         }
         if self._pending is not None:
             self.load(optimizers, self._pending)
             self._pending = None
+        if self._pending_load is not None:
+            load, self._pending_load = self._pending_load, None
+            load(optimizers)
 
     def view(self, optimizer: Any) -> StageOptimizerView | None:
         optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer
@@ -123,6 +134,15 @@ class StageParameters:
             view = self.view(optimizer)
             if view is not None:
                 view.stages.load_state_dict(state)
+
+    def load_where_saved(
+        self, optimizers: list[torch.optim.Optimizer], load: Callable[[list[torch.optim.Optimizer]], None]
+    ) -> None:
+        """``load(optimizers)`` now, or once the stages exist (it reaches them through `view`)."""
+        if self.views:
+            load(optimizers)
+        else:
+            self._pending_load = load
 
     def fold_into_templates(self) -> None:
         """Give each user optimizer the state its stages built (before the stages go away)."""

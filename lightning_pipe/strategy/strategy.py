@@ -8,33 +8,36 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from lightning_pipe.backends import BackendArg, ExecutionTrace
 from lightning_pipe.comm import Communicator
+from lightning_pipe.engine.stage_shards import mixed_precision_policy
 from lightning_pipe.engine.versions import Staleness
 from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.microbatch_weights import MicrobatchWeight
 from lightning_pipe.partition import Partitioner
 from lightning_pipe.pipeline import Pipeline
+from lightning_pipe.rng import run_seed
 from lightning_pipe.runtime import BaseRuntime
-from lightning_pipe.strategy.arguments import check_arguments
+from lightning_pipe.strategy.arguments import check_arguments, check_memory_arguments
 from lightning_pipe.strategy.asynchronous import AsyncTraining
 from lightning_pipe.strategy.building import PipelineBuilder, Placement, autocast_of
 from lightning_pipe.strategy.checkpoints import Checkpoints
 from lightning_pipe.strategy.hooks import RuntimeHooks
 from lightning_pipe.strategy.layout import LOCAL
+from lightning_pipe.strategy.model_state import ModelStateStrategy
 from lightning_pipe.strategy.optimization import StageOptimization
 from lightning_pipe.strategy.patch import Patches
-from lightning_pipe.strategy.processes import ProcessStrategy
 from lightning_pipe.strategy.random_state import RandomStreams
+from lightning_pipe.strategy.resume import optimizer_layouts
+from lightning_pipe.strategy.stage_placement import ProcessStage, swap_parameters
 from lightning_pipe.strategy.steps import StepDriver, StepSetting
 from lightning_pipe.strategy.trace import PipeTrace
 
 
-class PipeStrategy(ProcessStrategy):
+class PipeStrategy(ModelStateStrategy):
     """Splits the LightningModule's pipelined module into stages and runs each step as a pipeline.
 
     Args:
@@ -122,28 +125,36 @@ class PipeStrategy(ProcessStrategy):
         runner: str = "parallel",
         trace: str | os.PathLike[str] | PipeTrace | None = None,
         microbatch_weight: MicrobatchWeight | None = None,
+        data_parallel: str = "ddp",
+        weights: str | os.PathLike[str] | None = None,
+        save_distributed_checkpoint: bool = True,
     ) -> None:
         stages, device_names, asynchronous, options = check_arguments(
             stages, microbatches, schedule, devices, checkpoint, runtime, timeout, backend, strict, transport,
             coordinator, token, split_points, virtual_stages, runner, microbatch_weight, compress,
         )  # fmt: skip
-        super().__init__(
-            stages, device_names, transport, virtual_stages, runner, float(timeout), asynchronous,
-            accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin,
-        )  # fmt: skip
-        self.pipe_trace = trace if isinstance(trace, PipeTrace) or trace is None else PipeTrace(trace)
+        check_memory_arguments(data_parallel, weights, save_distributed_checkpoint)
+        timeout = float(timeout)
         self.asynchronous = AsyncTraining() if asynchronous else None
-        self.builder = PipelineBuilder(
-            partition, split_points, module, schedule, checkpoint, runtime, self.timeout, backend, strict,
+        builder = PipelineBuilder(
+            partition, split_points, module, schedule, checkpoint, runtime, timeout, backend, strict,
             virtual_stages, runner, options,
         )  # fmt: skip
         self.optimization = StageOptimization(self.asynchronous)
         self.random = RandomStreams(self.asynchronous)
+        weights_path = str(weights) if weights is not None else None
+        checkpoints = Checkpoints(builder, self.optimization, self.random, self.asynchronous, weights_path)
+        stage = ProcessStage(data_parallel, lambda: mixed_precision_policy(self.precision_plugin.precision))
+        super().__init__(
+            stages, device_names, transport, virtual_stages, runner, timeout, asynchronous, stage,
+            accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin,
+            checkpoints=checkpoints, builder=builder, save_distributed_checkpoint=save_distributed_checkpoint,
+        )  # fmt: skip
+        self.pipe_trace = trace if isinstance(trace, PipeTrace) or trace is None else PipeTrace(trace)
         self.steps = StepDriver(
             microbatches, microbatch_weight, self.timeout, self.builder, self.optimization, self.random,
             self.asynchronous,
         )  # fmt: skip
-        self.checkpoints = Checkpoints(self.builder, self.optimization, self.random, self.asynchronous)
         self._patches = Patches()  # attributes set on the user's objects for this fit, restored exactly
         self._trainer: pl.Trainer | None = None
 
@@ -200,6 +211,10 @@ class PipeStrategy(ProcessStrategy):
             self.resolve_devices(), self.root_device, autocast_of(self.precision_plugin), self._transport, self._built
         )
         pipelined = self.builder.setup(lightning_module, placement)
+        seed = run_seed()
+        placement.init = self.checkpoints.stage_init(self.builder.prefix(lightning_module), seed)
+        self.stage.bind(lightning_module, pipelined)
+        self.checkpoints.load_outside(lightning_module, pipelined, self.root_device, seed)  # before they move
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()  # the stages place the pipelined module: no wrapper (Lightning's _setup_model)
@@ -211,6 +226,9 @@ class PipeStrategy(ProcessStrategy):
                 self.asynchronous.attach(self.optimizers, stage_params, trainer.accumulate_grad_batches, scaler)
         self.setup_precision_plugin()
         self.optimization.setup(self.mode != LOCAL, self.builder.outside(lightning_module))
+        self.optimization.layouts = optimizer_layouts(lightning_module, self.optimizers)  # checkpoints' keys
+        if self.world is not None:  # by name: a stage built in this process swaps its parameters (FSDP's shards)
+            self.optimization.stage_names = self.builder.parameter_names(self.optimizers)
         self.steps.setup(StepSetting(lightning_module, trainer, self.root_device, scaler))
         self._install(trainer)
         self.builder.build_early(getattr(lightning_module, "example_input_array", None))
@@ -220,9 +238,16 @@ class PipeStrategy(ProcessStrategy):
         return self.world.communicator() if self.world is not None else self.transport or "local"
 
     def _built(self, pipeline: Pipeline) -> None:
-        """The stages exist: they get the saved generator states, the optimizers their per-stage parts."""
+        """The stages exist: they get the saved generator states, the optimizers their per-stage parts; in launched
+        mode this process keeps its own stage and the tensors outside the pipeline, nothing else."""
+        lightning_module, names = self.lightning_module, self.optimization.stage_names
+        if self.world is not None and lightning_module is not None:
+            self.stage.release(keep=self.builder.outside_tensors(lightning_module))
         self.random.restore(pipeline)
-        self.optimization.attach(pipeline, self.optimizers, self.root_device)
+        self.optimization.attach(pipeline, self.optimizers, self.root_device, names)
+        if names is not None:  # the optimizers hold no tensor of a stage: the stages step their own
+            for optimizer in self.optimizers:
+                swap_parameters(optimizer, names)
 
     @override
     def model_to_device(self) -> None:
@@ -253,7 +278,9 @@ class PipeStrategy(ProcessStrategy):
     def _shutdown(self, error: BaseException | None = None) -> None:
         try:
             self.steps.end_stream()
-            self.optimization.fold(self.builder.pipeline)
+            self.checkpoints.close()
+            if self.world is None:  # launched mode: each process's LightningModule already holds its own stage
+                self.optimization.fold(self.builder.pipeline)
         finally:  # whatever failed above: the user's objects as they were, the stages stopped
             self._patches.restore()
             self.steps.close()
@@ -314,31 +341,6 @@ class PipeStrategy(ProcessStrategy):
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         model = model or self.lightning_module
         return self.optimization.optimizer_step(self.precision_plugin, optimizer, model, closure, **kwargs)
-
-    # checkpoints
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any = None) -> None:
-        super().save_checkpoint(self.checkpoints.saving(checkpoint), filepath, storage_options=storage_options)
-
-    @override
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        self.checkpoints.loaded(checkpoint)
-        return checkpoint
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        self.checkpoints.before_module_state()
-        return super().lightning_module_state_dict()
-
-    @override
-    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        state = self.checkpoints.optimizer_state(optimizer)
-        return state if state is not None else super().optimizer_state(optimizer)
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        self.checkpoints.load_optimizer_states(self.optimizers, checkpoint["optimizer_states"])
 
     # what users ask of the strategy
     def staleness(self) -> list[Staleness]:

@@ -130,12 +130,15 @@ class ShardedCheckpoint(CheckpointReader):
         self.folder.load_into(flat)
 
     def state_shapes(self, index: int, key: str) -> dict[str, tuple[torch.Size, torch.dtype]]:
-        """The global shape and dtype of each state optimizer ``index`` saved for ``key``."""
+        """The global shape and dtype of each tensor state optimizer ``index`` saved for ``key``."""
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
         base = f"{optimizer_key(index)}.state.{key}."
         shapes = {}
         for name in self._state_names(index).get(key, []):
             meta = self.folder.metadata[base + name]
-            shapes[name] = (meta.size, meta.properties.dtype)  # type: ignore[union-attr]
+            if isinstance(meta, TensorStorageMetadata):
+                shapes[name] = (meta.size, meta.properties.dtype)
         return shapes
 
     def optimizer_groups(self, index: int) -> list[dict[str, Any]]:
@@ -154,6 +157,10 @@ class ShardedCheckpoint(CheckpointReader):
         if self._weights_only is None:
             return torch.load(meta, map_location="cpu", weights_only=False)
         return torch.load(meta, map_location="cpu", weights_only=self._weights_only)
+
+    def state_names(self, index: int, key: str) -> list[str]:
+        """The names of the states optimizer ``index`` saved for ``key`` (tensors and other values)."""
+        return self._state_names(index).get(key, [])
 
     def _state_names(self, index: int) -> dict[str, list[str]]:
         """Per parameter key, the names of the states optimizer ``index`` saved for it."""

@@ -52,6 +52,7 @@ def materialize(
     init_owner: nn.Module | None = None,
     overwrite: bool = False,
     made: dict[int, torch.Tensor] | None = None,
+    skip: set[int] | None = None,
 ) -> Materialized:
     """Make every meta tensor of ``module`` real on ``device``; its keys are those of ``module.state_dict()``.
 
@@ -59,15 +60,19 @@ def materialize(
     ``transformer.wte.weight``); ``init_owner`` is the unsplit model whose ``_init_weights`` initialises modules
     without ``reset_parameters`` (HuggingFace). Tensors that are real already are left as they are, or, with
     ``overwrite``, get the source's values where it holds them. ``made`` (meta tensor's id -> its real
-    tensor) carries what one call made to the next, for modules that share tensors.
+    tensor) carries what one call made to the next, for modules that share tensors. Modules whose ids are in
+    ``skip`` are left alone.
     """
     device = torch.device(device)
     aliases = aliases or {}
     done = Materialized()
+    skip = skip or set()
     if overwrite and source is not None:
-        done.loaded += _overwrite(module, source, aliases)
+        done.loaded += _overwrite(module, source, aliases, skip)
     made = {} if made is None else made  # id of a meta tensor -> its real one (a tied tensor is made once)
     for qualified, owner in module.named_modules(remove_duplicate=False):
+        if id(owner) in skip:
+            continue
         slots = [(key, slot, _get(slot)) for key, slot in _own_slots(qualified, owner) if _get(slot).is_meta]
         if not slots:
             continue
@@ -98,10 +103,14 @@ def materialize(
     return done
 
 
-def _overwrite(module: nn.Module, source: WeightSource, aliases: Mapping[str, Sequence[str]]) -> list[str]:
+def _overwrite(
+    module: nn.Module, source: WeightSource, aliases: Mapping[str, Sequence[str]], skip: set[int]
+) -> list[str]:
     """Copy the source's values into the tensors of ``module`` that have values already."""
     loaded, seen = [], set()
     for qualified, owner in module.named_modules(remove_duplicate=False):
+        if id(owner) in skip:
+            continue
         for key, slot in _own_slots(qualified, owner):
             tensor = _get(slot)
             name = _find(key, source, aliases)
@@ -125,12 +134,11 @@ def _copy_in(target: torch.Tensor, source: WeightSource, name: str, key: str) ->
     source.release(value)
 
 
-def free_to_meta(module: nn.Module, keep: Iterable[torch.Tensor]) -> int:
-    """Put every parameter and buffer of ``module`` that is not in ``keep`` on the meta device; returns the bytes
-    freed (tensors held elsewhere too are freed once nobody holds them)."""
+def free_to_meta(module: nn.Module, keep: Iterable[torch.Tensor]) -> dict[int, torch.Tensor]:
+    """Put every parameter and buffer of ``module`` that is not in ``keep`` on the meta device; returns each meta
+    replacement by the id of the tensor it replaced (a tensor is freed once nothing else holds it)."""
     kept = {id(t) for t in keep}
     replaced: dict[int, torch.Tensor] = {}
-    freed = 0
     for qualified, owner in module.named_modules(remove_duplicate=False):
         for _, slot in _own_slots(qualified, owner):
             tensor = _get(slot)
@@ -138,9 +146,8 @@ def free_to_meta(module: nn.Module, keep: Iterable[torch.Tensor]) -> int:
                 continue
             if id(tensor) not in replaced:
                 replaced[id(tensor)] = _empty_like(tensor, torch.device("meta"))
-                freed += tensor.numel() * tensor.element_size()
             _set(slot, replaced[id(tensor)])
-    return freed
+    return replaced
 
 
 def adopt(shard: nn.Module, local: nn.Module) -> None:

@@ -1,0 +1,94 @@
+"""`Resume`: a checkpoint a fit starts from, read where each part of it lives.
+
+Lightning reads ``ckpt_path=`` in one piece (``torch.load``) and then hands the module's and the optimizers'
+states to the strategy. Under `PipeStrategy` the checkpoint is opened instead (`lightning_pipe.weights.checkpoint`:
+a single file mapped into memory, or a sharded folder), Lightning gets what it restores itself (loops,
+callbacks, schedulers, the precision plugin's state), and the tensors are read where they live: each stage
+reads its own when it is built (`StageInit`), the coordinator reads the LightningModule's tensors outside the
+pipeline, and each stage reads its optimizer state by parameter name (launched mode) or the coordinator
+assembles the optimizers' states (one process: local and rpc).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_pipe.weights import StageInit, materialize
+from lightning_pipe.weights.checkpoint import CheckpointReader, FileCheckpoint, OptimizerLayout, open_checkpoint
+from lightning_pipe.weights.sources import PathLike, is_distributed_checkpoint
+
+
+class Resume:
+    """The checkpoint at ``path``, open until the fit has taken what it needs (`close`)."""
+
+    def __init__(self, path: PathLike, weights_only: bool | None = None) -> None:
+        self.path = str(path)
+        self.sharded = is_distributed_checkpoint(path)
+        self.reader: CheckpointReader = open_checkpoint(path, weights_only=weights_only)
+
+    def for_lightning(self, optimizers: int) -> dict[str, Any]:
+        """What Lightning restores itself; the tensors are placeholders the strategy's hooks read through.
+
+        A single file's ``state_dict`` is its mapped dictionary (nothing is read until a key is): a user's
+        ``on_load_checkpoint`` sees the keys as usual.
+        """
+        checkpoint = self.reader.lightning_state()
+        if isinstance(self.reader, FileCheckpoint):
+            checkpoint["state_dict"] = self.reader.content.get("state_dict", {})
+        else:
+            checkpoint.setdefault("state_dict", {})
+        saved = self.reader.content.get("optimizer_states") if isinstance(self.reader, FileCheckpoint) else None
+        checkpoint["optimizer_states"] = saved if saved is not None else [{} for _ in range(optimizers)]
+        return checkpoint
+
+    def stage_init(self, prefix: str, seed: int) -> StageInit:
+        """How each stage reads its tensors from this checkpoint (``prefix``: the pipelined module's path)."""
+        return StageInit(path=self.path, checkpoint=True, prefix=prefix, seed=seed, overwrite=True)
+
+    def load_outside(self, lightning_module: nn.Module, pipelined: nn.Module, device: torch.device, seed: int) -> None:
+        """The LightningModule's tensors outside the pipelined module, read (or made real) on ``device``."""
+        inside = {id(m) for m in pipelined.modules()}
+        materialize(lightning_module, device, self.reader.model(), seed, overwrite=True, skip=inside)
+
+    def set_layouts(self, layouts: list[OptimizerLayout]) -> None:
+        """The optimizers' parameter orders: what a single file's positions stand for (a folder names them)."""
+        if isinstance(self.reader, FileCheckpoint):
+            self.reader.layouts = list(layouts)
+
+    def optimizer_states(self, layouts: list[OptimizerLayout]) -> list[dict[str, Any]]:
+        """Each optimizer's whole state as torch's ``state_dict`` holds it (state by position in ``layouts``)."""
+        self.set_layouts(layouts)
+        states = []
+        for index, layout in enumerate(layouts):
+            state: dict[int, Any] = {}
+            position = 0
+            for keys in layout:
+                for key in keys:
+                    saved = self.reader.optimizer_state(index, key)
+                    if saved:
+                        state[position] = {n: v.clone() if isinstance(v, torch.Tensor) else v for n, v in saved.items()}
+                    position += 1
+            groups, start = [], 0
+            for keys, hparams in zip(layout, self.reader.optimizer_groups(index), strict=True):
+                groups.append({**hparams, "params": list(range(start, start + len(keys)))})
+                start += len(keys)
+            states.append({"state": state, "param_groups": groups})
+        return states
+
+    def groups(self, index: int) -> list[dict[str, Any]]:
+        return self.reader.optimizer_groups(index)
+
+    def close(self) -> None:
+        self.reader.close()
+
+
+def optimizer_layouts(lightning_module: nn.Module, optimizers: list[torch.optim.Optimizer]) -> list[OptimizerLayout]:
+    """Each optimizer's parameters by their LightningModule key, per group, in the optimizer's order (what a
+    single-file checkpoint's positions stand for)."""
+    names: dict[int, str] = {}
+    for name, param in lightning_module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), name)
+    return [[[names[id(p)] for p in group["params"]] for group in optimizer.param_groups] for optimizer in optimizers]

@@ -1,0 +1,97 @@
+"""`ProcessStage`: in launched mode, this process's part of the model, and nothing more.
+
+Every process of a launched run has its own copy of the LightningModule: the user's script built it,
+eagerly or on the meta device. The coordinator cuts the pipelined module and sends each process the spec
+of its stage as shapes only (`P2PCommunicator(send_values=False)`). Here the stage is bound to this
+process's own modules (`adopt`, before the stage worker is built), so it trains the very tensors of this
+process's LightningModule; the worker makes real what has no values (from the checkpoint, the weights, or
+the seed); the stage is replicated (DDP) or sharded (FSDP) over its replicas; and everything else of this
+process's copy goes to the meta device (`release`). After a fit each process's LightningModule holds its
+own stage's trained tensors, as FSDP's and ModelParallelStrategy's sharded modules do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_pipe.weights import adopt, free_to_meta
+
+DATA_PARALLEL = ("ddp", "fsdp")
+
+
+class ProcessStage:
+    """Binds the stages built in this process to its LightningModule and frees the rest of it.
+
+    ``data_parallel`` (``"ddp"`` or ``"fsdp"``) says how a stage is spread over its replicas; the launched
+    world gives the groups (`replicate_over`). The strategy says which modules are this process's
+    (`bind`), before a pipeline is built.
+    """
+
+    def __init__(self, data_parallel: str = "ddp", mixed_precision: Callable[[], Any] | None = None) -> None:
+        self.data_parallel = data_parallel
+        self.mixed_precision = mixed_precision  # FSDP's policy for the Trainer's precision, asked when sharding
+        self.lightning_module: nn.Module | None = None
+        self.pipelined: nn.Module | None = None
+        self.kept: list[torch.Tensor] = []  # the tensors of the stages built in this process
+        #: the last stage worker built here: after its fit it still holds this process's stage optimizer, which a
+        #: checkpoint written after the fit saves
+        self.worker: Any = None
+        self._group: Any = None  # the replicas of this process's stage (DDP's group)
+        self._mesh: Any = None  # the same as a 1-D device mesh (FSDP's)
+
+    def bind(self, lightning_module: nn.Module, pipelined: nn.Module) -> None:
+        """This process's LightningModule and its pipelined module (what a stage sent here binds to)."""
+        self.lightning_module, self.pipelined = lightning_module, pipelined
+
+    def replicate_over(self, group: Any, mesh: Any) -> None:
+        """The stage's replicas: ``group`` (a process group) and ``mesh`` (the same as a device mesh); None: one."""
+        self._group, self._mesh = group, mesh
+
+    # the hooks of the point-to-point transport (`lightning_pipe.comm.p2p`)
+    def prepare(self, spec: Any) -> None:
+        """Before a stage worker is built here: its shards hold this process's own modules and tensors."""
+        if self.pipelined is None:
+            raise RuntimeError("ProcessStage.bind gives the pipelined module before a stage is built")
+        self.kept = []
+        for shard in spec.shards:
+            adopt(shard.module, self.pipelined)
+
+    def built(self, worker: Any) -> None:
+        """After: spread over the replicas, and remember what it holds (`release` keeps that)."""
+        if self._group is not None:
+            if self.data_parallel == "fsdp":
+                policy = self.mixed_precision() if self.mixed_precision is not None else None
+                worker.shard(self._mesh, policy)
+            else:
+                worker.replicate(self._group)
+        self.kept = [t for shard in worker.shards.values() for t in _tensors(shard.module)]
+        self.worker = worker
+
+    def release(self, keep: Iterable[torch.Tensor] = ()) -> dict[int, torch.Tensor]:
+        """Put everything of this process's LightningModule but its stage (and ``keep``) on meta.
+
+        Returns each freed tensor's meta replacement by the id of the tensor it replaced (an optimizer
+        built over the whole module swaps them in: `swap_parameters`).
+        """
+        if self.lightning_module is None:
+            return {}
+        return free_to_meta(self.lightning_module, [*self.kept, *keep])
+
+
+def swap_parameters(optimizer: torch.optim.Optimizer, stage_parameters: dict[int, str]) -> None:
+    """Give ``optimizer`` meta stand-ins for the stages' parameters (``stage_parameters``: their ids): it then
+    keeps none of their tensors alive and never steps them (the stages step their own)."""
+    for group in optimizer.param_groups:
+        group["params"] = [_stand_in(p) if id(p) in stage_parameters else p for p in group["params"]]
+
+
+def _stand_in(param: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
+
+
+def _tensors(module: nn.Module) -> list[torch.Tensor]:
+    return [*module.parameters(), *module.buffers()]
