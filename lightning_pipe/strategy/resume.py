@@ -91,4 +91,13 @@ def optimizer_layouts(lightning_module: nn.Module, optimizers: list[torch.optim.
     names: dict[int, str] = {}
     for name, param in lightning_module.named_parameters(remove_duplicate=False):
         names.setdefault(id(param), name)
-    return [[[names[id(p)] for p in group["params"]] for group in optimizer.param_groups] for optimizer in optimizers]
+    layouts = []
+    for optimizer in optimizers:  # a parameter the module does not hold (an optimizer's own) keeps its position
+        flat = iter(range(10**9))
+        layouts.append(
+            [
+                [names.get(id(p), f"<parameter {next(flat)}>") for p in group["params"]]
+                for group in optimizer.param_groups
+            ]
+        )
+    return layouts
