@@ -144,11 +144,12 @@ def main() -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    if args.build == "meta":
+    build = args.build if not (args.plain or args.ddp) else "eager"  # Lightning's own strategies: the whole model
+    if build == "meta":
         with trainer.init_module(empty_init=True):
-            model = Big(args.width, args.depth, args.build, args.optimizer)
+            model = Big(args.width, args.depth, build, args.optimizer)
     else:
-        model = Big(args.width, args.depth, args.build, args.optimizer)
+        model = Big(args.width, args.depth, build, args.optimizer)
     trainer.fit(model, loader, ckpt_path=args.ckpt_path)
     if args.report:
         rank = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", 0)))

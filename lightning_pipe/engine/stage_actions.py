@@ -97,7 +97,10 @@ class StageActions:
                 if plan.dataflow
                 else self.inbox.in_order(step, plan.actions, ready)
             )
-            early = self._early_input_grad(plan) if set_aside else None
+            splits = any(a.kind is Kind.BACKWARD_INPUT for a in plan.actions)
+            if training and replicas is not None:
+                replicas.before_step(splits)
+            early = self._early_input_grad(plan) if set_aside and (replicas is None or replicas.splits) else None
             for action in order:  # each action's inputs are here: its record times the work, not the wait
                 start = time.perf_counter()
                 self._parts.append((f"{action} idle", idle_since, start))  # waiting for its inputs

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from lightning_pipe import tree
 from lightning_pipe.executors import Activation
@@ -43,7 +44,7 @@ def saved_tensors(outputs: Any) -> list[torch.Tensor]:
 
 def stash_bytes(activation: Activation, params: Iterable[torch.Tensor] = ()) -> int:
     """Bytes an `Activation` keeps alive: inputs, outputs and saved tensors, each once, no parameters."""
-    exclude = {p.untyped_storage().data_ptr() for p in params}
+    exclude = {ptr for p in params if (ptr := _storage(p)) is not None}
     tensors = tree.tensors(activation.inputs)
     if activation.outputs is not None:
         tensors += tree.tensors(activation.outputs) + saved_tensors(activation.outputs)
@@ -55,7 +56,8 @@ def unique_bytes(tensors: Iterable[torch.Tensor], exclude: set[int] = frozenset(
     seen: set[tuple[int, int]] = set()
     total = 0
     for t in tensors:
-        if t.device.type == "meta" or t.untyped_storage().data_ptr() in exclude:
+        ptr = _storage(t)
+        if t.device.type == "meta" or ptr is None or ptr in exclude:
             continue
         size = t.numel() * t.element_size()
         key = (t.data_ptr(), size)
@@ -63,6 +65,17 @@ def unique_bytes(tensors: Iterable[torch.Tensor], exclude: set[int] = frozenset(
             seen.add(key)
             total += size
     return total
+
+
+def _storage(tensor: torch.Tensor) -> int | None:
+    """Where ``tensor``'s memory starts; None where it holds none of its own here: freed (FSDP gathers a block's
+    parameters for its forward and frees them after) or a shard's wrapper (a DTensor: its local tensor counts)."""
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    try:
+        storage = local.untyped_storage()
+        return storage.data_ptr() if storage.nbytes() else None
+    except (RuntimeError, NotImplementedError):
+        return None
 
 
 def _tensors_in(value: Any) -> list[torch.Tensor]:
