@@ -28,6 +28,7 @@ from lightning_pipe.strategy.arguments import check_arguments
 from lightning_pipe.strategy.asynchronous import AsyncTraining
 from lightning_pipe.strategy.building import PipelineBuilding
 from lightning_pipe.strategy.hooks import RuntimeHooks
+from lightning_pipe.strategy.interrupts import CtrlC
 from lightning_pipe.strategy.launched import LaunchedMode
 from lightning_pipe.strategy.layout import LOCAL
 from lightning_pipe.strategy.optimization import StageOptimization
@@ -162,6 +163,7 @@ class PipeStrategy(
         self._hooked: set[str] = set()
         self._seen_batch = False
         self._released = True  # launched mode: the serving ranks were told that this fit ended
+        self._ctrl_c = CtrlC()  # Ctrl-C works again after a fit it stopped
         #: the last step's `StepResult` (per-rank action timings, the schedule), kept after teardown
         self.last_step: Any = None
 
@@ -198,6 +200,7 @@ class PipeStrategy(
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
+        self._ctrl_c.remember()
         self._trainer = trainer
         self._released = False
         if self.mode != LOCAL and self._stage_params is None:
@@ -301,6 +304,7 @@ class PipeStrategy(
             self._coordinator_ops = None
             self._shutdown()
         super().teardown()
+        self._ctrl_c.restore()
 
     def _shutdown(self, error: BaseException | None = None) -> None:
         try:
