@@ -48,7 +48,7 @@ def base_env() -> dict[str, str]:
     return owned_env(env)
 
 
-def start(command: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
+def start_session(command: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
     """Start ``command`` in a session (and process group) of its own, output captured."""
     return subprocess.Popen(
         command, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True, text=True
@@ -58,7 +58,7 @@ def start(command: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
 def run_all(commands: list[tuple[list[str], dict[str, str]]], timeout: float) -> Run:
     """Start every command (each in a session of its own), wait for all within ``timeout``, kill what is left."""
     start = time.monotonic()
-    procs = [start(cmd, env) for cmd, env in commands]
+    procs = [start_session(cmd, env) for cmd, env in commands]
     outputs = []
     try:
         for proc in procs:
