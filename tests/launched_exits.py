@@ -4,7 +4,8 @@ Every process of the run executes this script (``--devices 2``: Lightning's laun
 second one; under torchrun's or SLURM's variables both are started). Each fit trains a tiny model in
 one pipeline of 2 stages for 2 steps. After its last fit, each process writes ``done-rank<r>``: the
 names of the lightning_pipe threads still running then, one a line (a clean run has none: they are
-joined before ``fit`` returns, so none is left when the interpreter exits).
+joined before ``fit`` returns, so none is left when the interpreter exits). At exit, after the
+strategy's own exit hook, each writes ``exit-rank<r>``: ``destroyed`` once the process groups are gone.
 
 ``--ctrl-c``: in the last fit, stage 0 writes ``waiting-rank<r>`` at its first training forward and
 waits there (at most 60 s) for the test's Ctrl-C to the process group of the run.
@@ -13,7 +14,9 @@ waits there (at most 60 s) for the test's Ctrl-C to the process group of the run
 from __future__ import annotations
 
 import argparse
+import atexit
 import faulthandler
+import os
 import sys
 import threading
 import time
@@ -60,6 +63,11 @@ class Net(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
+def note_exit(out: Path, rank: int) -> None:
+    """Registered before the first fit, so it runs after the strategy's exit hook (atexit runs them in reverse)."""
+    (out / f"exit-rank{rank}").write_text("still initialised" if dist.is_initialized() else "destroyed")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -71,6 +79,8 @@ def main() -> None:
     waits = WaitsForCtrlC(out / "waiting")
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(8, 4, generator=g), torch.randn(8, 2, generator=g))
+    rank = next((os.environ[k] for k in ("RANK", "SLURM_PROCID", "LOCAL_RANK") if k in os.environ), "0")
+    atexit.register(note_exit, out, int(rank))  # the launcher's variables: no group exists yet
     for fit in range(args.fits):
         waits.armed = args.ctrl_c and fit == args.fits - 1
         trainer = L.Trainer(

@@ -43,6 +43,7 @@ def test_twenty_short_launched_runs_end_without_an_abort(tmp_path: Path) -> None
         where = f"run {attempt + 1} of 20 ({run.returncodes}):\n{run.output[-4000:]}"
         assert run.ok and not crash_lines(run.output), where
         assert threads_left(out, 2) == {0: [], 1: []}, where
+        assert [(out / f"exit-rank{r}").read_text() for r in range(2)] == ["destroyed"] * 2, where
 
 
 def test_ctrl_c_after_an_earlier_fit_ends_every_process_of_a_launched_run(tmp_path: Path) -> None:
