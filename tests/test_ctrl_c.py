@@ -10,8 +10,11 @@ through.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,6 +30,7 @@ from processes import leftover_processes
 from torch import nn
 
 from lightning_pipe import Pipeline, PipeStrategy
+from lightning_pipe.strategy.session import TAKE_WAIT, Driver, DriverThreads, current_driver
 
 STOPPED_WITHIN = 10.0  # seconds from the Ctrl-C to fit's return ("a few seconds", on a loaded 2-core machine)
 STEPS = 3
@@ -181,3 +185,35 @@ def test_ctrl_c_in_a_pipeline(transport: str, when: str, call: int, interrupts: 
         losses = pipe.train_step(x, y, F.cross_entropy, microbatches=4).losses
     assert len(losses) == 4 and all(torch.isfinite(torch.as_tensor(loss)) for loss in losses)
     assert leftover_processes() == []
+
+
+# a hand-off that Ctrl-C can interrupt: the main thread waits in `Thread.start` for a microbatch's thread
+
+
+@pytest.mark.parametrize("started", [True, False], ids=["thread-started", "thread-never-started"])
+def test_ctrl_c_while_a_microbatch_thread_starts(started: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The driver is not lost: abandoning it ends at once (its thread took it) or after `TAKE_WAIT` (none
+    did), and no thread is left waiting for a driver that never comes."""
+    start = threading.Thread.start
+
+    def interrupted(thread: threading.Thread) -> None:
+        if started:
+            start(thread)
+        raise KeyboardInterrupt  # as the handler raises it in `Thread.start`'s wait
+
+    def step() -> None:
+        driver = current_driver()
+        assert driver is not None
+        driver.call((), {})  # the pipelined call: waits for its output
+
+    threads = DriverThreads()
+    driver = Driver(step, 0, contextlib.nullcontext, timeout=60, threads=threads)
+    monkeypatch.setattr(threading.Thread, "start", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        driver.start()
+    monkeypatch.undo()
+    begin = time.monotonic()
+    driver.abandon()
+    assert time.monotonic() - begin < TAKE_WAIT + 5
+    assert driver.ended.is_set() == started
+    threads.close()  # the conftest fixture fails the test if a microbatch thread is left
