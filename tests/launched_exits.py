@@ -5,7 +5,8 @@ second one; under torchrun's or SLURM's variables both are started). Each fit tr
 one pipeline of 2 stages for 2 steps. After its last fit, each process writes ``done-rank<r>``: the
 names of the lightning_pipe threads still running then, one a line (a clean run has none: they are
 joined before ``fit`` returns, so none is left when the interpreter exits). At exit, after the
-strategy's own exit hook, each writes ``exit-rank<r>``: ``destroyed`` once the process groups are gone.
+strategy's own exit hook, each writes ``exit-rank<r>``: ``destroyed`` once the process groups are gone
+(else ``still initialised``), and the time (``time.time()``).
 
 ``--ctrl-c``: in the last fit, stage 0 writes ``waiting-rank<r>`` at its first training forward and
 waits there (at most 60 s) for the test's Ctrl-C to the process group of the run.
@@ -65,7 +66,8 @@ class Net(L.LightningModule):
 
 def note_exit(out: Path, rank: int) -> None:
     """Registered before the first fit, so it runs after the strategy's exit hook (atexit runs them in reverse)."""
-    (out / f"exit-rank{rank}").write_text("still initialised" if dist.is_initialized() else "destroyed")
+    state = "still initialised" if dist.is_initialized() else "destroyed"
+    (out / f"exit-rank{rank}").write_text(f"{state}\n{time.time()}")
 
 
 def main() -> None:

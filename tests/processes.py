@@ -50,10 +50,20 @@ def leftover_processes(timeout: float = 15.0) -> list[int]:
 
 def group_members(pgid: int) -> list[int]:
     """Live (not zombie) processes of process group ``pgid``."""
+    return _members(2, pgid)
+
+
+def session_members(sid: int) -> list[int]:
+    """Live (not zombie) processes of session ``sid``."""
+    return _members(3, sid)
+
+
+def _members(field: int, value: int) -> list[int]:
+    """Live processes whose stat ``field`` (2: process group, 3: session) is ``value``."""
     members = []
     for entry in _pids():
         stat = _stat(entry)
-        if stat is not None and stat[0] != "Z" and int(stat[2]) == pgid:
+        if stat is not None and stat[0] != "Z" and int(stat[field]) == value:
             members.append(entry)
     return members
 
