@@ -123,9 +123,10 @@ class UnsplitRunner(Runner):
 class EngineRunner(Runner):
     """lightning_pipe's `Pipeline` (no Lightning): the engine alone, on ``transport``.
 
-    The rpc transport's worker processes busy-poll (TensorPipe) even while idle, which would steal
-    cores from the other contenders' rounds, so over rpc the pipeline is started for each round
-    (after `ROUND_WARMUP` untimed steps) and closed after it; parameters are synced back in between.
+    The rpc transport's worker processes once busy-polled (TensorPipe's shared-memory transport, no longer
+    used) even while idle, stealing cores from the other contenders' rounds; so over rpc the pipeline is
+    still started for each round (after `ROUND_WARMUP` untimed steps) and closed after it; parameters are
+    synced back in between.
     """
 
     def __init__(self, cfg: Config, transport: str) -> None:

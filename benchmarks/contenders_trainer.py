@@ -69,7 +69,8 @@ def serve_trainer(conn: Connection, cfg: Config, transport: str) -> None:
 
     Local transport: the whole benchmark is one fit (`serve_one_fit`). rpc: each command is one ``fit``
     over the steps it asks for; every fit sets the pipeline up again (outside the timed steps, which
-    start after `ROUND_WARMUP` untimed ones), so the busy-polling workers only live during its rounds.
+    start after `ROUND_WARMUP` untimed ones), so the workers only live during its rounds (they once
+    busy-polled in TensorPipe's shared-memory transport, which the rpc transport no longer uses).
     """
     import lightning as L
 

@@ -1,8 +1,11 @@
-"""Train a small causal language model (HuggingFace GPT-2 built from a config) with PipeStrategy on CPU.
+"""Train a small causal language model (HuggingFace GPT-2 built from a config) with PipeStrategy, on the
+GPU where there is one (both stages on it), else on CPU.
 
-    python examples/causal_lm.py                 # 2 stages, 4 microbatches, 1F1B: about a minute
+    python examples/causal_lm.py                 # 2 stages, 4 microbatches, 1F1B: about a minute on CPU
     python examples/causal_lm.py --steps 40      # fewer steps
     python examples/causal_lm.py --no-pipe       # the same LightningModule without the strategy
+    python examples/causal_lm.py --accelerator cpu   # on CPU whatever the machine has
+    python examples/causal_lm.py --devices 2     # one stage per GPU, each in a worker process of its own
 
 The corpus is synthetic (sums such as "57 + 1024 = 1081", one character a token), so nothing is
 downloaded. Rows have different lengths: a batch is right-padded, with -100 labels on the padding,
@@ -91,9 +94,38 @@ class LossLog(L.Callback):
             self.window = []
 
 
-def fit(module: CausalLM, loader: DataLoader, strategy: Any, steps: int, callbacks: list[Any] | None = None) -> None:
+class Where:
+    """Where a run trains: ``accelerator`` (``"auto"``: cuda where torch sees a GPU, else cpu) and, for piped runs,
+    ``devices``: 1, every stage on that one device as threads of this process; more, one stage per device, each
+    in a worker process of its own (``transport="rpc"``: the embedding and the LM head share a weight, which
+    threads may only share on one device; in processes each holder has a copy, given the summed gradients)."""
+
+    def __init__(self, accelerator: str = "auto", devices: int = 1) -> None:
+        if accelerator == "auto":
+            accelerator = "cuda" if torch.cuda.is_available() else "cpu"
+        self.accelerator, self.devices = accelerator, devices
+
+    def strategy(self, stages: int, microbatches: int, schedule: str, weight: Any = None) -> PipeStrategy:
+        gpu = self.accelerator in ("cuda", "gpu")
+        devices = [f"cuda:{s % self.devices}" if gpu else "cpu" for s in range(stages)]
+        transport = "local" if self.devices == 1 else "rpc"
+        return PipeStrategy(
+            stages=stages, microbatches=microbatches, schedule=schedule, microbatch_weight=weight,
+            devices=devices, transport=transport,
+        )  # fmt: skip
+
+
+def fit(
+    module: CausalLM,
+    loader: DataLoader,
+    strategy: Any,
+    steps: int,
+    callbacks: list[Any] | None = None,
+    where: Where | None = None,
+) -> None:
+    where = where or Where("cpu")
     trainer = L.Trainer(
-        accelerator="cpu", devices=1, strategy=strategy, max_steps=steps, callbacks=callbacks, logger=False,
+        accelerator=where.accelerator, devices=1, strategy=strategy, max_steps=steps, callbacks=callbacks, logger=False,
         enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False,
     )  # fmt: skip
     trainer.fit(module, loader)
@@ -113,16 +145,16 @@ class FirstStep(L.Callback):
         self.loss = float(outputs["loss"])
 
 
-def one_step_check(stages: int, microbatches: int, schedule: str) -> dict[str, tuple[float, float]]:
+def one_step_check(stages: int, microbatches: int, schedule: str, where: Where) -> dict[str, tuple[float, float]]:
     """One step's loss and largest gradient difference to the unsplit step: with ``microbatch_weight``, by rows."""
     L.seed_everything(0, verbose=False)
     model = CausalLM()
     loader = DataLoader(sums(16, seed=1), batch_size=16, collate_fn=collate)
     steps = {name: FirstStep() for name in ("unsplit", "microbatch_weight", "rows")}
-    fit(copy.deepcopy(model), loader, "auto", steps=1, callbacks=[steps["unsplit"]])
+    fit(copy.deepcopy(model), loader, "auto", steps=1, callbacks=[steps["unsplit"]], where=where)
     for name, weight in (("microbatch_weight", labelled_tokens), ("rows", None)):
-        strategy = PipeStrategy(stages=stages, microbatches=microbatches, schedule=schedule, microbatch_weight=weight)
-        fit(copy.deepcopy(model), loader, strategy, steps=1, callbacks=[steps[name]])
+        strategy = where.strategy(stages, microbatches, schedule, weight)
+        fit(copy.deepcopy(model), loader, strategy, steps=1, callbacks=[steps[name]], where=where)
     want = steps["unsplit"].grads
     return {
         name: (step.loss, max((g - w).abs().max().item() for g, w in zip(step.grads, want, strict=True)))
@@ -131,12 +163,20 @@ def one_step_check(stages: int, microbatches: int, schedule: str) -> dict[str, t
 
 
 def train(
-    pipe: bool = True, stages: int = 2, microbatches: int = 4, schedule: str = "1f1b", steps: int = 200
+    pipe: bool = True,
+    stages: int = 2,
+    microbatches: int = 4,
+    schedule: str = "1f1b",
+    steps: int = 200,
+    accelerator: str = "auto",
+    devices: int = 1,
 ) -> dict[str, Any]:
     """Check one step against the unsplit model, then train; returns the check and the printed losses."""
+    where = Where(accelerator, devices)
     check: dict[str, tuple[float, float]] = {}
     if pipe:
-        check = one_step_check(stages, microbatches, schedule)
+        # on one device: Lightning sees the stages' gradients only where they share the module's parameters
+        check = one_step_check(stages, microbatches, schedule, Where(where.accelerator))
         print(f"one step on a padded batch of 16 rows, {microbatches} microbatches:")
         for name, (loss, grad) in check.items():
             versus = f", largest gradient difference to the unsplit step {grad:.1e}" if name != "unsplit" else ""
@@ -145,12 +185,8 @@ def train(
     generator = torch.Generator().manual_seed(0)
     loader = DataLoader(sums(4096), batch_size=16, shuffle=True, collate_fn=collate, generator=generator)
     log = LossLog(every=max(1, steps // 10))
-    strategy: Any = "auto"
-    if pipe:
-        strategy = PipeStrategy(
-            stages=stages, microbatches=microbatches, schedule=schedule, microbatch_weight=labelled_tokens
-        )
-    fit(CausalLM(), loader, strategy, steps, [log])
+    strategy: Any = where.strategy(stages, microbatches, schedule, labelled_tokens) if pipe else "auto"
+    fit(CausalLM(), loader, strategy, steps, [log], where)
     return {"check": check, "losses": log.means}
 
 
@@ -161,9 +197,11 @@ def main() -> None:
     parser.add_argument("--schedule", default="1f1b")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--no-pipe", action="store_true", help="train without PipeStrategy")
+    parser.add_argument("--accelerator", default="auto", help="auto (cuda where a GPU is, else cpu), cuda or cpu")
+    parser.add_argument("--devices", type=int, default=1, help="1: stages share one device; N: one stage per device")
     args = parser.parse_args()
     transformers.logging.set_verbosity_error()
-    train(not args.no_pipe, args.stages, args.microbatches, args.schedule, args.steps)
+    train(not args.no_pipe, args.stages, args.microbatches, args.schedule, args.steps, args.accelerator, args.devices)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,11 @@
-"""Train a classifier on scikit-learn's digits with PipeStrategy on CPU.
+"""Train a classifier on scikit-learn's digits with PipeStrategy, on the GPU where there is one, else on CPU.
 
-    python examples/digits.py                 # 2 stages, 4 microbatches, 1F1B
+    python examples/digits.py                 # 2 stages, 4 microbatches, 1F1B (both stages on the one GPU)
+    python examples/digits.py --accelerator cpu   # on CPU whatever the machine has
     python examples/digits.py --stages 4 --schedule gpipe
     python examples/digits.py --no-pipe       # the same LightningModule without the strategy
     python examples/digits.py --transport rpc --compress bf16   # stages in processes, activations as bfloat16
-    python examples/digits.py --devices 4     # launched mode: 4 processes = 2 replicas x 2 stages
+    python examples/digits.py --devices 4     # launched mode: 4 processes = 2 replicas x 2 stages (a GPU each)
     torchrun --nproc-per-node 4 --master-addr 127.0.0.1 --master-port 29500 examples/digits.py --devices 4
 
 The data set ships with scikit-learn: nothing is downloaded.
@@ -75,11 +76,19 @@ def train(
     compress: str | None = None,
     devices: int = 1,
     num_nodes: int = 1,
+    accelerator: str = "auto",
 ) -> float:
-    """Train and return the validation accuracy (in launched mode: on the processes that run Lightning's loop)."""
+    """Train and return the validation accuracy (in launched mode: on the processes that run Lightning's loop).
+
+    ``accelerator="auto"``: ``"cuda"`` where a GPU is, else ``"cpu"``. With one GPU (``devices=1``) every stage
+    runs on it, as threads of this process; with ``devices > 1`` each process of launched mode has its own.
+    """
     L.seed_everything(0, verbose=False)
     model = DigitsClassifier()
+    accelerator = resolve_accelerator(accelerator)
     options: dict[str, Any] = {"transport": transport} | ({"compress": compress} if compress else {})
+    if accelerator in ("cuda", "gpu") and devices * num_nodes == 1:
+        options["devices"] = ["cuda:0"] * stages  # the Trainer has one device: the stages share it
     # the global batch is split over the replicas: 64 rows per step whatever the layout
     replicas = max(1, devices * num_nodes // stages) if pipe and transport is None else devices * num_nodes
     train_loader, val_loader = digits_loaders(batch_size=64 // replicas)
@@ -87,7 +96,7 @@ def train(
         PipeStrategy(stages=stages, microbatches=microbatches, schedule=schedule, **options) if pipe else "auto"
     )
     trainer = L.Trainer(
-        accelerator="cpu",
+        accelerator=accelerator,
         devices=devices,
         num_nodes=num_nodes,
         strategy=strategy,
@@ -102,6 +111,13 @@ def train(
     return float(results[0]["val_acc"]) if results and trainer.is_global_zero else float("nan")
 
 
+def resolve_accelerator(accelerator: str) -> str:
+    """``"auto"``: ``"cuda"`` where torch sees a GPU, else ``"cpu"``; any other name as given."""
+    if accelerator == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return accelerator
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--stages", type=int, default=2)
@@ -110,13 +126,14 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=15)
     parser.add_argument("--no-pipe", action="store_true", help="train without PipeStrategy")
     parser.add_argument("--transport", default=None, help="default: local, or launched with --devices > 1; rpc")
+    parser.add_argument("--accelerator", default="auto", help="auto (cuda where a GPU is, else cpu), cuda or cpu")
     parser.add_argument("--devices", type=int, default=1, help="processes per machine (launched mode if > 1)")
     parser.add_argument("--num-nodes", type=int, default=1)
     parser.add_argument("--compress", default=None, help="with --transport rpc: bf16, fp16, zstd, bf16+zstd, ...")
     args = parser.parse_args()
     accuracy = train(
         not args.no_pipe, args.stages, args.microbatches, args.schedule, args.epochs, args.transport, args.compress,
-        args.devices, args.num_nodes,
+        args.devices, args.num_nodes, args.accelerator,
     )  # fmt: skip
     if accuracy == accuracy:  # NaN on every process but global rank 0
         print(f"validation accuracy: {accuracy:.4f}")

@@ -25,6 +25,7 @@ from lightning_pipe.engine.stash import stash_bytes
 from lightning_pipe.executors import Activation, call_module
 from lightning_pipe.microbatch import split
 from lightning_pipe.partition import Partitioner, ShardedTask
+from lightning_pipe.partition.selection import resolve_partitioner
 from lightning_pipe.schedule import Action, Kind, resolve_schedule
 
 
@@ -86,8 +87,6 @@ def plan(
     verbose: bool = False,
 ) -> MemoryPlan:
     """Predict every rank's peak stash for one step on ``sample`` (a whole batch); prints the table if verbose."""
-    from lightning_pipe.pipeline import resolve_partitioner
-
     # "auto" is planned without recomputation: what it chooses where memory allows (always on cpu)
     flags = [bool(f) for f in (checkpoint_flags(checkpoint, stages) if isinstance(checkpoint, str) else checkpoint)]
     worker_of = worker_of_stages(runner, stages, virtual_stages)

@@ -19,7 +19,6 @@ import contextlib
 import functools
 import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,19 +28,22 @@ from lightning_pipe.backends import BackendArg, BackendPlan, CoordinatorOps, Exe
 from lightning_pipe.backends.compiled import split_compiled
 from lightning_pipe.checkpointing import AutoCheckpoint, RecomputePlan, checkpoint_flags
 from lightning_pipe.comm import Communicator
-from lightning_pipe.engine import AutocastSpec, Coordinator, StageSpec, StepResult
+from lightning_pipe.engine import AutocastSpec, Coordinator, StepResult
 from lightning_pipe.engine.runners import worker_of_stages
-from lightning_pipe.engine.versions import Staleness
+from lightning_pipe.engine.stream import AsyncRun, train_stream
 from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.loss import Criterion, Loss, WeightedLoss, as_loss
-from lightning_pipe.microbatch import split
-from lightning_pipe.microbatch_weights import MicrobatchWeight, check_weight_function, shares
+from lightning_pipe.microbatch import gather
+from lightning_pipe.microbatch_weights import MicrobatchWeight, check_weight_function
+from lightning_pipe.optim import StageOptimizers
 from lightning_pipe.partition import Partitioner, ShardedTask
-from lightning_pipe.partition.traced import TracedPartitioner, for_module
+from lightning_pipe.partition.selection import resolve_partitioner as resolve_partitioner  # re-exported: strategy
+from lightning_pipe.partition.traced import TracedPartitioner
 from lightning_pipe.pipeline_inputs import PipelineInputs
 from lightning_pipe.rng import run_seed
-from lightning_pipe.runtime import BaseRuntime, runtime_registry
+from lightning_pipe.runtime import BaseRuntime
 from lightning_pipe.schedule import resolve_schedule
+from lightning_pipe.stage_layout import resolve_runtime, stage_devices, worker_specs
 from lightning_pipe.stage_state import StageState
 from lightning_pipe.transports import TRANSPORTS as TRANSPORTS  # re-exported: strategy/arguments.py
 from lightning_pipe.transports import register_transport as register_transport
@@ -50,40 +52,7 @@ from lightning_pipe.transports import resolve_transport
 log = logging.getLogger("lightning_pipe")
 
 
-def resolve_partitioner(
-    partition: str | Sequence[int] | Partitioner,
-    module: nn.Module | None = None,
-    split_points: Sequence[str] | None = None,
-) -> Partitioner:
-    """A partitioner instance; a `TracedPartitioner` for split points or a module that is not nn.Sequential."""
-    partitioner = partition if isinstance(partition, Partitioner) else Partitioner(partition)
-    return for_module(partitioner, module, split_points)
-
-
-def resolve_runtime(runtime: str | BaseRuntime | None, devices: Sequence[str]) -> list[BaseRuntime]:
-    """One runtime per stage: an instance is shared, a name picks the registered class."""
-    if isinstance(runtime, BaseRuntime):
-        return [runtime] * len(devices)
-    if runtime is None:
-        return [runtime_registry.create(d) for d in devices]
-    cls = runtime_registry.get_runtime_class(runtime)
-    return [cls(d) for d in devices]
-
-
-@dataclass
-class AsyncRun:
-    """What `Pipeline.train_async` returns: per-batch losses and each stage's measured staleness."""
-
-    losses: list[torch.Tensor]
-    staleness: list[Staleness]
-    step: StepResult
-
-    @property
-    def max_staleness(self) -> int:
-        return max(s.max for s in self.staleness)
-
-
-class Pipeline(PipelineInputs, StageState):
+class Pipeline:
     """Stages built from an ``nn.Sequential``, a schedule and a communicator.
 
     ``stages`` counts the pieces of the model; with ``virtual_stages=V`` each worker (rank) holds
@@ -92,6 +61,10 @@ class Pipeline(PipelineInputs, StageState):
     `Schedule` subclass or a function returning per-rank action lists. ``checkpoint``: see `checkpointing`.
     Each stage draws its random numbers (dropout) from generators of its own, seeded from ``seed`` and its
     index (default: ``PL_GLOBAL_SEED`` when Lightning's ``seed_everything`` ran, else ``torch.initial_seed()``).
+
+    Made of parts: ``inputs`` (`PipelineInputs`: a call of the module as the first stage's input, per
+    microbatch) and, once built, ``coordinator`` (the engine that runs the steps) and ``stage_state``
+    (`StageState`: gradients, parameters, checkpoints and optimizers as the stages hold them).
     """
 
     def __init__(
@@ -117,15 +90,7 @@ class Pipeline(PipelineInputs, StageState):
         **transport_options: Any,
     ) -> None:
         self.worker_of_stage = worker_of_stages(runner, stages, virtual_stages)
-        ranks = stages // virtual_stages
-        self.devices = [str(d) for d in (devices or ["cpu"] * stages)]
-        if len(self.devices) == ranks != stages:  # one device per rank: its stages share it
-            self.devices = [self.devices[s % ranks] for s in range(stages)]
-        if len(self.devices) != stages:
-            raise ConfigurationError(
-                f"devices has {len(self.devices)} entries but stages={stages}; give one device per stage"
-                + (f" or one per rank ({ranks})" if ranks != stages else "")
-            )
+        self.devices = stage_devices(devices, stages, stages // virtual_stages)
         module, backend = split_compiled(module, backend, stages, strict)  # torch.compile(m): split m, compile stages
         self.module = module
         self.virtual_stages = virtual_stages
@@ -143,7 +108,9 @@ class Pipeline(PipelineInputs, StageState):
         self.coordinator_device = coordinator_device or self.runtimes[-1].torch_device
         self.seed = run_seed(seed)
         self.shards: list[ShardedTask] = []
+        self.inputs = PipelineInputs(self.partitioner, self._stages_built_on)
         self._coordinator: Coordinator | None = None
+        self._stage_state: StageState | None = None
         self._started = False
         if sample is not None or not self.partitioner.needs_sample:
             self.build(sample)
@@ -160,37 +127,30 @@ class Pipeline(PipelineInputs, StageState):
     @property
     def coordinator(self) -> Coordinator:
         if self._coordinator is None:
-            raise ConfigurationError(
-                "the pipeline is built on its first step (its partitioner needs an example batch); "
-                "pass sample=... to build it earlier"
-            )
+            raise ConfigurationError(_NOT_BUILT)
         return self._coordinator
+
+    @property
+    def stage_state(self) -> StageState:
+        if self._stage_state is None:
+            raise ConfigurationError(_NOT_BUILT)
+        return self._stage_state
 
     def build(self, sample: Any = None) -> Pipeline:
         """Partition the module (a traced module: on the example call ``sample``) and make the stages."""
         if self._coordinator is not None:
             return self
-        stages = len(self.devices)
         self.shards = self.partitioner.partition(self.module, self.devices, sample)
-        specs = []
-        for worker in range(max(self.worker_of_stage) + 1):
-            held = [s for s in range(stages) if self.worker_of_stage[s] == worker]
-            runtimes = {s: self.runtimes[s] for s in held}
-            shared = len({id(r) for r in runtimes.values()}) == 1
-            specs.append(
-                StageSpec(
-                    rank=worker,
-                    shards=[self.shards[s] for s in held],
-                    num_stages=stages,
-                    rank_of_stage=list(self.worker_of_stage),
-                    checkpoint=self.checkpoint,
-                    timeout=self.timeout,
-                    runtime=runtimes[held[0]] if shared else runtimes,
-                    autocast=self.autocast,
-                    backend=self.backend,
-                    seed=self.seed,
-                )
-            )
+        specs = worker_specs(
+            self.shards,
+            self.worker_of_stage,
+            self.runtimes,
+            self.checkpoint,
+            self.timeout,
+            self.autocast,
+            self.backend,
+            self.seed,
+        )
         self._coordinator = Coordinator(
             self.communicator,
             specs,
@@ -200,9 +160,15 @@ class Pipeline(PipelineInputs, StageState):
             virtual_stages=self.virtual_stages,
             runner=self.runner,
         )
+        self._stage_state = StageState(
+            self._coordinator, self.module, self.shards, self.partitioner, self.communicator, self.seed
+        )
         if self._started:
             self._coordinator.start()
         return self
+
+    def _stages_built_on(self, sample: Any) -> StageState:
+        return self.build(sample).stage_state
 
     @property
     def balance(self) -> list[int]:
@@ -268,10 +234,8 @@ class Pipeline(PipelineInputs, StageState):
         """
         argument = "Pipeline.train_step(microbatch_weight=...)"
         check_weight_function(microbatch_weight, argument)
-        xs, ys = self._microbatches(inputs, kwargs, microbatches), split(targets, microbatches)
+        xs, labels = self.inputs.labelled(inputs, targets, kwargs, microbatches, microbatch_weight, argument)
         self.before_train_step(len(xs), log.info)
-        weights = shares(xs if microbatch_weight is None else ys, microbatch_weight, argument)
-        labels = list(zip(weights, ys, strict=True))
         result = self.coordinator.train_step(xs, labels, self._weighted(criterion, "train"), scaler)
         self.apply_grads(1.0)
         return result
@@ -299,15 +263,13 @@ class Pipeline(PipelineInputs, StageState):
 
         def pieces() -> Iterator[tuple[list[Any], list[Any]]]:
             for x, y in batches:
-                xs, ys = self._microbatches(x, None, microbatches), split(y, microbatches)
-                weights = shares(xs if microbatch_weight is None else ys, microbatch_weight, argument)
-                yield xs, list(zip(weights, ys, strict=True))
+                yield self.inputs.labelled(x, y, None, microbatches, microbatch_weight, argument)
 
         stream = pieces()
         first = next(stream, None)  # builds the pipeline
         if first is None:
             raise ConfigurationError("train_async needs at least one batch")
-        result = self.coordinator.train_stream(_chain(first, stream), count, self._weighted(criterion), optimizer)
+        result = train_stream(self.coordinator, _chain(first, stream), count, self._weighted(criterion), optimizer)
         per_batch = [sum(result.losses[b * microbatches : (b + 1) * microbatches]) for b in range(count)]
         staleness = [s for stats in self.coordinator.call("async_stats") for s in stats]
         return AsyncRun(losses=per_batch, staleness=sorted(staleness, key=lambda s: s.stage), step=result)
@@ -325,16 +287,58 @@ class Pipeline(PipelineInputs, StageState):
 
     def forward(self, inputs: Any, microbatches: int = 1, kwargs: dict[str, Any] | None = None) -> Any:
         """Forward only, no autograd; outputs are concatenated in batch order."""
-        from lightning_pipe.microbatch import gather
-
-        xs = self._microbatches(inputs, kwargs, microbatches)
+        xs = self.inputs.microbatches(inputs, kwargs, microbatches)
         result = self.coordinator.forward_step(xs)
         return gather([self.unpack(output) for output in result.outputs])
+
+    # the faces of the parts: a call of the module (`PipelineInputs`), the stages' state (`StageState`)
+    def pack(self, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> Any:
+        return self.inputs.pack(args, kwargs)
+
+    def unpack(self, output: Any) -> Any:
+        return self.inputs.unpack(output)
+
+    def apply_grads(self, scale: float = 1.0) -> None:
+        self.stage_state.apply_grads(scale)
+
+    @property
+    def tied(self) -> list[list[tuple[int, str]]]:
+        return self.stage_state.tied
+
+    def parameter_locations(self) -> dict[int, tuple[int, str]]:
+        return self.stage_state.parameter_locations()
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.stage_state.state_dict()
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.stage_state.load_state_dict(state)
+
+    def random_state(self) -> dict[str, Any]:
+        return self.stage_state.random_state()
+
+    def load_random_state(self, state: dict[str, Any]) -> None:
+        self.stage_state.load_random_state(state)
+
+    def sync_module(self) -> None:
+        self.stage_state.sync_module()
+
+    def grads(self) -> dict[str, torch.Tensor | None]:
+        return self.stage_state.grads()
+
+    def optimizer(self, template: torch.optim.Optimizer) -> StageOptimizers:
+        return self.stage_state.optimizer(template)
 
     def _weighted(self, criterion: Loss | Criterion, ops: str | None = None) -> WeightedLoss:
         """The user's loss on the module's own output, weighted (targets are ``(weight, target)``)."""
         context = functools.partial(self.coordinator_ops.context, ops) if ops else contextlib.nullcontext
-        return WeightedLoss(as_loss(criterion), self.unpack, context)
+        return WeightedLoss(as_loss(criterion), self.inputs.unpack, context)
+
+
+_NOT_BUILT = (
+    "the pipeline is built on its first step (its partitioner needs an example batch); "
+    "pass sample=... to build it earlier"
+)
 
 
 def _chain(first: Any, rest: Iterator[Any]) -> Iterator[Any]:

@@ -6,44 +6,44 @@ last stage's output unpacked into what the module returns); an ``nn.Sequential``
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
-from lightning_pipe.comm import Communicator
-from lightning_pipe.engine import Coordinator
 from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.microbatch import split
-from lightning_pipe.partition import Partitioner, ShardedTask
+from lightning_pipe.microbatch_weights import MicrobatchWeight, shares
+from lightning_pipe.partition import Partitioner
 from lightning_pipe.partition.traced import TracedPartitioner
 from lightning_pipe.partition.tracer import CallArgs
+from lightning_pipe.stage_state import StageState
 
 
 class PipelineInputs:
-    """Mixed into `Pipeline`: ``pack``, ``unpack`` and the split of a batch into microbatch inputs."""
+    """``pack``, ``unpack`` and the split of a batch into microbatch inputs.
 
-    partitioner: Partitioner
-    communicator: Communicator
-    shards: list[ShardedTask]
+    ``build(sample)`` builds the pipeline on its first call (a traced module is partitioned on it) and
+    returns the stages' state, which receives the code of each new way of calling a traced module.
+    """
 
-    if TYPE_CHECKING:
+    def __init__(self, partitioner: Partitioner, build: Callable[[Any], StageState]) -> None:
+        self.partitioner = partitioner
+        self.build = build
 
-        @property
-        def traced(self) -> bool: ...
-
-        @property
-        def coordinator(self) -> Coordinator: ...
-
-        def build(self, sample: Any = None) -> Any: ...
+    @property
+    def traced(self) -> TracedPartitioner | None:
+        """The partitioner, where the module is split through its traced graph (inputs and outputs are packed)."""
+        return self.partitioner if isinstance(self.partitioner, TracedPartitioner) else None
 
     def pack(self, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> Any:
         """The first stage's input for the call ``module(*args, **kwargs)``."""
-        if self.traced:
+        partitioner = self.traced
+        if partitioner is not None:
             call = CallArgs(tuple(args), dict(kwargs or {}))
-            self.build(call)
-            partitioner: TracedPartitioner = self.partitioner  # type: ignore[assignment]
-            known, state = len(partitioner.variants), self._shard_state()
+            stages = self.build(call)
+            known, held = len(partitioner.variants), stages.held_names()
             packed = partitioner.pack(call.args, call.kwargs)
-            if len(partitioner.variants) > known and self.communicator.stages_own_parameters:
-                self._install_variants(partitioner, known, state)
+            if len(partitioner.variants) > known:
+                stages.install_variants(partitioner, known, held)
             return packed
         if kwargs:
             raise ConfigurationError(
@@ -52,42 +52,32 @@ class PipelineInputs:
             )
         return args[0] if len(args) == 1 else tuple(args)
 
-    def _shard_state(self) -> list[set[str]]:
-        """Per shard, the names of its submodules, parameters and buffers."""
-        if not self.communicator.stages_own_parameters:
-            return []
-        return [
-            {n for n, _ in shard.module.named_modules(remove_duplicate=False) if n}
-            | {n for n, _ in shard.module.named_parameters(remove_duplicate=False)}
-            | {n for n, _ in shard.module.named_buffers(remove_duplicate=False)}
-            for shard in self.shards
-        ]
-
-    def _install_variants(self, partitioner: TracedPartitioner, first: int, before: list[set[str]]) -> None:
-        """Send the stages (in other processes) the code of the call variants traced since ``first``."""
-        updates: list[dict[int, Any]] = [{} for _ in range(self.coordinator.num_ranks)]
-        for shard, held, now in zip(self.shards, before, self._shard_state(), strict=True):
-            for variant in range(first, len(partitioner.variants)):
-                sources, constants = partitioner.variant_update(shard.index, variant)
-                new = sorted(n for n in now - held if not any(n == c or c.startswith(n + ".") for c in constants))
-                if new:
-                    raise ConfigurationError(
-                        f"the pipelined module was called in a new way that makes stage {shard.index} use "
-                        f"{', '.join(new[:5])}, which its worker process does not hold; call it the same way every "
-                        "time, or build the pipeline on a call of each way first"
-                    )
-                updates[self.coordinator.rank_of_stage[shard.index]].setdefault(shard.index, []).append(
-                    (variant, sources, constants)
-                )
-        self.coordinator.call("install_variants", each=[(own,) for own in updates])
-
     def unpack(self, output: Any) -> Any:
         """The module's output (tensor, tuple, dict...) from the last stage's output."""
-        return self.partitioner.unpack(output) if self.traced else output  # type: ignore[attr-defined]
+        partitioner = self.traced
+        return partitioner.unpack(output) if partitioner is not None else output
 
-    def _microbatches(self, inputs: Any, kwargs: dict[str, Any] | None, microbatches: int) -> list[Any]:
+    def labelled(
+        self,
+        inputs: Any,
+        targets: Any,
+        kwargs: dict[str, Any] | None,
+        microbatches: int,
+        weight: MicrobatchWeight | None,
+        argument: str,
+    ) -> tuple[list[Any], list[tuple[Any, Any]]]:
+        """Each microbatch's input (`microbatches`) and its label ``(weight, target)``.
+
+        A microbatch's weight is its share of the rows, or of ``weight(target)`` summed over the batch
+        (`microbatch_weights.shares`; ``argument`` names the option in errors).
+        """
+        xs, ys = self.microbatches(inputs, kwargs, microbatches), split(targets, microbatches)
+        weights = shares(xs if weight is None else ys, weight, argument)
+        return xs, list(zip(weights, ys, strict=True))
+
+    def microbatches(self, inputs: Any, kwargs: dict[str, Any] | None, microbatches: int) -> list[Any]:
         """The first stage's input for each microbatch; builds the pipeline on the first one."""
-        if not self.traced and not kwargs:
+        if self.traced is None and not kwargs:
             xs = split(inputs, microbatches)
             self.build(xs[0])
             return xs

@@ -2,38 +2,47 @@
 
 With a transport whose stages own their parameters (``rpc``, ``p2p``) this is the only copy that
 trains; with ``local`` the stages share the module's parameters and most of this is a pass-through.
-`Pipeline` mixes this in.
+A built `Pipeline` holds one (``Pipeline.stage_state``) and hands these calls to it.
 """
 
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
 from lightning_pipe.comm import Communicator
+from lightning_pipe.engine import Coordinator
+from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.optim import StageOptimizers
 from lightning_pipe.partition import Partitioner, ShardedTask
-
-if TYPE_CHECKING:
-    from lightning_pipe.engine import Coordinator
+from lightning_pipe.partition.traced import TracedPartitioner
 
 
 class StageState:
-    """Gradients, parameters, checkpoints and optimizers of the stages (a mixin of `Pipeline`)."""
+    """Gradients, parameters, checkpoints and optimizers of the stages of a built pipeline.
 
-    module: nn.Module
-    seed: int
-    shards: list[ShardedTask]
-    partitioner: Partitioner
-    communicator: Communicator
+    ``module`` is the unsplit module, ``shards`` its stages; everything the stage workers hold is
+    reached through ``coordinator``'s control calls.
+    """
 
-    if TYPE_CHECKING:
-
-        @property
-        def coordinator(self) -> Coordinator: ...
+    def __init__(
+        self,
+        coordinator: Coordinator,
+        module: nn.Module,
+        shards: list[ShardedTask],
+        partitioner: Partitioner,
+        communicator: Communicator,
+        seed: int,
+    ) -> None:
+        self.coordinator = coordinator
+        self.module = module
+        self.shards = shards
+        self.partitioner = partitioner
+        self.communicator = communicator
+        self.seed = seed
 
     def apply_grads(self, scale: float = 1.0) -> None:
         """Add the last step's gradients, times ``scale``, to ``p.grad`` on every stage.
@@ -163,6 +172,41 @@ class StageState:
         for part in self.coordinator.call("grads"):
             grads.update(part)
         return grads
+
+    def held_names(self) -> list[set[str]]:
+        """Per shard, the names of its submodules, parameters and buffers, where stages hold their own copies."""
+        if not self.communicator.stages_own_parameters:
+            return []
+        return [
+            {n for n, _ in shard.module.named_modules(remove_duplicate=False) if n}
+            | {n for n, _ in shard.module.named_parameters(remove_duplicate=False)}
+            | {n for n, _ in shard.module.named_buffers(remove_duplicate=False)}
+            for shard in self.shards
+        ]
+
+    def install_variants(self, partitioner: TracedPartitioner, first: int, before: list[set[str]]) -> None:
+        """Send the stages (in other processes) the code of the call variants traced since ``first``.
+
+        ``before``: `held_names` before those variants were traced; a variant that makes a stage use a
+        submodule, parameter or buffer its worker process does not hold cannot be installed.
+        """
+        if not self.communicator.stages_own_parameters:
+            return
+        updates: list[dict[int, Any]] = [{} for _ in range(self.coordinator.num_ranks)]
+        for shard, held, now in zip(self.shards, before, self.held_names(), strict=True):
+            for variant in range(first, len(partitioner.variants)):
+                sources, constants = partitioner.variant_update(shard.index, variant)
+                new = sorted(n for n in now - held if not any(n == c or c.startswith(n + ".") for c in constants))
+                if new:
+                    raise ConfigurationError(
+                        f"the pipelined module was called in a new way that makes stage {shard.index} use "
+                        f"{', '.join(new[:5])}, which its worker process does not hold; call it the same way every "
+                        "time, or build the pipeline on a call of each way first"
+                    )
+                updates[self.coordinator.rank_of_stage[shard.index]].setdefault(shard.index, []).append(
+                    (variant, sources, constants)
+                )
+        self.coordinator.call("install_variants", each=[(own,) for own in updates])
 
     def optimizer(self, template: torch.optim.Optimizer) -> StageOptimizers:
         """Per-stage parts of ``template`` (an optimizer over ``module``'s parameters); see `StageOptimizers`."""

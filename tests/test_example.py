@@ -15,8 +15,8 @@ def test_digits_with_and_without_pipe() -> None:
     pytest.importorskip("sklearn", reason="the digits example needs scikit-learn (lightning_pipe[examples])")
     from digits import train
 
-    piped = train(pipe=True, stages=2, microbatches=4, schedule="1f1b")
-    plain = train(pipe=False)
+    piped = train(pipe=True, stages=2, microbatches=4, schedule="1f1b", accelerator="cpu")
+    plain = train(pipe=False, accelerator="cpu")
     print(f"digits validation accuracy: PipeStrategy {piped:.4f}, plain {plain:.4f}")
     assert piped >= 0.95
     assert abs(piped - plain) <= 0.01
@@ -26,7 +26,7 @@ def test_causal_lm_example() -> None:
     pytest.importorskip("transformers", reason="the causal LM example needs transformers (lightning_pipe[examples])")
     from causal_lm import train
 
-    result = train(steps=30)
+    result = train(steps=30, accelerator="cpu")
     check = result["check"]
     assert check["microbatch_weight"][0] == pytest.approx(check["unsplit"][0], abs=1e-6)
     assert check["microbatch_weight"][1] < 1e-6  # gradients of the unsplit step

@@ -1,8 +1,12 @@
 """House rules on the package's imports: no circles, Lightning only in the strategy, data flows one way.
 
-The imports are read from the source with `ast`; nothing is imported. An import inside
-``if TYPE_CHECKING:`` does not run and does not count; one inside a function runs when the function
-is called: it counts for the direction of the layers but cannot close an import circle.
+The imports are read from the source with `ast`; nothing is imported. Every import counts: one at
+module level runs when the module is imported, one inside a function when the function is called
+(a circle closed there is one the function hides until it runs), and one inside
+``if TYPE_CHECKING:`` is read by the type checker. A ``TYPE_CHECKING`` import is for a type that an
+annotation needs and nothing else: its names appear only in annotations, and it closes no circle (an
+import that would close one at run time, moved under ``TYPE_CHECKING``, hides the circle instead of
+breaking it).
 """
 
 from __future__ import annotations
@@ -13,14 +17,23 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "lightning_pipe"
 LIGHTNING = ("lightning", "pytorch_lightning", "lightning_fabric")  # Lightning's packages
-LOWER = ("comm", "engine", "schedule", "partition", "executors", "runtime", "backends")  # below the pipeline
-UPPER = (  # the strategy, and the pipeline with the modules it is made of
-    "lightning_pipe.strategy",
+STRATEGY = "lightning_pipe.strategy"
+PIPELINE = (  # the pipeline and the modules it is made of
     "lightning_pipe.pipeline",
     "lightning_pipe.pipeline_inputs",
     "lightning_pipe.stage_state",
+    "lightning_pipe.stage_layout",
     "lightning_pipe.transports",
 )
+# DESIGN.md: data flows strategy -> pipeline -> engine -> comm, and the parts a stage runs (its schedule,
+# partition, executor modules, runtime and backend) never reach up into any of them
+BOTTOM = tuple(f"lightning_pipe.{p}" for p in ("schedule", "partition", "executors", "runtime", "backends"))
+NEVER: dict[str, tuple[str, ...]] = {
+    **{p: (STRATEGY,) for p in PIPELINE},
+    "lightning_pipe.engine": (STRATEGY, *PIPELINE),
+    "lightning_pipe.comm": ("lightning_pipe.engine", STRATEGY, *PIPELINE),
+    **{p: ("lightning_pipe.engine", "lightning_pipe.comm", STRATEGY, *PIPELINE) for p in BOTTOM},
+}
 # ``import lightning_pipe`` registers the strategy name with Lightning's StrategyRegistry (DESIGN.md):
 # the package's own __init__ is the one place outside strategy/ that may name Lightning.
 LIGHTNING_ALLOWED = ("lightning_pipe",)
@@ -32,6 +45,8 @@ class Import:
     target: str  # the imported module (a name imported from a module counts as the module)
     line: int
     module_level: bool  # runs when the module is imported (not inside a function)
+    type_checking: bool = False  # inside ``if TYPE_CHECKING:``: read by the type checker only
+    name: str = ""  # the name it binds in the importing module
 
 
 def module_name(path: Path) -> str:
@@ -60,30 +75,34 @@ def _absolute(source: str, is_package: bool, node: ast.ImportFrom) -> str:
 
 
 def imports_of(name: str, path: Path, known: set[str]) -> list[Import]:
-    """Every import of ``path`` that runs at some point (TYPE_CHECKING blocks left out)."""
+    """Every import of ``path``: at module level, in functions, and under ``if TYPE_CHECKING:``."""
     found: list[Import] = []
     is_package = path.name == "__init__.py"
 
-    def visit(node: ast.AST, module_level: bool) -> None:
+    def visit(node: ast.AST, module_level: bool, checking: bool) -> None:
         if isinstance(node, ast.If) and _is_type_checking(node.test):
+            for child in node.body:
+                visit(child, module_level, True)
             for child in node.orelse:
-                visit(child, module_level)
+                visit(child, module_level, checking)
             return
         if isinstance(node, ast.Import):
             for alias in node.names:
-                found.append(Import(name, alias.name, node.lineno, module_level))
+                bound = alias.asname or alias.name.split(".")[0]
+                found.append(Import(name, alias.name, node.lineno, module_level, checking, bound))
             return
         if isinstance(node, ast.ImportFrom):
             base = _absolute(name, is_package, node)
             for alias in node.names:
                 submodule = f"{base}.{alias.name}"
-                found.append(Import(name, submodule if submodule in known else base, node.lineno, module_level))
+                target = submodule if submodule in known else base
+                found.append(Import(name, target, node.lineno, module_level, checking, alias.asname or alias.name))
             return
         inner = module_level and not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda)
         for child in ast.iter_child_nodes(node):
-            visit(child, inner)
+            visit(child, inner, checking)
 
-    visit(ast.parse(path.read_text(), str(path)), True)
+    visit(ast.parse(path.read_text(), str(path)), True, False)
     return found
 
 
@@ -127,44 +146,96 @@ def circles(edges: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+def import_graph(imports: list[Import]) -> dict[str, set[str]]:
+    known = set(modules())
+    edges: dict[str, set[str]] = {}
+    for i in imports:
+        if i.target in known and i.target != i.source:
+            edges.setdefault(i.source, set()).add(i.target)
+    return edges
+
+
+def uses_outside_annotations(tree: ast.Module, names: set[str]) -> list[tuple[str, int]]:
+    """Where ``names`` are read other than in an annotation or inside ``if TYPE_CHECKING:``."""
+    found: list[tuple[str, int]] = []
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.arg):
+            return  # its annotation is an annotation
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            for child in (*node.decorator_list, *node.args.defaults, *node.args.kw_defaults, *node.body):
+                if child is not None:
+                    visit(child)
+            return  # its return annotation and its arguments' annotations are annotations
+        if isinstance(node, ast.AnnAssign):
+            for child in (node.target, node.value):
+                if child is not None:
+                    visit(child)
+            return
+        if isinstance(node, ast.Name) and node.id in names and isinstance(node.ctx, ast.Load):
+            found.append((node.id, node.lineno))
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return found
+
+
 def _is_under(name: str, prefix: str) -> bool:
     return name == prefix or name.startswith(prefix + ".")
 
 
 def test_the_package_imports_no_circles() -> None:
-    known = set(modules())
-    edges: dict[str, set[str]] = {}
-    for i in all_imports():
-        if i.module_level and i.target in known and i.target != i.source:
-            edges.setdefault(i.source, set()).add(i.target)
-    found = circles(edges)
-    assert not found, "import circles among module-level imports: " + "; ".join(" <-> ".join(c) for c in found)
+    found = circles(import_graph([i for i in all_imports() if not i.type_checking]))
+    assert not found, "import circles (module or function level): " + "; ".join(" <-> ".join(c) for c in found)
+
+
+def test_type_checking_imports_close_no_circle() -> None:
+    found = circles(import_graph(all_imports()))
+    assert not found, (
+        "import circles closed by TYPE_CHECKING imports (hidden, not broken; give the type a home both sides "
+        "import, or a Protocol): " + "; ".join(" <-> ".join(c) for c in found)
+    )
+
+
+def test_type_checking_imports_serve_annotations_only() -> None:
+    wrong = []
+    for name, path in modules().items():
+        checking = {i.name: i for i in imports_of(name, path, set()) if i.type_checking}
+        if not checking:
+            continue
+        for used, line in uses_outside_annotations(ast.parse(path.read_text(), str(path)), set(checking)):
+            wrong.append(f"{name}:{line} uses {used} (imported under TYPE_CHECKING) outside an annotation")
+    assert not wrong, "; ".join(wrong)
 
 
 def test_only_the_strategy_imports_lightning() -> None:
     wrong = [
         f"{i.source}:{i.line} imports {i.target}"
         for i in all_imports()
-        if i.module_level
-        and any(_is_under(i.target, package) for package in LIGHTNING)
-        and not _is_under(i.source, "lightning_pipe.strategy")
+        if any(_is_under(i.target, package) for package in LIGHTNING)
+        and not _is_under(i.source, STRATEGY)
         and i.source not in LIGHTNING_ALLOWED
     ]
     assert not wrong, "Lightning imported outside lightning_pipe.strategy: " + "; ".join(wrong)
 
 
 def test_the_lower_layers_never_import_upward() -> None:
-    lower = tuple(f"lightning_pipe.{package}" for package in LOWER)
     wrong = [
         f"{i.source}:{i.line} imports {i.target}"
         for i in all_imports()
-        if any(_is_under(i.source, p) for p in lower) and any(_is_under(i.target, u) for u in UPPER)
+        for layer, above in NEVER.items()
+        if _is_under(i.source, layer) and any(_is_under(i.target, a) for a in above)
     ]
-    assert not wrong, "a lower layer imports the pipeline or the strategy: " + "; ".join(wrong)
+    assert not wrong, "a layer imports one above it (DESIGN.md's direction of data): " + "; ".join(wrong)
 
 
 def test_the_checks_see_what_they_look_for(tmp_path: Path) -> None:
-    """The reader finds each kind of import, and the circle search finds a circle."""
+    """The reader finds each kind of import, the circle search finds a circle, the use check a misused name."""
     source = tmp_path / "mod.py"
     source.write_text(
         "from typing import TYPE_CHECKING\n"
@@ -172,15 +243,21 @@ def test_the_checks_see_what_they_look_for(tmp_path: Path) -> None:
         "from . import sibling\n"
         "if TYPE_CHECKING:\n"
         "    from lightning_pipe.strategy import PipeStrategy\n"
-        "def f():\n"
         "    from lightning_pipe.pipeline import Pipeline\n"
+        "def f(s: PipeStrategy) -> PipeStrategy:\n"
+        "    from lightning_pipe.pipeline import resolve_partitioner\n"
+        "    x: Pipeline = Pipeline()\n"
     )
-    found = {(i.target, i.module_level) for i in imports_of("lightning_pipe.comm.mod", source, set())}
+    found = {(i.target, i.module_level, i.type_checking) for i in imports_of("lightning_pipe.comm.mod", source, set())}
     assert found == {
-        ("typing", True),
-        ("lightning.pytorch", True),
-        ("lightning_pipe.comm", True),
-        ("lightning_pipe.pipeline", False),
+        ("typing", True, False),
+        ("lightning.pytorch", True, False),
+        ("lightning_pipe.comm", True, False),
+        ("lightning_pipe.strategy", True, True),
+        ("lightning_pipe.pipeline", True, True),
+        ("lightning_pipe.pipeline", False, False),
     }
+    used = uses_outside_annotations(ast.parse(source.read_text()), {"PipeStrategy", "Pipeline"})
+    assert used == [("Pipeline", 9)]
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert circles({"a": {"b"}, "b": set()}) == []

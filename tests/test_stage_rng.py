@@ -23,7 +23,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from lightning_pipe import PipeStrategy
-from lightning_pipe.strategy.random_state import CHECKPOINT_KEY
+from lightning_pipe.strategy.checkpoints import CHECKPOINT_KEY
 
 P = 0.2
 

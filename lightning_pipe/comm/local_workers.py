@@ -83,11 +83,16 @@ def exitcode_text(code: int) -> str:
     return f"exited with code {code}"
 
 
-def reap(processes: list[Any], until: float, lost: set[int]) -> None:
-    """Wait for worker processes; kill lost ones at once, terminate and then kill whatever still runs."""
+def kill_lost(processes: list[Any], lost: set[int]) -> None:
+    """Kill the worker processes whose pid is in ``lost`` (hung or stopped: they would not answer a terminate)."""
     for process in processes:
         if process.pid in lost and process.poll() is None:
-            process.kill()  # hung or stopped: it would not answer a terminate either
+            process.kill()
+
+
+def reap(processes: list[Any], until: float, lost: set[int]) -> None:
+    """Wait for worker processes; kill lost ones at once, terminate and then kill whatever still runs."""
+    kill_lost(processes, lost)
     joining = deadline(min(5.0, remaining(until)))
     for process in processes:
         _wait(process, remaining(joining))

@@ -21,6 +21,11 @@ tensor shapes repeat every microbatch, so the first message of a signature carri
 signature and later ones only the header and the raw tensors. Negative markers are a control
 message (pickled by value each time: steps, calls, posts, replies, errors, builds), a keep-alive, or the
 close of the link.
+
+The tags: on a framed link (gloo) headers and inline frames travel on `FRAME_TAG`, what a header-only
+frame leaves out on `SPILL_TAG`, and the tensors of a signature too large to be inline on its own
+`body_tag`; an ordered link (NCCL) sends every part on tag 0, in order. The sender (`p2p_wire`) and the
+receiver (`p2p_receive`) both take the format from here.
 """
 
 from __future__ import annotations
@@ -42,6 +47,10 @@ HEADER_BYTES = HEADER_FIELDS * 8
 ALIGN = 64  # offsets of the parts of an inline frame: any dtype's view of the bytes is aligned
 INLINE_BYTES = 1 << 20  # the largest inline frame: a receiver keeps two buffers of this size per peer
 CONTROL, CLOSE, KEEPALIVE = -1, -2, -3
+# the tags of a framed link (gloo), which matches a receive by (source, tag); an ordered link (NCCL) sends on tag 0
+FRAME_TAG = 0  # every frame's header (inline frames: the whole message)
+SPILL_TAG = 1  # the pickled bytes and control tensors of a message too large to send inline
+FRAME_BUFFERS = 2  # frames a receiver keeps posted per peer
 #: the messages whose payloads repeat in structure: described by a signature negotiated once per link
 TENSOR_KINDS = frozenset((MessageKind.ACTIVATION, MessageKind.OUTPUT, MessageKind.GRAD, MessageKind.INPUT_GRAD))
 
@@ -158,6 +167,16 @@ def unbundle(message: Message, fields: list[int]) -> list[Message]:
 def inline_size(extra: int, metas: Sequence[TensorMeta]) -> int:
     """The bytes of an inline frame with ``extra`` pickled bytes and tensors of ``metas``."""
     return _aligned(HEADER_BYTES) + _aligned(extra) + sum(_aligned(_numel(m.shape) * m.dtype.itemsize) for m in metas)
+
+
+def body_tag(marker: int) -> int:
+    """The tag of the tensors of signature ``marker`` when they travel outside the frame (framed mode)."""
+    return 2 + marker
+
+
+def ahead_of_time(signature: Signature) -> bool:
+    """Whether a framed receiver posts this signature's body ahead: its messages never fit inline."""
+    return inline_size(0, signature.metas) > INLINE_BYTES
 
 
 def pack(head: torch.Tensor, extra: bytes, tensors: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """The receiving side of a p2p link: one thread per peer turns the peer's frames into messages.
 
-Two ways, by what the backend can match (`p2p_frames` has the layout of a frame):
+Two ways, by what the backend can match (`p2p_frames` has the layout of a frame and its tags):
 
 - *framed* (gloo, which matches a receive by (source, tag) and lets it be larger than its send):
   the thread keeps two frame buffers of `INLINE_BYTES` posted on tag `FRAME_TAG`, so a frame's bytes
@@ -19,37 +19,40 @@ The close of a link is a `CLOSE` header; in framed mode the peer sends one for e
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from lightning_pipe.comm import p2p_frames as frames
 from lightning_pipe.comm.base import Message
-
-if TYPE_CHECKING:
-    from lightning_pipe.comm.p2p_wire import Wire
-
-FRAME_TAG = 0  # every frame's header (inline frames: the whole message)
-SPILL_TAG = 1  # the pickled bytes and control tensors of a message too large to send inline
-FRAME_BUFFERS = 2  # frames a receiver keeps posted per peer
+from lightning_pipe.comm.p2p_frames import FRAME_BUFFERS, FRAME_TAG, SPILL_TAG, ahead_of_time, body_tag
 
 
-def body_tag(marker: int) -> int:
-    """The tag of the tensors of signature ``marker`` when they travel outside the frame (framed mode)."""
-    return 2 + marker
+class ReceivingWire(Protocol):
+    """What a `Receiver` needs of the links it receives for (`p2p_wire.Wire` is this)."""
 
+    group: Any  # the process group
+    ranks: list[int]  # the pipeline's processes, in pipeline order
+    group_ranks: list[int]  # each one's rank in ``group``: what a receive names as its source
+    device: torch.device  # where the frames land
+    framed: bool  # gloo: frames into buffers posted ahead; else (NCCL) every part in order
+    timeout: float
 
-def ahead_of_time(signature: frames.Signature) -> bool:
-    """Whether a framed receiver posts this signature's body ahead: its messages never fit inline."""
-    return frames.inline_size(0, signature.metas) > frames.INLINE_BYTES
+    def deliver(self, destination: int, message: Message) -> None: ...
+
+    def mark_lost(self, peer: int, reason: str) -> None: ...
+
+    def peer_closed(self, peer: int) -> None: ...
+
+    def on_stream(self, ready: Any) -> Any: ...
 
 
 class Receiver:
     """The receiving thread of one peer's link (``Wire`` starts it); delivers into the wire's inboxes."""
 
-    def __init__(self, wire: Wire, peer: int) -> None:
-        self.wire, self.peer, self.src = wire, peer, wire.ranks[peer]
+    def __init__(self, wire: ReceivingWire, peer: int) -> None:
+        self.wire, self.peer, self.src = wire, peer, wire.group_ranks[peer]
         self.signatures: dict[int, frames.Signature] = {}
         self.ahead: dict[int, tuple[list[torch.Tensor], list[Any]]] = {}  # framed: one body per large signature
 
@@ -160,7 +163,7 @@ class Receiver:
 
     def _irecv(self, tensor: torch.Tensor, tag: int) -> Any:
         with self.wire.on_stream(None):
-            return dist.irecv(tensor, src=self.src, group=self.wire.group, tag=tag)
+            return dist.irecv(tensor, group=self.wire.group, tag=tag, group_src=self.src)
 
     def _complete(self, works: list[Any]) -> None:
         with self.wire.on_stream(None):

@@ -51,16 +51,9 @@ import torch.distributed as dist
 
 from lightning_pipe.comm import p2p_frames as frames
 from lightning_pipe.comm.base import COORDINATOR, Message, QueueInbox, deadline, remaining
-from lightning_pipe.comm.p2p_receive import (
-    FRAME_BUFFERS,
-    FRAME_TAG,
-    SPILL_TAG,
-    Receiver,
-    ahead_of_time,
-    body_tag,
-    first_line,
-)
-from lightning_pipe.comm.placement import process_device
+from lightning_pipe.comm.p2p_frames import FRAME_BUFFERS, FRAME_TAG, SPILL_TAG, ahead_of_time, body_tag
+from lightning_pipe.comm.p2p_receive import Receiver, first_line
+from lightning_pipe.comm.placement import group_ranks_of, process_device
 from lightning_pipe.errors import TransportError
 
 WIRE = -2  # the endpoint id of a process's own control inbox (builds, releases, notices)
@@ -110,7 +103,8 @@ class _Link:
 
 
 class Wire:
-    """This process's links to the other processes of one pipeline (``ranks`` in pipeline order)."""
+    """This process's links to the other processes of one pipeline (``ranks`` in pipeline order), or of an RPC
+    world's data plane (`rpc_plane`, over groups made apart from the default one: ``group_ranks`` and ``backend``)."""
 
     def __init__(
         self,
@@ -120,15 +114,23 @@ class Wire:
         describe: Callable[[int], str],
         timeout: float,
         coordinator: int = 0,
+        group_ranks: Sequence[int] | None = None,
+        backend: str | None = None,
+        sends_to: Sequence[int] | None = None,
+        hears_from: Sequence[int] | None = None,
     ) -> None:
         self.group, self.ranks, self.me, self.describe, self.timeout = group, list(ranks), me, describe, timeout
         self.coordinator = coordinator  # the pipeline rank whose process runs the coordinator
-        self.device = process_device(group)
+        #: each process's rank in ``group``, what its sends and receives name: given for a group made apart from
+        #: the default one (the rpc transport's, which torch.distributed does not know), else ``ranks`` translated
+        self.group_ranks = list(group_ranks) if group_ranks is not None else group_ranks_of(group, self.ranks)
+        self.backend = backend or str(dist.get_backend(group))
+        self.device = process_device(self.backend)
         #: gloo matches a receive by (source, tag) and takes a receive larger than its send: messages go as
         #: inline frames into buffers posted ahead (`p2p_receive`); NCCL gets each part of a frame in order
-        self.framed = dist.get_backend(group) == "gloo"
+        self.framed = self.backend == "gloo"
         self.keepalive = max(0.05, min(5.0, timeout / 4))
-        self.lost: tuple[int, str] | None = None  # the first peer lost (pipeline rank) and why
+        self.lost: tuple[int, str] | None = None  # the first peer lost (its index in ranks) and why
         self._dead: set[int] = set()  # peers whose link broke
         self._closed: set[int] = set()  # peers that closed their side: nothing more goes to them
         self._inboxes: dict[int, QueueInbox] = {WIRE: QueueInbox()}
@@ -139,10 +141,13 @@ class Wire:
         self._local = threading.local()  # each thread's CUDA stream for sends and receives
         self._closing = threading.Event()
         _OPEN.add(self)
-        for peer in range(len(self.ranks)):
-            if peer == me:
-                continue
+        others = [peer for peer in range(len(self.ranks)) if peer != me]
+        # a link one way only (``sends_to``, ``hears_from``): NCCL runs a pair's sends and receives on one stream,
+        # where a receive posted ahead would hold back every send behind it; the rpc transport's NCCL wires go
+        # one way each
+        for peer in others if sends_to is None else sends_to:
             self._links[peer] = _Link()
+        for peer in others if hears_from is None else hears_from:
             name = f"lightning_pipe-p2p-recv-{self.ranks[peer]}"
             thread = threading.Thread(target=Receiver(self, peer).run, name=name, daemon=True)
             thread.start()
@@ -158,6 +163,11 @@ class Wire:
         """The inbox of ``endpoint`` in this process (made on first use)."""
         with self._lock:
             return self._inboxes.setdefault(endpoint, QueueInbox())
+
+    def attach(self, endpoint: int, inbox: QueueInbox) -> None:
+        """Deliver the messages for ``endpoint`` into ``inbox`` (an inbox its owner made)."""
+        with self._lock:
+            self._inboxes[endpoint] = inbox
 
     def drop_inbox(self, endpoint: int) -> None:
         with self._lock:
@@ -329,11 +339,11 @@ class Wire:
 
     def _transmit(self, peer: int, link: _Link, parts: list[tuple[torch.Tensor, int]]) -> None:
         """Post one frame's sends (the caller holds the link's lock); its tensors stay referenced until sent."""
-        dst = self.ranks[peer]
+        dst = self.group_ranks[peer]
         link.reap(self.timeout)
         for part, tag in parts:
             part = part.detach().to(self.device).contiguous()
-            link.pending.append((dist.isend(part, dst=dst, group=self.group, tag=tag), part))
+            link.pending.append((dist.isend(part, group=self.group, tag=tag, group_dst=dst), part))
         link.last_send = time.monotonic()
 
     # CUDA ordering (the same code with another device; not exercised on CPU)

@@ -1,4 +1,4 @@
-"""Where a stage built in another process runs: that process's own device, whatever the spec said.
+"""Where things of a process live: a stage built there (its own device), its point-to-point tensors, its peers' ranks.
 
 A `StageSpec` is made in the coordinator's process, whose shards name the coordinator's idea of a
 device. A worker process places them on the device it was given (an RPC slot's offer, or in
@@ -22,8 +22,16 @@ def retarget(spec: Any, device: str) -> None:
         spec.runtime = type(runtime)(device, runtime.config)
 
 
-def process_device(group: Any) -> torch.device:
-    """The device of a process of ``group``: its current CUDA device under NCCL, else the CPU."""
-    if "nccl" in str(dist.get_backend(group)).lower():
+def process_device(backend: str) -> torch.device:
+    """Where a process's point-to-point tensors live under ``backend``: its current CUDA device under NCCL,
+    else the CPU."""
+    if "nccl" in backend.lower():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def group_ranks_of(group: Any, ranks: list[int]) -> list[int]:
+    """The rank in ``group`` (a group of the default world; None: the default group) of each global rank."""
+    if group is None or group is dist.GroupMember.WORLD:
+        return list(ranks)
+    return [dist.get_group_rank(group, rank) for rank in ranks]

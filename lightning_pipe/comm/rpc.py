@@ -7,10 +7,13 @@ machines), handshakes, hands out ranks, and then every participant joins an RPC 
 rendezvous store the coordinator hosts. Each stage is built remotely from its pickled `StageSpec`
 and pings back when ready.
 
-A message is one ``rpc_async`` call on the receiving process (`rpc_endpoint`), which puts it into
-the stage's inbox and wakes its event loop; the worker side lives in `rpc_stages` (the stages a
-process serves) and `slot` (a worker process). Activations go from stage to stage directly; only the last stage's
-outputs go to the coordinator. Parameters never travel: they are built into the stage once.
+Control messages (steps, calls, replies, a stage's end) are ``rpc_async`` calls on the receiving
+process (`rpc_endpoint`), which put them into the stage's inbox and wake its event loop; activations
+and gradients go point to point over the world's data plane (`rpc_plane`: private gloo and NCCL
+groups in launched mode's wire format). The worker side lives in `rpc_stages` (the stages a process
+serves) and `slot` (a worker process); the world itself in `rpc_hosted`. Activations go from stage to
+stage directly; only the last stage's outputs go to the coordinator. Parameters never travel: they are
+built into the stage once.
 
     coordinator (rank -1) --activation--> rank 0 --activation--> rank 1 --output--> coordinator
                           <--input grad--        <----grad------        <--grad---
@@ -22,11 +25,8 @@ import atexit
 import contextlib
 import os
 import secrets
-import threading
-import time
 import warnings
 import weakref
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed.rpc as rpc
@@ -34,28 +34,16 @@ import torch.distributed.rpc as rpc
 from lightning_pipe.comm.base import COORDINATOR, Communicator, Endpoint, Message, MessageKind, deadline, remaining
 from lightning_pipe.comm.by_value import ByValue
 from lightning_pipe.comm.compress import resolve_codec
-from lightning_pipe.comm.control import ControlServer, Slot, interface_of, parse_address
-from lightning_pipe.comm.local_workers import check_spawned, exit_reason, reap, spawn_workers
+from lightning_pipe.comm.control import ControlServer, Slot, parse_address
+from lightning_pipe.comm.local_workers import exit_reason
 from lightning_pipe.comm.rpc_endpoint import RpcEndpoint, TransportStats, register_inbox
-from lightning_pipe.comm.rpc_stages import build_stage, quiet_worker, request_exit, stage_stats, stop_stage
-from lightning_pipe.comm.rpc_world import host_store, join_world, leave_world, quiet_closing
+from lightning_pipe.comm.rpc_hosted import HostedWorld, wait_all, wait_future
+from lightning_pipe.comm.rpc_plane import DataPlane
+from lightning_pipe.comm.rpc_stages import build_stage, stage_stats, stop_stage
 from lightning_pipe.comm.slot import TOKEN_ENV
 from lightning_pipe.errors import PipeTimeoutError, StageError, TransportError
 
 HEARTBEAT_TIMEOUT = 20.0  # seconds without a heartbeat before a worker counts as lost
-
-
-# the coordinator's side
-@dataclass
-class _World:
-    tag: str
-    server: ControlServer
-    slots: list[Slot]
-    names: dict[int, str]
-    hosts: dict[int, str]
-    store: Any
-    processes: list[Any] = field(default_factory=list)
-    joined: bool = False  # this process's RPC agent runs in this world
 
 
 _ACTIVE: RpcCommunicator | None = None  # RPC allows one agent per process: the communicator whose world runs
@@ -99,7 +87,7 @@ class RpcCommunicator(Communicator):
         self.keep_alive = keep_alive
         self.threads = threads
         self.heartbeat_timeout = heartbeat_timeout
-        self._world: _World | None = None
+        self._world: HostedWorld | None = None
         self._endpoint: RpcEndpoint | None = None
         self._stages_of: dict[int, list[int]] = {}
         self._lost: str | None = None
@@ -114,6 +102,12 @@ class RpcCommunicator(Communicator):
     def pids(self) -> dict[int, int]:
         """Process id of each rank's worker (on its own machine)."""
         return {rank: slot.pid for rank, slot in enumerate(self._world.slots)} if self._world else {}
+
+    @property
+    def data_plane(self) -> DataPlane | None:
+        """This process's side of the world's data plane (the groups activations and gradients cross), once
+        the workers joined; kept while the world lives (a pool's pipelines share it)."""
+        return self._world.plane if self._world else None
 
     @property
     def refused(self) -> list[str]:
@@ -144,6 +138,7 @@ class RpcCommunicator(Communicator):
         endpoint, self._endpoint = self._endpoint, None
         if endpoint is not None:
             register_inbox(endpoint.launch, COORDINATOR, None)
+            endpoint.close()
             until = deadline(timeout)
             futures = []
             lost = {slot.rank for slot, _ in self._world.server.lost(self.heartbeat_timeout)} if self._world else set()
@@ -153,7 +148,7 @@ class RpcCommunicator(Communicator):
                 with contextlib.suppress(Exception):
                     args = (endpoint.launch, rank, max(1.0, timeout - 1.0))
                     futures.append(rpc.rpc_async(endpoint.names[rank], stop_stage, args=args))
-            _wait_all(futures, until)
+            wait_all(futures, until)
         if not self.keep_alive or self._lost is not None:
             self.close(timeout)
 
@@ -162,7 +157,7 @@ class RpcCommunicator(Communicator):
         if world is None:
             return
         problems = []
-        for slot, reason in world.server.lost(self.heartbeat_timeout):
+        for slot, reason in world.lost(self.heartbeat_timeout):
             problems.append(self._describe(slot, self._exit_reason(slot) or reason))
         endpoint = self._endpoint
         if endpoint is not None and endpoint.stats.failures and not problems:
@@ -201,29 +196,8 @@ class RpcCommunicator(Communicator):
         world, self._world = self._world, None
         if world is None:
             return
-        until = deadline(timeout)
-        lost = {slot.pid for slot, _ in world.server.lost(self.heartbeat_timeout)}
-        if world.joined:
-            restore = quiet_closing()
-            try:
-                # every process holds its closing warnings back before the first one leaves
-                for call in (quiet_worker, request_exit):
-                    futures = []
-                    for rank, slot in enumerate(world.slots):
-                        if slot.pid not in lost:
-                            with contextlib.suppress(Exception):
-                                futures.append(rpc.rpc_async(world.names[rank], call))
-                    _wait_all(futures, deadline(min(5.0, remaining(until))))
-                # let workers leave on their own (their control connections close), then stop ours
-                leaving = deadline(min(5.0, remaining(until)))
-                while remaining(leaving) > 0 and any(s.gone is None and s.pid not in lost for s in world.slots):
-                    time.sleep(0.05)
-                leave_world()
-            finally:
-                restore()
-        world.server.close()
+        world.close(timeout, self.heartbeat_timeout)
         self._refused += world.server.refused
-        reap(world.processes, until, lost)
         self._lost = None
         global _ACTIVE
         if _ACTIVE is self:
@@ -236,7 +210,7 @@ class RpcCommunicator(Communicator):
         self.close()
 
     # opening a world
-    def _open(self, count: int, timeout: float, devices: list[str]) -> _World:
+    def _open(self, count: int, timeout: float, devices: list[str]) -> HostedWorld:
         global _ACTIVE
         if _ACTIVE is not None and _ACTIVE is not self:
             raise TransportError(
@@ -244,7 +218,6 @@ class RpcCommunicator(Communicator):
                 "per process); close that pipeline or communicator first"
             )
         _ACTIVE = self
-        tag = secrets.token_hex(4)
         if self.local:
             host, port, token = "127.0.0.1", 0, self.token or secrets.token_hex(16)
         else:
@@ -262,32 +235,22 @@ class RpcCommunicator(Communicator):
             server = ControlServer(host, port, token)
         except OSError as exc:
             raise TransportError(f"cannot listen for workers on {host}:{port}: {exc}") from None
-        processes: list[Any] = []
-        world = _World(tag, server, [], {}, {}, None, processes)
-        self._world = world
-        until = deadline(timeout)
+        world = HostedWorld(server, host)
+        self._world = world  # closed by the caller if opening fails
+        spawn = None
         if self.local:
             total = max(count, self.workers or 0)
-            devices = devices + ["cpu"] * (total - len(devices))
             threads = self.threads or max(1, (os.cpu_count() or 1) // total)
-            processes += spawn_workers(f"127.0.0.1:{server.port}", token, devices, threads, timeout)
+            spawn = (devices + ["cpu"] * (total - len(devices)), threads)
             count = total
-        slots = server.wait_for(count, until, lambda: check_spawned(processes))
-        used, unused = slots[:count], slots[count:]
-        store = host_store(host, timeout)
-        world.store, world.slots = store, used
-        world.names = {COORDINATOR: f"lp{tag}-coordinator"} | {r: f"lp{tag}-{r}" for r in range(len(used))}
-        world.hosts = {COORDINATOR: "the coordinator"} | {r: s.where() for r, s in enumerate(used)}
-        # a worker reaches the store where it reached us (HOST may be a wildcard such as 0.0.0.0)
-        assignment = {"world_size": len(used) + 1, "store_port": store.port, "tag": tag, "timeout": timeout}
-        server.assign(used, unused, assignment)
-        join_world(world.names[COORDINATOR], 0, len(used) + 1, store, timeout, interface_of(host), f"lp{tag}")
-        world.joined = True
+        world.open(count, timeout, spawn)
         return world
 
-    def _build(self, world: _World, specs: list[Any], worker_cls: Any, until: float, timeout: float) -> RpcEndpoint:
+    def _build(
+        self, world: HostedWorld, specs: list[Any], worker_cls: Any, until: float, timeout: float
+    ) -> RpcEndpoint:
         launch = f"{world.tag}-{secrets.token_hex(3)}"
-        endpoint = RpcEndpoint(COORDINATOR, launch, world.names, world.hosts, self.codec)
+        endpoint = RpcEndpoint(COORDINATOR, launch, world.names, world.hosts, self.codec, world.plane)
         register_inbox(launch, COORDINATOR, endpoint.inbox)
         self._endpoint = endpoint
         futures = []
@@ -297,7 +260,7 @@ class RpcCommunicator(Communicator):
             args = (launch, ByValue(spec), ByValue(worker_cls), world.names, world.hosts, device, ByValue(self.codec))
             futures.append(rpc.rpc_async(world.names[spec.rank], build_stage, args=args))
         for rank, future in enumerate(futures):
-            while not _wait(future, min(0.5, remaining(until))):
+            while not wait_future(future, min(0.5, remaining(until))):
                 self._wait_step(until, f"rank {rank} to build its stage")
             try:
                 future.wait()
@@ -350,21 +313,6 @@ def _close_all() -> None:
 
 def _device_of(spec: Any) -> str:
     return str(spec.shards[0].device) if spec.shards else "cpu"
-
-
-def _wait_all(futures: list[Any], until: float) -> None:
-    """Wait for RPC futures until ``until``; their errors are the caller's to find elsewhere."""
-    for future in futures:
-        if _wait(future, remaining(until)):
-            with contextlib.suppress(Exception):
-                future.wait()
-
-
-def _wait(future: Any, timeout: float) -> bool:
-    """Whether ``future`` finished within ``timeout`` seconds."""
-    done = threading.Event()
-    future.add_done_callback(lambda _: done.set())
-    return done.wait(timeout)
 
 
 def _first_line(exc: BaseException) -> str:

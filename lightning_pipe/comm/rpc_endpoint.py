@@ -1,8 +1,10 @@
-"""A participant of an RPC world: an inbox that keeps each sender's order, and sends by ``rpc_async``.
+"""A participant of an RPC world: an inbox that keeps each sender's order, and sends by ``rpc_async`` or the data plane.
 
-A message is one ``rpc_async`` call of `deliver` on the receiving process: TensorPipe's I/O threads
-deserialize it, decompress its tensors (`compress`) and put it into the receiver's `OrderedInbox`,
-which wakes its event loop (the seed's "I/O thread and callback").
+A control message is one ``rpc_async`` call of `deliver` on the receiving process: TensorPipe's I/O
+threads deserialize it and put it into the receiver's `OrderedInbox`, which wakes its event loop (the
+seed's "I/O thread and callback"). Activations, outputs and gradients go over the world's data plane
+(`rpc_plane`, point to point), whose receiving thread decompresses their tensors (`compress`) and puts
+them into the same inbox. Without a data plane they go by ``rpc_async`` too.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from lightning_pipe import tree
 from lightning_pipe.comm.base import Endpoint, Message, MessageKind, QueueInbox
 from lightning_pipe.comm.by_value import ByValue
 from lightning_pipe.comm.compress import Codec, decode_payload, encode_payload, wire_bytes
+from lightning_pipe.comm.p2p_wire import LOST
+from lightning_pipe.comm.rpc_plane import DataPlane, address, world_rank
 
 _CONTROL = (MessageKind.STEP, MessageKind.CALL, MessageKind.POST)  # the coordinator's control messages to stages
 _TENSORS = (MessageKind.ACTIVATION, MessageKind.OUTPUT, MessageKind.GRAD, MessageKind.INPUT_GRAD)  # compressed
@@ -68,6 +72,8 @@ class TransportStats:
     #: the same tensors' bytes as sent: after compression (`compress`), equal to tensor_bytes without it
     wire_bytes: Counter[str] = field(default_factory=Counter)
     parameter_tensors: int = 0  # tensors that were (views of) this process's parameters
+    #: bytes of tensors on a device (CUDA) that crossed through host memory: over gloo or RPC, not device to device
+    host_bytes: Counter[str] = field(default_factory=Counter)
     failures: list[str] = field(default_factory=list)
     encode_seconds: float = 0.0  # compressing what it sent
     decode_seconds: float = 0.0  # decompressing what it received (in its I/O threads)
@@ -79,36 +85,67 @@ class TransportStats:
         return sum(self.wire_bytes.values())
 
 
+class _Arrivals(QueueInbox):
+    """What the data plane delivers into: each message decoded (in the receiving thread), then put into ``inbox``."""
+
+    def __init__(self, inbox: QueueInbox, decode: Callable[[Message], Message]) -> None:
+        super().__init__()
+        self.inbox = inbox
+        self.decode = decode
+
+    def put(self, message: Message) -> None:
+        self.inbox.put(self.decode(message))
+
+
 class RpcEndpoint(Endpoint):
-    """One participant: an ordered inbox filled by RPC, and ``rpc_async`` to anyone else."""
+    """One participant: an ordered inbox filled by RPC and the data plane; ``rpc_async`` or the plane to anyone else.
+
+    With a ``plane`` the endpoint's inbox is attached to it until `close`.
+    """
 
     def __init__(
-        self, rank: int, launch: str, names: dict[int, str], hosts: dict[int, str], codec: Codec | None = None
+        self,
+        rank: int,
+        launch: str,
+        names: dict[int, str],
+        hosts: dict[int, str],
+        codec: Codec | None = None,
+        plane: DataPlane | None = None,
     ) -> None:
         self.rank = rank
         self.launch = launch
         self.names = names
         self.hosts = hosts
         self.codec = codec  # compresses the tensors of activation and gradient messages, both ways
+        self.plane = plane
+        self.bundles = plane is not None  # a step's later inputs go as one message (one frame)
         self.inbox = OrderedInbox(self._decode if codec is not None else None)
         self.stats = TransportStats()
         self._seq: dict[int, int] = defaultdict(int)
         self._lock = threading.Lock()
         self._watched: set[int] = set()
+        if plane is not None:
+            arrivals = self.inbox if codec is None else _Arrivals(self.inbox, self._decode)
+            plane.attach(address(launch, rank), arrivals)
+
+    def close(self) -> None:
+        """Detach the inbox from the data plane: what still arrives for this endpoint is dropped."""
+        if self.plane is not None:
+            self.plane.detach(address(self.launch, self.rank))
 
     def watch(self, tensors: Iterator[torch.Tensor]) -> None:
         """Count sends of these tensors' storages (a stage's parameters) in ``stats.parameter_tensors``."""
         self._watched |= {t.untyped_storage().data_ptr() for t in tensors}
 
     def send(self, rank: int, message: Message) -> None:
+        if self.plane is not None and message.kind in _TENSORS:
+            self._send_on_plane(rank, [message])
+            return
         payload, nbytes = self._account(message)
         if message.kind in _CONTROL:  # the user's objects (an optimizer class, a traced call's code) go by value
             payload = ByValue(payload)
         elif self.codec is not None and message.kind in _TENSORS:
-            start = time.perf_counter()
-            payload = encode_payload(self.codec, payload)
-            self.stats.encode_seconds += time.perf_counter() - start
-            nbytes = wire_bytes(payload)
+            payload, nbytes = self._encode(payload)
         self.stats.wire_bytes[message.kind] += nbytes
         message = replace(message, source=self.rank, payload=payload)
         with self._lock:
@@ -121,8 +158,16 @@ class RpcEndpoint(Endpoint):
             return
         future.add_done_callback(lambda f: self._delivered(rank, f))
 
+    def send_many(self, rank: int, messages: list[Message]) -> None:
+        if self.plane is not None and messages and messages[0].kind in _TENSORS:
+            self._send_on_plane(rank, messages)
+        else:
+            super().send_many(rank, messages)
+
     def recv(self, timeout: float | None) -> Message | None:
-        return self.inbox.get(timeout)
+        message = self.inbox.get(timeout)
+        # the data plane lost a peer: the waiting caller checks the communicator (which names the worker)
+        return None if message is not None and message.kind == LOST else message
 
     def host(self, rank: int) -> str:
         return self.hosts.get(rank, "?")
@@ -137,25 +182,53 @@ class RpcEndpoint(Endpoint):
             self.stats.decode_seconds += time.perf_counter() - start
         return message
 
-    def _account(self, message: Message) -> tuple[Any, int]:
-        """Count the payload's tensors and make them portable: detached, on the CPU, compact; and their bytes."""
-        nbytes = 0
+    def _send_on_plane(self, rank: int, messages: list[Message]) -> None:
+        """Tensor messages of one kind over the data plane (several: one bundle); the codec runs before the send."""
+        assert self.plane is not None
+        process = world_rank(rank)
+        through_host = self.plane.through_host(process)
+        ready = []
+        for message in messages:
+            # the wire copies what it sends (or keeps it until sent); a codec needs the tensors on the CPU
+            payload, nbytes = self._account(message, portable=self.codec is not None, through_host=through_host)
+            if self.codec is not None:
+                payload, nbytes = self._encode(payload)
+            self.stats.wire_bytes[message.kind] += nbytes
+            ready.append(replace(message, source=self.rank, payload=payload))
+        self.plane.send(process, address(self.launch, rank), ready)
 
-        def portable(t: torch.Tensor) -> torch.Tensor:
+    def _encode(self, payload: Any) -> tuple[Any, int]:
+        assert self.codec is not None
+        start = time.perf_counter()
+        payload = encode_payload(self.codec, payload)
+        self.stats.encode_seconds += time.perf_counter() - start
+        return payload, wire_bytes(payload)
+
+    def _account(self, message: Message, portable: bool = True, through_host: bool = True) -> tuple[Any, int]:
+        """Count the payload's tensors and their bytes; ``portable``: make them detached, on the CPU, compact."""
+        nbytes = 0
+        kind = message.kind
+
+        def count(t: torch.Tensor) -> torch.Tensor:
             nonlocal nbytes
             if t.untyped_storage().data_ptr() in self._watched and t.numel() > 0:
                 self.stats.parameter_tensors += 1
-            nbytes += t.numel() * t.element_size()
+            size = t.numel() * t.element_size()
+            nbytes += size
             t = t.detach()
+            if t.device.type != "cpu" and (portable or through_host):
+                self.stats.host_bytes[kind] += size
+            if not portable:
+                return t
             if t.device.type != "cpu":
                 t = t.cpu()
             if t.untyped_storage().nbytes() > t.numel() * t.element_size():
                 t = t.clone()  # a view would drag its whole storage along
             return t
 
-        payload = tree.map_tensors(portable, message.payload)
-        self.stats.messages[message.kind] += 1
-        self.stats.tensor_bytes[message.kind] += nbytes
+        payload = tree.map_tensors(count, message.payload)
+        self.stats.messages[kind] += 1
+        self.stats.tensor_bytes[kind] += nbytes
         return payload, nbytes
 
     def _delivered(self, rank: int, future: Any) -> None:

@@ -14,6 +14,7 @@ from typing import Any
 from lightning_pipe.comm.base import Message, MessageKind
 from lightning_pipe.comm.placement import retarget
 from lightning_pipe.comm.rpc_endpoint import RpcEndpoint, TransportStats, register_inbox
+from lightning_pipe.comm.rpc_plane import DataPlane
 from lightning_pipe.comm.rpc_world import quiet_closing
 
 _STAGES: dict[tuple[str, int], tuple[Any, threading.Thread, RpcEndpoint]] = {}  # by (launch, rank)
@@ -21,6 +22,8 @@ _LOCK = threading.Lock()
 EXIT = threading.Event()  # a worker process leaves when the coordinator asks
 #: in a worker process: sends a failure to the coordinator over the control link
 REPORT: list[Callable[[str], None]] = []
+#: in a worker process: its side of the world's data plane, once it joined the world
+PLANE: list[DataPlane] = []
 
 
 def build_stage(
@@ -35,8 +38,12 @@ def build_stage(
     """Build the stage worker of ``spec`` in this process and start its event loop."""
     if device is not None:
         retarget(spec, device)
-    endpoint = RpcEndpoint(spec.rank, launch, names, hosts, codec)
-    worker = worker_cls(spec, endpoint)
+    endpoint = RpcEndpoint(spec.rank, launch, names, hosts, codec, PLANE[0] if PLANE else None)
+    try:
+        worker = worker_cls(spec, endpoint)
+    except BaseException:
+        endpoint.close()
+        raise
     endpoint.watch(p for shard in worker.shards.values() for p in shard.module.parameters())
     thread = threading.Thread(target=_serve, args=(worker,), name=f"lightning_pipe-stage-{spec.rank}", daemon=True)
     with _LOCK:
@@ -64,7 +71,8 @@ def stop_stage(launch: str, rank: int, timeout: float) -> bool:
         inbox = register_inbox(launch, rank, None)
     if entry is None or inbox is None:
         return True
-    _, thread, _ = entry
+    _, thread, endpoint = entry
+    endpoint.close()
     inbox.put(Message(MessageKind.STOP))
     thread.join(timeout)
     return not thread.is_alive()

@@ -58,7 +58,12 @@ def join_world(
     ``rpc.init_rpc`` would rendezvous through a store that waits up to 30 minutes for missing
     ranks, so the agent is started here from our own store (the same steps init_rpc takes).
     """
-    options = rpc.TensorPipeRpcBackendOptions(num_worker_threads=RPC_THREADS, rpc_timeout=timeout)
+    # TCP (libuv) only: TensorPipe's shared-memory transport polls without sleeping, and each of its
+    # processes took about 60% of a core doing so while idle (measured on 2 cores: the stages' cores); what
+    # RPC carries (control messages; tensors go over the data plane, `rpc_plane`) is small
+    options = rpc.TensorPipeRpcBackendOptions(
+        num_worker_threads=RPC_THREADS, rpc_timeout=timeout, _transports=["uv"], _channels=["basic"]
+    )
     store.set_timeout(timedelta(seconds=timeout))
     with _interface(interface), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*ProcessGroupGloo.*as a ProcessGroup")  # torch's own use

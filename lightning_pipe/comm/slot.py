@@ -1,10 +1,11 @@
 """A stage slot process: one device that joins a coordinator's RPC world and serves whatever stage it builds there.
 
-A slot connects to the coordinator, says hello (token, versions, device), waits for its rank, joins
-the coordinator's RPC world and then serves the stages the coordinator builds on it, until the
-coordinator ends the run. If the coordinator goes away, the slot exits: nothing is left behind. The
-``lightning-pipe worker`` command (`lightning_pipe.worker`) starts one per device; ``transport="rpc"``
-without a coordinator address spawns them itself.
+A slot connects to the coordinator, says hello (token, versions, device), waits for its rank, makes
+its side of the world's data plane (`rpc_plane`), joins the coordinator's RPC world and then serves
+the stages the coordinator builds on it, until the coordinator ends the run. If the coordinator goes
+away, the slot exits: nothing is left behind. The ``lightning-pipe worker`` command
+(`lightning_pipe.worker`) starts one per device; ``transport="rpc"`` without a coordinator address
+spawns them itself.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ import torch.distributed as dist
 
 from lightning_pipe.comm.control import parse_address
 from lightning_pipe.comm.control_link import WorkerLink, WorkerRefused
-from lightning_pipe.comm.rpc_stages import EXIT, REPORT
+from lightning_pipe.comm.rpc_plane import PlaneLayout, describe_process, is_cuda, open_plane, world_rank
+from lightning_pipe.comm.rpc_stages import EXIT, PLANE, REPORT
 from lightning_pipe.comm.rpc_world import join_world, leave_world
 from lightning_pipe.errors import TransportError
 
@@ -75,6 +77,11 @@ def run_slot(
     try:
         store = dist.TCPStore(host, port, None, False, timedelta(seconds=timeout))
         tag = message["tag"]
+        if is_cuda(device):
+            torch.cuda.set_device(torch.device(device))  # this process's device: its NCCL group's and its stages'
+        # the data plane first: the coordinator builds stages here once every process joined the RPC world
+        layout = PlaneLayout.from_json(message["plane"])
+        PLANE[:] = [open_plane(store, f"lp{tag}-plane", world_rank(rank), layout, interface, timeout, describe_process)]
         join_world(f"lp{tag}-{rank}", rank + 1, int(message["world_size"]), store, timeout, interface, f"lp{tag}")
     except Exception as exc:
         link.send({"type": "failed", "error": f"could not join the RPC world: {exc}"})
@@ -85,6 +92,7 @@ def run_slot(
         if link.lost.is_set():  # the coordinator died or dropped us: leave at once, without ceremony
             print("lightning-pipe worker: lost the coordinator; exiting", file=sys.stderr, flush=True)
             os._exit(1)
+    PLANE.pop().close(min(5.0, timeout))  # the coordinator and the other slots close theirs meanwhile
     leave_world()
     link.close()
     return 0

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -11,16 +11,17 @@ from torch import nn
 
 from lightning_pipe import tree
 from lightning_pipe.comm.base import Communicator, Endpoint, Message, MessageKind
-from lightning_pipe.engine.coordinator_messages import CoordinatorMessages, Key, LateRanks
+from lightning_pipe.engine.coordinator_link import CoordinatorLink
 from lightning_pipe.engine.plan import ASYNC, EVAL, TRAIN, LossPlan, StageSpec, StepPlan
 from lightning_pipe.engine.runners import check_runner, worker_lists
+from lightning_pipe.engine.shared_weights import SharedWeights
 from lightning_pipe.engine.stage import StageWorker
+from lightning_pipe.engine.step_result import Record, StepResult
 from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.executors import output_grads
 from lightning_pipe.loss import Criterion, Loss, as_loss
 from lightning_pipe.schedule import Schedule
 
-Record = tuple[str, float, float]  # (action or "action part", start, end), time.perf_counter() seconds
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -46,53 +47,13 @@ def _share_cores(method: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-class StepResult:
-    """What a step returns: per-microbatch losses (train) or outputs (eval), and each rank's timeline.
-
-    ``records`` and ``parts`` of a rank the train step did not wait for (`Coordinator.train_step`)
-    are waited for when first read.
-    """
-
-    def __init__(
-        self,
-        losses: list[Any] | None = None,
-        outputs: list[Any] | None = None,
-        records: list[list[Record]] | None = None,
-        schedule: Schedule | None = None,
-        parts: list[list[Record]] | None = None,
-        settle: Callable[[], None] | None = None,
-    ) -> None:
-        self.losses = [] if losses is None else losses
-        self.outputs = [] if outputs is None else outputs
-        self.schedule = schedule
-        self._records = [] if records is None else records
-        #: per rank, the parts of each action ("1F0 idle", start, end): see `lightning_pipe.trace`
-        self._parts = [] if parts is None else parts
-        self._settle = settle
-
-    @property
-    def records(self) -> list[list[Record]]:
-        """Per rank, its actions ("1F0", start, end)."""
-        self._settled()
-        return self._records
-
-    @property
-    def parts(self) -> list[list[Record]]:
-        self._settled()
-        return self._parts
-
-    def _settled(self) -> None:
-        if self._settle is not None:
-            settle, self._settle = self._settle, None
-            settle()
-
-
-class Coordinator(CoordinatorMessages):
+class Coordinator:
     """Drives the stage workers through a communicator, one step at a time.
 
     The coordinator holds no layers: it sends microbatch inputs to the first stage, receives the
     last stage's outputs, runs the loss (the `ForwardLossModule` of the last shard, with the
-    identity as its model) and sends the gradients back.
+    identity as its model) and sends the gradients back. Its messages go through its ``link``
+    (`CoordinatorLink`: calls, posts, waits with timeouts, aborts); the steps are made here.
     """
 
     def __init__(
@@ -120,25 +81,18 @@ class Coordinator(CoordinatorMessages):
         self.loss_module = last.forward_loss
         self._head = _Received()
         self._worker_cls = worker_cls
-        self._endpoint: Endpoint | None = None
-        self._step = 0
-        self._pending: dict[Key, Message] = {}
-        self._posted, self._raised_posts = False, 0
-        self._late: dict[int, LateRanks] = {}
+        self.link = CoordinatorLink(communicator, self.num_ranks, timeout)
         self._schedules: dict[tuple[int, int], Schedule] = {}
         self.last_result: StepResult | None = None
 
     # lifetime
     def start(self) -> Coordinator:
-        self._endpoint = self.communicator.launch(self.specs, self._worker_cls)
+        self.link.open(self.communicator.launch(self.specs, self._worker_cls))
         return self
 
     def close(self) -> None:
         """Stop the stages; calls posted since the last `call` are not waited for (see `post`)."""
-        self._posted = False
-        self._late.clear()
-        if self._endpoint is not None:
-            self._endpoint = None
+        if self.link.close():
             self.communicator.shutdown(max(5.0, min(self.timeout, 30.0)))
 
     def __enter__(self) -> Coordinator:
@@ -150,6 +104,27 @@ class Coordinator(CoordinatorMessages):
                 self.flush()  # a failed posted call (the last optimizer step) is raised, not lost
         finally:
             self.close()
+
+    # the link's face: control calls and the ends of steps (see `CoordinatorLink`)
+    @property
+    def endpoint(self) -> Endpoint:
+        return self.link.endpoint
+
+    def call(self, name: str, *args: Any, each: Sequence[tuple[Any, ...]] | None = None) -> list[Any]:
+        """Run the control call ``name`` on every rank and return the results (`CoordinatorLink.call`)."""
+        return self.link.call(name, *args, each=each)
+
+    def post(self, name: str, *args: Any, each: Sequence[tuple[Any, ...]] | None = None) -> None:
+        """Send the control call ``name`` to every rank without waiting for it (`CoordinatorLink.post`)."""
+        self.link.post(name, *args, each=each)
+
+    def flush(self) -> None:
+        """Wait for the posted calls and the ranks still finishing steps (`CoordinatorLink.flush`)."""
+        self.link.flush()
+
+    def settle(self, before: int | None = None) -> None:
+        """Wait for the ranks still finishing train steps (before step ``before``: `CoordinatorLink.settle`)."""
+        self.link.settle(before)
 
     def schedule(self, num_microbatches: int) -> Schedule:
         ranks = self.num_stages // self.virtual_stages  # the schedule's ranks; workers may be fewer (linear)
@@ -185,106 +160,50 @@ class Coordinator(CoordinatorMessages):
             loss_plan = LossPlan(
                 list(labels), criterion, scaler, optimizer, self.device, self._head, schedule.loss_after_all_forwards
             )
-        step = self._begin(TRAIN, schedule.actions(), loss=loss_plan)
+        step = self.begin(TRAIN, schedule.actions(), loss=loss_plan)
         try:
             self._feed(step, inputs)
             if loss_plan is not None:
                 last = self.num_stages - 1
-                losses = [self._wait(step, MessageKind.LOSS, last, m).payload for m in range(len(inputs))]
+                losses = [self.link.wait(step, MessageKind.LOSS, last, m).payload for m in range(len(inputs))]
             else:
                 losses = self._losses(step, labels, criterion, scaler, optimizer, schedule)
-            records, parts = self._finish(step, late=self._may_leave(inputs))
+            records, parts = self.finish(step, late=self._may_leave(inputs))
             self._backward_inputs(step, inputs)
         except BaseException:
-            self._abort(step)
+            self.abort(step)
             raise
-        settle = self.settle if step in self._late else None
+        settle = self.settle if self.link.is_late(step) else None
         self.last_result = StepResult(losses=losses, records=records, schedule=schedule, parts=parts, settle=settle)
-        return self.last_result
-
-    def train_stream(
-        self,
-        batches: Iterable[tuple[Sequence[Any], Sequence[Any]]],
-        num_batches: int,
-        criterion: Loss | Criterion,
-        optimizer: Callable[[list[nn.Parameter]], Any],
-        window: int | None = None,
-    ) -> StepResult:
-        """An asynchronous run: ``num_batches`` batches (each a list of microbatch inputs and one of
-        labels) as one task graph without a flush; each stage steps ``optimizer(its parameters)``
-        after every batch's worth of its backwards. Losses are returned per microbatch, in order.
-
-        At most ``window`` microbatches (default: stages + microbatches per batch) are fed ahead of
-        the last output received, so a long stream never sits in the first stage's inbox.
-        """
-        criterion = as_loss(criterion)
-        stream = iter(batches)
-        first_inputs, first_labels = next(stream, ([], []))
-        if not first_inputs or num_batches < 1:
-            raise ConfigurationError("train_stream needs at least one batch")
-        per_batch = len(first_inputs)
-        schedule = self.schedule(per_batch)
-        if not schedule.asynchronous:
-            raise ConfigurationError(
-                f"train_stream needs an asynchronous schedule such as 'async', not {schedule.name!r}"
-            )
-        total = per_batch * num_batches
-        window = window or self.num_stages + per_batch
-        step = self._begin(ASYNC, schedule.stream(num_batches), update_every=per_batch, optimizer=optimizer)
-        labels: dict[int, Any] = {}
-        queued = list(zip(first_inputs, first_labels, strict=True))
-        fed, losses = 0, []
-        try:
-            for m in range(total):
-                while fed < min(m + window, total):
-                    if not queued:
-                        inputs, targets = next(stream)
-                        if len(inputs) != per_batch:
-                            raise ConfigurationError(
-                                f"batch {fed // per_batch} has {len(inputs)} microbatches, the first had {per_batch}"
-                            )
-                        queued = list(zip(inputs, targets, strict=True))
-                    x, labels[fed] = queued.pop(0)
-                    payload = (tree.detach(x), [False] * len(tree.flatten(x)[0]))
-                    self.endpoint.send(self.rank_of_stage[0], Message(MessageKind.ACTIVATION, step, 0, fed, payload))
-                    fed += 1
-                losses.append(self._loss_of(step, m, labels.pop(m), criterion)[1])
-            records, parts = self._finish(step)
-        except StopIteration:
-            self._abort(step)
-            raise ConfigurationError(f"the batches ran out before num_batches={num_batches}") from None
-        except BaseException:
-            self._abort(step)
-            raise
-        self.last_result = StepResult(losses=losses, records=records, schedule=schedule, parts=parts)
         return self.last_result
 
     @_share_cores
     def forward_step(self, inputs: Sequence[Any]) -> StepResult:
         """Forward only (evaluation, prediction): returns the last stage's outputs in order."""
         schedule = self.schedule(len(inputs))
-        step = self._begin(EVAL, schedule.forward_actions())
+        step = self.begin(EVAL, schedule.forward_actions())
         try:
             self._feed(step, inputs)
             outputs = [self._received_output(step, m, leaves=False) for m in range(len(inputs))]
-            records, parts = self._finish(step)
+            records, parts = self.finish(step)
         except BaseException:
-            self._abort(step)
+            self.abort(step)
             raise
         self.last_result = StepResult(outputs=outputs, records=records, schedule=schedule, parts=parts)
         return self.last_result
 
-    # internals
-    def _begin(self, mode: str, actions: list[list[Any]], loss: LossPlan | None = None, **options: Any) -> int:
-        lists = worker_lists(actions, self.num_stages, self.rank_of_stage)
-        self._step += 1
-        self._pending.clear()
-        for rank, rank_actions in enumerate(lists):
+    # the parts of a step (the steps above use them, and so does `BatchStream`)
+    def begin(self, mode: str, actions: list[list[Any]], loss: LossPlan | None = None, **options: Any) -> int:
+        """Send each rank its `StepPlan`: its part of ``actions`` (one list per schedule rank); the step's number."""
+        if mode == ASYNC:  # one object for every rank: stages of this process hand tied weights' gradients over
+            options["shared"] = SharedWeights(self.timeout)
+        plans = []
+        for rank, rank_actions in enumerate(worker_lists(actions, self.num_stages, self.rank_of_stage)):
             plan = StepPlan(mode, rank_actions, dataflow=self.runner == "dataflow", **options)
             if rank == self.rank_of_stage[-1]:
                 plan.loss = loss
-            self.endpoint.send(rank, Message(MessageKind.STEP, self._step, payload=plan))
-        return self._step
+            plans.append(plan)
+        return self.link.begin(plans)
 
     def _losses(
         self,
@@ -298,14 +217,14 @@ class Coordinator(CoordinatorMessages):
         """Each microbatch's loss from the last stage's output; its gradient goes back to the last stage."""
         if schedule.loss_after_all_forwards:
             for m in range(len(labels)):
-                self._wait(step, MessageKind.OUTPUT, self.num_stages - 1, m, pop=False)
+                self.link.wait(step, MessageKind.OUTPUT, self.num_stages - 1, m, pop=False)
         losses = []
         for m in range(len(labels)):
-            scaler, loss = self._loss_of(step, m, labels[m], criterion, optimizer, scaler)
+            scaler, loss = self.loss_of(step, m, labels[m], criterion, optimizer, scaler)
             losses.append(loss)
         return losses
 
-    def _loss_of(
+    def loss_of(
         self,
         step: int,
         m: int,
@@ -337,32 +256,22 @@ class Coordinator(CoordinatorMessages):
             endpoint.send_many(first, later)
 
     def _received_output(self, step: int, m: int, leaves: bool = True) -> Any:
-        output, mask = self._wait(step, MessageKind.OUTPUT, self.num_stages - 1, m).payload
+        output, mask = self.link.wait(step, MessageKind.OUTPUT, self.num_stages - 1, m).payload
         output = tree.to_device(output, self.device)
         return tree.as_leaves(output, mask) if leaves else output
 
-    def _finish(self, step: int, late: bool = False) -> tuple[list[list[Record]], list[list[Record]]]:
+    def finish(self, step: int, late: bool = False) -> tuple[list[list[Record]], list[list[Record]]]:
         """Each rank's action records and their parts (idle, recv, loss, compute, send), once all are done.
 
         ``late``: only the last stage's rank is waited for; the others' records fill in when their ends
         arrive (`settle`). Older steps' late ranks are waited for here.
         """
-        records: list[Any] = [[] for _ in range(self.num_ranks)]
-        parts: list[Any] = [[] for _ in range(self.num_ranks)]
         waited = [self.rank_of_stage[-1]] if late else list(range(self.num_ranks))
-        for rank in waited:
-            records[rank], parts[rank] = self._wait(step, MessageKind.DONE, -1, rank).payload
-        waiting = set()
-        for rank in set(range(self.num_ranks)) - set(waited):
-            ended = self._pending.pop((MessageKind.DONE, -1, rank), None)  # arrived while the last one was awaited
-            if ended is None:
-                waiting.add(rank)
-            else:
-                records[rank], parts[rank] = ended.payload
-        if waiting:
-            self._late[step] = LateRanks(records, parts, waiting)
-        self.settle(before=step)
-        return records, parts
+        return self.link.ends(step, waited)
+
+    def abort(self, step: int) -> None:
+        """Every rank drops ``step``: what it holds of it and what arrives for it later."""
+        self.link.abort(step)
 
     def _may_leave(self, inputs: Sequence[Any]) -> bool:
         """Whether a train step may return before the ranks other than the last stage's finished its backwards.
@@ -379,7 +288,7 @@ class Coordinator(CoordinatorMessages):
         for m, x in enumerate(inputs):
             if not any(tree.grad_mask(x)):
                 continue
-            grads = self._wait(step, MessageKind.INPUT_GRAD, 0, m).payload
+            grads = self.link.wait(step, MessageKind.INPUT_GRAD, 0, m).payload
             pairs = [
                 (t, g.to(t.device))
                 for t, g in zip(tree.flatten(x)[0], grads, strict=True)

@@ -63,4 +63,5 @@ class StepPlan:
     dataflow: bool = False  # run whichever action is ready instead of the list's order
     update_every: int = 0  # ASYNC: backwards per optimizer step of a stage (the microbatches of a batch)
     optimizer: Any = None  # ASYNC: params -> torch.optim.Optimizer, one per stage
+    shared: Any = None  # ASYNC: the run's engine.shared_weights.SharedWeights, one object for every rank
     loss: LossPlan | None = None  # the rank of the last stage computes the losses (see LossPlan)

@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
 
 from lightning_pipe.comm.base import Endpoint, Message, MessageKind, deadline, remaining
-from lightning_pipe.engine.plan import StageSpec
-from lightning_pipe.engine.split_backward import WeightGradient
 from lightning_pipe.errors import PipeTimeoutError
-from lightning_pipe.executors import Activation
-from lightning_pipe.schedule import Action, Kind, peak_activations
+from lightning_pipe.schedule import Action, peak_activations
 
 Key = tuple[int, str, int, int]  # (step, kind, stage, microbatch)
+#: whether an action's inputs are here: ``(step, action, first, cap)``, see `StageInbox.dataflow`
+Ready = Callable[[int, Action, bool, int], bool]
 
 
 #: kinds of message that belong after the step that is running when their step number is later
@@ -25,25 +23,44 @@ class StepAborted(Exception):
 
 
 class StageInbox:
-    """Mixed into `StageWorker`: the pending inputs, the waits for them and the ready-order of actions."""
+    """A stage worker's messages: the inputs that arrived, the waits for them, what waits for the next step.
 
-    spec: StageSpec
-    endpoint: Endpoint
-    rank: int
-    _pending: dict[Key, Message]
-    _later: collections.deque[Message]  # sent after the running step, served once it ended
-    _saved: dict[tuple[int, int], Activation]
-    _weight_work: dict[tuple[int, int], WeightGradient]
-    _asynchronous: bool
-    _stop: bool
+    A CALL or POST that arrives while a step waits is handed to ``serve`` (the worker's call dispatch).
+    The worker sets ``asynchronous`` for each step: an asynchronous stream serves calls as they come.
+    """
 
-    if TYPE_CHECKING:
+    def __init__(self, endpoint: Endpoint, rank: int, timeout: float, serve: Callable[[Message], None]) -> None:
+        self.endpoint = endpoint
+        self.rank = rank
+        self.timeout = timeout
+        self.asynchronous = False  # the running step is an asynchronous stream
+        self.stopped = False  # a STOP arrived while a step waited
+        self._serve = serve
+        self._pending: dict[Key, Message] = {}
+        self._later: collections.deque[Message] = collections.deque()  # sent after the running step
+        self._aborted = -1  # inputs of steps up to this one are dropped
 
-        def _call(self, message: Message) -> None: ...
+    def next(self, timeout: float) -> Message | None:
+        """Between steps: what arrived during the last step and belongs after it first, else the endpoint's next."""
+        return self._later.popleft() if self._later else self.endpoint.recv(timeout)
 
-    def _wait(self, step: int, kind: str, stage: int, microbatch: int) -> Message:
+    def store(self, message: Message) -> None:
+        """Keep an input (an activation or a gradient) until its action takes it; one of an aborted step is dropped."""
+        if message.step > self._aborted:
+            self._pending[(message.step, message.kind, message.stage, message.microbatch)] = message
+
+    def arrived(self, step: int, kind: str, stage: int, microbatch: int) -> bool:
+        return (step, kind, stage, microbatch) in self._pending
+
+    def forget(self, step: int) -> None:
+        """Drop the inputs of ``step`` and every step before it, and any that arrive for them later."""
+        self._aborted = max(self._aborted, step)
+        self._pending = {k: v for k, v in self._pending.items() if k[0] > step}
+
+    def wait(self, step: int, kind: str, stage: int, microbatch: int) -> Message:
+        """The input ``kind`` of ``stage`` for ``microbatch``, once it arrived (raises after the timeout)."""
         key = (step, kind, stage, microbatch)
-        until = deadline(self.spec.timeout)
+        until = deadline(self.timeout)
         while key not in self._pending:
             what = "activation" if kind == MessageKind.ACTIVATION else "gradient"
             self._receive(step, until, f"stage {stage} waited {{}} for the {what} of microbatch {microbatch}")
@@ -59,19 +76,19 @@ class StageInbox:
         message = self._take(step, remaining(until))
         if message is None:
             raise PipeTimeoutError(
-                what.format(f"{self.spec.timeout:.1f} s")
+                what.format(f"{self.timeout:.1f} s")
                 + "; raise PipeStrategy(timeout=...) if a stage legitimately takes that long"
             )
         if message.kind == MessageKind.STOP:
-            self._stop = True
+            self.stopped = True
             raise StepAborted
-        if message.step > step and message.kind in AFTER_STEP and not self._asynchronous:
+        if message.step > step and message.kind in AFTER_STEP and not self.asynchronous:
             self._later.append(message)
             return
         if message.kind == MessageKind.ABORT and message.step == step:
             raise StepAborted
         if message.kind in (MessageKind.CALL, MessageKind.POST):
-            self._call(message)
+            self._serve(message)
             return
         self._pending[(message.step, message.kind, message.stage, message.microbatch)] = message
 
@@ -83,53 +100,45 @@ class StageInbox:
                 return message
         return self.endpoint.recv(timeout)
 
-    def _in_order(self, step: int, actions: list[Action]) -> Iterator[Action]:
+    def in_order(self, step: int, actions: list[Action], ready: Ready) -> Iterator[Action]:
         """The list's order (``parallel`` and ``linear`` runners), each action once its inputs arrived."""
         for action in actions:
-            until = deadline(self.spec.timeout)
-            while not self._ready(step, action, True, 0):
+            until = deadline(self.timeout)
+            while not ready(step, action, True, 0):
                 what = "the gradient" if action.kind.is_backward else "the activation"
                 self._receive(
                     step, until, f"stage {action.stage} waited {{}} for {what} of microbatch {action.microbatch}"
                 )
             yield action
 
-    def _dataflow(self, step: int, actions: list[Action]) -> Iterator[Action]:
+    def dataflow(self, step: int, actions: list[Action], ready: Ready) -> Iterator[Action]:
         """The dataflow runner: yield whichever action is ready, preferring the schedule's order.
 
         The earliest remaining action of the list may always run; a later forward may run ahead
-        only while this rank holds fewer activations than the list's own peak, so the memory plan
-        still holds and no run can deadlock that the fixed order would not. Under ``schedule="async"``
-        each stage keeps its list's order (only the stages of one worker interleave): which weight
-        version a forward uses, and which backwards one update sums, follow that order.
+        only while this rank holds fewer activations than the list's own peak (``cap``, which
+        ``ready`` compares with what is held), so the memory plan still holds and no run can deadlock
+        that the fixed order would not. Under ``schedule="async"`` each stage keeps its list's order
+        (only the stages of one worker interleave): which weight version a forward uses, and which
+        backwards one update sums, follow that order.
         """
         remaining = list(actions)
         cap = peak_activations([actions])[0]
-        until = deadline(self.spec.timeout)
+        until = deadline(self.timeout)
         while remaining:
-            action = self._next_ready(step, remaining, cap)
+            action = self._next_ready(step, remaining, cap, ready)
             if action is None:
                 waiting = ", ".join(map(str, remaining[:4]))
                 self._receive(step, until, f"rank {self.rank} waited {{}} for the inputs of any of {waiting}")
                 continue
             remaining.remove(action)
-            until = deadline(self.spec.timeout)
+            until = deadline(self.timeout)
             yield action
 
-    def _next_ready(self, step: int, remaining: list[Action], cap: int) -> Action | None:
+    def _next_ready(self, step: int, remaining: list[Action], cap: int, ready: Ready) -> Action | None:
         waiting: set[int] = set()  # async: stages whose earliest remaining action is not ready
         for i, action in enumerate(remaining):
-            if action.stage not in waiting and self._ready(step, action, i == 0, cap):
+            if action.stage not in waiting and ready(step, action, i == 0, cap):
                 return action
-            if self._asynchronous:
+            if self.asynchronous:
                 waiting.add(action.stage)
         return None
-
-    def _ready(self, step: int, action: Action, first: bool, cap: int) -> bool:
-        key = (action.stage, action.microbatch)
-        if action.kind is Kind.FORWARD:
-            arrived = (step, MessageKind.ACTIVATION, *key) in self._pending
-            return arrived and (first or len(self._saved) < cap)
-        if action.kind is Kind.BACKWARD_WEIGHT:
-            return key in self._weight_work
-        return (step, MessageKind.GRAD, *key) in self._pending and key in self._saved

@@ -1,64 +1,85 @@
-"""A stage worker's side of ``checkpoint="auto"``: which of its stages recompute, and the numbers to decide on.
+"""`StageMemory`: a stage worker's memory accounting: its stash meter and which of its stages recompute.
 
-The coordinator decides (`lightning_pipe.checkpointing`); the worker measures where the device is: what a
-microbatch of each stage keeps alive with and without recomputation, and the free memory of its device.
+For ``checkpoint="auto"`` the coordinator decides (`lightning_pipe.checkpointing`); the worker measures where
+the device is: what a microbatch of each stage keeps alive with and without recomputation, and the free
+memory of its device.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from lightning_pipe.engine.plan import StageSpec
 from lightning_pipe.engine.stash import StageBytes, StashMeter, signature
+from lightning_pipe.engine.versions import WorkerVersions
 from lightning_pipe.executors import Activation, recompute
 from lightning_pipe.runtime import BaseRuntime, DeviceMemory
 
 
-class StageMemoryCalls:
-    """Mixed into `StageWorker`: the recomputation flags of its stages and ``call_<name>`` methods about memory."""
+class StageMemory:
+    """The stash meter of a worker's stages, their recomputation flags and the control calls about memory.
 
-    spec: StageSpec
-    shards: dict[int, Any]
-    runtimes: dict[int, BaseRuntime]
-    stash: StashMeter
-    _asynchronous: bool
+    ``recompute[s]``: stage ``s`` recomputes its forward in the backward (``checkpoint=``). Explicit modes
+    are as given; ``"auto"`` stages start as ``"except_last"`` where memory is limited, else never, until
+    the coordinator decides (``set_recompute``).
+    """
 
-    if TYPE_CHECKING:
-
-        def _model(self, s: int, m: int) -> torch.nn.Module: ...
-
-        def _stash_size(self, s: int, activation: Activation, checkpointed: bool) -> int: ...
-
-    def _init_recompute(self) -> None:
-        """Explicit modes as given; ``"auto"`` stages start as ``"except_last"`` where memory is limited, else never."""
-        last = self.spec.num_stages - 1
-        self._measuring = {s for s in self.shards if self.spec.checkpoint[s] is None}  # "auto", until decided
+    def __init__(
+        self, spec: StageSpec, shards: dict[int, Any], runtimes: dict[int, BaseRuntime], versions: WorkerVersions
+    ) -> None:
+        self.shards = shards
+        self.runtimes = runtimes
+        self.versions = versions  # an asynchronous run's stashed weights are weights, not activations
+        self.stash = StashMeter()
+        last = spec.num_stages - 1
+        self._measuring = {s for s in shards if spec.checkpoint[s] is None}  # "auto", until decided
         self.recompute = {
-            s: (s != last and self.runtimes[s].device_memory() is not None) if s in self._measuring else bool(flag)
-            for s, flag in ((s, self.spec.checkpoint[s]) for s in self.shards)
+            s: (s != last and runtimes[s].device_memory() is not None) if s in self._measuring else bool(flag)
+            for s, flag in ((s, spec.checkpoint[s]) for s in shards)
         }
 
-    def _measure_auto(self, s: int, m: int, saved: Activation) -> None:
+    def size(self, s: int, activation: Activation, checkpointed: bool) -> int:
+        """The bytes ``activation`` of stage ``s`` keeps alive (measured once per input signature)."""
+        params = list(self.shards[s].module.parameters())
+        if self.versions.active:
+            params += self.versions.weights(s)
+        return self.stash.measure(signature(s, checkpointed, activation.inputs), activation, params)
+
+    def measure_auto(self, s: int, model: torch.nn.Module, saved: Activation) -> None:
         """``"auto"``: a microbatch's bytes with and without recomputation, once per input signature.
 
-        Called before the backward. A recomputed activation is recomputed here (and kept for the backward,
-        which then does not recompute it again) to measure the graph it rebuilds.
+        Called before the backward. A recomputed activation is recomputed here on ``model`` (and kept for
+        the backward, which then does not recompute it again) to measure the graph it rebuilds.
         """
-        if s not in self._measuring or self._asynchronous:
+        if s not in self._measuring or self.versions.active:
             return
         if self.stash.known(signature(s, False, saved.inputs)) and self.stash.known(signature(s, True, saved.inputs)):
             return
         if saved.outputs is None:
-            saved.outputs = recompute(self._model(s, m), saved)
-        self._stash_size(s, saved, False)
-        self._stash_size(s, Activation(saved.inputs), True)
+            saved.outputs = recompute(model, saved)
+        self.size(s, saved, False)
+        self.size(s, Activation(saved.inputs), True)
+
+    def calls(self) -> dict[str, Callable[..., Any]]:
+        """The control calls served here, by the name the coordinator calls them by."""
+        return {
+            "stash_sizes": self.call_stash_sizes,
+            "stash_peak": self.call_stash_peak,
+            "device_memory": self.call_device_memory,
+            "set_recompute": self.call_set_recompute,
+        }
 
     def call_stash_sizes(self) -> dict[int, StageBytes]:
         """Per stage of this rank measured so far: what its largest microbatch keeps alive."""
         sizes = {s: self.stash.stage_bytes(s) for s in self.shards}
         return {s: size for s, size in sizes.items() if size is not None}
+
+    def call_stash_peak(self) -> int:
+        """Most bytes of stashed tensors this rank held at once during the last training step."""
+        return self.stash.peak
 
     def call_device_memory(self) -> dict[int, DeviceMemory | None]:
         """Per stage of this rank: its device's memory, read here (in the worker process that owns the device)."""

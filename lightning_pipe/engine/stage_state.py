@@ -1,4 +1,4 @@
-"""Control calls a stage serves between steps: its parameters, buffers, gradients, optimizer, hooks and traces.
+"""`StageStateCalls`: what a stage serves between steps: its parameters, gradients, optimizer, hooks and traces.
 
 With the RPC transport a stage's parameters exist only in its worker process. The coordinator
 reaches them through these calls (``Coordinator.call("<name>", ...)``, or ``Coordinator.post`` for
@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 from lightning_pipe.backends import StageTrace
-from lightning_pipe.engine.stash import StashMeter
-from lightning_pipe.engine.versions import StageVersions
 from lightning_pipe.errors import PipeError
 from lightning_pipe.grads import GradStash
 from lightning_pipe.rng import StageRandom
@@ -28,18 +26,56 @@ GroupSpec = dict[str, Any]  # {"hparams": {...}, "names": [...]}: one param grou
 
 
 class StageStateCalls:
-    """Mixed into `StageWorker`: ``call_<name>`` methods over the shards' state."""
+    """The state of a worker's shards that the coordinator reaches between steps, and the calls that reach it.
 
-    shards: dict[int, Any]
-    rank: int
-    random: dict[int, StageRandom]
-    runtimes: dict[int, BaseRuntime]
-    traces: dict[int, StageTrace]
-    stash: StashMeter
-    _versions: dict[int, StageVersions]
-    _grads: GradStash
-    _optimizer: torch.optim.Optimizer | None = None
-    _optimizer_names: list[list[str]] = []
+    Owns the step's gradients set aside (``grads``: the worker's step begins and ends it) and this rank's
+    part of the optimizer; reads the shards, their generators, runtimes and backend traces.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        shards: dict[int, Any],
+        random: dict[int, StageRandom],
+        runtimes: dict[int, BaseRuntime],
+        traces: dict[int, StageTrace],
+    ) -> None:
+        self.rank = rank
+        self.shards = shards
+        self.random = random
+        self.runtimes = runtimes
+        self.traces = traces
+        self.grads = GradStash(p for shard in shards.values() for p in shard.module.parameters())
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._optimizer_names: list[list[str]] = []
+
+    def calls(self) -> dict[str, Callable[..., Any]]:
+        """The control calls served here, by the name the coordinator calls them by."""
+        return {
+            "state_dict": self.call_state_dict,
+            "load_state_dict": self.call_load_state_dict,
+            "install_variants": self.call_install_variants,
+            "train": self.call_train,
+            "random_state": self.call_random_state,
+            "load_random_state": self.call_load_random_state,
+            "grads": self.call_grads,
+            "apply_grads": self.call_apply_grads,
+            "discard_grads": self.call_discard_grads,
+            "step_grads": self.call_step_grads,
+            "set_step_grads": self.call_set_step_grads,
+            "zero_grad": self.call_zero_grad,
+            "grad_norm": self.call_grad_norm,
+            "scale_grads": self.call_scale_grads,
+            "clamp_grads": self.call_clamp_grads,
+            "unscale_grads": self.call_unscale_grads,
+            "build_optimizer": self.call_build_optimizer,
+            "set_hparams": self.call_set_hparams,
+            "optimizer_step": self.call_optimizer_step,
+            "optimizer_state": self.call_optimizer_state,
+            "load_optimizer_state": self.call_load_optimizer_state,
+            "runtime_hook": self.call_runtime_hook,
+            "execution_trace": self.call_execution_trace,
+        }
 
     def _named_parameters(self) -> dict[str, nn.Parameter]:
         return {name: p for shard in self.shards.values() for name, p in shard.module.named_parameters()}
@@ -93,22 +129,22 @@ class StageStateCalls:
     # gradients
     def call_apply_grads(self, scale: float) -> None:
         """Add the last step's gradients, times ``scale``, to ``p.grad`` (the strategy's backward)."""
-        self._grads.apply(scale)
+        self.grads.apply(scale)
 
     def call_discard_grads(self) -> None:
-        self._grads.discard()
+        self.grads.discard()
 
     def call_step_grads(self, names: list[str]) -> dict[str, torch.Tensor | None]:
         """The last step's gradients of ``names``, before ``apply_grads`` (a tied weight's copies on this rank)."""
         params = self._named_parameters()
-        return {name: self._grads.step_grad(params[name]) for name in names}
+        return {name: self.grads.step_grad(params[name]) for name in names}
 
     def call_set_step_grads(self, grads: dict[str, torch.Tensor]) -> None:
         """Replace the last step's gradients of some parameters (each tied copy gets the sum over all copies)."""
         params = self._named_parameters()
         for name, grad in grads.items():
             p = params[name]
-            self._grads.set_step_grad(p, grad.to(device=p.device, dtype=p.dtype))
+            self.grads.set_step_grad(p, grad.to(device=p.device, dtype=p.dtype))
 
     def call_zero_grad(self, set_to_none: bool = True) -> None:
         for p in self._named_parameters().values():
@@ -196,7 +232,7 @@ class StageStateCalls:
         by_index = {i: state[n] for i, n in enumerate(flat) if n in state}
         optimizer.load_state_dict({"state": by_index, "param_groups": groups})
 
-    # the worker's runtimes, backend traces and counters
+    # the worker's runtimes and backend traces
     def call_runtime_hook(self, name: str, args: tuple[Any, ...]) -> None:
         """Call ``runtime.<name>(module, *args)`` for each shard of this rank."""
         for index, shard in self.shards.items():
@@ -217,14 +253,3 @@ class StageStateCalls:
             for trace in self.traces.values():
                 trace.reset()
         return traces
-
-    def call_ping(self) -> int:
-        return self.rank
-
-    def call_async_stats(self) -> list[Any]:
-        """Each stage's `Staleness` in the last asynchronous run."""
-        return [versions.stats for versions in self._versions.values()]
-
-    def call_stash_peak(self) -> int:
-        """Most bytes of stashed tensors this rank held at once during the last training step."""
-        return self.stash.peak

@@ -1,10 +1,10 @@
-"""An asynchronous stream fed one batch at a time (``schedule="async"`` driven from outside, e.g. a Trainer).
+"""Asynchronous runs (``schedule="async"``): a stream of batches as one task graph, without a flush between them.
 
-`Coordinator.train_stream` pulls batches from an iterator and feeds a window of microbatches ahead of
-the losses it computes, so the next batch is pulled before the current batch's losses are known. A
-caller that produces batch ``b + 1`` only after batch ``b``'s losses (Lightning's loop: ``training_step``
-returns a loss before the next batch is fetched) would block there. `BatchStream` runs the same task
-graph (``schedule.stream(num_batches)``, no flush between batches) but is fed explicitly: `feed` sends one
+`train_stream` pulls batches from an iterator and feeds a window of microbatches ahead of the losses it
+computes, so the next batch is pulled before the current batch's losses are known. A caller that produces
+batch ``b + 1`` only after batch ``b``'s losses (Lightning's loop: ``training_step`` returns a loss before
+the next batch is fetched) would block there. `BatchStream` runs the same task graph
+(``schedule.stream(num_batches)``, no flush between batches) but is fed explicitly: `feed` sends one
 batch's microbatches, computes their losses, sends their output gradients to the last stage and returns;
 the batch's backwards and the stages' updates may still be running. `finish` waits until every rank is
 done (the flush). A microbatch's output only depends on forwards and backwards of earlier microbatches
@@ -13,19 +13,91 @@ in the 1F1B order over the stream, so `feed` never waits for a batch that was no
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
+import torch
 from torch import nn
 
 from lightning_pipe import tree
 from lightning_pipe.comm.base import Message, MessageKind
+from lightning_pipe.engine.coordinator import Coordinator
 from lightning_pipe.engine.plan import ASYNC
+from lightning_pipe.engine.step_result import StepResult
+from lightning_pipe.engine.versions import Staleness
 from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.loss import Criterion, Loss, as_loss
 
-if TYPE_CHECKING:
-    from lightning_pipe.engine.coordinator import Coordinator, StepResult
+OptimizerFactory = Callable[[list[nn.Parameter]], Any]
+
+
+def train_stream(
+    coordinator: Coordinator,
+    batches: Iterable[tuple[Sequence[Any], Sequence[Any]]],
+    num_batches: int,
+    criterion: Loss | Criterion,
+    optimizer: OptimizerFactory,
+    window: int | None = None,
+) -> StepResult:
+    """An asynchronous run: ``num_batches`` batches (each a list of microbatch inputs and one of
+    labels) as one task graph without a flush; each stage steps ``optimizer(its parameters)``
+    after every batch's worth of its backwards. Losses are returned per microbatch, in order.
+
+    At most ``window`` microbatches (default: stages + microbatches per batch) are fed ahead of
+    the last output received, so a long stream never sits in the first stage's inbox.
+    """
+    criterion = as_loss(criterion)
+    stream = iter(batches)
+    first_inputs, first_labels = next(stream, ([], []))
+    if not first_inputs or num_batches < 1:
+        raise ConfigurationError("train_stream needs at least one batch")
+    per_batch = len(first_inputs)
+    schedule = coordinator.schedule(per_batch)
+    if not schedule.asynchronous:
+        raise ConfigurationError(f"train_stream needs an asynchronous schedule such as 'async', not {schedule.name!r}")
+    total = per_batch * num_batches
+    window = window or coordinator.num_stages + per_batch
+    step = coordinator.begin(ASYNC, schedule.stream(num_batches), update_every=per_batch, optimizer=optimizer)
+    labels: dict[int, Any] = {}
+    queued = list(zip(first_inputs, first_labels, strict=True))
+    fed, losses = 0, []
+    try:
+        for m in range(total):
+            while fed < min(m + window, total):
+                if not queued:
+                    inputs, targets = next(stream)
+                    if len(inputs) != per_batch:
+                        raise ConfigurationError(
+                            f"batch {fed // per_batch} has {len(inputs)} microbatches, the first had {per_batch}"
+                        )
+                    queued = list(zip(inputs, targets, strict=True))
+                x, labels[fed] = queued.pop(0)
+                _send_input(coordinator, step, fed, x)
+                fed += 1
+            losses.append(coordinator.loss_of(step, m, labels.pop(m), criterion)[1])
+        records, parts = coordinator.finish(step)
+    except StopIteration:
+        coordinator.abort(step)
+        raise ConfigurationError(f"the batches ran out before num_batches={num_batches}") from None
+    except BaseException:
+        coordinator.abort(step)
+        raise
+    coordinator.last_result = StepResult(losses=losses, records=records, schedule=schedule, parts=parts)
+    return coordinator.last_result
+
+
+@dataclass
+class AsyncRun:
+    """What `Pipeline.train_async` returns: per-batch losses and each stage's measured staleness."""
+
+    losses: list[torch.Tensor]
+    staleness: list[Staleness]
+    step: StepResult
+
+    @property
+    def max_staleness(self) -> int:
+        return max(s.max for s in self.staleness)
 
 
 class BatchStream:
@@ -36,7 +108,7 @@ class BatchStream:
         coordinator: Coordinator,
         num_batches: int,
         per_batch: int,
-        optimizer: Callable[[list[nn.Parameter]], Any],
+        optimizer: OptimizerFactory,
     ) -> None:
         if num_batches < 1 or per_batch < 1:
             raise ConfigurationError(f"a stream needs batches and microbatches, got {num_batches} x {per_batch}")
@@ -50,7 +122,7 @@ class BatchStream:
             )
         self.fed = 0  # batches fed so far
         self.losses: list[Any] = []
-        self.step = coordinator._begin(
+        self.step = coordinator.begin(
             ASYNC, self.schedule.stream(num_batches), update_every=per_batch, optimizer=optimizer
         )
         self.closed = False
@@ -73,9 +145,8 @@ class BatchStream:
         first = self.fed * self.per_batch
         try:
             for i, x in enumerate(inputs):
-                payload = (tree.detach(x), [False] * len(tree.flatten(x)[0]))
-                c.endpoint.send(c.rank_of_stage[0], Message(MessageKind.ACTIVATION, self.step, 0, first + i, payload))
-            losses = [c._loss_of(self.step, first + i, label, criterion)[1] for i, label in enumerate(labels)]
+                _send_input(c, self.step, first + i, x)
+            losses = [c.loss_of(self.step, first + i, label, criterion)[1] for i, label in enumerate(labels)]
         except BaseException:
             self.abort()
             raise
@@ -85,12 +156,10 @@ class BatchStream:
 
     def finish(self) -> StepResult:
         """The flush: wait until every backward and every stage's update of the fed batches has landed."""
-        from lightning_pipe.engine.coordinator import StepResult
-
         if not self.complete:
             raise ConfigurationError(f"the stream was planned for {self.num_batches} batches, {self.fed} were fed")
         try:
-            records, parts = self.coordinator._finish(self.step)
+            records, parts = self.coordinator.finish(self.step)
         except BaseException:
             self.abort()
             raise
@@ -103,4 +172,10 @@ class BatchStream:
         """Stop the stream on every rank; updates of batches whose backwards had not finished are lost."""
         if not self.closed:
             self.closed = True
-            self.coordinator._abort(self.step)
+            self.coordinator.abort(self.step)
+
+
+def _send_input(coordinator: Coordinator, step: int, m: int, x: Any) -> None:
+    """Microbatch ``m``'s input to the first stage (a stream's inputs need no gradient)."""
+    payload = (tree.detach(x), [False] * len(tree.flatten(x)[0]))
+    coordinator.endpoint.send(coordinator.rank_of_stage[0], Message(MessageKind.ACTIVATION, step, 0, m, payload))

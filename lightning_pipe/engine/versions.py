@@ -13,6 +13,10 @@ synchronous schedule would have applied before it but this stage had not yet. Wi
 over the stream, stage ``s`` of ``R`` runs ``R - s - 1`` forwards ahead of its backwards, so the
 first ``R - s - 1`` microbatches of a batch see the previous version: the staleness is at most
 ``ceil((R - s - 1) / update_every)`` (1 when microbatches >= stages - 1) and 0 on the last stage.
+
+A weight that several stages of the process hold (a tied embedding and output head in two stage
+threads) is stepped once per batch by the lowest of them with every holder's gradients of the batch
+(`lightning_pipe.engine.shared_weights`); a higher holder's versions take it one update later.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.func import functional_call
+
+from lightning_pipe.engine.shared_weights import SharedWeights
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
@@ -86,16 +92,22 @@ class StageVersions:
         self.module = module
         self.named = [(name, p) for name, p in module.named_parameters()]
         self.factory = optimizer
-        trainable = [p for _, p in self.named if p.requires_grad]
-        self.optimizer = optimizer(trainable) if trainable else None
+        self.trainable = [p for _, p in self.named if p.requires_grad]
+        self.optimizer: torch.optim.Optimizer | None = None  # built at the first backward (`_shared_roles`)
         self.version = 0
         self.versions: dict[int, nn.Module] = {}
         self.start_run(update_every)
 
-    def start_run(self, update_every: int) -> None:
-        """A new stream: microbatches count from 0 again; the weights and optimizer state carry on."""
+    def start_run(self, update_every: int, shared: SharedWeights | None = None) -> None:
+        """A new stream: microbatches count from 0 again; the weights and optimizer state carry on.
+
+        ``shared``: the run's weights that other stages of this process hold too (one object for all).
+        """
         self.update_every = update_every
         self.base = self.version  # the version a synchronous schedule would use for batch 0
+        self.shared = shared if shared is not None else SharedWeights()
+        self.shared.register(self.stage, self.trainable)
+        self._roles: tuple[list[nn.Parameter], set[int]] | None = None  # (owned, ids handed over), at 1st backward
         self.versions = {self.version: self._snapshot()}
         self.in_flight: dict[int, int] = {}  # microbatch -> version its forward used
         self.backwards = 0
@@ -109,25 +121,61 @@ class StageVersions:
         return self.versions[self.in_flight[microbatch]]
 
     def backward_done(self, microbatch: int) -> None:
-        """Move the microbatch's gradient to the live parameters; step the optimizer after a batch."""
+        """Move the microbatch's gradient to the live parameters; step the optimizer after a batch.
+
+        The gradient of a weight that a lower stage of this process holds too goes to that stage instead
+        (`SharedWeights`): this stage never steps or clears it.
+        """
+        owned, handed = self._shared_roles()
+        batch = microbatch // self.update_every
         version = self.versions[self.in_flight.pop(microbatch)]
         for (_, live), (_, p) in zip(self.named, version.named_parameters(), strict=True):
-            if p.grad is not None:
+            if id(live) in handed:
+                self.shared.hand_over(live, batch, p.grad)
+            elif p.grad is not None:
                 live.grad = p.grad if live.grad is None else live.grad + p.grad
-                p.grad = None
+            p.grad = None
         self.backwards += 1
         updated = self.backwards % self.update_every == 0
         if updated:
-            if self.optimizer is not None:
-                self.optimizer.step()
-                self.optimizer.zero_grad(set_to_none=True)
-            self.version += 1
-            self.stats.updates += 1
+            self._update(batch, owned)
         used = set(self.in_flight.values()) | ({self.version} if not updated else set())
         self.versions = {v: module for v, module in self.versions.items() if v in used}
         if updated:
+            for live in self.trainable:  # the shared weights as the owner's previous update left them
+                if id(live) in handed:
+                    self.shared.wait_stepped(live, self.version - self.base - 1, self.stage)
             self.versions[self.version] = self._snapshot()
         self.stats.max_live_versions = max(self.stats.max_live_versions, len(self.versions))
+
+    def _update(self, batch: int, owned: list[nn.Parameter]) -> None:
+        """Step after ``batch``'s backwards: the owned shared weights with every holder's gradients, once."""
+        for live in owned:
+            extra = self.shared.collect(live, batch, self.update_every, self.stage)
+            if extra is not None:
+                live.grad = extra if live.grad is None else live.grad + extra
+        if self.optimizer is not None:  # it holds no weight handed over: nothing here steps or clears those
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        for live in owned:
+            self.shared.stepped(live)
+        self.version += 1
+        self.stats.updates += 1
+
+    def _shared_roles(self) -> tuple[list[nn.Parameter], set[int]]:
+        """The shared weights this stage steps and the ids of those it hands over; at the first backward of a
+        run, when every holder has registered, also the optimizer, without the weights handed over."""
+        if self._roles is None:
+            owned, handed = self.shared.roles(self.stage, self.trainable)
+            self._roles = (owned, {id(p) for p in handed})
+            mine = [p for p in self.trainable if id(p) not in self._roles[1]]
+            if self.optimizer is None and mine:
+                self.optimizer = self.factory(mine)
+        return self._roles
+
+    def drop_run(self) -> None:
+        """The run was aborted: stages of this process waiting on this one's shared weights stop too."""
+        self.shared.drop()
 
     def _snapshot(self) -> nn.Module:
         return snapshot(self.module)
@@ -144,6 +192,50 @@ class StageVersions:
         self.stats.max = max(self.stats.max, stale)
 
 
-def stage_versions(shards: Iterable[Any], update_every: int, optimizer: OptimizerFactory) -> dict[int, StageVersions]:
-    """One `StageVersions` per shard of a worker."""
-    return {shard.index: StageVersions(shard.index, shard.module, update_every, optimizer) for shard in shards}
+class WorkerVersions:
+    """The `StageVersions` of every stage of one worker, kept across asynchronous runs with the same optimizer.
+
+    The worker sets ``active`` for each step: only an asynchronous stream runs on weight versions.
+    """
+
+    def __init__(self, shards: Iterable[Any]) -> None:
+        self.shards = list(shards)
+        self.active = False
+        self._stages: dict[int, StageVersions] = {}
+
+    def start(self, update_every: int, optimizer: OptimizerFactory, shared: SharedWeights | None = None) -> None:
+        """A new asynchronous run; the versions and optimizers start afresh only with another optimizer factory.
+
+        ``shared``: the run's weights that several stages of this process hold (`StageVersions.start_run`).
+        """
+        first = next(iter(self._stages.values()), None)
+        if first is None or first.factory is not optimizer:
+            self._stages = {
+                shard.index: StageVersions(shard.index, shard.module, update_every, optimizer) for shard in self.shards
+            }
+        for versions in self._stages.values():
+            versions.start_run(update_every, shared)
+
+    def drop_run(self) -> None:
+        """The run was aborted: stages of this process waiting on these stages' shared weights stop too."""
+        for versions in self._stages.values():
+            versions.drop_run()
+
+    def model(self, stage: int, microbatch: int) -> nn.Module:
+        """The module ``stage`` runs ``microbatch`` on (`StageVersions.model`)."""
+        return self._stages[stage].model(microbatch)
+
+    def backward_done(self, stage: int, microbatch: int) -> None:
+        self._stages[stage].backward_done(microbatch)
+
+    def weights(self, stage: int) -> list[torch.Tensor]:
+        """The parameters of every version ``stage`` keeps (`StageVersions.weights`)."""
+        return self._stages[stage].weights()
+
+    def calls(self) -> dict[str, Callable[..., Any]]:
+        """The control calls served here, by the name the coordinator calls them by."""
+        return {"async_stats": self.call_async_stats}
+
+    def call_async_stats(self) -> list[Staleness]:
+        """Each stage's `Staleness` in the last asynchronous run."""
+        return [versions.stats for versions in self._stages.values()]

@@ -8,20 +8,7 @@ the first shard's inputs and `unpack` rebuilds the model's output (tensor, tuple
 from the last shard's outputs.
 
 Tied weights (an embedding and an output head sharing one ``Parameter``) stay one object in every
-shard that uses them. With the local transport all stages are threads of one process, so autograd
-sums both stages' contributions into the one ``.grad`` and the optimizer updates it once; the
-LightningModule's ``state_dict`` is untouched and holds it under the original keys (the local
-transport refuses stages that share a tensor but sit on different devices). With a transport that
-gives every stage its own copy (RPC workers unpickle each shard separately), `tied` lists, per shared
-weight, the shards and local names that hold it, and the design is:
-
-- after ``apply_grads`` the coordinator fetches each holder's gradient of the weight, sums them and
-  sends the sum back to every holder, before the optimizer step;
-- every holder's optimizer then applies the same update to its copy from the same state, so the
-  copies stay equal (the equality is cheap to assert after a step);
-- gradient clipping counts a tied weight once (the first holder's copy) when it computes the norm;
-- a checkpoint takes the weight from the first holder; each shard's ``state_dict`` already uses the
-  model's own keys, so the merged dictionary is the unsplit model's.
+shard that uses them; `tied` lists where (see `partition.tied`).
 """
 
 from __future__ import annotations
@@ -42,6 +29,7 @@ from lightning_pipe.partition.balance import balance_by_cost, memory_costs, para
 from lightning_pipe.partition.explain import check_close, warn_about
 from lightning_pipe.partition.kv_cache import builds_kv_cache, without_kv_cache
 from lightning_pipe.partition.partitioner import Partitioner, ShardedTask
+from lightning_pipe.partition.tied import tied_parameters
 from lightning_pipe.partition.tracer import (
     CallArgs,
     LeafSpec,
@@ -337,43 +325,6 @@ def _holds(module: nn.Module, target: str) -> bool:
 
 def _constants(traced: dict[bool, Traced]) -> dict[str, Any]:
     return {**traced[False].constants, **traced[True].constants}
-
-
-def for_module(
-    partitioner: Partitioner, module: nn.Module | None = None, split_points: Sequence[str] | None = None
-) -> Partitioner:
-    """``partitioner``, or a `TracedPartitioner` with its method when the module needs tracing.
-
-    A module that is not an ``nn.Sequential``, or any module with ``split_points``, is traced; a
-    custom `Partitioner` subclass is kept as it is.
-    """
-    if isinstance(partitioner, TracedPartitioner):
-        if split_points is not None and partitioner.split_points != list(split_points):
-            if partitioner.split_points is not None:
-                raise PartitionError(
-                    f"split_points={list(split_points)} conflicts with the partitioner's {partitioner.split_points}"
-                )
-            partitioner.split_points = list(split_points)
-        return partitioner
-    wants_trace = split_points is not None or (module is not None and not isinstance(module, nn.Sequential))
-    if not wants_trace or type(partitioner) is not Partitioner:
-        return partitioner
-    return TracedPartitioner(
-        partitioner.method,
-        split_points,
-        forward_cls=partitioner.forward_cls,
-        backward_cls=partitioner.backward_cls,
-        forward_loss_cls=partitioner.forward_loss_cls,
-    )
-
-
-def tied_parameters(shards: Sequence[nn.Module]) -> list[list[tuple[int, str]]]:
-    """Parameters held by more than one shard: for each, the (shard index, local name) holding it."""
-    holders: dict[int, list[tuple[int, str]]] = {}
-    for index, shard in enumerate(shards):
-        for name, p in shard.named_parameters():
-            holders.setdefault(id(p), []).append((index, name))
-    return [places for places in holders.values() if len({i for i, _ in places}) > 1]
 
 
 def _on_module_device(call: CallArgs, module: nn.Module) -> CallArgs:

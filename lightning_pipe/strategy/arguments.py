@@ -80,3 +80,23 @@ def check_arguments(
         verb = "needs" if len(options) == 1 else "need"
         raise ConfigurationError(f"{' and '.join(options)} {verb} transport='rpc' (stages in worker processes)")
     return stages, device_names, asynchronous, options
+
+
+def check_launched(processes: int, devices: Sequence[str] | None, runner: str, asynchronous: bool) -> None:
+    """What launched mode cannot do fails when the Trainer is built, before any process starts."""
+    if devices is not None:
+        raise ConfigurationError(
+            "PipeStrategy(devices=[...]) places the stages of one process; in launched mode "
+            f"({processes} processes) each process holds its stage on its own device: leave devices out, "
+            "or pass transport='local' to run every stage in this process"
+        )
+    if runner == "linear":
+        raise ConfigurationError(
+            "runner='linear' walks every stage from one thread; in launched mode each process runs its own "
+            "stage: use runner='parallel' or 'dataflow', or transport='local'"
+        )
+    if asynchronous:
+        raise ConfigurationError(
+            "PipeStrategy(schedule='async') runs with transport='local' in one process; in launched mode "
+            "pick a synchronous schedule such as '1f1b'"
+        )

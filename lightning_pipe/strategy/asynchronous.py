@@ -40,14 +40,27 @@ class AsyncTraining:
         #: the template's hyperparameters when each batch was fed: a stage's update n uses entry n
         self.fed_hparams: list[list[dict[str, Any]]] = []
         self._updates: dict[int, int] = {}  # id(stage optimizer) -> its updates so far
+        self._first_update = 0  # the fed batch whose hyperparameters the first update of a new stage optimizer uses
         self._index: dict[int, int] = {}  # id(stage parameter) -> its index in the template's state_dict
         self._loaded: dict[int, Any] = {}  # state of a checkpoint for stage optimizers not built yet, by index
         self.stream: BatchStream | None = None
         self.totals: dict[int, Staleness] = {}
         self._factory = self.factory  # one object: the stages keep their optimizers while it stays the same
 
-    def attach(self, optimizers: list[torch.optim.Optimizer], stage_params: list[nn.Parameter]) -> None:
+    @property
+    def streaming(self) -> bool:
+        """Whether a stream is open: it owns the stages (their weights and generators) until it drains."""
+        return self.stream is not None and not self.stream.closed
+
+    def attach(
+        self, optimizers: list[torch.optim.Optimizer], stage_params: list[nn.Parameter], accumulate: int, scaler: Any
+    ) -> None:
         """Take the hyperparameters from ``optimizers`` and hide the stage parameters from them."""
+        if accumulate != 1 or scaler:
+            raise ConfigurationError(
+                "PipeStrategy(schedule='async') steps each stage once per batch in full precision; "
+                "use accumulate_grad_batches=1 and no gradient scaler"
+            )
         ids = {id(p) for p in stage_params}
         holders = [o for o in optimizers if any(id(p) in ids for g in o.param_groups for p in g["params"])]
         if len(holders) > 1:
@@ -58,7 +71,7 @@ class AsyncTraining:
         if not holders:
             return
         self.template = holders[0]
-        self.stage_optimizers, self.fed_hparams, self._updates = [], [], {}
+        self.stage_optimizers, self.fed_hparams, self._updates, self._first_update = [], [], {}, 0
         self._groups, self._index, self._loaded = [], {}, {}
         index = 0
         for group in self.template.param_groups:
@@ -88,7 +101,8 @@ class AsyncTraining:
             if saved is not None:
                 optimizer.state[p] = {k: v.to(p.device) if isinstance(v, torch.Tensor) else v for k, v in saved.items()}
         self.stage_optimizers.append((optimizer, used))
-        self._updates[id(optimizer)] = 0  # built at the first stream of a fit, before its first update
+        # built at the stage's first backward of a fit, before its first update (of the stream's first batch)
+        self._updates[id(optimizer)] = self._first_update
 
         def batch_hparams(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
             # runs in the stage's thread, when it steps for the next batch: that batch's hyperparameters
@@ -152,8 +166,15 @@ class AsyncTraining:
             "batches planned for the stream; the stage updates of batches still in flight are dropped"
         )
         stream.abort()
+        self._first_update = len(self.fed_hparams)
         for key in self._updates:  # the dropped updates: the next batch's update uses the next batch's values
             self._updates[key] = len(self.fed_hparams)
+
+    def abort(self) -> None:
+        """After an error: stop the open stream without draining it (its stages may be gone)."""
+        if self.stream is not None:
+            self.stream.abort()
+            self.stream = None
 
     def record(self, pipeline: Pipeline) -> None:
         for stats in pipeline.coordinator.call("async_stats"):

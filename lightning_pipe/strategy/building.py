@@ -1,4 +1,4 @@
-"""Building the pipeline of `PipeStrategy`, and its memory plan.
+"""`PipelineBuilder`: finding the pipelined module, building and placing the `Pipeline`, and what it reports.
 
 The pipeline is built once per fit (validate, test, predict): at setup for an ``nn.Sequential`` or a
 module with ``example_input_array``, else on the first call of the pipelined module, which a traced
@@ -7,28 +7,28 @@ partitioner needs. In launched mode its transport is this replica's point-to-poi
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
-from lightning_pipe.backends import BackendArg, CoordinatorOps, ExecutionTrace
+from lightning_pipe.backends import BackendArg, CoordinatorOps, ExecutionTrace, resolve_backends
 from lightning_pipe.backends.compiled import TorchCompiled, unwrap_compiled
+from lightning_pipe.comm import Communicator
 from lightning_pipe.engine import AutocastSpec
 from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.partition import Partitioner
 from lightning_pipe.partition.traced import TracedPartitioner
-from lightning_pipe.pipeline import Pipeline
+from lightning_pipe.partition.tracer import CallArgs
+from lightning_pipe.pipeline import Pipeline, resolve_partitioner
 from lightning_pipe.rng import run_seed
-from lightning_pipe.runtime import BaseRuntime
-from lightning_pipe.strategy.remote import StageParameters
-
-if TYPE_CHECKING:
-    from lightning_pipe.strategy.launched import LaunchedMode as _Strategy
-else:
-    _Strategy = object
+from lightning_pipe.runtime import BaseRuntime, runtime_registry
+from lightning_pipe.strategy.session import capture_call
 
 _RUNTIME_HOOKS = (
     "train_epoch_begin",
@@ -40,103 +40,224 @@ _RUNTIME_HOOKS = (
 )
 
 
-class PipelineBuilding(_Strategy):
-    """Mixed into `PipeStrategy`: makes its `Pipeline`, reports what ran where, plans memory."""
+@dataclass(frozen=True)
+class Placement:
+    """Where one fit's pipeline goes, as the strategy knows it at setup."""
 
-    pipeline: Pipeline | None
-    partitioner: Any
-    schedule: Any
-    checkpoint: str
-    runtime: Any
-    backend: BackendArg
-    strict: bool
-    microbatches: int
-    _pipelined: nn.Module | None
-    _compiled: TorchCompiled | None
-    _stage_params: StageParameters | None
-    _transport_options: dict[str, Any]
-    _trace: ExecutionTrace
-    _coordinator_ops: CoordinatorOps | None
-    _hooked: set[str]
+    devices: list[str]  # one per stage
+    coordinator_device: torch.device  # where the last stage's output and the loss live
+    autocast: AutocastSpec | None  # the precision plugin's, applied in every stage
+    transport: Callable[[], str | Communicator]  # a transport name, or launched mode's p2p communicator
+    on_built: Callable[[Pipeline], None]  # the stages exist: random states and stage optimizers go in
 
-    if TYPE_CHECKING:
 
-        def resolve_devices(self) -> list[str]: ...
-        def _split_module(self) -> nn.Module: ...
-        def restore_random_state(self, pipeline: Pipeline) -> None: ...
-        def _find_pipelined(self, lightning_module: pl.LightningModule) -> nn.Module: ...
-        def _capture_input(self, lightning_module: pl.LightningModule, pipelined: nn.Module, batch: Any) -> Any: ...
+def autocast_of(plugin: Precision) -> AutocastSpec | None:
+    """The autocast every stage applies: the precision plugin's, for ``"16-mixed"`` and ``"bf16-mixed"``."""
+    if isinstance(plugin, MixedPrecision):
+        return AutocastSpec(torch.bfloat16 if plugin.precision == "bf16-mixed" else torch.float16)
+    return None
 
-    def _build(self, sample: Any) -> Pipeline:
+
+class PipelineBuilder:
+    """Makes the `Pipeline` of a fit from the LightningModule's pipelined module, and closes it.
+
+    Owns the partitioner, the pipelined module found in the LightningModule, the backends' op substitution
+    in the user's step code, the pipeline while it lives and the execution traces of pipelines closed.
+    `PipeStrategy` calls `setup`, `build_early` and `close`; the step driver calls `build` with a step's
+    first input and `pipeline_input` for each call of the pipelined module.
+    """
+
+    def __init__(
+        self,
+        partition: str | Sequence[int] | Partitioner,
+        split_points: Sequence[str] | None,
+        module_name: str | None,
+        schedule: Any,
+        checkpoint: str,
+        runtime: str | BaseRuntime | None,
+        timeout: float,
+        backend: BackendArg,
+        strict: bool,
+        virtual_stages: int,
+        runner: str,
+        transport_options: dict[str, Any],
+    ) -> None:
+        self.partitioner = resolve_partitioner(partition, split_points=split_points)
+        self.module_name = module_name
+        self.schedule = schedule
+        self.checkpoint = checkpoint
+        self.runtime = runtime
+        self.timeout = timeout
+        self.backend = backend
+        self.strict = strict
+        self.virtual_stages = virtual_stages
+        self.runner = runner
+        self.transport_options = transport_options  # rpc: coordinator, token, compress
+        self.pipeline: Pipeline | None = None
+        self.pipelined: nn.Module | None = None  # the LightningModule's submodule that is pipelined
+        self.compiled: TorchCompiled | None = None  # the pipelined module is torch.compile(...) of this
+        self.coordinator_ops: CoordinatorOps | None = None  # op substitution in the user's step code
+        self.runtime_hooks: set[str] = set()  # the runtime callbacks some stage's runtime overrides
+        self._placement: Placement | None = None
+        self._closed = ExecutionTrace([])  # the traces of pipelines already closed
+
+    def find(self, lightning_module: pl.LightningModule) -> nn.Module:
+        """The pipelined module: ``module=``, or the child with the most parameters."""
+        children = dict(lightning_module.named_children())
+        if self.module_name is not None:
+            try:
+                return lightning_module.get_submodule(self.module_name)
+            except AttributeError:
+                known = ", ".join(children) or "none"
+                raise ConfigurationError(
+                    f"PipeStrategy(module={self.module_name!r}): the LightningModule has no such submodule; "
+                    f"its children are: {known}"
+                ) from None
+        if not children:
+            raise ConfigurationError(
+                "the LightningModule has no submodules to pipeline; assign an nn.Sequential to an attribute "
+                "(e.g. self.model = nn.Sequential(...)) and pass PipeStrategy(module='model')"
+            )
+        return max(children.values(), key=lambda m: sum(p.numel() for p in m.parameters()))
+
+    def setup(self, lightning_module: pl.LightningModule, placement: Placement) -> nn.Module:
+        """At the strategy's setup: find the pipelined module, check the partition against the devices."""
+        self.pipelined = self.find(lightning_module)
+        self.compiled = unwrap_compiled(self.pipelined)
+        if self.compiled is not None:
+            rank_zero_info(f"PipeStrategy: {self.compiled.note(self.backend)}")
+        self.partitioner = resolve_partitioner(self.partitioner, self.split_module)
+        self.partitioner.check(self.split_module, len(placement.devices))
+        stages = len(placement.devices)
+        self.coordinator_ops = CoordinatorOps(resolve_backends(self.backend, stages), stages - 1)
+        self._placement = placement
+        return self.pipelined
+
+    @property
+    def split_module(self) -> nn.Module:
+        """What the pipeline splits: the pipelined module, or the original of a ``torch.compile``d one."""
+        assert self.pipelined is not None, "PipelineBuilder.setup finds the pipelined module first"
+        return self.compiled.module if self.compiled is not None else self.pipelined
+
+    def coordinator_device(self, devices: Sequence[str]) -> torch.device:
+        """Where the last stage's output and the loss live, with the stages on ``devices`` in this process."""
+        if isinstance(self.runtime, BaseRuntime):
+            return self.runtime.torch_device
+        return runtime_registry.create(devices[-1]).torch_device
+
+    def outside(self, lightning_module: pl.LightningModule) -> list[nn.Parameter]:
+        """The LightningModule's parameters outside the pipelined module (used before or after its call)."""
+        assert self.pipelined is not None
+        stage_ids = {id(p) for p in self.pipelined.parameters()}
+        return [p for p in lightning_module.parameters() if id(p) not in stage_ids]
+
+    def place_outside(self, model: nn.Module, device: torch.device) -> None:
+        """Everything but the pipelined module goes to ``device``; the stages place their shards."""
+        pipelined = self.pipelined
+        assert pipelined is not None
+        for module in model.modules():
+            if module is pipelined or any(module is m for m in pipelined.modules()):
+                continue
+            for param in module.parameters(recurse=False):
+                if param.device != device:
+                    param.data = param.data.to(device)
+            for name, buf in module.named_buffers(recurse=False):
+                if buf is not None and buf.device != device:
+                    module._buffers[name] = buf.to(device)
+
+    def build_early(self, example: Any) -> None:
+        """At setup: build now where the partitioner needs no sample, or ``example_input_array`` serves as one
+        (a traced module is traced on its first real call instead)."""
+        traced = isinstance(self.partitioner, TracedPartitioner)
+        if not self.partitioner.needs_sample or (example is not None and not traced):
+            self.build(example)
+
+    def build(self, sample: Any) -> Pipeline:
+        """The fit's pipeline, built and started on its first call (``sample``: the first stage's input)."""
         if self.pipeline is not None:
             return self.pipeline
-        assert self._pipelined is not None
-        devices = self.resolve_devices()
-        compiled = self._compiled
-        backend = compiled.plan(self.backend, len(devices), self.strict) if compiled is not None else self.backend
+        placement = self._placement
+        assert placement is not None, "PipelineBuilder.setup places the pipeline first"
+        stages = len(placement.devices)
+        compiled = self.compiled
+        backend = compiled.plan(self.backend, stages, self.strict) if compiled is not None else self.backend
         self.pipeline = Pipeline(
-            self._split_module(),
-            stages=len(devices),
+            self.split_module,
+            stages=stages,
             schedule=self.schedule,
             partition=self.partitioner,
-            devices=devices,
+            devices=placement.devices,
             checkpoint=self.checkpoint,
             runtime=self.runtime,
             timeout=self.timeout,
-            autocast=self._autocast(),
+            autocast=placement.autocast,
             sample=sample,
-            coordinator_device=self.root_device,
+            coordinator_device=placement.coordinator_device,
             virtual_stages=self.virtual_stages,
             runner=self.runner,
             backend=backend,
             strict=self.strict,
-            transport=self.launched_communicator() if self.layout is not None else self.transport or "local",
+            transport=placement.transport(),
             seed=run_seed(),  # seed_everything's seed: each stage's generators start from it and the stage index
-            **self._transport_options,
+            **self.transport_options,
         ).start()
-        self.restore_random_state(self.pipeline)
-        if self._stage_params is not None and self.optimizers:
-            self._stage_params.attach(self.pipeline, self.optimizers, self.root_device)
-        self._hooked = {
+        placement.on_built(self.pipeline)
+        self.runtime_hooks = {
             name
             for name in _RUNTIME_HOOKS
             if any(getattr(type(rt), name) is not getattr(BaseRuntime, name) for rt in self.pipeline.runtimes)
         }
         return self.pipeline
 
-    def _autocast(self) -> AutocastSpec | None:
-        plugin = self.precision_plugin
-        if isinstance(plugin, MixedPrecision):
-            return AutocastSpec(torch.bfloat16 if plugin.precision == "bf16-mixed" else torch.float16)
-        return None
+    def pipeline_input(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The pipeline's input for one call of the pipelined module with ``args`` and ``kwargs``."""
+        if isinstance(self.partitioner, TracedPartitioner):
+            return CallArgs(tuple(args), dict(kwargs))  # packed into the first stage's inputs once traced
+        if kwargs:
+            raise ConfigurationError(
+                f"the pipelined nn.Sequential was called with keyword arguments ({', '.join(kwargs)}); "
+                "an nn.Sequential takes one input"
+            )
+        return args[0] if len(args) == 1 else tuple(args)
+
+    def runtime_hook(self, name: str, args: tuple[Any, ...]) -> None:
+        """Call ``runtime.<name>`` on every stage (skipped when no stage's runtime overrides it)."""
+        if self.pipeline is not None and name in self.runtime_hooks:
+            self.pipeline.coordinator.call("runtime_hook", name, args)
 
     def execution_trace(self) -> ExecutionTrace:
-        """Per stage: which backend ran its forwards and which substituted ops ran where (``print`` it).
+        """Per stage: which backend ran its forwards and which substituted ops ran where.
 
         Ops of the user's step code (the loss) count under the last stage, mode ``"coordinator"``.
         """
-        trace = self._trace
+        trace = self._closed
         if self.pipeline is not None:
             trace = trace.merged(self.pipeline.execution_trace())
-        if self._coordinator_ops is not None:
-            trace = trace.merged(ExecutionTrace([self._coordinator_ops.trace]))
+        if self.coordinator_ops is not None:
+            trace = trace.merged(ExecutionTrace([self.coordinator_ops.trace]))
         return trace
 
-    # the memory plan
-    def plan(self, model: nn.Module, sample_batch: Any, verbose: bool = True) -> Any:
-        """Predict each stage's activation memory for one training step, before training.
+    def keep_trace(self) -> None:
+        """At teardown: keep what ran where for `execution_trace` after the fit; the step's ops end."""
+        try:
+            self._closed = self.execution_trace()
+        finally:
+            self.coordinator_ops = None
 
-        ``model`` is the LightningModule (its ``training_step`` runs on ``sample_batch`` up to the
-        pipelined call, to find the pipeline's input) or the pipelined module itself (then
-        ``sample_batch`` is its input). Prints the per-stage table unless ``verbose=False``; returns a
-        `lightning_pipe.memory.MemoryPlan`. ``checkpoint="auto"`` is planned without recomputation: the
-        plan it starts from (it recomputes where a device's free memory is short of it).
-        """
+    def close(self) -> None:
+        """Stop the stages of this fit's pipeline (a later fit builds a new one)."""
+        if self.pipeline is not None:
+            pipeline, self.pipeline = self.pipeline, None
+            pipeline.close()
+
+    # the memory plan
+    def plan(self, model: nn.Module, sample_batch: Any, stages: int, microbatches: int, verbose: bool) -> Any:
+        """Predict each stage's activation memory for one training step (see `PipeStrategy.plan`)."""
         from lightning_pipe.memory import plan as memory_plan
 
         if isinstance(model, pl.LightningModule):
-            called = self._find_pipelined(model)
-            sample = self._capture_input(model, called, sample_batch)
+            called = self.find(model)
+            sample = self.pipeline_input(*capture_call(model, called, sample_batch, self.timeout))
         else:
             called, sample = model, sample_batch
         compiled = unwrap_compiled(called)
@@ -146,8 +267,8 @@ class PipelineBuilding(_Strategy):
         return memory_plan(
             pipelined,
             sample,
-            len(self.resolve_devices()),
-            self.microbatches,
+            stages,
+            microbatches,
             self.schedule,
             self.virtual_stages,
             self.partitioner,

@@ -18,8 +18,9 @@ Lightning's collectives never interleave with a stage's on one group.
 from __future__ import annotations
 
 import atexit
+from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -30,21 +31,13 @@ from lightning.fabric.utilities.distributed import (
     _sync_ddp_if_available,
 )
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch.distributed.device_mesh import init_device_mesh
 from typing_extensions import override
 
 from lightning_pipe.comm import P2PCommunicator, serve_stages
 from lightning_pipe.comm.p2p_wire import close_open_wires
 from lightning_pipe.engine.runners import worker_of_stages
-from lightning_pipe.errors import ConfigurationError
-from lightning_pipe.strategy.layout import LAUNCHED, LOCAL, Layout, choose_mode
-
-if TYPE_CHECKING:
-    from lightning.pytorch.strategies import ParallelStrategy as _Strategy
-else:
-    _Strategy = object
+from lightning_pipe.strategy.layout import Layout
 
 PROCESS_GROUP_TIMEOUT = timedelta(minutes=30)  # Lightning's default: serving ranks wait this long between fits
 
@@ -108,190 +101,85 @@ class ProcessGroups:
 
 
 class PipeLauncher(_SubprocessScriptLauncher):
-    """Lightning's subprocess launcher (a no-op spawn under torchrun or SLURM); serving ranks serve their stage."""
+    """Lightning's subprocess launcher (a no-op spawn under torchrun or SLURM); serving ranks serve their stage.
 
-    def __init__(self, strategy: LaunchedMode, cluster_environment: Any, num_processes: int, num_nodes: int) -> None:
+    ``serve`` is what this process runs instead of the Trainer's function: None where it coordinates.
+    """
+
+    def __init__(
+        self, cluster_environment: Any, num_processes: int, num_nodes: int, serve: Callable[[], None] | None
+    ) -> None:
         super().__init__(cluster_environment, num_processes, num_nodes)
-        self.strategy = strategy
+        self.serve = serve
 
     @override
     def launch(self, function: Any, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
-        layout = self.strategy.layout
-        if layout is not None and not layout.coordinates:
-            return super().launch(self.strategy.serve_stages)
+        if self.serve is not None:
+            return super().launch(self.serve)
         return super().launch(function, *args, trainer=trainer, **kwargs)
 
 
-class LaunchedMode(_Strategy):
-    """Mixed into `PipeStrategy`: the mode rule, launched mode's ranks, launcher, process groups and collectives."""
+class LaunchedWorld:
+    """Launched mode in this process: its place in the `Layout`, its device, the process groups, the
+    point-to-point transport of its pipeline, and Lightning's collectives among the coordinators.
 
-    transport: str | None
-    stages: int | None
-    virtual_stages: int
-    runner: str
-    timeout: float
-    stage_devices: list[str] | None
-    layout: Layout | None = None  # launched mode only
-    _groups: ProcessGroups | None = None
-    _p2p: P2PCommunicator | None = None
-    _mode_logged = False
+    `PipeStrategy` makes one when Lightning sets the world's ranks and hands its collectives here.
+    """
 
-    _num_nodes = 1
-
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:  # set by Lightning's connector from Trainer(num_nodes=...)
-        self._num_nodes = num_nodes
+    def __init__(
+        self, layout: Layout, devices: Sequence[torch.device], timeout: float, runner: str, virtual_stages: int
+    ) -> None:
+        self.layout = layout
+        self.devices = list(devices)  # this node's devices, one per local rank
+        self.timeout = timeout
+        self.runner = runner
+        self.virtual_stages = virtual_stages
+        self._groups: ProcessGroups | None = None
+        self._p2p: P2PCommunicator | None = None
+        self._released = True  # the serving ranks were told that this fit ended
 
     @property
-    def processes(self) -> int:
-        """How many processes the run has: devices x num_nodes, or the ``WORLD_SIZE`` of torchrun or SLURM."""
-        count = len(self.parallel_devices or [None]) * self.num_nodes
-        environment = self.cluster_environment
-        if environment is not None and environment.creates_processes_externally:
-            count = max(count, environment.world_size())
-        return count
+    def root_device(self) -> torch.device:
+        """This process's device: where its stage and, on a coordinator, the loss live."""
+        return self.devices[self.layout.local_index(self.layout.global_rank)]
 
-    @property
-    def mode(self) -> str:
-        """``"local"``, ``"rpc"`` or ``"launched"`` (see `lightning_pipe.strategy.layout`)."""
-        return choose_mode(self.transport, self.processes)
-
-    @property
-    def launched(self) -> bool:
-        return self.mode == LAUNCHED
-
-    def set_world_ranks(self) -> None:  # called by Lightning's connector (as on DDPStrategy)
-        if not self.launched:
-            if self.cluster_environment is not None:
-                self.cluster_environment.set_global_rank(0)
-                self.cluster_environment.set_world_size(1)
-            return
-        self._check_launched()
-        devices_per_node = len(self.parallel_devices or [None])
-        global_rank = self.node_rank * devices_per_node + self.local_rank
-        self.layout = Layout.of(
-            self.processes, global_rank, self.stages or devices_per_node, self.virtual_stages, devices_per_node
-        )
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(global_rank)
-            self.cluster_environment.set_world_size(self.processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = global_rank  # type: ignore[attr-defined]
-
-    def _check_launched(self) -> None:
-        """What launched mode cannot do fails when the Trainer is built, before any process starts."""
-        if self.stage_devices is not None:
-            raise ConfigurationError(
-                "PipeStrategy(devices=[...]) places the stages of one process; in launched mode "
-                f"({self.processes} processes) each process holds its stage on its own device: leave devices out, "
-                "or pass transport='local' to run every stage in this process"
-            )
-        if self.runner == "linear":
-            raise ConfigurationError(
-                "runner='linear' walks every stage from one thread; in launched mode each process runs its own "
-                "stage: use runner='parallel' or 'dataflow', or transport='local'"
-            )
-        if getattr(self, "_async", None) is not None:
-            raise ConfigurationError(
-                "PipeStrategy(schedule='async') runs with transport='local' in one process; in launched mode "
-                "pick a synchronous schedule such as '1f1b'"
-            )
-
-    @override
-    def _configure_launcher(self) -> None:
-        if self.launched:
-            assert self.cluster_environment is not None
-            devices = len(self.parallel_devices or [None])
-            self._launcher = PipeLauncher(self, self.cluster_environment, devices, self.num_nodes)
-
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """Each replica reads its own shard of the data; the ranks of one pipeline read none (they serve)."""
-        if self.layout is None:
-            return {"num_replicas": 1, "rank": 0}
-        return {"num_replicas": self.layout.replicas, "rank": self.layout.replica}
-
-    @property
-    def is_distributed(self) -> bool:
-        """Read by Lightning's connector: a distributed sampler over the replicas in launched mode."""
-        return self.layout is not None
-
-    @property
-    def world_size(self) -> int:  # type: ignore[override]
-        """1 in launched mode, as Lightning's loop must see it.
-
-        Lightning's training loop broadcasts a SIGTERM flag over the whole torch.distributed world
-        before every batch when ``world_size > 1``; the processes that serve a stage do not run that
-        loop and cannot join it. The strategy's own collectives (``reduce``, ``barrier``, ``broadcast``,
-        ``all_gather``, ``reduce_boolean_decision``) span the coordinators, one per replica; ``layout``
-        holds the real numbers (``layout.world_size`` processes, ``layout.replicas`` replicas).
-        """
-        if self.layout is not None:
-            return 1
-        return super().world_size
-
-    @override
-    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
-        coordinators = self._coordinator_group()
-        if coordinators is None:
-            return decision
-        assert self.layout is not None
-        votes = self.reduce(torch.tensor(int(decision), device=self.launched_root_device), reduce_op="sum")
-        return bool(votes == self.layout.replicas) if all else bool(votes)
-
-    @property
-    def launched_root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    def launched_stage_devices(self, stages: int) -> list[str]:
+    def stage_devices(self) -> list[str]:
         """The device of each stage: that of the process holding it in this replica."""
-        assert self.layout is not None and self.parallel_devices is not None
+        stages = self.layout.ranks_per_pipeline * self.virtual_stages
         holder = worker_of_stages(self.runner, stages, self.virtual_stages)
         ranks = self.layout.pipeline_ranks()
-        return [str(self.parallel_devices[self.layout.local_index(ranks[holder[s]])]) for s in range(stages)]
+        return [str(self.devices[self.layout.local_index(ranks[holder[s]])]) for s in range(stages)]
 
-    @override
-    def setup_environment(self) -> None:
-        super().setup_environment()
-        if self.layout is None:
-            if not self._mode_logged:
-                self._mode_logged = True
-                where = "threads of this process" if self.mode == LOCAL else "rpc worker processes"
-                rank_zero_info(f"PipeStrategy: {self.mode} mode, one Lightning process, stages in {where}")
-            return
-        device = self.launched_root_device
+    def connect(self, cluster_environment: Any) -> None:
+        """Join torch.distributed (unless joined) and make this layout's process groups."""
+        device = self.root_device
         if not dist.is_initialized():
             backend = _get_default_process_group_backend_for_device(device)
-            assert self.cluster_environment is not None
-            _init_dist_connection(self.cluster_environment, backend, timeout=PROCESS_GROUP_TIMEOUT)
+            _init_dist_connection(cluster_environment, backend, timeout=PROCESS_GROUP_TIMEOUT)
             ProcessGroups.made_default_group()
         self._groups = ProcessGroups.of(self.layout, device.type)
-        if not self._mode_logged:
-            self._mode_logged = True
-            layout = self.layout
-            rank_zero_info(
-                f"PipeStrategy: launched mode, {layout.world_size} processes = {layout.replicas} replica(s) x "
-                f"{layout.ranks_per_pipeline} pipeline rank(s); {layout.picture()}"
-            )
 
-    def launched_communicator(self) -> P2PCommunicator:
-        """The point-to-point transport of this replica's pipeline (one per strategy, reused by every fit)."""
+    def describe(self) -> str:
+        """The line logged once at the start: the processes and which pipeline rank each holds."""
+        layout = self.layout
+        return (
+            f"PipeStrategy: launched mode, {layout.world_size} processes = {layout.replicas} replica(s) x "
+            f"{layout.ranks_per_pipeline} pipeline rank(s); {layout.picture()}"
+        )
+
+    def communicator(self) -> P2PCommunicator:
+        """The point-to-point transport of this replica's pipeline (one per world, reused by every fit)."""
         if self._p2p is None:
             self._p2p = P2PCommunicator(**self._pipeline())
         return self._p2p
 
-    def serve_stages(self) -> None:
-        """What a process that does not coordinate runs instead of the Trainer's loop."""
-        self.setup_environment()
+    def serve(self) -> None:
+        """What a process that does not coordinate runs instead of the Trainer's loop (after `connect`)."""
         serve_stages(**self._pipeline())
 
     def _pipeline(self) -> dict[str, Any]:
         """This process's pipeline as both sides of the p2p transport take it: group, ranks, names, DDP hook."""
-        assert self.layout is not None and self._groups is not None
+        assert self._groups is not None, "LaunchedWorld.connect makes the process groups first"
         on_build = None
         if self.layout.replicas > 1:
             replicas = self._groups.replicas
@@ -305,9 +193,16 @@ class LaunchedMode(_Strategy):
             "coordinator": self.layout.coordinator,
         }
 
-    def release_stages(self, error: BaseException | None = None) -> None:
-        """End the serving ranks' ``fit`` (with the coordinator's error, if it failed)."""
-        if self._p2p is None or self.layout is None:
+    def hold(self) -> None:
+        """A fit starts: the serving ranks serve until `release`."""
+        self._released = False
+
+    def release(self, error: BaseException | None = None) -> None:
+        """End the serving ranks' ``fit`` (with the coordinator's error, if it failed); once per fit."""
+        if self._released or not self.layout.coordinates:
+            return
+        self._released = True
+        if self._p2p is None:
             return
         text = None
         if error is not None:
@@ -319,40 +214,41 @@ class LaunchedMode(_Strategy):
     def _coordinator_group(self) -> Any:
         """The coordinators' group; None where there is nothing to agree on (one replica, or a serving rank)."""
         layout = self.layout
-        if layout is None or layout.replicas == 1 or self._groups is None or not layout.coordinates:
+        if layout.replicas == 1 or self._groups is None or not layout.coordinates:
             return None
         return self._groups.coordinators
 
-    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        if self._coordinator_group() is None:
+            return decision
+        votes = self.reduce(torch.tensor(int(decision), device=self.root_device), reduce_op="sum")
+        return bool(votes == self.layout.replicas) if all else bool(votes)
+
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
         coordinators = self._coordinator_group()
         if coordinators is None or not isinstance(tensor, torch.Tensor):
             return tensor
         return _sync_ddp_if_available(tensor, group or coordinators, reduce_op=reduce_op)
 
-    @override
-    def barrier(self, name: str | None = None) -> None:
+    def barrier(self) -> None:
         coordinators = self._coordinator_group()
         if coordinators is None:
             return
-        device = self.launched_root_device
+        device = self.root_device
         if device.type == "cuda":
             dist.barrier(group=coordinators, device_ids=[device.index or 0])
         else:
             dist.barrier(group=coordinators)
 
-    @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         coordinators = self._coordinator_group()
         if coordinators is None:
             return obj
-        assert self.layout is not None
         box = [obj]
         ranks = self.layout.coordinator_ranks  # Lightning names a global rank; only coordinators take part
         dist.broadcast_object_list(box, src=src if src in ranks else ranks[0], group=coordinators)
         return box[0]
 
-    @override
     def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> torch.Tensor:
         coordinators = self._coordinator_group()
         if coordinators is None:

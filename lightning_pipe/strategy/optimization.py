@@ -1,99 +1,94 @@
-"""The optimizer side of `PipeStrategy`: backward, optimizer steps and optimizer state in checkpoints.
+"""`StageOptimization`: backward's gradients, Lightning's optimizer steps and the optimizer state.
 
 The pipeline computes the gradients inside ``training_step``; ``backward`` puts them on ``p.grad``.
 When the stages own their parameters (``transport="rpc"`` and launched mode), Lightning's optimizers
-step the stages (`lightning_pipe.strategy.remote`) and checkpoints gather the stages' state under the
-unsplit module's keys.
+step the stages (`lightning_pipe.strategy.remote`), clipping and a GradScaler included. With
+``schedule="async"`` the stages step their own optimizers (`lightning_pipe.strategy.asynchronous`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
 
+import lightning.pytorch as pl
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from typing_extensions import override
+from torch import nn
 
 from lightning_pipe.grads import GradStash
 from lightning_pipe.pipeline import Pipeline
 from lightning_pipe.strategy.asynchronous import AsyncTraining
-from lightning_pipe.strategy.remote import StageParameters
-
-if TYPE_CHECKING:
-    from lightning.pytorch.strategies import ParallelStrategy as _Strategy
-else:
-    _Strategy = object
+from lightning_pipe.strategy.remote import StageGradZeroing, StageParameters
 
 
-class StageOptimization(_Strategy):
-    """Mixed into `PipeStrategy`: gradients, optimizer steps and optimizer state of the stages."""
+class StageOptimization:
+    """Where the optimizers' parameters live, and Lightning's optimizer calls routed there.
 
-    pipeline: Pipeline | None
-    _stage_params: StageParameters | None
-    _async: AsyncTraining | None
-    _outside: GradStash
-    _trainer: Any
+    `PipeStrategy` calls it from ``setup``, ``backward``, ``optimizer_step`` and teardown; the step driver
+    sets the gradients of the parameters outside the pipelined module aside during a training step
+    (`set_aside`); `lightning_pipe.strategy.checkpoints` reads the optimizer state where it says it lives.
+    """
 
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        if self._stage_params is not None:  # the stages' parts, now or once the stages are built
-            self._stage_params.load(self.optimizers, checkpoint["optimizer_states"])
+    def __init__(self, asynchronous: AsyncTraining | None) -> None:
+        self.asynchronous = asynchronous  # schedule="async": the stages step their own optimizers
+        #: with stages that own their parameters (not "local"): Lightning's optimizers, stepped on the stages
+        self.stage_params: StageParameters | None = None
+        self.outside = GradStash()  # parameters outside the pipelined module (before/after the call)
+
+    def setup(self, stages_own_parameters: bool, outside: Iterable[nn.Parameter]) -> None:
+        """At each setup: whether the stages own their parameters (kept once made: a loaded state may wait
+        there for the stages), and the parameters outside the pipelined module."""
+        if stages_own_parameters and self.stage_params is None:
+            self.stage_params = StageParameters()
+        self.outside = GradStash(outside)
+
+    def install(self, callbacks: list[pl.Callback], precision: Any) -> None:
+        """Stages that own their parameters: zero their gradients with Lightning's, clip over all of them."""
+        if self.stage_params is None:
             return
-        if self._async is not None and self._async.template is not None:
-            for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"], strict=False):
-                if optimizer is self._async.template:
-                    self._async.load_state_dict(state)
-                else:
-                    optimizer.load_state_dict(state)
-            return
-        # torch moves each state to its parameter's device; Lightning's version would move it to one device
-        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"], strict=False):
-            optimizer.load_state_dict(state)
+        if not any(isinstance(cb, StageGradZeroing) and cb.parameters is self.stage_params for cb in callbacks):
+            callbacks.append(StageGradZeroing(self.stage_params))
+        StageParameters.patch_clipping(precision)
 
-    # stages that own their parameters (rpc, launched): steps and checkpoints go through them
-    @override
-    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        if self._stage_params is None or self._stage_params.view(optimizer) is None:
-            return super().optimizer_step(optimizer, closure, model, **kwargs)
-        model = model or self.lightning_module
-        return self._stage_params.optimizer_step(self.precision_plugin, optimizer, model, closure, **kwargs)
+    def attach(self, pipeline: Pipeline, optimizers: list[torch.optim.Optimizer], device: torch.device) -> None:
+        """A pipeline was built: give each optimizer its per-stage parts (where the stages own parameters)."""
+        if self.stage_params is not None and optimizers:
+            self.stage_params.attach(pipeline, optimizers, device)
 
-    @override
-    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        if self._async is not None and getattr(optimizer, "_optimizer", optimizer) is self._async.template:
-            return self._async.state_dict()
-        state = self._stage_params.state(optimizer) if self._stage_params is not None else None
-        return state if state is not None else super().optimizer_state(optimizer)
+    @contextmanager
+    def set_aside(self) -> Iterator[None]:
+        """During a training step: the outside parameters' new gradients wait for `apply_grads`."""
+        self.outside.begin()
+        try:
+            yield
+        finally:
+            self.outside.end()
 
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        if self._async is not None and self._async.stream is not None and not self._async.stream.closed:
-            rank_zero_warn(
-                "PipeStrategy(schedule='async'): a checkpoint in the middle of a stream holds the live weights, "
-                "with the updates of batches in flight missing; checkpoints at the end of an epoch or validation "
-                "see every update"
-            )
-        if self._stage_params is not None and self.pipeline is not None:
-            self.pipeline.sync_module()
-        return super().lightning_module_state_dict()
+    def apply_grads(self, pipeline: Pipeline, scale: float) -> None:
+        """In ``backward``: the step's gradients, times ``scale``, onto ``p.grad`` (async: the stages stepped)."""
+        if self.asynchronous is None:
+            pipeline.apply_grads(scale)
+        self.outside.apply(scale)
 
-    @override
-    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-        """Put the gradients the pipeline computed during ``training_step`` on ``p.grad``.
+    def steps_stages(self, optimizer: Any) -> bool:
+        """Whether ``optimizer`` (or the LightningOptimizer around it) is stepped on the stages."""
+        return self.stage_params is not None and self.stage_params.view(optimizer) is not None
 
-        Lightning zeroes gradients between ``training_step`` and ``backward``, so the pipeline keeps
-        them aside until now. The precision plugin's hooks still run (``on_before_backward``,
-        ``on_after_backward``); ``LightningModule.backward`` is not called: the pipeline did the backward.
-        """
-        lightning_module = self.lightning_module
-        assert lightning_module is not None and self.pipeline is not None
-        self.pre_backward(closure_loss)
-        closure_loss = self.precision_plugin.pre_backward(closure_loss, lightning_module)
-        scale = 1.0 / self._trainer.accumulate_grad_batches
-        if self._async is None:  # async: the stages stepped their own parameters
-            self.pipeline.apply_grads(scale)
-        self._outside.apply(scale)
-        closure_loss = self.precision_plugin.post_backward(closure_loss, lightning_module)
-        self.post_backward(closure_loss)
-        return closure_loss
+    def optimizer_step(
+        self, precision: Any, optimizer: Any, model: pl.LightningModule, closure: Callable[[], Any], **kwargs: Any
+    ) -> Any:
+        """Lightning's optimizer step of an optimizer whose parameters live on the stages."""
+        assert self.stage_params is not None
+        return self.stage_params.optimizer_step(precision, optimizer, model, closure, **kwargs)
+
+    def fold(self, pipeline: Pipeline | None) -> None:
+        """Before the stages stop: the LightningModule and its optimizers end up trained, as usual."""
+        if self.stage_params is not None and self.stage_params.views and pipeline is not None:
+            pipeline.sync_module()
+            self.stage_params.fold_into_templates()
+
+    def forget_stages(self) -> None:
+        """After an error: the stages may be gone, nothing to gather from them."""
+        if self.stage_params is not None:
+            self.stage_params.views = {}

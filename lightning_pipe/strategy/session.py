@@ -18,6 +18,7 @@ happen as in a plain loop.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import sys
 import threading
@@ -29,6 +30,7 @@ import torch
 
 from lightning_pipe.errors import PipeError, PipeTimeoutError
 from lightning_pipe.strategy.outputs import weighted_mean
+from lightning_pipe.strategy.patch import Patches
 
 _current = threading.local()
 TAKE_WAIT = 2.0  # seconds a driver handed to a thread may wait for it (a new thread: while it starts)
@@ -191,6 +193,31 @@ class Driver:
 def current_driver() -> Driver | None:
     """The driver whose thread is running, if the pipelined module is called from a step."""
     return getattr(_current, "driver", None)
+
+
+def capture_call(
+    lightning_module: Any, pipelined: Any, batch: Any, timeout: float
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Run ``training_step`` on ``batch`` until it calls ``pipelined``; return that call's arguments."""
+
+    def capture(*args: Any, **kwargs: Any) -> Any:
+        driver = current_driver()
+        assert driver is not None
+        return driver.call(args, kwargs)
+
+    driver = Driver(lambda: lightning_module.training_step(batch, 0), 0, contextlib.nullcontext, timeout)
+    patches = Patches()  # a driver of its own (once per plan): a thread of its own
+    patches.set(pipelined, "forward", capture)
+    patches.set(lightning_module, "log", lambda *args, **kwargs: None)
+    try:
+        kind, value = driver.start()
+    finally:
+        driver.abandon()
+        patches.restore()
+    if kind == "return":
+        raise MissingCall("training_step returned without calling the pipelined module; nothing to plan")
+    args, kwargs = value
+    return args, kwargs
 
 
 class StepInputs(Sequence[Any]):

@@ -1,91 +1,185 @@
-"""Running a Lightning step once per microbatch around the pipeline (the strategy's step machinery).
+"""`StepDriver`: running a Lightning step once per microbatch around the pipeline.
 
-`PipeStrategy` mixes this in: ``training_step`` and the evaluation steps call `_run`, which runs the
-user's step of every microbatch in a `Driver` up to the pipelined call, feeds the pipeline as those
-calls arrive, and resumes each step with its microbatch's output (training: as that microbatch's
-loss, computed on the last stage where it shares this process).
+``training_step`` and the evaluation steps of `PipeStrategy` call `StepDriver.run`, which runs the user's
+step of every microbatch in a `Driver` up to the pipelined call, feeds the pipeline as those calls arrive,
+and resumes each step with its microbatch's output (training: as that microbatch's loss, computed on the
+last stage where it shares this process).
 """
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
-from torch import nn
 from typing_extensions import override
 
 from lightning_pipe.backends import CoordinatorOps
-from lightning_pipe.engine.coordinator import StepResult
+from lightning_pipe.engine import StepResult
 from lightning_pipe.errors import ConfigurationError, PipeError
-from lightning_pipe.grads import GradStash
 from lightning_pipe.loss import Loss, WeightedLoss
 from lightning_pipe.microbatch import batch_size, split
 from lightning_pipe.microbatch_weights import MicrobatchWeight, shares
-from lightning_pipe.partition import Partitioner
-from lightning_pipe.partition.traced import TracedPartitioner
 from lightning_pipe.partition.tracer import CallArgs
 from lightning_pipe.pipeline import Pipeline
 from lightning_pipe.strategy.asynchronous import AsyncTraining
+from lightning_pipe.strategy.building import PipelineBuilder
+from lightning_pipe.strategy.optimization import StageOptimization
 from lightning_pipe.strategy.outputs import combine_eval, combine_predict, combine_training
-from lightning_pipe.strategy.patch import Patches, patch
+from lightning_pipe.strategy.patch import patch
+from lightning_pipe.strategy.random_state import RandomStreams
 from lightning_pipe.strategy.session import Driver, DriverThreads, LogRecorder, MissingCall, StepInputs, current_driver
 
 
-class PipelinedSteps:
-    """The step machinery of `PipeStrategy` (a mixin: it uses the strategy's state declared below)."""
+@dataclass(frozen=True)
+class StepSetting:
+    """What a fit's steps run with, as the strategy knows it at setup."""
 
-    microbatches: int
-    microbatch_weight: MicrobatchWeight | None
-    timeout: float
-    partitioner: Partitioner
-    pipeline: Pipeline | None
-    precision_plugin: Any
-    last_step: Any
-    _async: AsyncTraining | None
-    _outside: GradStash
-    _coordinator_ops: CoordinatorOps | None
-    _seen_batch: bool
-    _trainer: Any
-    driver_threads: DriverThreads  # the threads of the microbatches' steps, kept between steps
+    lightning_module: pl.LightningModule
+    trainer: pl.Trainer
+    device: torch.device  # the coordinator's: the step code's generators draw there
+    scaler: Any  # the precision plugin's GradScaler, or None
 
-    if TYPE_CHECKING:
 
-        @property
-        def lightning_module(self) -> pl.LightningModule | None: ...
+class StepDriver:
+    """Cuts each batch into microbatches and runs the user's step once per microbatch around the pipeline.
 
-        def _build(self, sample: Any) -> Pipeline: ...
+    Owns the microbatch count and weights, the threads of the microbatches' steps and the last step's
+    result. `PipeStrategy` calls `setup`, `run` from its step hooks and `close` at teardown; the pipelined
+    module's ``forward`` is `forward` while the strategy runs.
+    """
 
-        def step_random(
-            self, context: Callable[[], AbstractContextManager[Any]], name: str, args: tuple[Any, ...], index: int
-        ) -> Callable[[], AbstractContextManager[Any]]: ...
+    def __init__(
+        self,
+        microbatches: int,
+        microbatch_weight: MicrobatchWeight | None,
+        timeout: float,
+        builder: PipelineBuilder,
+        optimization: StageOptimization,
+        random: RandomStreams,
+        asynchronous: AsyncTraining | None,
+    ) -> None:
+        self.microbatches = microbatches
+        self.microbatch_weight = microbatch_weight
+        self.timeout = timeout
+        self.builder = builder  # builds the pipeline on the first step, turns calls into its inputs
+        self.optimization = optimization  # the outside parameters' gradients wait there during a step
+        self.random = random  # each microbatch's step code draws from its own generator
+        self.asynchronous = asynchronous  # schedule="async": batches go into its stream
+        self.threads = DriverThreads()  # the threads of the microbatches' steps, kept between steps
+        #: the last step's `StepResult` (per-rank action timings, the schedule), kept after teardown
+        self.last_step: Any = None
+        self._setting: StepSetting | None = None
+        self._seen_batch = False
 
-    def _capture_input(self, lightning_module: pl.LightningModule, pipelined: nn.Module, batch: Any) -> Any:
-        """Run ``training_step`` on ``batch`` until it calls the pipelined module; return that input."""
+    def setup(self, setting: StepSetting) -> None:
+        """At the strategy's setup: the LightningModule, Trainer, device and scaler of this fit's steps."""
+        self._setting = setting
 
-        def capture(*args: Any, **kwargs: Any) -> Any:
-            driver = current_driver()
-            assert driver is not None
-            return driver.call(args, kwargs)
+    def close(self) -> None:
+        """At teardown: the step threads end; the next fit checks its first batch's size again."""
+        self.threads.close()
+        self._seen_batch = False
 
-        step = _bind(lightning_module.training_step, batch, (0,), {})
-        driver = Driver(step, 0, contextlib.nullcontext, self.timeout)  # once per build: a thread of its own
-        patches = Patches()
-        patches.set(pipelined, "forward", capture)
-        patches.set(lightning_module, "log", lambda *args, **kwargs: None)
+    def end_stream(self) -> None:
+        """The flush of schedule="async": every fed batch's backwards and stage updates have landed."""
+        if self.asynchronous is not None:
+            self.asynchronous.end(self.builder.pipeline)
+
+    def run(
+        self,
+        name: str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        context: Callable[[], AbstractContextManager[Any]],
+    ) -> Any:
+        """Lightning's ``name`` (``"training_step"``, ...) of the batch ``args[0]``, microbatch by microbatch."""
+        setting = self._setting
+        assert setting is not None, "StepDriver.setup comes first"
+        lightning_module = setting.lightning_module
+        training = name == "training_step"
+        if not training:
+            self.end_stream()
+        batch, rest = args[0], args[1:]
+        pieces = split(batch, self._microbatches_for(batch))
+        weights = self._weights(pieces, name)
+        step_fn = getattr(lightning_module, name)
+        recorder = LogRecorder(lightning_module.log, weights)
+        context = _with_ops(context, self.builder.coordinator_ops, "train" if training else "eval")
+        turn = threading.Lock()  # one driver at a time runs the user's step
+        drivers = [
+            Driver(
+                _bind(step_fn, p, rest, kwargs),
+                i,
+                self.random.step_context(context, setting.trainer, setting.device, name, args, i),
+                self.timeout,
+                turn,
+                self.threads,
+            )
+            for i, p in enumerate(pieces)
+        ]
+        restore_log = patch(lightning_module, "log", recorder)
         try:
-            kind, value = driver.start()
+            first = self._start(drivers[0], name)
+            pipeline = self.builder.build(first)
+            inputs: Sequence[Any] = StepInputs(
+                len(drivers), lambda i: _packed(pipeline, self._start(drivers[i], name)), [_packed(pipeline, first)]
+            )
+            if training and self.asynchronous is not None:
+                inputs = list(inputs)  # a stream takes the whole batch at once
+                with self.optimization.set_aside():
+                    result = self._feed_async(pipeline, inputs, drivers, weights)
+            elif training:
+                pipeline.before_train_step(len(drivers), rank_zero_info)  # checkpoint="auto": logged once per fit
+                with self.optimization.set_aside():
+                    result = pipeline.coordinator.train_step(
+                        inputs,
+                        list(zip(weights, range(len(drivers)), strict=True)),
+                        self._criterion(pipeline, drivers, name),
+                        setting.scaler,
+                    )
+            else:
+                result = pipeline.coordinator.forward_step(inputs)
+                for driver, output in zip(drivers, result.outputs, strict=True):
+                    self.resume(driver, pipeline.unpack(output), name)
         finally:
-            driver.abandon()
-            patches.restore()
-        if kind == "return":
-            raise MissingCall("training_step returned without calling the pipelined module; nothing to plan")
-        return self._pipeline_input(*value)
+            restore_log()
+            for driver in drivers:
+                driver.abandon()
+        recorder.flush()
+        self.last_step = result
+        outputs = [driver.result for driver in drivers]
+        if training:
+            return combine_training(outputs, result.losses, weights)
+        if name == "predict_step":
+            return combine_predict(outputs)
+        return combine_eval(outputs, weights)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The pipelined module's ``forward`` while the strategy runs: a step's call goes to its driver."""
+        driver = current_driver()
+        if driver is not None:
+            return driver.call(args, kwargs)
+        # called outside a step (a callback, an epoch-end hook): run it through the pipeline, forward only
+        self.end_stream()
+        inputs = self.builder.pipeline_input(args, kwargs)
+        pipeline = self.builder.build(inputs)
+        return pipeline.unpack(pipeline.coordinator.forward_step([_packed(pipeline, inputs)]).outputs[0])
+
+    def resume(self, driver: Driver, output: Any, name: str) -> Any:
+        """Hand ``output`` to the step of ``driver``, which runs to its end; its result."""
+        kind, value = driver.resume(output)
+        if kind == "call":
+            raise PipeError(
+                f"{name} of microbatch {driver.index} called the pipelined module a second time; "
+                "PipeStrategy pipelines exactly one call per step"
+            )
+        return value
 
     def _microbatches_for(self, batch: Any) -> int:
         rows = batch_size(batch)
@@ -103,101 +197,23 @@ class PipelinedSteps:
         )
         return rows
 
-    def _run(
-        self,
-        name: str,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        context: Callable[[], AbstractContextManager[Any]],
-    ) -> Any:
-        lightning_module = self.lightning_module
-        assert lightning_module is not None
-        training = name == "training_step"
-        if not training:
-            self._end_stream()
-        batch, rest = args[0], args[1:]
-        pieces = split(batch, self._microbatches_for(batch))
-        weights = self._weights(pieces, name)
-        step_fn = getattr(lightning_module, name)
-        recorder = LogRecorder(lightning_module.log, weights)
-        context = _with_ops(context, self._coordinator_ops, "train" if training else "eval")
-        turn = threading.Lock()  # one driver at a time runs the user's step
-        drivers = [
-            Driver(
-                _bind(step_fn, p, rest, kwargs),
-                i,
-                self.step_random(context, name, args, i),
-                self.timeout,
-                turn,
-                self.driver_threads,
-            )
-            for i, p in enumerate(pieces)
-        ]
-        restore_log = patch(lightning_module, "log", recorder)
-        try:
-            first = self._start(drivers[0], name)
-            pipeline = self._build(first)
-            inputs: Sequence[Any] = StepInputs(
-                len(drivers), lambda i: _packed(pipeline, self._start(drivers[i], name)), [_packed(pipeline, first)]
-            )
-            if training and self._async is not None:
-                inputs = list(inputs)
-                self._outside.begin()
-                try:
-                    result = self._feed_async(pipeline, inputs, drivers, weights)
-                finally:
-                    self._outside.end()
-            elif training:
-                pipeline.before_train_step(len(drivers), rank_zero_info)  # checkpoint="auto": logged once per fit
-                self._outside.begin()
-                try:
-                    result = pipeline.coordinator.train_step(
-                        inputs,
-                        list(zip(weights, range(len(drivers)), strict=True)),
-                        self._criterion(drivers, name),
-                        getattr(self.precision_plugin, "scaler", None),
-                    )
-                finally:
-                    self._outside.end()
-            else:
-                result = pipeline.coordinator.forward_step(inputs)
-                for driver, output in zip(drivers, result.outputs, strict=True):
-                    self._resume(driver, pipeline.unpack(output), name)
-        finally:
-            restore_log()
-            for driver in drivers:
-                driver.abandon()
-        recorder.flush()
-        self.last_step = result
-        outputs = [driver.result for driver in drivers]
-        if training:
-            return combine_training(outputs, result.losses, weights)
-        if name == "predict_step":
-            return combine_predict(outputs)
-        return combine_eval(outputs, weights)
-
     def _weights(self, pieces: Sequence[Any], name: str) -> list[float]:
         """Each microbatch's share of the step's loss and logged values (``microbatch_weight``, or rows)."""
         weigh = self.microbatch_weight if name != "predict_step" else None  # predictions are not averaged
         return shares(pieces, weigh, "PipeStrategy(microbatch_weight=...)")
 
     def _feed_async(
-        self, pipeline: Pipeline, inputs: list[Any], drivers: list[Driver], weights: list[float]
+        self, pipeline: Pipeline, inputs: Sequence[Any], drivers: list[Driver], weights: list[float]
     ) -> StepResult:
         """Feed this batch into the asynchronous stream; drain it after the stream's last planned batch."""
-        assert self._async is not None
-        stream = self._async.open(pipeline, self._trainer, len(inputs))
-        self._async.sync_hparams()
-        criterion = self._criterion(drivers, "training_step")
+        assert self.asynchronous is not None and self._setting is not None
+        stream = self.asynchronous.open(pipeline, self._setting.trainer, len(inputs))
+        self.asynchronous.sync_hparams()
+        criterion = self._criterion(pipeline, drivers, "training_step")
         losses = stream.feed(inputs, list(zip(weights, range(len(drivers)), strict=True)), criterion)
         if stream.complete:
-            self._end_stream()
+            self.end_stream()
         return StepResult(losses=losses, schedule=stream.schedule)
-
-    def _end_stream(self) -> None:
-        """The flush of schedule="async": every fed batch's backwards and stage updates have landed."""
-        if self._async is not None:
-            self._async.end(self.pipeline)
 
     def _start(self, driver: Driver, name: str) -> Any:
         kind, value = driver.start()
@@ -207,53 +223,23 @@ class PipelinedSteps:
                 "PipeStrategy needs exactly one call of it per step"
             )
         call_args, call_kwargs = value
-        return self._pipeline_input(call_args, call_kwargs)
+        return self.builder.pipeline_input(call_args, call_kwargs)
 
-    def _pipeline_input(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if isinstance(self.partitioner, TracedPartitioner):
-            return CallArgs(tuple(args), dict(kwargs))  # packed into the first stage's inputs once traced
-        if kwargs:
-            raise ConfigurationError(
-                f"the pipelined nn.Sequential was called with keyword arguments ({', '.join(kwargs)}); "
-                "an nn.Sequential takes one input"
-            )
-        return args[0] if len(args) == 1 else tuple(args)
-
-    def _resume(self, driver: Driver, output: Any, name: str) -> Any:
-        kind, value = driver.resume(output)
-        if kind == "call":
-            raise PipeError(
-                f"{name} of microbatch {driver.index} called the pipelined module a second time; "
-                "PipeStrategy pipelines exactly one call per step"
-            )
-        return value
-
-    def _criterion(self, drivers: list[Driver], name: str) -> WeightedLoss:
+    def _criterion(self, pipeline: Pipeline, drivers: list[Driver], name: str) -> WeightedLoss:
         """The `Loss` of a step: the rest of microbatch ``i``'s step is its loss, weighted by the label's weight."""
-        assert self.pipeline is not None
-        return WeightedLoss(_StepLoss(self, drivers, name), self.pipeline.unpack)
-
-    def _pipelined_forward(self, *args: Any, **kwargs: Any) -> Any:
-        driver = current_driver()
-        if driver is not None:
-            return driver.call(args, kwargs)
-        # called outside a step (a callback, an epoch-end hook): run it through the pipeline, forward only
-        self._end_stream()
-        inputs = self._pipeline_input(args, kwargs)
-        pipeline = self._build(inputs)
-        return pipeline.unpack(pipeline.coordinator.forward_step([_packed(pipeline, inputs)]).outputs[0])
+        return WeightedLoss(_StepLoss(self, drivers, name), pipeline.unpack)
 
 
 class _StepLoss(Loss):
     """``compute_loss(output, i)`` resumes microbatch ``i``'s step with its output; the step returns the loss."""
 
-    def __init__(self, steps: PipelinedSteps, drivers: list[Driver], name: str) -> None:
+    def __init__(self, steps: StepDriver, drivers: list[Driver], name: str) -> None:
         super().__init__()
         self.steps, self.drivers, self.name = steps, drivers, name
 
     @override
     def compute_loss(self, output: Any, target: int) -> Any:
-        result = self.steps._resume(self.drivers[target], output, self.name)
+        result = self.steps.resume(self.drivers[target], output, self.name)
         loss = result.get("loss") if isinstance(result, dict) else result
         if loss is not None and not isinstance(loss, torch.Tensor):
             raise PipeError(f"{self.name} must return a loss tensor, a dict with 'loss', or None; got {type(loss)}")

@@ -3,46 +3,39 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.strategies import ParallelStrategy
+from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
-from torch import nn
 from typing_extensions import override
 
-from lightning_pipe.backends import BackendArg, CoordinatorOps, ExecutionTrace, resolve_backends
-from lightning_pipe.backends.compiled import TorchCompiled, unwrap_compiled
+from lightning_pipe.backends import BackendArg, ExecutionTrace
+from lightning_pipe.comm import Communicator
 from lightning_pipe.engine.versions import Staleness
 from lightning_pipe.errors import ConfigurationError
-from lightning_pipe.grads import GradStash
 from lightning_pipe.microbatch_weights import MicrobatchWeight
 from lightning_pipe.partition import Partitioner
-from lightning_pipe.partition.traced import TracedPartitioner
-from lightning_pipe.pipeline import Pipeline, resolve_partitioner
-from lightning_pipe.runtime import BaseRuntime, runtime_registry
+from lightning_pipe.pipeline import Pipeline
+from lightning_pipe.runtime import BaseRuntime
 from lightning_pipe.strategy.arguments import check_arguments
 from lightning_pipe.strategy.asynchronous import AsyncTraining
-from lightning_pipe.strategy.building import PipelineBuilding
+from lightning_pipe.strategy.building import PipelineBuilder, Placement, autocast_of
+from lightning_pipe.strategy.checkpoints import Checkpoints
 from lightning_pipe.strategy.hooks import RuntimeHooks
 from lightning_pipe.strategy.interrupts import CtrlC
-from lightning_pipe.strategy.launched import LaunchedMode
 from lightning_pipe.strategy.layout import LOCAL
 from lightning_pipe.strategy.optimization import StageOptimization
 from lightning_pipe.strategy.patch import Patches
-from lightning_pipe.strategy.random_state import StageRandomState
-from lightning_pipe.strategy.remote import StageGradZeroing, StageParameters
-from lightning_pipe.strategy.session import DriverThreads
-from lightning_pipe.strategy.steps import PipelinedSteps
+from lightning_pipe.strategy.processes import ProcessStrategy
+from lightning_pipe.strategy.random_state import RandomStreams
+from lightning_pipe.strategy.steps import StepDriver, StepSetting
 from lightning_pipe.strategy.trace import PipeTrace
 
 
-class PipeStrategy(
-    PipelinedSteps, StageRandomState, StageOptimization, PipelineBuilding, LaunchedMode, ParallelStrategy
-):
+class PipeStrategy(ProcessStrategy):
     """Splits the LightningModule's pipelined module into stages and runs each step as a pipeline.
 
     Args:
@@ -96,6 +89,11 @@ class PipeStrategy(
             values combine with the weights normalised over the batch: return what the loss averages
             over, e.g. ``lambda b: (b["labels"][:, 1:] != -100).sum()`` for a causal LM's labelled tokens.
             A microbatch of weight 0 adds nothing, not even its loss's gradient.
+
+    Lightning's hooks hand the work to the parts the strategy holds: ``builder`` (the pipeline), ``steps``
+    (each step, microbatch by microbatch), ``optimization`` (gradients and optimizer steps), ``random``
+    (generator states), ``checkpoints`` (what a checkpoint holds), ``asynchronous`` (``schedule="async"``);
+    `ProcessStrategy` answers Lightning's questions about the processes (launched mode: ``world``).
     """
 
     strategy_name = "pipe"
@@ -126,75 +124,65 @@ class PipeStrategy(
         trace: str | os.PathLike[str] | PipeTrace | None = None,
         microbatch_weight: MicrobatchWeight | None = None,
     ) -> None:
-        super().__init__(accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
         stages, device_names, asynchronous, options = check_arguments(
             stages, microbatches, schedule, devices, checkpoint, runtime, timeout, backend, strict, transport,
             coordinator, token, split_points, virtual_stages, runner, microbatch_weight, compress,
         )  # fmt: skip
-        self.stages = stages
-        self.microbatches = microbatches
-        self.microbatch_weight = microbatch_weight
-        self.schedule = schedule
-        self.partitioner = resolve_partitioner(partition, split_points=split_points)
-        self.module_name = module
-        self.stage_devices: list[str] | None = device_names
-        self.checkpoint = checkpoint
-        self.runtime = runtime
-        self.timeout = float(timeout)
-        self.virtual_stages = virtual_stages
-        self.runner = runner
+        super().__init__(
+            stages, device_names, transport, virtual_stages, runner, float(timeout), asynchronous,
+            accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin,
+        )  # fmt: skip
         self.pipe_trace = trace if isinstance(trace, PipeTrace) or trace is None else PipeTrace(trace)
-        self.backend = backend
-        self.strict = strict
-        self.transport = transport
-        self._transport_options = options
-        #: with stages that own their parameters (not "local"): Lightning's optimizers, stepped on the stages
-        self._stage_params: StageParameters | None = None
-        #: schedule="async": stage optimizers, the open stream, the measured staleness
-        self._async = AsyncTraining() if asynchronous else None
-        self._trace = ExecutionTrace([])  # the traces of pipelines already closed
-        self._coordinator_ops: CoordinatorOps | None = None  # op substitution in the user's step code
-        self.pipeline: Pipeline | None = None
-        self._pipelined: nn.Module | None = None
-        self._compiled: TorchCompiled | None = None  # the pipelined module is torch.compile(...) of this
+        self.asynchronous = AsyncTraining() if asynchronous else None
+        self.builder = PipelineBuilder(
+            partition, split_points, module, schedule, checkpoint, runtime, self.timeout, backend, strict,
+            virtual_stages, runner, options,
+        )  # fmt: skip
+        self.optimization = StageOptimization(self.asynchronous)
+        self.random = RandomStreams(self.asynchronous)
+        self.steps = StepDriver(
+            microbatches, microbatch_weight, self.timeout, self.builder, self.optimization, self.random,
+            self.asynchronous,
+        )  # fmt: skip
+        self.checkpoints = Checkpoints(self.builder, self.optimization, self.random, self.asynchronous)
         self._patches = Patches()  # attributes set on the user's objects for this fit, restored exactly
-        self.driver_threads = DriverThreads()
-        self._outside = GradStash()  # parameters outside the pipelined module (before/after the call)
-        self._hooked: set[str] = set()
-        self._seen_batch = False
-        self._released = True  # launched mode: the serving ranks were told that this fit ended
         self._ctrl_c = CtrlC()  # Ctrl-C works again after a fit it stopped
-        #: the last step's `StepResult` (per-rank action timings, the schedule), kept after teardown
-        self.last_step: Any = None
+        self._trainer: pl.Trainer | None = None
 
-    # devices
-    def resolve_devices(self) -> list[str]:
-        """One device per stage, from ``devices``, the Trainer's devices or cpu."""
-        if self.stage_devices is not None:
-            return self.stage_devices
-        if self.layout is not None:  # launched mode: a stage per process of this replica's pipeline
-            return self.launched_stage_devices(self.layout.ranks_per_pipeline * self.virtual_stages)
-        trainer_devices = [str(d) for d in (self.parallel_devices or [torch.device("cpu")])]
-        if all(d == "cpu" for d in trainer_devices):
-            return ["cpu"] * (self.stages or len(trainer_devices))
-        stages = self.stages or len(trainer_devices)
-        if stages > len(trainer_devices):
-            raise ConfigurationError(
-                f"stages={stages} but the Trainer has {len(trainer_devices)} devices ({', '.join(trainer_devices)}); "
-                "pass devices=[...] with one device per stage (stages may share a device)"
-            )
-        return trainer_devices[:stages]
+    # what the parts hold, under the names users read
+    @property
+    def pipeline(self) -> Pipeline | None:
+        """This fit's `Pipeline` while it runs (None before it is built and after teardown)."""
+        return self.builder.pipeline
+
+    @property
+    def last_step(self) -> Any:
+        """The last step's `StepResult` (per-rank action timings, the schedule), kept after teardown."""
+        return self.steps.last_step
+
+    @property
+    def partitioner(self) -> Partitioner:
+        return self.builder.partitioner
+
+    @property
+    def microbatches(self) -> int:
+        return self.steps.microbatches
+
+    @property
+    def schedule(self) -> Any:
+        return self.builder.schedule
+
+    @property
+    def checkpoint(self) -> str:
+        return self.builder.checkpoint
 
     @property
     @override
     def root_device(self) -> torch.device:
         """The coordinator's device: where the last stage's output and the loss live (launched: this process's)."""
-        if self.layout is not None:
-            return self.launched_root_device
-        devices = self.resolve_devices()
-        if isinstance(self.runtime, BaseRuntime):
-            return self.runtime.torch_device
-        return runtime_registry.create(devices[-1]).torch_device
+        if self.world is not None:
+            return self.world.root_device
+        return self.builder.coordinator_device(self.resolve_devices())
 
     # setup and teardown
     @override
@@ -202,9 +190,8 @@ class PipeStrategy(
         assert self.accelerator is not None and self.model is not None
         self._ctrl_c.remember()
         self._trainer = trainer
-        self._released = False
-        if self.mode != LOCAL and self._stage_params is None:
-            self._stage_params = StageParameters()  # the stages own their parameters
+        if self.world is not None:
+            self.world.hold()
         lightning_module = self.lightning_module
         assert lightning_module is not None
         if not lightning_module.automatic_optimization:
@@ -212,126 +199,79 @@ class PipeStrategy(
                 "PipeStrategy runs the backward inside the pipeline and supports automatic optimization only; "
                 "set self.automatic_optimization = True"
             )
-        self._pipelined = self._find_pipelined(lightning_module)
-        self._compiled = unwrap_compiled(self._pipelined)
-        if self._compiled is not None:
-            rank_zero_info(f"PipeStrategy: {self._compiled.note(self.backend)}")
-        self.partitioner = resolve_partitioner(self.partitioner, self._split_module())
-        devices = self.resolve_devices()
-        self.partitioner.check(self._split_module(), len(devices))
-        self._coordinator_ops = CoordinatorOps(resolve_backends(self.backend, len(devices)), len(devices) - 1)
+        placement = Placement(
+            self.resolve_devices(), self.root_device, autocast_of(self.precision_plugin), self._transport, self._built
+        )
+        pipelined = self.builder.setup(lightning_module, placement)
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
-        self.model = self._setup_model(self.model)
+        self.model_to_device()  # the stages place the pipelined module: no wrapper (Lightning's _setup_model)
+        scaler = getattr(self.precision_plugin, "scaler", None)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
-            if self._async is not None:
-                if trainer.accumulate_grad_batches != 1 or getattr(self.precision_plugin, "scaler", None):
-                    raise ConfigurationError(
-                        "PipeStrategy(schedule='async') steps each stage once per batch in full precision; "
-                        "use accumulate_grad_batches=1 and no gradient scaler"
-                    )
-                self._async.attach(self.optimizers, list(self._pipelined.parameters()))
+            if self.asynchronous is not None:
+                stage_params = list(pipelined.parameters())
+                self.asynchronous.attach(self.optimizers, stage_params, trainer.accumulate_grad_batches, scaler)
         self.setup_precision_plugin()
-        stage_ids = {id(p) for p in self._pipelined.parameters()}
-        self._outside = GradStash(p for p in lightning_module.parameters() if id(p) not in stage_ids)
+        self.optimization.setup(self.mode != LOCAL, self.builder.outside(lightning_module))
+        self.steps.setup(StepSetting(lightning_module, trainer, self.root_device, scaler))
         self._install(trainer)
-        sample = getattr(lightning_module, "example_input_array", None)
-        traced = isinstance(self.partitioner, TracedPartitioner)  # traced on its first call, as it is called
-        if not self.partitioner.needs_sample or (sample is not None and not traced):
-            self._build(sample)
+        self.builder.build_early(getattr(lightning_module, "example_input_array", None))
 
-    def _find_pipelined(self, lightning_module: pl.LightningModule) -> nn.Module:
-        children = dict(lightning_module.named_children())
-        if self.module_name is not None:
-            try:
-                return lightning_module.get_submodule(self.module_name)
-            except AttributeError:
-                known = ", ".join(children) or "none"
-                raise ConfigurationError(
-                    f"PipeStrategy(module={self.module_name!r}): the LightningModule has no such submodule; "
-                    f"its children are: {known}"
-                ) from None
-        if not children:
-            raise ConfigurationError(
-                "the LightningModule has no submodules to pipeline; assign an nn.Sequential to an attribute "
-                "(e.g. self.model = nn.Sequential(...)) and pass PipeStrategy(module='model')"
-            )
-        return max(children.values(), key=lambda m: sum(p.numel() for p in m.parameters()))
+    def _transport(self) -> str | Communicator:
+        """The pipeline's transport: launched mode's point-to-point communicator, or ``transport``'s name."""
+        return self.world.communicator() if self.world is not None else self.transport or "local"
 
-    def _split_module(self) -> nn.Module:
-        """What the pipeline splits: the pipelined module, or the original of a ``torch.compile``d one."""
-        assert self._pipelined is not None
-        return self._compiled.module if self._compiled is not None else self._pipelined
+    def _built(self, pipeline: Pipeline) -> None:
+        """The stages exist: they get the saved generator states, the optimizers their per-stage parts."""
+        self.random.restore(pipeline)
+        self.optimization.attach(pipeline, self.optimizers, self.root_device)
 
     @override
     def model_to_device(self) -> None:
         """Everything but the pipelined module goes to the coordinator's device; stages place their shards."""
-        assert self.model is not None and self._pipelined is not None
-        device = self.root_device
-        pipelined = self._pipelined
-        for module in self.model.modules():
-            if module is pipelined or any(module is m for m in pipelined.modules()):
-                continue
-            for param in module.parameters(recurse=False):
-                if param.device != device:
-                    param.data = param.data.to(device)
-            for name, buf in module.named_buffers(recurse=False):
-                if buf is not None and buf.device != device:
-                    module._buffers[name] = buf.to(device)
+        assert self.model is not None
+        self.builder.place_outside(self.model, self.root_device)
 
     def _install(self, trainer: pl.Trainer) -> None:
-        assert self._pipelined is not None
-        self._patches.set(self._pipelined, "forward", self._pipelined_forward)
+        assert self.builder.pipelined is not None
+        self._patches.set(self.builder.pipelined, "forward", self.steps.forward)
         callbacks: list[pl.Callback] = trainer.callbacks  # type: ignore[attr-defined]
         if not any(isinstance(cb, RuntimeHooks) and cb.strategy is self for cb in callbacks):
             callbacks.append(RuntimeHooks(self))
-        if self._stage_params is not None:
-            if not any(isinstance(cb, StageGradZeroing) and cb.parameters is self._stage_params for cb in callbacks):
-                callbacks.append(StageGradZeroing(self._stage_params))
-            StageParameters.patch_clipping(self.precision_plugin)
+        self.optimization.install(callbacks, self.precision_plugin)
         if self.pipe_trace is not None and not any(cb is self.pipe_trace for cb in callbacks):
             callbacks.append(self.pipe_trace)
 
     @override
     def teardown(self) -> None:
         try:
-            self._trace = self.execution_trace()  # kept after this fit/validate/test/predict
-            self._end_stream()
-            self.keep_random_state()
+            self.builder.keep_trace()  # execution_trace() after this fit/validate/test/predict
+            self.steps.end_stream()
+            self.random.keep(self.builder.pipeline)
         finally:
-            self._coordinator_ops = None
             self._shutdown()
         super().teardown()
         self._ctrl_c.restore()
 
     def _shutdown(self, error: BaseException | None = None) -> None:
         try:
-            self._end_stream()
-            if self._stage_params is not None and self._stage_params.views and self.pipeline is not None:
-                self.pipeline.sync_module()  # the LightningModule and its optimizer end up trained, as usual
-                self._stage_params.fold_into_templates()
+            self.steps.end_stream()
+            self.optimization.fold(self.builder.pipeline)
         finally:  # whatever failed above: the user's objects as they were, the stages stopped
             self._patches.restore()
-            self.driver_threads.close()
+            self.steps.close()
             try:
-                if self.pipeline is not None:
-                    pipeline, self.pipeline = self.pipeline, None
-                    pipeline.close()
+                self.builder.close()
             finally:
-                if self.layout is not None and self.layout.coordinates and not self._released:
-                    self._released = True  # the serving ranks return from this fit (raise, after an error)
-                    self.release_stages(error)
-            self._seen_batch = False
+                if self.world is not None:
+                    self.world.release(error)  # the serving ranks return from this fit (raise, after an error)
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        if self._stage_params is not None:
-            self._stage_params.views = {}  # stages may be gone: nothing to gather
-        if self._async is not None and self._async.stream is not None:
-            self._async.stream.abort()  # stages may be gone: nothing to drain
-            self._async.stream = None
+        self.optimization.forget_stages()  # stages may be gone: nothing to gather
+        if self.asynchronous is not None:
+            self.asynchronous.abort()  # nor to drain
         self._shutdown(exception)
 
     @override
@@ -341,33 +281,99 @@ class PipeStrategy(
     # steps
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._run("training_step", args, kwargs, self.precision_plugin.train_step_context)
+        return self.steps.run("training_step", args, kwargs, self.precision_plugin.train_step_context)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._run("validation_step", args, kwargs, self.precision_plugin.val_step_context)
+        return self.steps.run("validation_step", args, kwargs, self.precision_plugin.val_step_context)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._run("test_step", args, kwargs, self.precision_plugin.test_step_context)
+        return self.steps.run("test_step", args, kwargs, self.precision_plugin.test_step_context)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._run("predict_step", args, kwargs, self.precision_plugin.predict_step_context)
+        return self.steps.run("predict_step", args, kwargs, self.precision_plugin.predict_step_context)
 
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """Put the gradients the pipeline computed during ``training_step`` on ``p.grad``.
+
+        Lightning zeroes gradients between ``training_step`` and ``backward``, so the pipeline keeps
+        them aside until now. The precision plugin's hooks still run (``on_before_backward``,
+        ``on_after_backward``); ``LightningModule.backward`` is not called: the pipeline did the backward.
+        """
+        lightning_module, pipeline = self.lightning_module, self.builder.pipeline
+        assert lightning_module is not None and pipeline is not None and self._trainer is not None
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, lightning_module)
+        self.optimization.apply_grads(pipeline, 1.0 / self._trainer.accumulate_grad_batches)
+        closure_loss = self.precision_plugin.post_backward(closure_loss, lightning_module)
+        self.post_backward(closure_loss)
+        return closure_loss
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        if not self.optimization.steps_stages(optimizer):
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        model = model or self.lightning_module
+        return self.optimization.optimizer_step(self.precision_plugin, optimizer, model, closure, **kwargs)
+
+    # checkpoints
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any = None) -> None:
+        super().save_checkpoint(self.checkpoints.saving(checkpoint), filepath, storage_options=storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        self.checkpoints.loaded(checkpoint)
+        return checkpoint
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        self.checkpoints.before_module_state()
+        return super().lightning_module_state_dict()
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        state = self.checkpoints.optimizer_state(optimizer)
+        return state if state is not None else super().optimizer_state(optimizer)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        self.checkpoints.load_optimizer_states(self.optimizers, checkpoint["optimizer_states"])
+
+    # what users ask of the strategy
     def staleness(self) -> list[Staleness]:
         """schedule="async": per stage, the staleness its microbatches saw over this strategy's fits."""
-        if self._async is None:
+        if self.asynchronous is None:
             raise ConfigurationError(f"staleness is measured with schedule='async', not {self.schedule!r}")
-        return self._async.staleness()
+        return self.asynchronous.staleness()
 
-    # runtime hooks
+    def execution_trace(self) -> ExecutionTrace:
+        """Per stage: which backend ran its forwards and which substituted ops ran where (``print`` it).
+
+        Ops of the user's step code (the loss) count under the last stage, mode ``"coordinator"``.
+        """
+        return self.builder.execution_trace()
+
+    def plan(self, model: torch.nn.Module, sample_batch: Any, verbose: bool = True) -> Any:
+        """Predict each stage's activation memory for one training step, before training.
+
+        ``model`` is the LightningModule (its ``training_step`` runs on ``sample_batch`` up to the
+        pipelined call, to find the pipeline's input) or the pipelined module itself (then
+        ``sample_batch`` is its input). Prints the per-stage table unless ``verbose=False``; returns a
+        `lightning_pipe.memory.MemoryPlan`. ``checkpoint="auto"`` is planned without recomputation: the
+        plan it starts from (it recomputes where a device's free memory is short of it).
+        """
+        return self.builder.plan(model, sample_batch, len(self.resolve_devices()), self.microbatches, verbose)
+
     def runtime_hook(self, name: str, *args: Any) -> None:
         """Call ``runtime.<name>`` on every stage (skipped when no stage's runtime overrides it)."""
-        if self._async is not None and self._async.stream is not None:
+        if self.asynchronous is not None and self.asynchronous.stream is not None:
             return  # a stream owns the stages until it drains
-        if self.pipeline is not None and name in self._hooked:
-            self.pipeline.coordinator.call("runtime_hook", name, args)
+        self.builder.runtime_hook(name, args)
 
     @classmethod
     @override

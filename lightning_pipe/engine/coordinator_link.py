@@ -1,4 +1,4 @@
-"""`CoordinatorMessages`: the coordinator's side of the endpoint: calls and posts, waits, stage errors, aborts."""
+"""`CoordinatorLink`: the coordinator's side of the endpoint: calls and posts, waits, stage errors, aborts."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_pipe.comm.base import Communicator, Endpoint, Message, MessageKind, deadline, remaining
+from lightning_pipe.engine.step_result import Record
 from lightning_pipe.errors import PipeTimeoutError, StageError
 
 Key = tuple[str, int, int]  # (kind, stage, microbatch)
@@ -22,18 +23,36 @@ class LateRanks:
     waiting: set[int]
 
 
-class CoordinatorMessages:
-    """Base of `Coordinator`: sends to the ranks and waits for their messages, each wait with a timeout."""
+class CoordinatorLink:
+    """Sends to the ranks and waits for their messages, each wait with a timeout.
 
-    communicator: Communicator
-    timeout: float
-    num_ranks: int
-    _endpoint: Endpoint | None
-    _step: int
-    _pending: dict[Key, Message]
-    _posted: bool  # calls were posted since the last reply of every rank
-    _raised_posts: int  # failures of calls posted up to this step number are raised already (or dropped)
-    _late: dict[int, LateRanks]  # by step: ranks still finishing a step the coordinator returned from
+    Owns what the coordinator's messages need: the endpoint (between `open` and `close`), the numbers
+    of steps and calls (one sequence: a rank serves them in that order), the messages of the running
+    step that arrived before they were waited for, the calls posted and not yet answered for, and the
+    ranks that train steps did not wait for (`LateRanks`).
+    """
+
+    def __init__(self, communicator: Communicator, num_ranks: int, timeout: float) -> None:
+        self.communicator = communicator
+        self.num_ranks = num_ranks
+        self.timeout = timeout
+        self._endpoint: Endpoint | None = None
+        self._step = 0
+        self._pending: dict[Key, Message] = {}
+        self._posted = False  # calls were posted since the last reply of every rank
+        self._raised_posts = 0  # failures of calls posted up to this step number are raised already (or dropped)
+        self._late: dict[int, LateRanks] = {}  # by step: ranks still finishing a step the coordinator returned from
+
+    # lifetime
+    def open(self, endpoint: Endpoint) -> None:
+        self._endpoint = endpoint
+
+    def close(self) -> bool:
+        """Forget the endpoint, the posted calls and the late ranks; whether the link was open."""
+        self._posted = False
+        self._late.clear()
+        was_open, self._endpoint = self._endpoint is not None, None
+        return was_open
 
     @property
     def endpoint(self) -> Endpoint:
@@ -41,8 +60,9 @@ class CoordinatorMessages:
             raise RuntimeError("the pipeline is not started; call start() or use it as a context manager")
         return self._endpoint
 
+    # calls
     def call(self, name: str, *args: Any, each: Sequence[tuple[Any, ...]] | None = None) -> list[Any]:
-        """Run ``StageWorker.call_<name>(*args)`` on every rank; returns their results in rank order.
+        """Run the control call ``name(*args)`` on every rank (`StageWorker.calls`); their results in rank order.
 
         With ``each``, rank ``r`` gets ``*args, *each[r]``: what only that rank needs. A rank runs it
         after everything posted to it before (`post`), and a posted call that failed is raised here.
@@ -61,7 +81,7 @@ class CoordinatorMessages:
         return results
 
     def post(self, name: str, *args: Any, each: Sequence[tuple[Any, ...]] | None = None) -> None:
-        """Send ``StageWorker.call_<name>(*args)`` to every rank without waiting for it (same arguments as `call`).
+        """Send the control call ``name(*args)`` to every rank without waiting for it (same arguments as `call`).
 
         Each rank runs what the coordinator sends it in order, so a later call or step sees the
         posted call's effect. A rank answers only if the call failed; the coordinator raises that
@@ -78,6 +98,55 @@ class CoordinatorMessages:
         self.settle()
         if self._posted:
             self.call("ping")
+
+    def _send_call(self, kind: str, name: str, args: tuple[Any, ...], each: Sequence[tuple[Any, ...]] | None) -> int:
+        self._step += 1
+        for rank in range(self.num_ranks):
+            rank_args = args + tuple(each[rank]) if each is not None else args
+            self.endpoint.send(rank, Message(kind, self._step, payload=(name, rank_args)))
+        return self._step
+
+    # steps
+    def begin(self, plans: Sequence[Any]) -> int:
+        """Number a new step and send rank ``r`` its plan ``plans[r]``; messages of earlier steps are dropped."""
+        self._step += 1
+        self._pending.clear()
+        for rank, plan in enumerate(plans):
+            self.endpoint.send(rank, Message(MessageKind.STEP, self._step, payload=plan))
+        return self._step
+
+    def wait(self, step: int, kind: str, stage: int, microbatch: int, pop: bool = True) -> Message:
+        """The message ``kind`` of ``stage`` for ``microbatch`` in ``step``; raises a stage's error or a timeout."""
+        key = (kind, stage, microbatch)
+        while key not in self._pending:
+            self._store(self._next(step, _describe(kind, stage, microbatch)))
+        return self._pending.pop(key) if pop else self._pending[key]
+
+    def ends(self, step: int, waited: Sequence[int]) -> tuple[list[list[Record]], list[list[Record]]]:
+        """Each rank's action records and their parts (idle, recv, loss, compute, send), once it is done.
+
+        Only the ranks ``waited`` are waited for; the others' records fill in when their ends arrive
+        (`settle`). Older steps' late ranks are waited for here.
+        """
+        records: list[Any] = [[] for _ in range(self.num_ranks)]
+        parts: list[Any] = [[] for _ in range(self.num_ranks)]
+        for rank in waited:
+            records[rank], parts[rank] = self.wait(step, MessageKind.DONE, -1, rank).payload
+        waiting = set()
+        for rank in set(range(self.num_ranks)) - set(waited):
+            ended = self._pending.pop((MessageKind.DONE, -1, rank), None)  # arrived while the last one was awaited
+            if ended is None:
+                waiting.add(rank)
+            else:
+                records[rank], parts[rank] = ended.payload
+        if waiting:
+            self._late[step] = LateRanks(records, parts, waiting)
+        self.settle(before=step)
+        return records, parts
+
+    def is_late(self, step: int) -> bool:
+        """Whether ranks of ``step`` are still finishing it (`ends` did not wait for them)."""
+        return step in self._late
 
     def settle(self, before: int | None = None) -> None:
         """Wait for the ends of the ranks that train steps (before step ``before``: all) did not wait for.
@@ -96,6 +165,15 @@ class CoordinatorMessages:
             if message is not None and message.step == self._step:
                 self._store(message)  # a message of the running step
 
+    def abort(self, step: int) -> None:
+        """Tell every rank to drop ``step`` (and the steps before it)."""
+        if self._endpoint is None:
+            return
+        for rank in range(self.num_ranks):
+            self._endpoint.send(rank, Message(MessageKind.ABORT, step))
+        self._pending.clear()
+
+    # receiving
     def _late_end(self, message: Message) -> None:
         """A late rank's end of its step: its records, or its error (raised)."""
         late = self._late[message.step]
@@ -106,25 +184,12 @@ class CoordinatorMessages:
                 f"(rank {message.source} failed in step {message.step} after train_step had returned: a step waits "
                 "for the last stage only; the others' failures are raised at the coordinator's next wait)"
             )
-            self._abort(self._step)  # the failed rank runs posted calls again (it skipped those sent before this)
+            self.abort(self._step)  # the failed rank runs posted calls again (it skipped those sent before this)
             raise error
         late.records[message.source], late.parts[message.source] = message.payload
         late.waiting.discard(message.source)
         if not late.waiting:
             del self._late[message.step]
-
-    def _send_call(self, kind: str, name: str, args: tuple[Any, ...], each: Sequence[tuple[Any, ...]] | None) -> int:
-        self._step += 1
-        for rank in range(self.num_ranks):
-            rank_args = args + tuple(each[rank]) if each is not None else args
-            self.endpoint.send(rank, Message(kind, self._step, payload=(name, rank_args)))
-        return self._step
-
-    def _wait(self, step: int, kind: str, stage: int, microbatch: int, pop: bool = True) -> Message:
-        key = (kind, stage, microbatch)
-        while key not in self._pending:
-            self._store(self._next(step, _describe(kind, stage, microbatch)))
-        return self._pending.pop(key) if pop else self._pending[key]
 
     def _store(self, message: Message) -> None:
         if message.kind == MessageKind.DONE:
@@ -165,13 +230,6 @@ class CoordinatorMessages:
             self._late_end(message)
             return None
         return message
-
-    def _abort(self, step: int) -> None:
-        if self._endpoint is None:
-            return
-        for rank in range(self.num_ranks):
-            self._endpoint.send(rank, Message(MessageKind.ABORT, step))
-        self._pending.clear()
 
 
 _ENDS = (MessageKind.DONE, MessageKind.ERROR)

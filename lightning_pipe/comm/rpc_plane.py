@@ -1,0 +1,221 @@
+"""The data plane of an RPC world: activations and gradients between its processes, point to point.
+
+Control stays on RPC (handshake, builds, the ready ping, steps, calls, replies, heartbeats). The
+tensor messages (activations, outputs, gradients) go over private process groups in the p2p wire
+format of launched mode (`p2p_wire`: a signature negotiated once per link, inline frames into
+receives posted ahead). The groups are made apart from torch.distributed's default group, on the
+RPC world's own rendezvous store under a prefix of theirs, so the user's process keeps its one
+default group (Lightning's) and never calls ``init_process_group`` for this:
+
+- gloo over every process of the world: the coordinator (world rank 0) and each stage slot (rank
+  r's slot is world rank r + 1); CUDA tensors cross it through host memory;
+- NCCL over the slots on CUDA devices that no other slot of their machine uses, so that tensors
+  between them go GPU to GPU. Two processes cannot share one GPU under NCCL: slots that share a
+  device, and the coordinator, reach the others over gloo (`PlaneLayout.describe` says who goes how).
+  NCCL runs a pair's sends and receives on one stream, so each direction has a group and a wire of
+  its own ("up": to higher world ranks, "down": to lower ones).
+
+An endpoint's inbox is attached under an *address* of its launch and rank (`address`): a message of a
+pipeline that stopped never reaches the next pipeline's stage of the same rank.
+
+    coordinator (0) --gloo--> slot 0 (1) --NCCL or gloo--> slot 1 (2) --gloo--> coordinator (0)
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from lightning_pipe.comm.base import Message, QueueInbox, deadline, remaining
+from lightning_pipe.comm.p2p_wire import Wire, WireStats
+
+
+def address(launch: str, rank: int) -> int:
+    """Where the messages for ``rank`` (``COORDINATOR``: -1) of the pipeline ``launch`` arrive on the plane."""
+    return (zlib.crc32(launch.encode()) << 20) + rank + 2  # positive: apart from the wire's own inbox (-2)
+
+
+def world_rank(rank: int) -> int:
+    """The process of pipeline rank ``rank`` (``COORDINATOR``: -1) in the world: the coordinator 0, slot r r + 1."""
+    return rank + 1
+
+
+def describe_process(process: int) -> str:
+    """World rank ``process`` in words (the coordinator names a worker better: its host and pid)."""
+    return "the coordinator" if process == 0 else f"the worker of rank {process - 1}"
+
+
+@dataclass(frozen=True)
+class PlaneLayout:
+    """Which processes of a world join which group (sent to every slot with its rank)."""
+
+    size: int  # processes: the coordinator and the slots
+    nccl: tuple[int, ...] = ()  # world ranks on CUDA devices of their own, ascending
+    shared: tuple[tuple[str, tuple[int, ...]], ...] = ()  # (device on its machine, world ranks) sharing a GPU
+
+    @staticmethod
+    def of(slots: Sequence[tuple[str, str]]) -> PlaneLayout:
+        """The layout for stage slots given as (machine, device), in rank order."""
+        devices = [(host, _normalized(device)) for host, device in slots]
+        users = Counter(devices)
+        cuda = [w + 1 for w, (host, device) in enumerate(devices) if is_cuda(device)]
+        alone = tuple(w for w in cuda if users[devices[w - 1]] == 1)
+        shared: dict[tuple[str, str], list[int]] = {}
+        for w in cuda:
+            if users[devices[w - 1]] > 1:
+                shared.setdefault(devices[w - 1], []).append(w)
+        return PlaneLayout(
+            len(slots) + 1,
+            alone if len(alone) > 1 else (),
+            tuple((f"{device} of {host}", tuple(ws)) for (host, device), ws in shared.items()),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {"size": self.size, "nccl": list(self.nccl), "shared": [[d, list(ws)] for d, ws in self.shared]}
+
+    @staticmethod
+    def from_json(data: dict[str, Any]) -> PlaneLayout:
+        shared = tuple((str(d), tuple(int(w) for w in ws)) for d, ws in data.get("shared", []))
+        return PlaneLayout(int(data["size"]), tuple(int(w) for w in data.get("nccl", [])), shared)
+
+    def describe(self) -> str:
+        """How tensors travel between the processes, for the log."""
+        ranks = lambda ws: ", ".join(str(w - 1) for w in ws)  # noqa: E731 - pipeline ranks of world ranks
+        text = "activations and gradients go point to point over gloo"
+        if self.nccl:
+            text += f"; between ranks {ranks(self.nccl)} (CUDA devices of their own) over NCCL, GPU to GPU"
+        for device, ws in self.shared:
+            text += (
+                f"; ranks {ranks(ws)} share {device}, which NCCL cannot serve to two processes: "
+                "theirs go over gloo, through host memory"
+            )
+        return text
+
+
+class DataPlane:
+    """This process's side of the data plane: its wires, and which wire reaches which process."""
+
+    def __init__(self, me: int, layout: PlaneLayout, routes: dict[int, tuple[Wire, int]], wires: list[Wire]) -> None:
+        self.me = me
+        self.layout = layout
+        self._routes = routes  # world rank -> (the wire that reaches it, its index on that wire)
+        self._wires = wires
+
+    def send(self, process: int, destination: int, messages: list[Message]) -> None:
+        """Deliver ``messages`` (tensor messages, in order) to ``destination`` in world rank ``process``."""
+        wire, peer = self._routes[process]
+        if len(messages) == 1:
+            wire.send(peer, destination, messages[0])
+        else:
+            wire.send_many(peer, destination, messages)
+
+    def through_host(self, process: int) -> bool:
+        """Whether tensors to ``process`` cross through host memory (gloo), not device to device."""
+        return process != self.me and self._routes[process][0].device.type == "cpu"
+
+    def stats(self, reset: bool = False) -> dict[int, WireStats]:
+        """What each endpoint of this process (by rank; ``COORDINATOR``: -1) sent over the plane: messages
+        (a bundle counts once), tensor bytes, and the frames' headers and pickled bytes."""
+        out: dict[int, WireStats] = {}
+        for wire in self._wires:
+            for source, stats in wire.stats(reset).items():
+                total = out.setdefault(source, WireStats())
+                for name in ("messages", "tensor_bytes", "pickled_bytes", "header_bytes", "local"):
+                    getattr(total, name).update(getattr(stats, name))
+                total.signatures += stats.signatures
+        return out
+
+    def attach(self, destination: int, inbox: QueueInbox) -> None:
+        for wire in self._wires:
+            wire.attach(destination, inbox)
+
+    def detach(self, destination: int) -> None:
+        for wire in self._wires:
+            wire.drop_inbox(destination)
+
+    def lost(self) -> tuple[int, str] | None:
+        """The first process whose link broke (world rank) and why, if any."""
+        for wire in self._wires:
+            if wire.lost is not None:
+                peer, reason = wire.lost
+                return wire.ranks[peer], reason
+        return None
+
+    def forget(self, processes: Sequence[int], reason: str) -> None:
+        """Send nothing more to ``processes`` (lost) and do not wait for them when closing."""
+        for process in processes:
+            if process in self._routes:
+                wire, peer = self._routes[process]
+                wire.mark_lost(peer, reason)
+
+    def close(self, timeout: float) -> list[str]:
+        """Close every link (bounded by ``timeout``); the names of receiving threads still running."""
+        until = deadline(timeout)
+        left: list[str] = []
+        for wire in self._wires:
+            left += wire.close(remaining(until))
+        return left
+
+
+def open_plane(
+    store: dist.Store,
+    prefix: str,
+    me: int,
+    layout: PlaneLayout,
+    interface: str | None,
+    timeout: float,
+    describe: Callable[[int], str],
+) -> DataPlane:
+    """Make this process's groups and wires (every process of the world calls it at once: it rendezvouses)."""
+    everyone = list(range(layout.size))
+    gloo = _gloo_group(dist.PrefixStore(f"{prefix}-gloo", store), me, layout.size, interface, timeout)
+    wire = Wire(gloo, everyone, me, describe, timeout, group_ranks=everyone, backend="gloo")
+    routes = {w: (wire, w) for w in everyone}  # to itself: into its own inbox, by reference
+    wires = [wire]
+    if me in layout.nccl:
+        members = list(layout.nccl)
+        index = members.index(me)
+        for direction in ("up", "down"):
+            group = _nccl_group(dist.PrefixStore(f"{prefix}-nccl-{direction}", store), index, len(members), timeout)
+            targets = range(index + 1, len(members)) if direction == "up" else range(index)
+            sources = range(index) if direction == "up" else range(index + 1, len(members))
+            directed = Wire(
+                group, members, index, describe, timeout, group_ranks=range(len(members)), backend="nccl",
+                sends_to=list(targets), hears_from=list(sources),
+            )  # fmt: skip
+            wires.append(directed)
+            routes.update({members[k]: (directed, k) for k in targets})
+    return DataPlane(me, layout, routes, wires)
+
+
+def _gloo_group(store: dist.Store, rank: int, size: int, interface: str | None, timeout: float) -> Any:
+    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+    device = dist.ProcessGroupGloo.create_device(interface=interface) if interface else None
+    options._devices = [device if device is not None else dist.ProcessGroupGloo.create_default_device()]
+    options._timeout = timedelta(seconds=timeout)
+    return dist.ProcessGroupGloo(store, rank, size, options)
+
+
+def _nccl_group(store: dist.Store, rank: int, size: int, timeout: float) -> Any:
+    """An NCCL group on this process's current CUDA device (torch builds with CUDA only)."""
+    from torch.distributed import ProcessGroupNCCL  # type: ignore[attr-defined]
+
+    options = ProcessGroupNCCL.Options()
+    options._timeout = timedelta(seconds=timeout)
+    return ProcessGroupNCCL(store, rank, size, options)
+
+
+def is_cuda(device: str) -> bool:
+    """Whether a slot's device (any runtime's name: ``"cuda:1"``, ``"cpu"``, a custom one) is a CUDA GPU."""
+    return device.split(":")[0] == "cuda"
+
+
+def _normalized(device: str) -> str:
+    """``"cuda"`` names the first GPU of its machine, as a slot offers it."""
+    return "cuda:0" if device == "cuda" else device
