@@ -1,10 +1,11 @@
 """Launched mode ends cleanly: many short runs back to back exit without an abort, and Ctrl-C to a launched
 run (after an earlier fit) ends every one of its processes within seconds.
 
-A launched process used to die now and then with SIGABRT ("terminate called without an active
-exception") after writing its results: a thread blocked in a gloo wait when the interpreter exits is
-unwound by force once the wait returns. Runs here must end with code 0, join the pipeline's threads
-before ``fit`` returns (`launched_exits` writes the ones still alive) and print no crash.
+A launched process was seen to die now and then with SIGABRT ("terminate called without an active
+exception") after writing its results. One way to get exactly that: a thread blocked in a gloo wait
+when the interpreter exits is unwound by force once the wait returns. Runs here must end with code 0,
+join the pipeline's threads before ``fit`` returns (`launched_exits` writes the ones still alive),
+destroy the process groups at exit and print no crash.
 """
 
 from __future__ import annotations
