@@ -26,6 +26,7 @@ from lightning_pipe.strategy.asynchronous import AsyncTraining
 from lightning_pipe.strategy.building import PipelineBuilder, Placement, autocast_of
 from lightning_pipe.strategy.checkpoints import Checkpoints
 from lightning_pipe.strategy.hooks import RuntimeHooks
+from lightning_pipe.strategy.interrupts import CtrlC
 from lightning_pipe.strategy.layout import LOCAL
 from lightning_pipe.strategy.model_state import ModelStateStrategy
 from lightning_pipe.strategy.optimization import StageOptimization
@@ -156,6 +157,7 @@ class PipeStrategy(ModelStateStrategy):
             self.asynchronous,
         )  # fmt: skip
         self._patches = Patches()  # attributes set on the user's objects for this fit, restored exactly
+        self._ctrl_c = CtrlC()  # Ctrl-C works again after a fit it stopped
         self._trainer: pl.Trainer | None = None
 
     # what the parts hold, under the names users read
@@ -197,6 +199,7 @@ class PipeStrategy(ModelStateStrategy):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
+        self._ctrl_c.remember()
         self._trainer = trainer
         if self.world is not None:
             self.world.hold()
@@ -274,6 +277,7 @@ class PipeStrategy(ModelStateStrategy):
         finally:
             self._shutdown()
         super().teardown()
+        self._ctrl_c.restore()
 
     def _shutdown(self, error: BaseException | None = None) -> None:
         try:
