@@ -1,10 +1,10 @@
 """A training script that the launched-mode tests start as a user would (Lightning's launcher, torchrun, SLURM).
 
 Every process runs this script; PipeStrategy makes R replicas x P pipeline ranks of them. Each case
-is one ``fit`` of 3 optimizer steps on a small MLP; after it, every coordinator saves the trained
-module's state (``<out>/<case>-rank<g>.pt``: every process its own stage's tensors) for the test to put
-together and compare with the unsplit model trained on the global batch. ``--save``/``--resume`` write and resume a checkpoint; ``--kill-rank G --kill-call N`` makes
-global rank G SIGKILL itself in the N-th forward of its first stage (mid-step).
+is one ``fit`` of 3 optimizer steps on a small MLP; after it, every process saves its own stage's trained
+tensors (``<out>/<case>-rank<g>.pt``) for the test to put together and compare with the unsplit model
+trained on the global batch. ``--save``/``--resume`` write and resume a checkpoint; ``--kill-rank G
+--kill-call N`` makes global rank G SIGKILL itself in the N-th forward of its first stage (mid-step).
 
     python tests/launched_train.py --devices 4 --cases s2-sgd-gpipe,s4-adam-1f1b --out /tmp/x
 """

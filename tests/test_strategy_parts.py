@@ -11,10 +11,10 @@ from lightning_pipe.pipeline import Pipeline
 from lightning_pipe.strategy.building import PipelineBuilder, Placement
 from lightning_pipe.strategy.checkpoints import CHECKPOINT_KEY, Checkpoints
 from lightning_pipe.strategy.launched import LaunchedWorld
-from lightning_pipe.strategy.stage_placement import ProcessStage
 from lightning_pipe.strategy.layout import Layout
 from lightning_pipe.strategy.optimization import StageOptimization
 from lightning_pipe.strategy.random_state import RandomStreams
+from lightning_pipe.strategy.stage_placement import ProcessStage
 
 
 def builder(**overrides: Any) -> PipelineBuilder:
