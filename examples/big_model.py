@@ -106,7 +106,11 @@ def main() -> None:
     parser.add_argument("--plain", action="store_true", help="no pipeline: one process, the whole model")
     parser.add_argument("--ddp", action="store_true", help="Lightning's DDP over --devices processes")
     parser.add_argument("--report", default=None, help="write losses and peak memory here (one file per process)")
+    parser.add_argument("--empty", action="store_true", help="report the memory of a process that trains nothing")
     args = parser.parse_args()
+    if args.empty:  # what every process costs before any model: torch, Lightning and lightning_pipe imported
+        write_report(args.report, [])
+        return
 
     L.seed_everything(0, verbose=False)
     replicas = 1 if args.plain else args.devices if args.ddp else args.devices // args.stages
@@ -151,11 +155,16 @@ def main() -> None:
     else:
         model = Big(args.width, args.depth, build, args.optimizer)
     trainer.fit(model, loader, ckpt_path=args.ckpt_path)
-    if args.report:
-        rank = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", 0)))
-        report = {"rank": rank, "losses": record.losses, "peak_mib": peak_mib()}
-        Path(args.report).mkdir(parents=True, exist_ok=True)
-        (Path(args.report) / f"rank{rank}.json").write_text(json.dumps(report))
+    write_report(args.report, record.losses)
+
+
+def write_report(folder: str | None, losses: list[float]) -> None:
+    """This process's losses and peak memory, as ``<folder>/rank<global rank>.json``."""
+    if folder is None:
+        return
+    rank = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", 0)))
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    (Path(folder) / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "losses": losses, "peak_mib": peak_mib()}))
 
 
 if __name__ == "__main__":

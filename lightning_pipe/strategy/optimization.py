@@ -81,6 +81,15 @@ class StageOptimization:
             pipeline.apply_grads(scale)
         self.outside.apply(scale)
 
+    def drop_grads(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        """Free the gradients Lightning is about to zero (the first step of an accumulation window), on the
+        stages (where they own their parameters) and here."""
+        if self.stage_params is not None and self.stage_params.views:
+            self.stage_params.zero_grad()
+        else:
+            for optimizer in optimizers:
+                optimizer.zero_grad(set_to_none=True)
+
     def steps_stages(self, optimizer: Any) -> bool:
         """Whether ``optimizer`` (or the LightningOptimizer around it) is stepped on the stages."""
         return self.stage_params is not None and self.stage_params.view(optimizer) is not None

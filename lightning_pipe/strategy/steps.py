@@ -136,6 +136,10 @@ class StepDriver:
                     result = self._feed_async(pipeline, inputs, drivers, weights)
             elif training:
                 pipeline.before_train_step(len(drivers), rank_zero_info)  # checkpoint="auto": logged once per fit
+                if _starts_window(args, setting.trainer.accumulate_grad_batches):
+                    # Lightning zeroes the gradients right after this step: they go now, before the step makes
+                    # its own, so that a stage never holds two steps' gradients at once
+                    self.optimization.drop_grads(setting.trainer.optimizers)
                 with self.optimization.set_aside():
                     result = pipeline.coordinator.train_step(
                         inputs,
@@ -244,6 +248,12 @@ class _StepLoss(Loss):
         if loss is not None and not isinstance(loss, torch.Tensor):
             raise PipeError(f"{self.name} must return a loss tensor, a dict with 'loss', or None; got {type(loss)}")
         return loss
+
+
+def _starts_window(args: tuple[Any, ...], accumulate: int) -> bool:
+    """Whether the training step of ``args`` (``batch, batch_idx, ...``) starts a gradient accumulation window."""
+    batch_idx = args[1] if len(args) > 1 and isinstance(args[1], int) else None
+    return batch_idx is not None and batch_idx % accumulate == 0
 
 
 def _bind(step_fn: Callable[..., Any], piece: Any, rest: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[[], Any]:
