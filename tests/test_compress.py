@@ -191,9 +191,9 @@ def test_rpc_with_a_lossy_cast_trains_close_to_the_unsplit_model(compress: Any) 
         torch.testing.assert_close(got[name], grad, atol=2e-3, rtol=5e-2, msg=name)
     assert any(not torch.equal(got[name], grad) for name, grad in want.items())  # the cast did happen
     for rank in (1, 2):  # float activations and gradients crossed in 16 bits
-        kind = MessageKind.ACTIVATION if rank < 2 else MessageKind.OUTPUT
-        assert stats[rank].wire_bytes[kind] * 2 == stats[rank].tensor_bytes[kind]
-        assert stats[rank].wire_bytes[MessageKind.GRAD] * 2 == stats[rank].tensor_bytes[MessageKind.GRAD]
+        assert stats[rank].wire_bytes[MessageKind.GRAD] * 2 == stats[rank].tensor_bytes[MessageKind.GRAD] > 0
+    assert stats[1].wire_bytes[MessageKind.ACTIVATION] * 2 == stats[1].tensor_bytes[MessageKind.ACTIVATION] > 0
+    assert MessageKind.OUTPUT not in stats[2].messages  # the last stage runs in this process: nothing to cast
     # the embedding's int64 ids were not cast: with ids up to 999 a cast would have picked other rows
     coordinator = stats[COORDINATOR]
     assert coordinator.wire_bytes[MessageKind.ACTIVATION] == coordinator.tensor_bytes[MessageKind.ACTIVATION]
