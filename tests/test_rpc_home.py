@@ -61,7 +61,7 @@ def test_the_last_stage_runs_in_the_coordinators_process(
     assert stage_threads() == []  # stopped with the pipeline
     for name, grad in want.items():
         torch.testing.assert_close(got[name], grad, rtol=0, atol=1e-5, msg=name)
-    assert "rank 2 (stage 2, the last) in the coordinator's process on cpu" in caplog.text
+    assert "rank 2 (stage 2) in the coordinator's process on cpu, with the last stage" in caplog.text
     assert "rank 0 (stage 0) in worker process 0; rank 1 (stage 1) in worker process 1" in caplog.text
     # the losses were computed on the last stage: no output left it, no gradient of the output came to it
     assert sent[2].local[MessageKind.LOSS] == 4 and MessageKind.OUTPUT not in sent[2].messages

@@ -17,10 +17,12 @@ stage directly. As in launched mode, the coordinator's process holds the rank of
 on the last stage: an S-rank pipeline takes S - 1 worker processes. Parameters never travel: they are
 built into the stage once.
 
-    coordinator's process                          worker 0           worker 1
-    coordinator --activation (plane)------------> rank 0 --------> rank 1 --------> rank 2 (last stage)
-         ^--loss, by reference--- rank 2 <---- (in the coordinator's process) <-------/
-                                         ------grad------> rank 1 --grad--> rank 0
+    coordinator's process                                  worker processes
+    coordinator --------input------------------------------> rank 0 (worker 0)
+        ^ losses, by reference                                  | activation  ^ grad
+        |                                                       v             |
+    rank 2 (the last stage) <--------activation------------ rank 1 (worker 1)
+                            ---------grad------------------>
 """
 
 from __future__ import annotations

@@ -8,11 +8,11 @@ rank's do, and its input gradients go back the same way (the codec runs before e
 the coordinator's messages to it and its messages to the coordinator are handed over by reference. The
 worker processes serve the other ranks, rank r in slot r (world rank r + 1); this rank is world rank 0::
 
-    coordinator's process (world rank 0)                        worker process (slot 0, world rank 1)
-    coordinator --input (plane)-----------------------------------> rank 0 (stage 0)
-        ^ loss, by reference                                           |
-        rank 1 (last stage) <------------activation (plane)------------+
-                            ------------grad (plane)------------------>
+    coordinator's process (world rank 0)                   worker process (slot 0, world rank 1)
+    coordinator ----------input (plane)----------------------> rank 0 (stage 0)
+        ^ losses, by reference                                    |
+    rank 1 (the last stage) <--------activation (plane)-----------+
+                            ---------grad (plane)----------------->
 
 A rank that holds several stages (virtual stages) comes along whole. Where it cannot come (one rank holds
 every stage, `runner="linear"`; its device is a GPU this machine does not have; ``colocate=False``) every
@@ -70,12 +70,13 @@ class Placement:
         """Which process holds which rank, for the log."""
 
         def stages(rank: int) -> str:
-            return ", ".join(map(str, stages_of.get(rank, [])))
+            held = stages_of.get(rank, [])
+            return ("stages " if len(held) > 1 else "stage ") + ", ".join(map(str, held))
 
-        remote = "; ".join(f"rank {r} (stage {stages(r)}) in worker process {r}" for r in self.remote)
+        remote = "; ".join(f"rank {r} ({stages(r)}) in worker process {r}" for r in self.remote)
         if self.home is None:
             return f"every rank in a worker process ({self.why_not}): {remote}"
-        here = f"rank {self.home} (stage {stages(self.home)}, the last) in the coordinator's process on {device}"
+        here = f"rank {self.home} ({stages(self.home)}) in the coordinator's process on {device}, with the last stage"
         return f"{here}; {remote}" if remote else here
 
 
