@@ -12,6 +12,7 @@ global rank G SIGKILL itself in the N-th forward of its first stage (mid-step).
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import signal
@@ -145,4 +146,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    faulthandler.enable()  # a crash (SIGSEGV, SIGABRT) prints every thread's Python stack
     main()

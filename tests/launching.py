@@ -15,6 +15,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from processes import owned_env
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -43,18 +45,20 @@ def base_env() -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env["MASTER_ADDR"] = "127.0.0.1"
     env["OMP_NUM_THREADS"] = "1"
-    return env
+    return owned_env(env)
+
+
+def start_session(command: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
+    """Start ``command`` in a session (and process group) of its own, output captured."""
+    return subprocess.Popen(
+        command, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True, text=True
+    )
 
 
 def run_all(commands: list[tuple[list[str], dict[str, str]]], timeout: float) -> Run:
     """Start every command (each in a session of its own), wait for all within ``timeout``, kill what is left."""
     start = time.monotonic()
-    procs = [
-        subprocess.Popen(
-            cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True, text=True
-        )  # fmt: skip
-        for cmd, env in commands
-    ]
+    procs = [start_session(cmd, env) for cmd, env in commands]
     outputs = []
     try:
         for proc in procs:
@@ -62,17 +66,17 @@ def run_all(commands: list[tuple[list[str], dict[str, str]]], timeout: float) ->
             try:
                 out, _ = proc.communicate(timeout=left)
             except subprocess.TimeoutExpired:
-                _kill(proc)
+                kill(proc)
                 out, _ = proc.communicate()
                 out += f"\n[test] killed after {timeout:.0f} s"
             outputs.append(out)
     finally:
         for proc in procs:
-            _kill(proc)
+            kill(proc)
     return Run([p.returncode for p in procs], "\n".join(outputs), time.monotonic() - start, time.time())
 
 
-def _kill(proc: subprocess.Popen) -> None:
+def kill(proc: subprocess.Popen) -> None:
     try:
         os.killpg(proc.pid, signal.SIGKILL)  # the launcher's children are in its session
     except (ProcessLookupError, PermissionError):

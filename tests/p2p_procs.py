@@ -8,6 +8,7 @@ Pipeline rank 0 of each pipeline compares against a local model itself.
 from __future__ import annotations
 
 import copy
+import faulthandler
 import json
 import os
 import signal
@@ -253,4 +254,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    faulthandler.enable()  # a crash (SIGSEGV, SIGABRT) prints every thread's Python stack
     main()

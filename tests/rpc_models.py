@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from processes import leftover_processes, owned_env
 from torch import nn
 
 from lightning_pipe.runtime import DeviceMemory, PyTorchRuntime
@@ -68,44 +69,10 @@ class SlowBackwardLinear(nn.Linear):
         return _SlowBackward.apply(super().forward(x), self.seconds, fail)
 
 
-def children_of(pid: int) -> list[int]:
-    """Live (not zombie) child processes of ``pid``, from /proc (multiprocessing's resource tracker aside)."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        state, ppid = fields[0], int(fields[1])
-        if ppid == pid and state != "Z" and b"resource_tracker" not in _cmdline(entry):
-            out.append(int(entry))
-    return out
-
-
-def _cmdline(pid: str) -> bytes:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read()
-    except OSError:
-        return b""
-
-
-def wait_no_children(pid: int, timeout: float = 15.0) -> list[int]:
-    """Children of ``pid`` still alive after ``timeout`` seconds (empty when all ended)."""
-    until = time.monotonic() + timeout
-    while True:
-        left = children_of(pid)
-        if not left or time.monotonic() > until:
-            return left
-        time.sleep(0.05)
-
-
 def worker_env() -> dict[str, str]:
-    """Environment of a `lightning-pipe worker` subprocess: this checkout and the tests importable."""
-    env = dict(os.environ)
+    """Environment of a `lightning-pipe worker` subprocess: this checkout and the tests importable, marked as this
+    test process's (`processes.owned_env`)."""
+    env = owned_env(dict(os.environ))
     paths = [str(ROOT), str(ROOT / "tests")] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     env["PYTHONPATH"] = os.pathsep.join(paths)
     return env
@@ -179,4 +146,4 @@ def worker_pool(workers: int) -> Iterator[Any]:
         yield communicator
     finally:
         communicator.close()
-        assert wait_no_children(os.getpid()) == [], "worker processes left behind"
+        assert leftover_processes() == [], "worker processes left behind"

@@ -17,7 +17,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import QUIET, Classifier, dataset, loader, max_param_diff
-from rpc_models import FakeGpuRuntime, wait_no_children
+from processes import leftover_processes
+from rpc_models import FakeGpuRuntime
 from torch import nn
 from traced_models import TinyGPT, gpt_batch
 
@@ -223,7 +224,7 @@ def test_rpc_workers_read_their_own_device_memory(monkeypatch: pytest.MonkeyPatc
         grads = pipe.grads()
         decided = pipe.auto_checkpoint.plan  # type: ignore[union-attr]
         pids = set(pipe.communicator.pids.values())  # type: ignore[attr-defined]
-    assert wait_no_children(os.getpid()) == []
+    assert leftover_processes() == []
     assert decided is not None and decided.flags == [True, False]
     measured_in = [d.device.split("/")[0] for d in decided.stages]
     assert len(pids) == 1 and measured_in == [f"pid{pid}" for pid in [*pids, os.getpid()]]

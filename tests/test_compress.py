@@ -6,14 +6,13 @@ The codec tests need no processes; each rpc test opens one world of worker proce
 from __future__ import annotations
 
 import copy
-import os
 import sys
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
-from rpc_models import wait_no_children
+from processes import leftover_processes
 from torch import nn
 
 from lightning_pipe import ConfigurationError, Pipeline
@@ -166,7 +165,7 @@ def train_through(compress: Any) -> tuple[dict[str, torch.Tensor], dict[str, tor
         pipe.train_step(x, y, F.cross_entropy, microbatches=4)
         stats = communicator.stats()
         got = pipe.grads()
-    assert wait_no_children(os.getpid()) == [], "worker processes left behind"
+    assert leftover_processes() == [], "worker processes left behind"
     return got, want, stats
 
 
@@ -221,4 +220,4 @@ def test_pipe_strategy_compresses_its_messages() -> None:
     trainer = L.Trainer(**QUIET, max_steps=2, strategy=strategy, callbacks=[wire])
     trainer.fit(Classifier(), loader())
     assert trainer.global_step == 2 and wire.ratios == [0.5, 0.5]
-    assert wait_no_children(os.getpid()) == []
+    assert leftover_processes() == []

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import copy
 import logging
-import os
 
 import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
 from helpers import QUIET, Classifier, loader, max_param_diff, mlp, twins
-from rpc_models import wait_no_children
+from processes import leftover_processes
 
 from lightning_pipe import Pipeline, PipeStrategy
 from lightning_pipe.comm import MessageKind
@@ -39,7 +38,7 @@ def test_rpc_stages_on_one_gpu_train_like_a_plain_trainer(caplog: pytest.LogCapt
     L.Trainer(**(QUIET | {"accelerator": "gpu", "devices": 1}), max_steps=3).fit(plain, loader())
     assert max_param_diff(piped.cpu(), plain.cpu()) < 1e-5
     assert "ranks 0, 1 share cuda:0" in caplog.text and "through host memory" in caplog.text
-    assert wait_no_children(os.getpid()) == []
+    assert leftover_processes() == []
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices: NCCL between the stages")
@@ -65,4 +64,4 @@ def test_rpc_stages_on_two_gpus_send_gpu_to_gpu(caplog: pytest.LogCaptureFixture
     assert stats[1].host_bytes[MessageKind.GRAD] == 0  # stage 1 -> stage 0
     # the last stage computed the losses in the coordinator's process: its output crossed nothing
     assert MessageKind.OUTPUT not in stats[1].messages and sum(stats[1].host_bytes.values()) == 0
-    assert wait_no_children(os.getpid()) == []
+    assert leftover_processes() == []

@@ -6,7 +6,6 @@ the user's (or Lightning's) default group is the same object after a fit, and st
 
 from __future__ import annotations
 
-import os
 import socket
 from datetime import timedelta
 
@@ -14,7 +13,7 @@ import lightning as L
 import torch
 import torch.distributed as dist
 from helpers import QUIET, Classifier, loader, max_param_diff, twins
-from rpc_models import wait_no_children
+from processes import leftover_processes
 
 from lightning_pipe import PipeStrategy
 
@@ -43,4 +42,4 @@ def test_a_users_default_process_group_is_left_alone() -> None:
         assert torch.equal(total, torch.full((3,), 2.0))
     finally:
         dist.destroy_process_group()
-    assert wait_no_children(os.getpid()) == []
+    assert leftover_processes() == []

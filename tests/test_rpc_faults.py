@@ -11,7 +11,9 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
-from rpc_models import FailsOn, Sleeps, wait_no_children
+from ctrl_c import CtrlCAt, sigint_raises
+from processes import leftover_processes
+from rpc_models import FailsOn, Sleeps
 from torch import nn
 
 from lightning_pipe import Pipeline, PipeTimeoutError, StageError, TransportError
@@ -40,7 +42,7 @@ def test_stage_exception_reaches_the_coordinator_with_host_and_traceback() -> No
         assert "ValueError: bad row reached the stage" in str(error)
         assert "rpc_models.py" in error.remote_traceback and "in forward" in error.remote_traceback
         pipe.train_step(torch.zeros(8, 4), y, F.cross_entropy, microbatches=4)  # still usable
-    assert wait_no_children(os.getpid()) == []
+    assert leftover_processes() == []
 
 
 def test_sigkill_mid_step_is_detected_within_seconds() -> None:
@@ -60,7 +62,7 @@ def test_sigkill_mid_step_is_detected_within_seconds() -> None:
             killer.join()
         elapsed = time.monotonic() - start
     assert elapsed < 30, f"the lost worker was noticed after {elapsed:.1f} s"
-    assert wait_no_children(os.getpid()) == [], "worker processes left behind"
+    assert leftover_processes() == [], "worker processes left behind"
 
 
 def test_a_silent_worker_is_lost_after_the_heartbeat_timeout() -> None:
@@ -74,27 +76,26 @@ def test_a_silent_worker_is_lost_after_the_heartbeat_timeout() -> None:
         with pytest.raises(TransportError, match=rf"stage 0 \(rank 0\) on .*pid {victim}\): no heartbeat for \d+ s"):
             pipe.train_step(torch.randn(8, 8), torch.zeros(8, dtype=torch.long), F.cross_entropy)
         assert time.monotonic() - start < 15
-    assert wait_no_children(os.getpid()) == []  # the stopped process was killed
+    assert leftover_processes() == []  # the stopped process was killed
 
 
 def test_ctrl_c_mid_step_stops_every_worker() -> None:
-    """Workers ignore SIGINT (a terminal sends it to the whole process group); the coordinator ends them."""
-    model = nn.Sequential(nn.Linear(8, 8), Sleeps(0.2), nn.Linear(8, 3))
-    with pytest.raises(KeyboardInterrupt):
-        with Pipeline(model, stages=2, partition=[1, 2], transport="rpc", timeout=120) as pipe:
-            pids = list(pipe.communicator.pids.values())  # type: ignore[attr-defined]
-
-            def ctrl_c() -> None:
-                for pid in [*pids, os.getpid()]:
-                    os.kill(pid, signal.SIGINT)
-
-            timer = threading.Timer(0.5, ctrl_c)
-            timer.start()
-            try:
-                pipe.train_step(torch.randn(8, 8), torch.zeros(8, dtype=torch.long), F.cross_entropy, microbatches=8)
-            finally:
-                timer.join()
-    assert wait_no_children(os.getpid()) == []
+    """Workers ignore SIGINT (a terminal sends it to the whole process group); the coordinator ends them, and the
+    next pipeline of this process works."""
+    trigger = CtrlCAt("forward", os.getpid(), call=3)  # stage 1 presses Ctrl-C in its third forward
+    model = nn.Sequential(nn.Linear(8, 8), Sleeps(0.2), trigger, nn.Linear(8, 3))
+    x, y = torch.randn(8, 8), torch.zeros(8, dtype=torch.long)
+    with sigint_raises() as interrupts:  # SIGINT raises, however the tests were started
+        trigger.armed = True
+        with pytest.raises(KeyboardInterrupt):
+            with Pipeline(model, stages=2, partition=[1, 3], transport="rpc", timeout=120) as pipe:
+                pipe.train_step(x, y, F.cross_entropy, microbatches=8)
+        assert interrupts.since_last() < 10
+        assert leftover_processes() == []
+        trigger.armed = False
+        with Pipeline(model, stages=2, partition=[1, 3], transport="rpc", timeout=120) as pipe:
+            assert len(pipe.train_step(x, y, F.cross_entropy, microbatches=8).losses) == 8
+    assert leftover_processes() == []
 
 
 def test_worker_that_never_joins_ends_in_a_clear_timeout() -> None:

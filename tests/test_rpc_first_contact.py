@@ -16,6 +16,7 @@ import textwrap
 import time
 from pathlib import Path
 
+from processes import session_members
 from rpc_models import worker_env
 
 TENSORPIPE = re.compile(r"tensorpipe|pipe closed|\beof\b|RPC agent", re.IGNORECASE)
@@ -152,31 +153,16 @@ def run_script(tmp_path: Path, source: str, timeout: float = 420.0) -> subproces
         out, err = process.communicate()
         raise AssertionError(f"the script ran past {timeout} s\nstdout:\n{out}\nstderr:\n{err}") from None
     until = time.monotonic() + 15
-    while _session(process.pid) and time.monotonic() < until:
+    while session_members(process.pid) and time.monotonic() < until:
         time.sleep(0.1)
-    left = _session(process.pid)
+    left = session_members(process.pid)
     _kill_session(process.pid)
     assert left == [], f"the script left processes behind: {left}"
     return subprocess.CompletedProcess(process.args, process.returncode, out, err)
 
 
-def _session(sid: int) -> list[int]:
-    """Live processes of session ``sid`` (from /proc)."""
-    members = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[3]) == sid and fields[0] != "Z":
-                members.append(int(entry))
-    return members
-
-
 def _kill_session(sid: int) -> None:
-    for pid in _session(sid):
+    for pid in session_members(sid):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import os
 import shutil
 import socket
 import subprocess
@@ -17,7 +16,8 @@ import pytest
 import torch
 from helpers import QUIET, Classifier, dataset, loader, mlp
 from lightning.pytorch.plugins.precision import MixedPrecision
-from rpc_models import OverflowsAtStep, wait_no_children, worker_env
+from processes import leftover_processes
+from rpc_models import OverflowsAtStep, worker_env
 from torch import nn
 
 from lightning_pipe import PipeStrategy
@@ -93,7 +93,7 @@ def test_trains_on_worker_processes_and_checkpoints_for_a_plain_trainer(
     assert stray.returncode == 2 and "refused this worker" in err and "wrong token" in err
     out, err = good.communicate(timeout=60)
     assert good.returncode == 0, err
-    assert wait_no_children(os.getpid()) == []
+    assert leftover_processes() == []
 
     # after fit the LightningModule holds what the stages trained, as with any strategy
     for (name, p), q in zip(piped.named_parameters(), plain.parameters(), strict=True):
@@ -143,4 +143,4 @@ def test_grad_scaler_skips_the_step_that_overflowed_on_one_stage() -> None:
     for (name, p), q in zip(piped.named_parameters(), plain.parameters(), strict=True):
         assert not torch.equal(p, before[name]), f"{name} never moved"
         torch.testing.assert_close(p, q, atol=2e-3, rtol=0, msg=name)
-    assert wait_no_children(os.getpid()) == []
+    assert leftover_processes() == []

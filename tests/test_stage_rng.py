@@ -9,7 +9,6 @@ are not vacuous).
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from helpers import QUIET, Classifier, dataset, gpt2_config, loader
 from lightning.pytorch.callbacks import ModelCheckpoint
-from rpc_models import wait_no_children
+from processes import leftover_processes
 from torch import nn
 from torch.utils.data import TensorDataset
 
@@ -109,7 +108,7 @@ def test_rpc_stages_draw_what_local_stages_draw() -> None:
     try:
         remote = fit(transport="rpc", timeout=120, **options)
     finally:
-        assert wait_no_children(os.getpid()) == [], "worker processes left behind"
+        assert leftover_processes() == [], "worker processes left behind"
     assert_same(remote, local)
 
 

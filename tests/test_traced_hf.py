@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import inspect
-import os
 import re
 import warnings
 from collections.abc import Iterator
@@ -13,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from rpc_models import wait_no_children
+from processes import leftover_processes
 from test_traced import assert_transparent, one_thread  # noqa: F401 (an autouse fixture: one intra-op thread)
 from test_traced_strategy import Wrapper, assert_pipelined, assert_same_run, fit
 from torch import nn
@@ -184,7 +183,7 @@ def pool() -> Iterator[RpcCommunicator]:
         yield communicator
     finally:
         communicator.close()
-        assert wait_no_children(os.getpid()) == [], "worker processes left behind"
+        assert leftover_processes() == [], "worker processes left behind"
 
 
 def assert_worker_grads(got: dict[str, Any], ref: nn.Module) -> None:

@@ -9,7 +9,6 @@ of three worker processes serves every pipeline of this module.
 from __future__ import annotations
 
 import copy
-import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import QUIET
-from rpc_models import wait_no_children
+from processes import leftover_processes
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from traced_models import KeywordNet, SkipCNN, TinyGPT, gpt_batch
@@ -45,7 +44,7 @@ def pool() -> Iterator[RpcCommunicator]:
     finally:
         communicator.close()
         torch.set_num_threads(threads)
-        assert wait_no_children(os.getpid()) == [], "worker processes left behind"
+        assert leftover_processes() == [], "worker processes left behind"
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -254,4 +253,4 @@ def test_gpt_under_pipestrategy_rpc_matches_a_plain_trainer(pool: RpcCommunicato
     assert piped.model.head.weight is piped.model.wte.weight
     for (name, p), q in zip(piped.named_parameters(), plain.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-5, msg=name)
-    assert wait_no_children(os.getpid()) == []
+    assert leftover_processes() == []

@@ -68,11 +68,15 @@ class LocalCommunicator(Communicator):
         for spec, device_type in zip(specs, device_types, strict=True):
             spec.options["num_threads"] = num_threads if device_type == "cpu" else None
         self._inboxes = {COORDINATOR: QueueInbox()} | {rank: QueueInbox() for rank in range(len(specs))}
-        for rank, spec in enumerate(specs):
-            worker = worker_cls(spec, LocalEndpoint(rank, self._inboxes))
-            thread = threading.Thread(target=worker.serve, name=f"lightning_pipe-stage-{rank}", daemon=True)
-            thread.start()
-            self._threads.append(thread)
+        try:
+            for rank, spec in enumerate(specs):
+                worker = worker_cls(spec, LocalEndpoint(rank, self._inboxes))
+                thread = threading.Thread(target=worker.serve, name=f"lightning_pipe-stage-{rank}", daemon=True)
+                thread.start()
+                self._threads.append(thread)
+        except BaseException:  # a stage that failed to build, or Ctrl-C: the threads already started stop
+            self.shutdown(10.0)
+            raise
         return LocalEndpoint(COORDINATOR, self._inboxes)
 
     def shutdown(self, timeout: float) -> None:

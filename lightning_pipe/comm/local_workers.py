@@ -22,6 +22,10 @@ from lightning_pipe.comm.base import deadline, remaining
 from lightning_pipe.comm.slot import TOKEN_ENV, WORKER_ENV
 from lightning_pipe.errors import TransportError
 
+#: set in the environment of every worker process started here: ``local-<coordinator pid>-<tag>``, so that
+#: ``/proc/<pid>/environ`` (or ``ps e``) tells whose worker a process is, and a test finds exactly its own
+SPAWNED_ENV = "LIGHTNING_PIPE_SPAWNED_BY"
+
 # the worker's first lines: this process's import path, then the slot (arguments as JSON, the token in the environment)
 _BOOT = (
     "import json, sys; arguments = json.loads(sys.argv[1]); sys.path[:] = arguments['path']; "
@@ -35,7 +39,7 @@ def spawn_workers(
     """Start one worker process per device on this machine (new interpreters, so CUDA is safe to use)."""
     group = f"local-{os.getpid()}-{secrets.token_hex(2)}"
     # `import lightning_pipe` in the worker skips Lightning; the token stays out of the command line (ps shows it)
-    env = os.environ | {WORKER_ENV: "1", TOKEN_ENV: token}
+    env = os.environ | {WORKER_ENV: "1", TOKEN_ENV: token, SPAWNED_ENV: group}
     processes = []
     try:
         for index, device in enumerate(devices):

@@ -126,8 +126,11 @@ def _serve_one(wire: Wire, spec: Any, worker_cls: Any, on_build: OnBuild | None)
         worker.serve()
     except TransportError:
         raise
-    except BaseException:  # the event loop itself broke: the coordinator counts this process as lost
-        crash = f"its stage loop crashed:\n{traceback.format_exc()}"
+    except BaseException as exc:  # the event loop itself broke: the coordinator counts this process as lost
+        if isinstance(exc, KeyboardInterrupt):  # Ctrl-C reaches every process of the run: no traceback to show
+            crash = "it was interrupted (KeyboardInterrupt)"
+        else:
+            crash = f"its stage loop crashed:\n{traceback.format_exc()}"
         wire.send(wire.coordinator, WIRE, Message(CRASHED, payload=crash, source=wire.me))
         raise
     finally:

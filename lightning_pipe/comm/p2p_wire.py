@@ -20,18 +20,26 @@ A broken link (the peer died: gloo fails the pending receive, or a send fails) m
 every endpoint of this process then raises `TransportError` from its next ``recv``. Idle links get a
 keep-alive header every few seconds, so silence for ``timeout`` seconds means a hung peer. `close`
 sends a close frame on every link (filling whatever the peer posted ahead) and waits (bounded) for
-the peers' ones; a thread whose peer never closes (a hung process) is a daemon blocked in ``wait``
-until the world ends. Under NCCL the tensors travel on the process's CUDA device, on streams of
-their own (a send after the sender's work by an event): the same code, untested here.
+the peers' ones. A receiving thread blocked in gloo's ``wait`` cannot be woken any other way (a
+timed-out wait closes the pair; destroying the group does not end the wait), and one still blocked
+when the interpreter exits aborts the process once the wait returns ("terminate called without an
+active exception": the thread cannot take the GIL back and its C++ frames are unwound by force). So
+the close handshake is what ends them, and every wire still open when the interpreter exits is
+closed (and its threads joined, bounded) by an ``atexit`` hook, while Python still runs. Under NCCL
+the tensors travel on the process's CUDA device, on streams of their own (a send after the sender's
+work by an event): the same code, untested here.
 """
 
 from __future__ import annotations
 
+import atexit
 import collections
 import contextlib
 import copy
+import sys
 import threading
 import time
+import weakref
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -53,6 +61,7 @@ LOST = "p2p-lost"  # wakes a waiting endpoint: a peer is gone
 STATS = "p2p-stats"  # asks a process for its statistics, answered by its receiver thread
 STATS_REPLY = "p2p-stats-reply"
 CRASHED = "p2p-crashed"  # a serving process's stage loop broke: the receiving process counts it as lost
+EXIT_CLOSE_TIMEOUT = 10.0  # seconds the exit hook waits for the peers of a wire still open
 
 
 @dataclass
@@ -133,6 +142,7 @@ class Wire:
         self._threads: list[threading.Thread] = []
         self._local = threading.local()  # each thread's CUDA stream for sends and receives
         self._closing = threading.Event()
+        _OPEN.add(self)
         others = [peer for peer in range(len(self.ranks)) if peer != me]
         # a link one way only (``sends_to``, ``hears_from``): NCCL runs a pair's sends and receives on one stream,
         # where a receive posted ahead would hold back every send behind it; the rpc transport's NCCL wires go
@@ -226,7 +236,10 @@ class Wire:
                     self.mark_lost(peer, f"closing failed: {first_line(exc)}")
         for thread in self._threads:
             thread.join(remaining(until))
-        return [t.name for t in self._threads if t.is_alive()]
+        left = [t.name for t in self._threads if t.is_alive()]
+        if not left:
+            _OPEN.discard(self)
+        return left
 
     def mark_lost(self, peer: int, reason: str) -> None:
         with self._lock:
@@ -353,3 +366,20 @@ class Wire:
         if ready is not None:
             stream.wait_event(ready)
         return torch.cuda.stream(stream)
+
+
+_OPEN: weakref.WeakSet[Wire] = weakref.WeakSet()  # wires whose threads have not all ended
+
+
+@atexit.register
+def close_open_wires() -> None:
+    """Close the wires still open (a run that ended by an error or Ctrl-C) and join their threads before the
+    interpreter finalizes: a receiving thread blocked in a gloo wait at exit would abort the process."""
+    for wire in list(_OPEN):
+        try:
+            left = wire.close(EXIT_CLOSE_TIMEOUT)
+        except Exception as exc:  # the process is exiting: say what happened, never raise from here
+            left = [f"closing failed: {first_line(exc)}"]
+        if left:
+            print(f"lightning_pipe: p2p threads still waiting for their peers at exit: {', '.join(left)}",
+                  file=sys.stderr, flush=True)  # fmt: skip

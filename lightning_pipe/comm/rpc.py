@@ -316,12 +316,11 @@ class RpcCommunicator(Communicator):
             spec, codec = ByValue(specs[rank]), ByValue(self.codec)
             args = (launch, spec, ByValue(worker_cls), names, hosts, device, codec, processes)
             futures[rank] = rpc.rpc_async(names[rank], build_stage, args=args)
-        if placement.home is not None:  # built here meanwhile
-            home = HomeStage(launch, placement.home)
+        if placement.home is not None:  # built here meanwhile; stopped by `close` if anything fails from here on
+            home = self._home = HomeStage(launch, placement.home)
             home.build(
                 specs[placement.home], worker_cls, names, hosts, self.codec, world.plane, processes, self._threads
             )
-            self._home = home
         for rank, future in futures.items():
             while not wait_future(future, min(0.5, remaining(until))):
                 self._wait_step(until, f"rank {rank} to build its stage")

@@ -97,7 +97,8 @@ def stop_stage(launch: str, rank: int, timeout: float) -> bool:
     _, thread, endpoint = entry
     endpoint.close()
     inbox.put(Message(MessageKind.STOP))
-    thread.join(timeout)
+    if thread.ident is not None:  # started (an interrupted build may register it first)
+        thread.join(timeout)
     return not thread.is_alive()
 
 

@@ -17,6 +17,7 @@ Lightning's collectives never interleave with a stage's on one group.
 
 from __future__ import annotations
 
+import atexit
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -34,6 +35,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from typing_extensions import override
 
 from lightning_pipe.comm import P2PCommunicator, serve_stages
+from lightning_pipe.comm.p2p_wire import close_open_wires
 from lightning_pipe.engine.runners import worker_of_stages
 from lightning_pipe.strategy.layout import Layout
 
@@ -41,9 +43,17 @@ PROCESS_GROUP_TIMEOUT = timedelta(minutes=30)  # Lightning's default: serving ra
 
 
 class ProcessGroups:
-    """The groups of one layout, made once per process (every process makes them, in the same order)."""
+    """The groups of one layout, made once per process (every process makes them, in the same order).
+
+    They serve every fit of the process, and Lightning's collectives between fits (a ``save_checkpoint``
+    after ``fit``) run on the coordinators' group, so they live until the interpreter exits: then
+    `destroy_all` (an ``atexit`` hook) closes the p2p links still open, destroys the groups and the default
+    group if the strategy initialised it, as Lightning does for the NCCL group it initialises. Left to the
+    interpreter's own teardown, gloo's threads and pending waits end in whatever order it finalizes.
+    """
 
     _made: dict[tuple[int, int], ProcessGroups] = {}
+    _default_made = False  # whether the strategy initialised the default group (then it destroys it)
 
     def __init__(self, layout: Layout, device_type: str) -> None:
         mesh = init_device_mesh(
@@ -58,8 +68,36 @@ class ProcessGroups:
     def of(cls, layout: Layout, device_type: str) -> ProcessGroups:
         key = (layout.world_size, layout.ranks_per_pipeline)
         if key not in cls._made:
+            if not cls._made:
+                atexit.register(cls.destroy_all)
             cls._made[key] = cls(layout, device_type)
         return cls._made[key]
+
+    @classmethod
+    def made_default_group(cls) -> None:
+        """Called right after the strategy initialised the default group."""
+        cls._default_made = True
+
+    def destroy(self) -> None:
+        """Destroy this layout's groups (a dimension that spans the world is the default group: kept; a process
+        outside the coordinators' group holds no such group)."""
+        default = dist.distributed_c10d._get_default_group()
+        for group in {id(g): g for g in (self.pipeline, self.replicas, self.coordinators)}.values():
+            if isinstance(group, dist.ProcessGroup) and group is not default:
+                dist.destroy_process_group(group)
+
+    @classmethod
+    def destroy_all(cls) -> None:
+        """At exit: the p2p links closed (their threads joined), then every group made here destroyed."""
+        close_open_wires()
+        if not dist.is_initialized():
+            return
+        made, cls._made = list(cls._made.values()), {}
+        for groups in made:
+            groups.destroy()
+        if cls._default_made:
+            cls._default_made = False
+            dist.destroy_process_group()
 
 
 class PipeLauncher(_SubprocessScriptLauncher):
@@ -118,6 +156,7 @@ class LaunchedWorld:
         if not dist.is_initialized():
             backend = _get_default_process_group_backend_for_device(device)
             _init_dist_connection(cluster_environment, backend, timeout=PROCESS_GROUP_TIMEOUT)
+            ProcessGroups.made_default_group()
         self._groups = ProcessGroups.of(self.layout, device.type)
 
     def describe(self) -> str:

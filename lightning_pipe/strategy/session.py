@@ -33,6 +33,7 @@ from lightning_pipe.strategy.outputs import weighted_mean
 from lightning_pipe.strategy.patch import Patches
 
 _current = threading.local()
+TAKE_WAIT = 2.0  # seconds a driver handed to a thread may wait for it (a new thread: while it starts)
 
 
 class _Abandon(BaseException):
@@ -58,11 +59,13 @@ class DriverThreads:
     def run(self, driver: Driver) -> None:
         with self._lock:
             jobs = self._idle.pop() if self._idle else None
-        if jobs is None:
-            jobs = queue.SimpleQueue()
-            args = (jobs, self._generation)
-            threading.Thread(target=self._serve, args=args, name="lightning_pipe-microbatch", daemon=True).start()
-        jobs.put(driver)
+        if jobs is not None:
+            jobs.put(driver)
+            return
+        jobs = queue.SimpleQueue()
+        jobs.put(driver)  # before the thread starts: a Ctrl-C in `Thread.start`'s wait leaves the driver to it
+        args = (jobs, self._generation)
+        threading.Thread(target=self._serve, args=args, name="lightning_pipe-microbatch", daemon=True).start()
 
     def close(self) -> None:
         """End the idle threads (a later `run` starts new ones)."""
@@ -75,6 +78,7 @@ class DriverThreads:
     def _serve(self, jobs: queue.SimpleQueue[Driver | None], generation: int) -> None:
         thread = threading.current_thread()
         while (driver := jobs.get()) is not None:
+            driver.taken.set()
             thread.name = f"lightning_pipe-microbatch-{driver.index}"
             try:
                 driver.run()
@@ -111,6 +115,7 @@ class Driver:
         self._grad = torch.is_grad_enabled()
         self._inference = torch.is_inference_mode_enabled()
         self._started = False
+        self.taken = threading.Event()  # a thread took it
         self.ended = threading.Event()  # its thread left the step
         self.calls = 0
         self.finished = False
@@ -131,12 +136,17 @@ class Driver:
             return self._wait()
 
     def abandon(self) -> None:
-        """Unwind a driver that is waiting inside the pipelined call; joins its thread."""
+        """Unwind a driver that is waiting inside the pipelined call; joins its thread.
+
+        A driver that no thread took within `TAKE_WAIT` seconds is not waited for: a Ctrl-C interrupted its
+        hand-off before the thread started. Should a thread take it later, it stops at its pipelined call.
+        """
         if not self._started:
             return
         if not self.ended.is_set() and not self.finished:
             self._to_driver.put(("abandon", None))
-        self.ended.wait(self._timeout)
+        if self.taken.wait(min(self._timeout, TAKE_WAIT)):
+            self.ended.wait(self._timeout)
 
     def _wait(self) -> tuple[str, Any]:
         try:

@@ -25,6 +25,7 @@ from lightning_pipe.strategy.asynchronous import AsyncTraining
 from lightning_pipe.strategy.building import PipelineBuilder, Placement, autocast_of
 from lightning_pipe.strategy.checkpoints import Checkpoints
 from lightning_pipe.strategy.hooks import RuntimeHooks
+from lightning_pipe.strategy.interrupts import CtrlC
 from lightning_pipe.strategy.layout import LOCAL
 from lightning_pipe.strategy.optimization import StageOptimization
 from lightning_pipe.strategy.patch import Patches
@@ -145,6 +146,7 @@ class PipeStrategy(ProcessStrategy):
         )  # fmt: skip
         self.checkpoints = Checkpoints(self.builder, self.optimization, self.random, self.asynchronous)
         self._patches = Patches()  # attributes set on the user's objects for this fit, restored exactly
+        self._ctrl_c = CtrlC()  # Ctrl-C works again after a fit it stopped
         self._trainer: pl.Trainer | None = None
 
     # what the parts hold, under the names users read
@@ -186,6 +188,7 @@ class PipeStrategy(ProcessStrategy):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
+        self._ctrl_c.remember()
         self._trainer = trainer
         if self.world is not None:
             self.world.hold()
@@ -249,6 +252,7 @@ class PipeStrategy(ProcessStrategy):
         finally:
             self._shutdown()
         super().teardown()
+        self._ctrl_c.restore()
 
     def _shutdown(self, error: BaseException | None = None) -> None:
         try:
