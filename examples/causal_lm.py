@@ -5,7 +5,7 @@ GPU where there is one (both stages on it), else on CPU.
     python examples/causal_lm.py --steps 40      # fewer steps
     python examples/causal_lm.py --no-pipe       # the same LightningModule without the strategy
     python examples/causal_lm.py --accelerator cpu   # on CPU whatever the machine has
-    python examples/causal_lm.py --devices 2     # one stage per GPU, each in a worker process of its own
+    python examples/causal_lm.py --devices 2     # one stage per GPU: stage 0 in a worker process, the last here
 
 The corpus is synthetic (sums such as "57 + 1024 = 1081", one character a token), so nothing is
 downloaded. Rows have different lengths: a batch is right-padded, with -100 labels on the padding,
@@ -96,9 +96,10 @@ class LossLog(L.Callback):
 
 class Where:
     """Where a run trains: ``accelerator`` (``"auto"``: cuda where torch sees a GPU, else cpu) and, for piped runs,
-    ``devices``: 1, every stage on that one device as threads of this process; more, one stage per device, each
-    in a worker process of its own (``transport="rpc"``: the embedding and the LM head share a weight, which
-    threads may only share on one device; in processes each holder has a copy, given the summed gradients)."""
+    ``devices``: 1, every stage on that one device as threads of this process; more, one stage per device, the
+    last in this process and the others each in a worker process (``transport="rpc"``: the embedding and the LM
+    head share a weight, which threads may only share on one device; in processes each holder has a copy, given
+    the summed gradients)."""
 
     def __init__(self, accelerator: str = "auto", devices: int = 1) -> None:
         if accelerator == "auto":

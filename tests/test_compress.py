@@ -160,9 +160,11 @@ def train_through(compress: Any) -> tuple[dict[str, torch.Tensor], dict[str, tor
     communicator = RpcCommunicator(compress=compress)
     with Pipeline(net, stages=3, partition=[4, 2, 3], transport=communicator, checkpoint="never", timeout=60) as pipe:
         pipe.train_step(x, y, F.cross_entropy, microbatches=4)
+        pipe.coordinator.settle()  # the first stages end their step after train_step returned: count all of it
         communicator.stats(reset=True)
         pipe.coordinator.call("zero_grad", True)
         pipe.train_step(x, y, F.cross_entropy, microbatches=4)
+        pipe.coordinator.settle()
         stats = communicator.stats()
         got = pipe.grads()
     assert leftover_processes() == [], "worker processes left behind"
@@ -190,9 +192,10 @@ def test_rpc_with_a_lossy_cast_trains_close_to_the_unsplit_model(compress: Any) 
         torch.testing.assert_close(got[name], grad, atol=2e-3, rtol=5e-2, msg=name)
     assert any(not torch.equal(got[name], grad) for name, grad in want.items())  # the cast did happen
     for rank in (1, 2):  # float activations and gradients crossed in 16 bits
-        kind = MessageKind.ACTIVATION if rank < 2 else MessageKind.OUTPUT
-        assert stats[rank].wire_bytes[kind] * 2 == stats[rank].tensor_bytes[kind]
         assert stats[rank].wire_bytes[MessageKind.GRAD] * 2 == stats[rank].tensor_bytes[MessageKind.GRAD]
+    assert stats[1].tensor_bytes[MessageKind.GRAD] > 0 and stats[2].tensor_bytes[MessageKind.GRAD] > 0
+    assert stats[1].wire_bytes[MessageKind.ACTIVATION] * 2 == stats[1].tensor_bytes[MessageKind.ACTIVATION] > 0
+    assert MessageKind.OUTPUT not in stats[2].messages  # the last stage runs in this process: nothing to cast
     # the embedding's int64 ids were not cast: with ids up to 999 a cast would have picked other rows
     coordinator = stats[COORDINATOR]
     assert coordinator.wire_bytes[MessageKind.ACTIVATION] == coordinator.tensor_bytes[MessageKind.ACTIVATION]

@@ -195,7 +195,7 @@ def test_checkpoint_auto_reads_the_gpus_free_memory(monkeypatch: pytest.MonkeyPa
 
 
 def test_rpc_stages_on_the_gpu_equal_a_plain_trainer() -> None:
-    """``transport="rpc"``: each stage in a worker process of its own, on cuda:0, fed from this process."""
+    """``transport="rpc"``: stage 0 in a worker process, the last stage in this process, both on cuda:0."""
     piped, plain = Classifier(mlp()), Classifier(mlp())
     fit(piped, pipe(transport="rpc", timeout=120))
     fit(plain)

@@ -190,11 +190,17 @@ def test_posted_calls_run_in_order_and_a_failure_is_raised_at_the_next_wait(pool
 
 
 def test_no_parameter_crosses_processes_during_a_step(pool: RpcCommunicator) -> None:
-    """Per step: one message per activation/gradient hand-off, and exactly their bytes, nothing else."""
+    """Per step: one message per activation/gradient hand-off between processes, and exactly their bytes.
+
+    The last stage (rank 3) runs in this process (`rpc_home`): it computes the losses, so its output and the
+    output's gradient never cross; what it exchanges with the coordinator is handed over by reference.
+    """
     model = mlp(depth=4, width=32)
     x, y = data(rows=32)
     stages, microbatches = 4, 4
+    last = stages - 1
     with rpc_pipeline(pool, model, stages, schedule="1f1b") as pipe:
+        assert pool.placement.home == last and pool.shares_objects
         for _ in range(2):  # warm-up; checkpoint="auto" measures in the first step and decides before the second
             pipe.train_step(x, y, F.cross_entropy, microbatches=microbatches)
         pipe.coordinator.settle()  # the first stages' ends of the step arrive after train_step returned
@@ -209,28 +215,28 @@ def test_no_parameter_crosses_processes_during_a_step(pool: RpcCommunicator) -> 
             boundary.append(h.numel() * h.element_size())
         coordinator = stats[COORDINATOR]
         assert coordinator.messages == {
-            MessageKind.STEP: stages,
+            MessageKind.STEP: stages - 1,
             MessageKind.ACTIVATION: microbatches,
-            MessageKind.GRAD: microbatches,
-            MessageKind.POST: stages,  # apply_grads, which no stage answers unless it fails
+            MessageKind.POST: stages - 1,  # apply_grads, which no stage answers unless it fails
         }
+        assert coordinator.local == {MessageKind.STEP: 1, MessageKind.POST: 1}  # to the last stage, in this process
         assert coordinator.tensor_bytes[MessageKind.ACTIVATION] == x.numel() * x.element_size()
-        assert coordinator.tensor_bytes[MessageKind.GRAD] == boundary[-1]
         for rank in range(stages):
             s = stats[rank]
-            forward_kind = MessageKind.OUTPUT if rank == stages - 1 else MessageKind.ACTIVATION
-            expected = {forward_kind: microbatches, MessageKind.DONE: 1}
+            expected = {MessageKind.ACTIVATION: microbatches, MessageKind.DONE: 1} if rank < last else {}
             if rank > 0:
                 expected[MessageKind.GRAD] = microbatches
             assert s.messages == expected, f"rank {rank}"
-            assert s.tensor_bytes[forward_kind] == boundary[rank]
+            assert s.tensor_bytes[MessageKind.ACTIVATION] == (boundary[rank] if rank < last else 0)
             assert s.tensor_bytes[MessageKind.GRAD] == (boundary[rank - 1] if rank > 0 else 0)
             assert s.parameter_tensors == 0 and not s.failures
-        param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        assert stats[last].local == {MessageKind.LOSS: microbatches, MessageKind.DONE: 1}
         moved = sum(s.total_bytes() for s in stats.values())
-        assert moved == 2 * sum(boundary[:-1]) + 2 * boundary[-1] + x.numel() * x.element_size()
-        # the detector works: gathering the state does send every parameter once
+        assert moved == 2 * sum(boundary[:-1]) + x.numel() * x.element_size()
+        # the detector works: gathering the state sends every parameter of the workers' stages once
         pipe.state_dict()
         after = pool.stats()
-        assert sum(after[r].parameter_tensors for r in range(stages)) == len(list(model.parameters()))
-        assert sum(after[r].total_bytes() for r in range(stages)) == param_bytes
+        remote = [p for shard in pipe.shards[:last] for p in shard.module.parameters()]
+        assert sum(after[r].parameter_tensors for r in range(stages)) == len(remote)
+        assert sum(after[r].total_bytes() for r in range(stages)) == sum(p.numel() * p.element_size() for p in remote)
+        assert after[last].local[MessageKind.REPLY] == 1  # the last stage's state: copied within this process

@@ -27,7 +27,8 @@ def free_port() -> int:
 
 
 def test_stage_exception_reaches_the_coordinator_with_host_and_traceback() -> None:
-    model = nn.Sequential(nn.Identity(), FailsOn(123.0), nn.Linear(4, 2))
+    # stage 0 runs in a worker process (the last stage in the coordinator's: test_rpc_home)
+    model = nn.Sequential(FailsOn(123.0), nn.Identity(), nn.Linear(4, 2))
     x, y = torch.zeros(8, 4), torch.zeros(8, dtype=torch.long)
     x[5, 0] = 123.0  # row 5 is in microbatch 2 of 4
     with Pipeline(model, stages=2, partition=[1, 2], transport="rpc", timeout=60) as pipe:
@@ -35,9 +36,9 @@ def test_stage_exception_reaches_the_coordinator_with_host_and_traceback() -> No
         with pytest.raises(StageError) as info:
             pipe.train_step(x, y, F.cross_entropy, microbatches=4)
         error = info.value
-        assert (error.stage, error.microbatch, error.action) == (1, 2, "1F2")
-        assert error.host is not None and f"pid {pids[1]}" in error.host and "127.0.0.1" in error.host
-        assert f"stage 1 on {error.host} failed in action 1F2 (microbatch 2)" in str(error)
+        assert (error.stage, error.microbatch, error.action) == (0, 2, "0F2")
+        assert error.host is not None and f"pid {pids[0]}" in error.host and "127.0.0.1" in error.host
+        assert f"stage 0 on {error.host} failed in action 0F2 (microbatch 2)" in str(error)
         assert "ValueError: bad row reached the stage" in str(error)
         assert "rpc_models.py" in error.remote_traceback and "in forward" in error.remote_traceback
         pipe.train_step(torch.zeros(8, 4), y, F.cross_entropy, microbatches=4)  # still usable
@@ -45,16 +46,16 @@ def test_stage_exception_reaches_the_coordinator_with_host_and_traceback() -> No
 
 
 def test_sigkill_mid_step_is_detected_within_seconds() -> None:
-    model = nn.Sequential(nn.Linear(8, 8), Sleeps(0.5), nn.Linear(8, 3))  # stage 1 is busy 0.5 s a microbatch
+    model = nn.Sequential(nn.Linear(8, 8), Sleeps(0.5), nn.Linear(8, 3))  # stage 0 is busy 0.5 s a microbatch
     x, y = torch.randn(8, 8), torch.zeros(8, dtype=torch.long)
     communicator = RpcCommunicator()
-    with Pipeline(model, stages=2, partition=[1, 2], transport=communicator, timeout=120) as pipe:
-        victim = communicator.pids[1]
+    with Pipeline(model, stages=2, partition=[2, 1], transport=communicator, timeout=120) as pipe:
+        victim = communicator.pids[0]  # the worker process of stage 0 (stage 1 runs in this process)
         killer = threading.Timer(1.0, os.kill, (victim, signal.SIGKILL))
         start = time.monotonic()
         killer.start()
         try:
-            where = rf"stage 1 \(rank 1\) on \S+ \(127\.0\.0\.1, pid {victim}\): was killed by SIGKILL"
+            where = rf"stage 0 \(rank 0\) on \S+ \(127\.0\.0\.1, pid {victim}\): was killed by SIGKILL"
             with pytest.raises(TransportError, match=where):
                 pipe.train_step(x, y, F.cross_entropy, microbatches=8)
         finally:
@@ -69,10 +70,10 @@ def test_a_silent_worker_is_lost_after_the_heartbeat_timeout() -> None:
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 3))
     communicator = RpcCommunicator(heartbeat_timeout=3.0)
     with Pipeline(model, stages=2, transport=communicator, timeout=120) as pipe:
-        victim = communicator.pids[1]
+        victim = communicator.pids[0]  # the worker process of stage 0 (stage 1 runs in this process)
         os.kill(victim, signal.SIGSTOP)
         start = time.monotonic()
-        with pytest.raises(TransportError, match=rf"stage 1 \(rank 1\) on .*pid {victim}\): no heartbeat for \d+ s"):
+        with pytest.raises(TransportError, match=rf"stage 0 \(rank 0\) on .*pid {victim}\): no heartbeat for \d+ s"):
             pipe.train_step(torch.randn(8, 8), torch.zeros(8, dtype=torch.long), F.cross_entropy)
         assert time.monotonic() - start < 15
     assert leftover_processes() == []  # the stopped process was killed
@@ -102,7 +103,8 @@ def test_worker_that_never_joins_ends_in_a_clear_timeout() -> None:
     start = time.monotonic()
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
     pipe = Pipeline(model, stages=2, transport="rpc", timeout=2.0, coordinator=f"127.0.0.1:{port}", token="secret")
-    where = rf"only 0 of 2 stage slots joined the coordinator at 127\.0\.0\.1:{port} within the timeout"
+    # the last of the 2 stages runs in the coordinator's process: 1 worker is awaited
+    where = rf"only 0 of 1 stage slots joined the coordinator at 127\.0\.0\.1:{port} within the timeout"
     with pytest.raises(PipeTimeoutError, match=where):
         pipe.start()
     assert time.monotonic() - start < 10

@@ -62,7 +62,10 @@ def fit(module: L.LightningModule, strategy: Any, path: Path, steps: int = 3, ck
 
 @pytest.fixture(scope="module")
 def workers() -> Iterator[tuple[int, subprocess.Popen[str], subprocess.Popen[str]]]:
-    """One worker process offering two slots, and a stray one from another run (wrong token)."""
+    """One worker process offering two slots, and a stray one from another run (wrong token).
+
+    The run has 3 stages: the workers serve stages 0 and 1, the coordinator's process holds the last one.
+    """
     port = free_port()
     good, stray = worker(port, TOKEN, devices="cpu,cpu"), worker(port, "another-run")
     try:
@@ -80,7 +83,7 @@ def test_trains_on_worker_processes_and_checkpoints_for_a_plain_trainer(
     port, good, stray = workers
     piped, plain = Scheduled(mlp()), Scheduled(mlp())
     strategy = PipeStrategy(
-        stages=2, microbatches=4, transport="rpc", coordinator=f"127.0.0.1:{port}", token=TOKEN, timeout=120
+        stages=3, microbatches=4, transport="rpc", coordinator=f"127.0.0.1:{port}", token=TOKEN, timeout=120
     )
     trainer = fit(piped, strategy, tmp_path / "piped.ckpt")
     fit(plain, None, tmp_path / "plain.ckpt")

@@ -70,15 +70,22 @@ def test_tensors_cross_over_the_data_plane_and_control_over_rpc(pool: RpcCommuni
         plane.stats(reset=True)
         pipe.train_step(x, y, F.cross_entropy, microbatches=microbatches)
         pipe.coordinator.settle()
-        sent = pool.stats()[COORDINATOR]
-        framed = plane.stats()[COORDINATOR]
-    # the coordinator's activations (microbatch 0 alone, the others as one bundle) and gradients went as frames
-    assert framed.messages == {MessageKind.ACTIVATION: 2, MessageKind.GRAD: microbatches}
-    assert framed.tensor_bytes[MessageKind.ACTIVATION] == sent.tensor_bytes[MessageKind.ACTIVATION] == x.numel() * 4
-    assert framed.tensor_bytes[MessageKind.GRAD] == sent.tensor_bytes[MessageKind.GRAD] > 0
-    assert sent.messages[MessageKind.ACTIVATION] == microbatches and sent.messages[MessageKind.STEP] == 3
-    assert MessageKind.STEP not in framed.messages  # control stays on RPC
+        stats = pool.stats()
+        sent, last = stats[COORDINATOR], stats[2]
+        framed = plane.stats()
+    # the coordinator's activations (microbatch 0 alone, the others as one bundle) went as frames
+    assert framed[COORDINATOR].messages == {MessageKind.ACTIVATION: 2}
+    assert framed[COORDINATOR].tensor_bytes[MessageKind.ACTIVATION] == x.numel() * 4
+    assert sent.tensor_bytes[MessageKind.ACTIVATION] == x.numel() * 4
+    assert sent.messages[MessageKind.ACTIVATION] == microbatches and sent.messages[MessageKind.STEP] == 2
+    assert MessageKind.STEP not in framed[COORDINATOR].messages  # control stays on RPC
     assert sum(sent.host_bytes.values()) == 0  # CPU tensors: nothing to copy
+    # the last stage (rank 2) runs in this process: it computes the losses, its step comes by reference, and
+    # neither its output nor the output's gradient crosses; its input gradients go back over the plane
+    assert sent.local[MessageKind.STEP] == 1 and MessageKind.GRAD not in sent.messages
+    assert last.local[MessageKind.LOSS] == microbatches and last.local[MessageKind.DONE] == 1
+    assert MessageKind.OUTPUT not in last.messages and last.messages[MessageKind.GRAD] == microbatches
+    assert framed[2].tensor_bytes[MessageKind.GRAD] == last.tensor_bytes[MessageKind.GRAD] > 0
 
 
 def test_a_pool_keeps_its_data_plane_across_pipelines(pool: RpcCommunicator) -> None:

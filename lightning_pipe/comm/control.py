@@ -151,13 +151,16 @@ class ControlServer:
         return sorted(alive, key=lambda s: (first[s.group], s.group, s.index))
 
     def assign(self, used: list[Slot], unused: list[Slot], world: dict[str, Any]) -> None:
-        """Give each used slot its rank and the RPC world's address; release the others."""
+        """Give each used slot its rank and the RPC world's address; release the others (also those that joined
+        since ``used`` was chosen)."""
         with self._cond:
             self._closed_for_joins = "its pipeline is already running"
+            chosen = {id(slot) for slot in [*used, *unused]}
+            late = [slot for slot in self.slots() if id(slot) not in chosen]
         for rank, slot in enumerate(used):
             slot.rank = rank
             self._send(slot, {"type": "assign", "rank": rank, **world})
-        for slot in unused:
+        for slot in [*unused, *late]:
             slot.released = True
             self._send(slot, {"type": "release", "reason": "the pipeline has enough stage slots"})
 

@@ -118,6 +118,7 @@ class Wire:
         backend: str | None = None,
         sends_to: Sequence[int] | None = None,
         hears_from: Sequence[int] | None = None,
+        device: str | None = None,
     ) -> None:
         self.group, self.ranks, self.me, self.describe, self.timeout = group, list(ranks), me, describe, timeout
         self.coordinator = coordinator  # the pipeline rank whose process runs the coordinator
@@ -125,7 +126,8 @@ class Wire:
         #: the default one (the rpc transport's, which torch.distributed does not know), else ``ranks`` translated
         self.group_ranks = list(group_ranks) if group_ranks is not None else group_ranks_of(group, self.ranks)
         self.backend = backend or str(dist.get_backend(group))
-        self.device = process_device(self.backend)
+        #: where its tensors travel: the CPU under gloo; under NCCL ``device``, or the process's current CUDA device
+        self.device = process_device(self.backend, device)
         #: gloo matches a receive by (source, tag) and takes a receive larger than its send: messages go as
         #: inline frames into buffers posted ahead (`p2p_receive`); NCCL gets each part of a frame in order
         self.framed = self.backend == "gloo"
@@ -352,7 +354,7 @@ class Wire:
         if self.device.type != "cuda":
             return None
         event = torch.cuda.Event()
-        event.record()
+        event.record(torch.cuda.current_stream(self.device))  # the wire's device: the thread's may be another
         return event
 
     def on_stream(self, ready: Any) -> Any:

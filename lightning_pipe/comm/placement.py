@@ -22,11 +22,11 @@ def retarget(spec: Any, device: str) -> None:
         spec.runtime = type(runtime)(device, runtime.config)
 
 
-def process_device(backend: str) -> torch.device:
-    """Where a process's point-to-point tensors live under ``backend``: its current CUDA device under NCCL,
-    else the CPU."""
+def process_device(backend: str, device: str | None = None) -> torch.device:
+    """Where a process's point-to-point tensors live under ``backend``: under NCCL ``device`` (default: the
+    process's current CUDA device), else the CPU."""
     if "nccl" in backend.lower():
-        return torch.device("cuda", torch.cuda.current_device())
+        return torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 

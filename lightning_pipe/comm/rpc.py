@@ -12,17 +12,24 @@ process (`rpc_endpoint`), which put them into the stage's inbox and wake its eve
 and gradients go point to point over the world's data plane (`rpc_plane`: private gloo and NCCL
 groups in launched mode's wire format). The worker side lives in `rpc_stages` (the stages a process
 serves) and `slot` (a worker process); the world itself in `rpc_hosted`. Activations go from stage to
-stage directly; only the last stage's outputs go to the coordinator. Parameters never travel: they are
+stage directly. As in launched mode, the coordinator's process holds the rank of the last stage itself
+(`rpc_home`), so the last stage's output and its gradient never cross processes and the loss is computed
+on the last stage: an S-rank pipeline takes S - 1 worker processes. Parameters never travel: they are
 built into the stage once.
 
-    coordinator (rank -1) --activation--> rank 0 --activation--> rank 1 --output--> coordinator
-                          <--input grad--        <----grad------        <--grad---
+    coordinator's process                                  worker processes
+    coordinator --------input------------------------------> rank 0 (worker 0)
+        ^ losses, by reference                                  | activation  ^ grad
+        |                                                       v             |
+    rank 2 (the last stage) <--------activation------------ rank 1 (worker 1)
+                            ---------grad------------------>
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import logging
 import os
 import secrets
 import warnings
@@ -37,11 +44,14 @@ from lightning_pipe.comm.compress import resolve_codec
 from lightning_pipe.comm.control import ControlServer, Slot, parse_address
 from lightning_pipe.comm.local_workers import exit_reason
 from lightning_pipe.comm.rpc_endpoint import RpcEndpoint, TransportStats, register_inbox
+from lightning_pipe.comm.rpc_home import HomeStage, Placement, home_device, place
 from lightning_pipe.comm.rpc_hosted import HostedWorld, wait_all, wait_future
 from lightning_pipe.comm.rpc_plane import DataPlane
 from lightning_pipe.comm.rpc_stages import build_stage, stage_stats, stop_stage
 from lightning_pipe.comm.slot import TOKEN_ENV
 from lightning_pipe.errors import PipeTimeoutError, StageError, TransportError
+
+log = logging.getLogger("lightning_pipe")
 
 HEARTBEAT_TIMEOUT = 20.0  # seconds without a heartbeat before a worker counts as lost
 
@@ -55,17 +65,22 @@ class RpcCommunicator(Communicator):
     Args:
         coordinator: ``"HOST:PORT"`` where ``lightning-pipe worker`` processes (on this or other
             machines) join; HOST must be an address of this machine they can reach. Without it the
-            communicator starts one worker process per stage on this machine (127.0.0.1).
+            communicator starts the worker processes on this machine (127.0.0.1). Either way the worker
+            processes serve every rank but the last stage's, which this process holds (see ``colocate``):
+            start S - 1 workers for S stages.
         token: shared secret a worker must present (default: ``$LIGHTNING_PIPE_TOKEN``, or a
             random one for local workers); workers of another run are refused.
-        workers: local mode: how many worker processes to start (default: one per stage); more
-            lets pipelines with more stages reuse the same processes (with ``keep_alive``).
+        workers: local mode: how many worker processes to start (default: one per rank the workers serve);
+            more lets pipelines with more stages reuse the same processes (with ``keep_alive``).
         keep_alive: keep the worker processes between pipelines; `close` ends them.
         threads: torch intra-op threads per local worker (default: this machine's cores / workers).
         heartbeat_timeout: seconds without a heartbeat before a worker counts as lost.
         compress: how the tensors of activation and gradient messages cross the wire: ``None``,
             ``"bf16"`` / ``"fp16"`` (lossy casts), ``"zstd"`` (lossless), ``"bf16+zstd"``,
             ``"fp16+zstd"``, or a codec object (`lightning_pipe.comm.compress.Codec`).
+        colocate: the coordinator's process holds the rank of the last stage itself, on that stage's device
+            (`rpc_home`), as launched mode does; False: every rank in a worker process, the losses computed
+            by the coordinator from the last stage's outputs (which then cross, and their gradients too).
     """
 
     name = "rpc"
@@ -79,8 +94,10 @@ class RpcCommunicator(Communicator):
         threads: int | None = None,
         heartbeat_timeout: float = HEARTBEAT_TIMEOUT,
         compress: Any = None,
+        colocate: bool = True,
     ) -> None:
         self.codec = resolve_codec(compress)
+        self.colocate = colocate
         self.address = coordinator
         self.token = token if token is not None else os.environ.get(TOKEN_ENV)
         self.workers = workers
@@ -90,6 +107,9 @@ class RpcCommunicator(Communicator):
         self._world: HostedWorld | None = None
         self._endpoint: RpcEndpoint | None = None
         self._stages_of: dict[int, list[int]] = {}
+        self._placement = Placement(0, None)
+        self._home: HomeStage | None = None  # the stage worker this process holds while a pipeline runs
+        self._threads: int | None = None  # intra-op threads of a CPU stage (local workers and the home stage)
         self._lost: str | None = None
         self._refused: list[str] = []
         _OPEN.add(self)
@@ -99,8 +119,19 @@ class RpcCommunicator(Communicator):
         return self.address is None
 
     @property
+    def shares_objects(self) -> bool:  # type: ignore[override]
+        """Whether this process holds the last stage (`rpc_home`): then it computes the losses itself."""
+        return self._placement.home is not None
+
+    @property
+    def placement(self) -> Placement:
+        """Which process serves which rank of the running (or last) pipeline."""
+        return self._placement
+
+    @property
     def pids(self) -> dict[int, int]:
-        """Process id of each rank's worker (on its own machine)."""
+        """Process id of each worker process by its slot (on its own machine): slot r serves rank r; the rank
+        of the last stage runs in this process (`placement`)."""
         return {rank: slot.pid for rank, slot in enumerate(self._world.slots)} if self._world else {}
 
     @property
@@ -121,13 +152,18 @@ class RpcCommunicator(Communicator):
         timeout = float(specs[0].timeout)
         until = deadline(timeout)
         try:
-            world = self._world or self._open(len(specs), timeout, [_device_of(s) for s in specs])
-            if len(specs) > len(world.slots):
+            placement = self._placement = place(specs, self.colocate)
+            remote = placement.remote
+            here = home_device(specs, placement)
+            world = self._world or self._open(len(remote), timeout, [_device_of(specs[r]) for r in remote], here)
+            if len(remote) > len(world.slots):
                 raise TransportError(
-                    f"the pipeline has {len(specs)} ranks but this communicator's workers offer {len(world.slots)} "
-                    "slots; create it with workers=... large enough"
+                    f"the pipeline's workers serve {len(remote)} ranks but this communicator's workers offer "
+                    f"{len(world.slots)} slots; create it with workers=... large enough"
                 )
             self._stages_of = {spec.rank: [shard.index for shard in spec.shards] for spec in specs}
+            layout = world.plane.layout.describe(placement.home) if world.plane is not None else ""
+            log.info("lightning_pipe rpc: %s; %s", placement.describe(self._stages_of, here or "cpu"), layout)
             return self._build(world, specs, worker_cls, until, timeout)
         except BaseException:
             self._endpoint = None
@@ -136,18 +172,21 @@ class RpcCommunicator(Communicator):
 
     def shutdown(self, timeout: float) -> None:
         endpoint, self._endpoint = self._endpoint, None
+        home, self._home = self._home, None
         if endpoint is not None:
             register_inbox(endpoint.launch, COORDINATOR, None)
             endpoint.close()
             until = deadline(timeout)
             futures = []
             lost = {slot.rank for slot, _ in self._world.server.lost(self.heartbeat_timeout)} if self._world else set()
-            for rank in self._stages_of:
-                if rank in lost:
+            for rank in self._placement.remote:
+                if rank in lost or rank not in self._stages_of:
                     continue
                 with contextlib.suppress(Exception):
                     args = (endpoint.launch, rank, max(1.0, timeout - 1.0))
                     futures.append(rpc.rpc_async(endpoint.names[rank], stop_stage, args=args))
+            if home is not None and not home.stop(max(1.0, remaining(until) - 1.0)):
+                warnings.warn(f"the stage thread of rank {home.rank} in this process did not stop", stacklevel=2)
             wait_all(futures, until)
         if not self.keep_alive or self._lost is not None:
             self.close(timeout)
@@ -159,6 +198,9 @@ class RpcCommunicator(Communicator):
         problems = []
         for slot, reason in world.lost(self.heartbeat_timeout):
             problems.append(self._describe(slot, self._exit_reason(slot) or reason))
+        ended = self._home.ended() if self._home is not None else None
+        if ended is not None:
+            problems.append(f"rank {self._placement.home} in the coordinator's process: {ended}")
         endpoint = self._endpoint
         if endpoint is not None and endpoint.stats.failures and not problems:
             problems.append("messages could not be delivered: " + "; ".join(endpoint.stats.failures[:3]))
@@ -172,7 +214,7 @@ class RpcCommunicator(Communicator):
         if self._world is None:
             count = self.workers or 1
             try:
-                self._open(count, timeout, ["cpu"] * count)
+                self._open(count, timeout, ["cpu"] * count, None)
             except BaseException:
                 self.close()
                 raise
@@ -187,6 +229,9 @@ class RpcCommunicator(Communicator):
         if reset:
             endpoint.stats = TransportStats()
         for rank in self._stages_of:
+            if self._home is not None and rank == self._home.rank:
+                out[rank] = self._home.stats(reset)
+                continue
             future = rpc.rpc_async(endpoint.names[rank], stage_stats, args=(endpoint.launch, rank, reset))
             out[rank] = future.wait()
         return out
@@ -194,6 +239,9 @@ class RpcCommunicator(Communicator):
     def close(self, timeout: float = 30.0) -> None:
         """End the RPC world and every worker process (nothing is left behind, also after errors)."""
         world, self._world = self._world, None
+        home, self._home = self._home, None
+        if home is not None:  # a launch that failed half way
+            home.stop(min(timeout, 5.0))
         if world is None:
             return
         world.close(timeout, self.heartbeat_timeout)
@@ -210,7 +258,9 @@ class RpcCommunicator(Communicator):
         self.close()
 
     # opening a world
-    def _open(self, count: int, timeout: float, devices: list[str]) -> HostedWorld:
+    def _open(self, count: int, timeout: float, devices: list[str], home: str | None) -> HostedWorld:
+        """Open a world of ``count`` slots (local: spawned on ``devices``); ``home``: the device of the stage this
+        process holds, if it holds one (its data plane takes the GPU to GPU path where it can)."""
         global _ACTIVE
         if _ACTIVE is not None and _ACTIVE is not self:
             raise TransportError(
@@ -240,26 +290,38 @@ class RpcCommunicator(Communicator):
         spawn = None
         if self.local:
             total = max(count, self.workers or 0)
-            threads = self.threads or max(1, (os.cpu_count() or 1) // total)
-            spawn = (devices + ["cpu"] * (total - len(devices)), threads)
+            # the cores are shared by the worker processes and the stage this process holds
+            self._threads = self.threads or max(1, (os.cpu_count() or 1) // (total + (home is not None)))
+            spawn = (devices + ["cpu"] * (total - len(devices)), self._threads)
             count = total
-        world.open(count, timeout, spawn)
+        else:
+            self._threads = self.threads
+        world.open(count, timeout, spawn, home)
         return world
 
     def _build(
         self, world: HostedWorld, specs: list[Any], worker_cls: Any, until: float, timeout: float
     ) -> RpcEndpoint:
         launch = f"{world.tag}-{secrets.token_hex(3)}"
-        endpoint = RpcEndpoint(COORDINATOR, launch, world.names, world.hosts, self.codec, world.plane)
+        placement = self._placement
+        names, hosts = placement.address_book(world.names, world.hosts)
+        processes = placement.processes()
+        endpoint = RpcEndpoint(COORDINATOR, launch, names, hosts, self.codec, world.plane, processes)
         register_inbox(launch, COORDINATOR, endpoint.inbox)
         self._endpoint = endpoint
-        futures = []
-        for spec in specs:
-            device = None if self.local else world.slots[spec.rank].device
+        futures = {}
+        for rank in placement.remote:
+            device = None if self.local else world.slots[rank].device
             # the spec holds the user's modules: what the training script defines itself goes by value
-            args = (launch, ByValue(spec), ByValue(worker_cls), world.names, world.hosts, device, ByValue(self.codec))
-            futures.append(rpc.rpc_async(world.names[spec.rank], build_stage, args=args))
-        for rank, future in enumerate(futures):
+            spec, codec = ByValue(specs[rank]), ByValue(self.codec)
+            args = (launch, spec, ByValue(worker_cls), names, hosts, device, codec, processes)
+            futures[rank] = rpc.rpc_async(names[rank], build_stage, args=args)
+        if placement.home is not None:  # built here meanwhile; stopped by `close` if anything fails from here on
+            home = self._home = HomeStage(launch, placement.home)
+            home.build(
+                specs[placement.home], worker_cls, names, hosts, self.codec, world.plane, processes, self._threads
+            )
+        for rank, future in futures.items():
             while not wait_future(future, min(0.5, remaining(until))):
                 self._wait_step(until, f"rank {rank} to build its stage")
             try:
@@ -267,7 +329,7 @@ class RpcCommunicator(Communicator):
             except Exception as exc:
                 raise StageError(
                     self._stages_of[rank][0], None, "build", f"building the stage failed: {_first_line(exc)}",
-                    str(exc), world.hosts[rank],
+                    str(exc), hosts[rank],
                 ) from None  # fmt: skip
         for rank in range(len(specs)):  # the ready ping, through the same path as every later message
             endpoint.send(rank, Message(MessageKind.CALL, 0, payload=("ping", ())))
@@ -292,7 +354,7 @@ class RpcCommunicator(Communicator):
     # describing losses
     def _describe(self, slot: Slot, reason: str) -> str:
         rank = slot.rank if slot.rank is not None else -1
-        stages = self._stages_of.get(rank)
+        stages = self._stages_of.get(rank) if rank in self._placement.remote else None
         what = f"stage {', '.join(map(str, stages))}" if stages else "an idle worker"
         return f"{what} (rank {rank}) on {slot.where()}: {reason}"
 

@@ -4,7 +4,9 @@ A control message is one ``rpc_async`` call of `deliver` on the receiving proces
 threads deserialize it and put it into the receiver's `OrderedInbox`, which wakes its event loop (the
 seed's "I/O thread and callback"). Activations, outputs and gradients go over the world's data plane
 (`rpc_plane`, point to point), whose receiving thread decompresses their tensors (`compress`) and puts
-them into the same inbox. Without a data plane they go by ``rpc_async`` too.
+them into the same inbox. Without a data plane they go by ``rpc_async`` too. Messages between endpoints of
+one process (the coordinator and the rank its process holds, `rpc_home`) go straight into the receiver's
+inbox, by reference: nothing is pickled, compressed or counted as sent.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from lightning_pipe.comm.rpc_plane import DataPlane, address, world_rank
 
 _CONTROL = (MessageKind.STEP, MessageKind.CALL, MessageKind.POST)  # the coordinator's control messages to stages
 _TENSORS = (MessageKind.ACTIVATION, MessageKind.OUTPUT, MessageKind.GRAD, MessageKind.INPUT_GRAD)  # compressed
+_COPIED = (MessageKind.CALL, MessageKind.POST, MessageKind.REPLY)  # their tensors are copied within a process
 _INBOXES: dict[tuple[str, int], OrderedInbox] = {}  # the inboxes of this process, by (launch, rank)
 
 
@@ -74,6 +77,8 @@ class TransportStats:
     parameter_tensors: int = 0  # tensors that were (views of) this process's parameters
     #: bytes of tensors on a device (CUDA) that crossed through host memory: over gloo or RPC, not device to device
     host_bytes: Counter[str] = field(default_factory=Counter)
+    #: messages handed by reference to an endpoint of the same process (the coordinator and the rank it holds)
+    local: Counter[str] = field(default_factory=Counter)
     failures: list[str] = field(default_factory=list)
     encode_seconds: float = 0.0  # compressing what it sent
     decode_seconds: float = 0.0  # decompressing what it received (in its I/O threads)
@@ -100,7 +105,9 @@ class _Arrivals(QueueInbox):
 class RpcEndpoint(Endpoint):
     """One participant: an ordered inbox filled by RPC and the data plane; ``rpc_async`` or the plane to anyone else.
 
-    With a ``plane`` the endpoint's inbox is attached to it until `close`.
+    With a ``plane`` the endpoint's inbox is attached to it until `close`. ``processes`` gives the world rank of
+    the pipeline ranks that `rpc_plane.world_rank` does not place (the coordinator's process and the rank it
+    holds); endpoints of one process hand their messages over by reference.
     """
 
     def __init__(
@@ -111,6 +118,7 @@ class RpcEndpoint(Endpoint):
         hosts: dict[int, str],
         codec: Codec | None = None,
         plane: DataPlane | None = None,
+        processes: dict[int, int] | None = None,
     ) -> None:
         self.rank = rank
         self.launch = launch
@@ -118,6 +126,7 @@ class RpcEndpoint(Endpoint):
         self.hosts = hosts
         self.codec = codec  # compresses the tensors of activation and gradient messages, both ways
         self.plane = plane
+        self.processes = dict(processes or {})
         self.bundles = plane is not None  # a step's later inputs go as one message (one frame)
         self.inbox = OrderedInbox(self._decode if codec is not None else None)
         self.stats = TransportStats()
@@ -138,6 +147,9 @@ class RpcEndpoint(Endpoint):
         self._watched |= {t.untyped_storage().data_ptr() for t in tensors}
 
     def send(self, rank: int, message: Message) -> None:
+        if self._here(rank):
+            self._hand_over(rank, message)
+            return
         if self.plane is not None and message.kind in _TENSORS:
             self._send_on_plane(rank, [message])
             return
@@ -159,7 +171,7 @@ class RpcEndpoint(Endpoint):
         future.add_done_callback(lambda f: self._delivered(rank, f))
 
     def send_many(self, rank: int, messages: list[Message]) -> None:
-        if self.plane is not None and messages and messages[0].kind in _TENSORS:
+        if self.plane is not None and messages and messages[0].kind in _TENSORS and not self._here(rank):
             self._send_on_plane(rank, messages)
         else:
             super().send_many(rank, messages)
@@ -171,6 +183,29 @@ class RpcEndpoint(Endpoint):
 
     def host(self, rank: int) -> str:
         return self.hosts.get(rank, "?")
+
+    def process(self, rank: int) -> int:
+        """The world rank of the process that holds pipeline rank ``rank`` (``COORDINATOR``: -1)."""
+        return self.processes.get(rank, world_rank(rank))
+
+    def _here(self, rank: int) -> bool:
+        """Whether ``rank`` is another endpoint of this process (a rank's messages to itself take the plane's
+        route to its own process, which passes them by reference too)."""
+        return rank != self.rank and self.process(rank) == self.process(self.rank)
+
+    def _hand_over(self, rank: int, message: Message) -> None:
+        """Put ``message`` into the inbox of ``rank`` in this process, by reference (in the sender's order).
+
+        The tensors of control calls and their replies are copied, as they would be between processes: a
+        checkpoint's state or an optimizer state loaded into the stage must not alias the stage's own tensors.
+        """
+        inbox = _INBOXES.get((self.launch, rank))
+        self.stats.local[message.kind] += 1
+        payload = message.payload
+        if message.kind in _COPIED:
+            payload = tree.map_tensors(lambda t: t.detach().clone(), payload)
+        if inbox is not None:  # else: a stage that has already stopped
+            inbox.put(replace(message, source=self.rank, payload=payload))
 
     def _decode(self, message: Message) -> Message:
         if message.kind not in _TENSORS:
@@ -185,7 +220,7 @@ class RpcEndpoint(Endpoint):
     def _send_on_plane(self, rank: int, messages: list[Message]) -> None:
         """Tensor messages of one kind over the data plane (several: one bundle); the codec runs before the send."""
         assert self.plane is not None
-        process = world_rank(rank)
+        process = self.process(rank)
         through_host = self.plane.through_host(process)
         ready = []
         for message in messages:

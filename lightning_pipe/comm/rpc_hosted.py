@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import secrets
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -45,9 +46,10 @@ class HostedWorld:
     plane: DataPlane | None = None
     joined: bool = False  # this process's RPC agent runs in this world
 
-    def open(self, count: int, timeout: float, spawn: tuple[list[str], int] | None) -> None:
+    def open(self, count: int, timeout: float, spawn: tuple[list[str], int] | None, home: str | None = None) -> None:
         """Wait for ``count`` slots (first starting local workers: ``spawn`` = (devices, threads)), assign their
-        ranks, make the data plane and join the RPC world."""
+        ranks, make the data plane and join the RPC world. ``home``: the device of the stage the coordinator's
+        process holds (`rpc_home`), which its side of the data plane uses."""
         until = deadline(timeout)
         server = self.server
         if spawn is not None:
@@ -60,7 +62,8 @@ class HostedWorld:
         tag = self.tag
         self.names = {COORDINATOR: f"lp{tag}-coordinator"} | {r: f"lp{tag}-{r}" for r in range(len(used))}
         self.hosts = {COORDINATOR: "the coordinator"} | {r: s.where() for r, s in enumerate(used)}
-        layout = PlaneLayout.of([(slot.host, slot.device) for slot in used])
+        here = (socket.gethostname(), home) if home is not None else None
+        layout = PlaneLayout.of([(slot.host, slot.device) for slot in used], here)
         # a worker reaches the store where it reached us (HOST may be a wildcard such as 0.0.0.0)
         assignment = {
             "world_size": len(used) + 1, "store_port": self.store.port, "tag": tag, "timeout": timeout,
@@ -69,10 +72,10 @@ class HostedWorld:
         server.assign(used, unused, assignment)
         interface = interface_of(self.host)
         # the data plane before the RPC world: a slot serves builds once in the world, and has its plane then
-        self.plane = open_plane(self.store, f"lp{tag}-plane", 0, layout, interface, timeout, describe_process)
+        prefix = f"lp{tag}-plane"
+        self.plane = open_plane(self.store, prefix, 0, layout, interface, timeout, describe_process, home)
         join_world(self.names[COORDINATOR], 0, len(used) + 1, self.store, timeout, interface, f"lp{tag}")
         self.joined = True
-        log.info("lightning_pipe rpc: %s", layout.describe())
 
     def lost(self, heartbeat_timeout: float) -> list[tuple[Slot, str]]:
         """Slots whose worker is gone, with the reason: the control channel's word, else the data plane's."""

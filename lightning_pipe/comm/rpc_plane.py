@@ -60,16 +60,17 @@ class PlaneLayout:
     shared: tuple[tuple[str, tuple[int, ...]], ...] = ()  # (device on its machine, world ranks) sharing a GPU
 
     @staticmethod
-    def of(slots: Sequence[tuple[str, str]]) -> PlaneLayout:
-        """The layout for stage slots given as (machine, device), in rank order."""
-        devices = [(host, _normalized(device)) for host, device in slots]
+    def of(slots: Sequence[tuple[str, str]], coordinator: tuple[str, str] | None = None) -> PlaneLayout:
+        """The layout for stage slots given as (machine, device), in rank order; ``coordinator``: the (machine,
+        device) of the stage the coordinator's process holds itself (`rpc_home`), None if it holds none."""
+        devices = [(host, _normalized(device)) for host, device in [coordinator or ("", "cpu"), *slots]]
         users = Counter(devices)
-        cuda = [w + 1 for w, (host, device) in enumerate(devices) if is_cuda(device)]
-        alone = tuple(w for w in cuda if users[devices[w - 1]] == 1)
+        cuda = [w for w, (_, device) in enumerate(devices) if is_cuda(device)]
+        alone = tuple(w for w in cuda if users[devices[w]] == 1)
         shared: dict[tuple[str, str], list[int]] = {}
         for w in cuda:
-            if users[devices[w - 1]] > 1:
-                shared.setdefault(devices[w - 1], []).append(w)
+            if users[devices[w]] > 1:
+                shared.setdefault(devices[w], []).append(w)
         return PlaneLayout(
             len(slots) + 1,
             alone if len(alone) > 1 else (),
@@ -84,9 +85,15 @@ class PlaneLayout:
         shared = tuple((str(d), tuple(int(w) for w in ws)) for d, ws in data.get("shared", []))
         return PlaneLayout(int(data["size"]), tuple(int(w) for w in data.get("nccl", [])), shared)
 
-    def describe(self) -> str:
-        """How tensors travel between the processes, for the log."""
-        ranks = lambda ws: ", ".join(str(w - 1) for w in ws)  # noqa: E731 - pipeline ranks of world ranks
+    def describe(self, home: int | None = None) -> str:
+        """How tensors travel between the processes, for the log; ``home``: the pipeline rank the coordinator's
+        process serves (its world rank 0), else that process is named as the coordinator."""
+
+        def ranks(ws: Sequence[int]) -> str:
+            named = sorted([w - 1 for w in ws if w] + ([home] if 0 in ws and home is not None else []))
+            text = ", ".join(str(r) for r in named)
+            return text + (" and the coordinator" if 0 in ws and home is None else "")
+
         text = "activations and gradients go point to point over gloo"
         if self.nccl:
             text += f"; between ranks {ranks(self.nccl)} (CUDA devices of their own) over NCCL, GPU to GPU"
@@ -171,8 +178,13 @@ def open_plane(
     interface: str | None,
     timeout: float,
     describe: Callable[[int], str],
+    device: str | None = None,
 ) -> DataPlane:
-    """Make this process's groups and wires (every process of the world calls it at once: it rendezvouses)."""
+    """Make this process's groups and wires (every process of the world calls it at once: it rendezvouses).
+
+    ``device``: this process's CUDA device for NCCL (default: its current one; the coordinator's process names
+    the device of the stage it holds, without making it the current device of the user's process).
+    """
     everyone = list(range(layout.size))
     gloo = _gloo_group(dist.PrefixStore(f"{prefix}-gloo", store), me, layout.size, interface, timeout)
     wire = Wire(gloo, everyone, me, describe, timeout, group_ranks=everyone, backend="gloo")
@@ -187,7 +199,7 @@ def open_plane(
             sources = range(index) if direction == "up" else range(index + 1, len(members))
             directed = Wire(
                 group, members, index, describe, timeout, group_ranks=range(len(members)), backend="nccl",
-                sends_to=list(targets), hears_from=list(sources),
+                sends_to=list(targets), hears_from=list(sources), device=_normalized(device) if device else None,
             )  # fmt: skip
             wires.append(directed)
             routes.update({members[k]: (directed, k) for k in targets})

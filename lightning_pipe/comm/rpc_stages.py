@@ -1,6 +1,7 @@
 """The stages an RPC worker process serves: built, stopped and queried by the coordinator through RPC.
 
-Every function here runs in the worker process, called by ``rpc_async`` from the coordinator.
+Every function here runs in the worker process, called by ``rpc_async`` from the coordinator; the
+coordinator's process calls the same ones directly for the stage it holds itself (`rpc_home`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ EXIT = threading.Event()  # a worker process leaves when the coordinator asks
 REPORT: list[Callable[[str], None]] = []
 #: in a worker process: its side of the world's data plane, once it joined the world
 PLANE: list[DataPlane] = []
+_CRASHES: dict[tuple[str, int], str] = {}  # why a stage's event loop broke, by (launch, rank)
 
 
 def build_stage(
@@ -34,18 +36,27 @@ def build_stage(
     hosts: dict[int, str],
     device: str | None,
     codec: Any = None,
+    processes: dict[int, int] | None = None,
+    plane: DataPlane | None = None,
 ) -> dict[str, Any]:
-    """Build the stage worker of ``spec`` in this process and start its event loop."""
+    """Build the stage worker of ``spec`` in this process and start its event loop.
+
+    ``processes``: the world rank of each pipeline rank that another rule than `rpc_plane.world_rank` places
+    (the coordinator's and the rank its process holds); ``plane``: this process's data plane (a worker's own).
+    """
     if device is not None:
         retarget(spec, device)
-    endpoint = RpcEndpoint(spec.rank, launch, names, hosts, codec, PLANE[0] if PLANE else None)
+    plane = plane if plane is not None else PLANE[0] if PLANE else None
+    endpoint = RpcEndpoint(spec.rank, launch, names, hosts, codec, plane, processes)
     try:
         worker = worker_cls(spec, endpoint)
     except BaseException:
         endpoint.close()
         raise
     endpoint.watch(p for shard in worker.shards.values() for p in shard.module.parameters())
-    thread = threading.Thread(target=_serve, args=(worker,), name=f"lightning_pipe-stage-{spec.rank}", daemon=True)
+    thread = threading.Thread(
+        target=_serve, args=(worker, launch), name=f"lightning_pipe-stage-{spec.rank}", daemon=True
+    )
     with _LOCK:
         register_inbox(launch, spec.rank, endpoint.inbox)
         _STAGES[(launch, spec.rank)] = (worker, thread, endpoint)
@@ -54,14 +65,25 @@ def build_stage(
     return {"rank": spec.rank, "pid": os.getpid(), "devices": devices}
 
 
-def _serve(worker: Any) -> None:
+def _serve(worker: Any, launch: str) -> None:
     try:
         worker.serve()
     except BaseException:  # the event loop itself broke: tell the coordinator through the control link
+        crash = f"the event loop of rank {worker.rank} crashed:\n{traceback.format_exc()}"
+        _CRASHES[(launch, worker.rank)] = crash
         report = REPORT[0] if REPORT else None
         if report is not None:
-            report(f"the event loop of rank {worker.rank} crashed:\n{traceback.format_exc()}")
+            report(crash)
         raise
+
+
+def stage_ended(launch: str, rank: int) -> str | None:
+    """Why the event loop of a built stage is no longer running (None while it runs, or if it was stopped)."""
+    with _LOCK:
+        entry = _STAGES.get((launch, rank))
+    if entry is None or entry[1].is_alive():
+        return None
+    return _CRASHES.get((launch, rank), "its event loop ended")
 
 
 def stop_stage(launch: str, rank: int, timeout: float) -> bool:
@@ -69,12 +91,14 @@ def stop_stage(launch: str, rank: int, timeout: float) -> bool:
     with _LOCK:
         entry = _STAGES.pop((launch, rank), None)
         inbox = register_inbox(launch, rank, None)
+        _CRASHES.pop((launch, rank), None)
     if entry is None or inbox is None:
         return True
     _, thread, endpoint = entry
     endpoint.close()
     inbox.put(Message(MessageKind.STOP))
-    thread.join(timeout)
+    if thread.ident is not None:  # started (an interrupted build may register it first)
+        thread.join(timeout)
     return not thread.is_alive()
 
 

@@ -1,0 +1,158 @@
+"""The rank the coordinator's process holds itself under ``transport="rpc"``: the pipeline's last stage.
+
+As in launched mode (`p2p`), the rank of the last stage runs as a stage worker thread in the
+coordinator's process, on its own device: the last stage's output and that output's gradient never
+cross processes, and the last stage computes each microbatch's loss itself (`Communicator.shares_objects`,
+the engine's `LossPlan`). Its inputs from the rank before it arrive over the world's data plane as any
+rank's do, and its input gradients go back the same way (the codec runs before each send that crosses);
+the coordinator's messages to it and its messages to the coordinator are handed over by reference. The
+worker processes serve the other ranks, rank r in slot r (world rank r + 1); this rank is world rank 0::
+
+    coordinator's process (world rank 0)                   worker process (slot 0, world rank 1)
+    coordinator ----------input (plane)----------------------> rank 0 (stage 0)
+        ^ losses, by reference                                    |
+    rank 1 (the last stage) <--------activation (plane)-----------+
+                            ---------grad (plane)----------------->
+
+A rank that holds several stages (virtual stages) comes along whole. Where it cannot come (one rank holds
+every stage, `runner="linear"`; its device is a GPU this machine does not have; ``colocate=False``) every
+rank runs in a worker process as before, the coordinator computes the losses, and the log says why.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lightning_pipe.comm import by_value
+from lightning_pipe.comm.base import COORDINATOR
+from lightning_pipe.comm.rpc_endpoint import TransportStats
+from lightning_pipe.comm.rpc_plane import DataPlane, world_rank
+from lightning_pipe.comm.rpc_stages import build_stage, stage_ended, stage_stats, stop_stage
+from lightning_pipe.errors import StageError
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Which process serves each pipeline rank of one launch: ``home`` in the coordinator's, the rest in slots."""
+
+    ranks: int
+    home: int | None  # the rank the coordinator's process holds (the last stage's), None: every rank in a worker
+    why_not: str = ""  # why no rank is home
+
+    @property
+    def remote(self) -> list[int]:
+        """The ranks served by worker processes (rank r by slot r)."""
+        return [rank for rank in range(self.ranks) if rank != self.home]
+
+    def processes(self) -> dict[int, int]:
+        """The world ranks that `rpc_plane.world_rank` does not give: the coordinator's, and its rank's."""
+        return {COORDINATOR: 0} | ({self.home: 0} if self.home is not None else {})
+
+    def process(self, rank: int) -> int:
+        return self.processes().get(rank, world_rank(rank))
+
+    def address_book(self, names: dict[int, str], hosts: dict[int, str]) -> tuple[dict[int, str], dict[int, str]]:
+        """The RPC names and places of the ranks for this launch, the world's by slot: the home rank is the
+        coordinator's process (its RPC name, and how errors name it)."""
+        names, hosts = dict(names), dict(hosts)
+        if self.home is not None:
+            names[self.home], hosts[self.home] = names[COORDINATOR], coordinator_host()
+        return names, hosts
+
+    def describe(self, stages_of: dict[int, list[int]], device: str) -> str:
+        """Which process holds which rank, for the log."""
+
+        def stages(rank: int) -> str:
+            held = stages_of.get(rank, [])
+            return ("stages " if len(held) > 1 else "stage ") + ", ".join(map(str, held))
+
+        remote = "; ".join(f"rank {r} ({stages(r)}) in worker process {r}" for r in self.remote)
+        if self.home is None:
+            return f"every rank in a worker process ({self.why_not}): {remote}"
+        here = f"rank {self.home} ({stages(self.home)}) in the coordinator's process on {device}, with the last stage"
+        return f"{here}; {remote}" if remote else here
+
+
+def place(specs: Sequence[Any], colocate: bool) -> Placement:
+    """Whether the coordinator's process holds the rank of the last stage for ``specs``, and if not, why."""
+    ranks = len(specs)
+    last = specs[0].rank_of_stage[-1] if specs else 0
+    if not colocate:
+        return Placement(ranks, None, "colocate=False")
+    if ranks < 2:
+        return Placement(ranks, None, "one rank holds every stage: it runs apart from the coordinator")
+    if last != ranks - 1:  # the runners place the last stage on the last rank; another layout stays apart
+        return Placement(ranks, None, f"the last stage is on rank {last}, not the last rank")
+    missing = [str(shard.device) for shard in specs[last].shards if not usable_here(str(shard.device))]
+    if missing:
+        return Placement(ranks, None, f"this process cannot use {', '.join(missing)}")
+    return Placement(ranks, last)
+
+
+def usable_here(device: str) -> bool:
+    """Whether this process can place a stage on ``device`` (a CUDA index this machine has; other types: yes)."""
+    kind, _, index = device.partition(":")
+    if kind != "cuda":
+        return True
+    return torch.cuda.is_available() and int(index or 0) < torch.cuda.device_count()
+
+
+def home_device(specs: Sequence[Any], placement: Placement) -> str | None:
+    """The device of the stage the coordinator's process holds (its first shard's), None if it holds none."""
+    if placement.home is None or not specs[placement.home].shards:
+        return None
+    return str(specs[placement.home].shards[0].device)
+
+
+def coordinator_host() -> str:
+    """How errors name the coordinator's process, as `control.Slot.where` names a worker's."""
+    return f"{socket.gethostname()} (the coordinator's process, pid {os.getpid()})"
+
+
+class HomeStage:
+    """The stage worker of the rank the coordinator's process holds: built, watched and stopped here."""
+
+    def __init__(self, launch: str, rank: int) -> None:
+        self.launch = launch
+        self.rank = rank
+
+    def build(
+        self,
+        spec: Any,
+        worker_cls: Any,
+        names: dict[int, str],
+        hosts: dict[int, str],
+        codec: Any,
+        plane: DataPlane | None,
+        processes: dict[int, int],
+        threads: int | None,
+    ) -> None:
+        """Build the stage from a copy of ``spec`` (it owns its parameters, as a worker's would) and serve it;
+        raises `StageError` naming the stage and this process if the build fails."""
+        spec = by_value.copy(spec)
+        if threads is not None and all(str(shard.device) == "cpu" for shard in spec.shards):
+            spec.options["num_threads"] = threads  # the thread's intra-op pool, as a worker process's
+        try:
+            build_stage(self.launch, spec, worker_cls, names, hosts, None, by_value.copy(codec), processes, plane)
+        except Exception as exc:
+            stage = spec.shards[0].index if spec.shards else self.rank
+            failure = f"building the stage failed: {type(exc).__name__}: {exc}"
+            raise StageError(stage, None, "build", failure, traceback.format_exc(), hosts[self.rank]) from None
+
+    def ended(self) -> str | None:
+        """Why its event loop stopped running (None while it runs)."""
+        return stage_ended(self.launch, self.rank)
+
+    def stats(self, reset: bool) -> TransportStats:
+        return stage_stats(self.launch, self.rank, reset)
+
+    def stop(self, timeout: float) -> bool:
+        """Stop its event loop; True once its thread ended within ``timeout``."""
+        return stop_stage(self.launch, self.rank, timeout)

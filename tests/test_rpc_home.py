@@ -1,0 +1,137 @@
+"""transport="rpc": the coordinator's process holds the rank of the last stage itself, as launched mode does.
+
+Its output and the output's gradient never cross processes and the loss is computed on the last stage;
+the worker processes serve the other ranks. Where that cannot be (``colocate=False``, one rank holding
+every stage) every rank runs in a worker process and the log says why.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import threading
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import mlp
+from rpc_models import FailsOn, worker_pool
+from torch import nn
+
+from lightning_pipe import Pipeline, StageError
+from lightning_pipe.comm import COORDINATOR, MessageKind
+from lightning_pipe.comm.rpc import RpcCommunicator
+
+
+@pytest.fixture(scope="module")
+def pool() -> Iterator[RpcCommunicator]:
+    yield from worker_pool(2)
+
+
+def data(rows: int = 24, seed: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, 8, generator=g), torch.randint(0, 3, (rows,), generator=g)
+
+
+def unsplit_grads(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+    reference = copy.deepcopy(model)
+    F.cross_entropy(reference(x), y).backward()
+    return {name: p.grad for name, p in reference.named_parameters() if p.grad is not None}
+
+
+def stage_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("lightning_pipe-stage-")]
+
+
+def test_the_last_stage_runs_in_the_coordinators_process(
+    pool: RpcCommunicator, caplog: pytest.LogCaptureFixture
+) -> None:
+    model = mlp()
+    x, y = data()
+    want = unsplit_grads(model, x, y)
+    with caplog.at_level(logging.INFO, logger="lightning_pipe"):
+        with Pipeline(model, stages=3, transport=pool, partition="uniform", timeout=60) as pipe:
+            assert pool.placement.home == 2 and pool.placement.remote == [0, 1] and pool.shares_objects
+            assert stage_threads() == ["lightning_pipe-stage-2"]  # its event loop, a thread of this process
+            pipe.train_step(x, y, F.cross_entropy, microbatches=4)
+            got = pipe.grads()
+            sent = pool.stats()
+    assert stage_threads() == []  # stopped with the pipeline
+    for name, grad in want.items():
+        torch.testing.assert_close(got[name], grad, rtol=0, atol=1e-5, msg=name)
+    assert "rank 2 (stage 2) in the coordinator's process on cpu, with the last stage" in caplog.text
+    assert "rank 0 (stage 0) in worker process 0; rank 1 (stage 1) in worker process 1" in caplog.text
+    # the losses were computed on the last stage: no output left it, no gradient of the output came to it
+    assert sent[2].local[MessageKind.LOSS] == 4 and MessageKind.OUTPUT not in sent[2].messages
+    assert MessageKind.GRAD not in sent[COORDINATOR].messages and MessageKind.GRAD not in sent[COORDINATOR].local
+
+
+def test_a_failure_on_the_last_stage_names_the_coordinators_process(pool: RpcCommunicator) -> None:
+    model = nn.Sequential(nn.Identity(), FailsOn(123.0), nn.Linear(8, 3))
+    x, y = data(rows=8)
+    x[5, 0] = 123.0  # row 5 is in microbatch 2 of 4
+    with Pipeline(model, stages=2, partition=[1, 2], transport=pool, timeout=60) as pipe:
+        with pytest.raises(StageError) as info:
+            pipe.train_step(x, y, F.cross_entropy, microbatches=4)
+        error = info.value
+        assert (error.stage, error.microbatch, error.action) == (1, 2, "1F2")
+        assert error.host is not None and f"the coordinator's process, pid {os.getpid()}" in error.host
+        assert "ValueError: bad row reached the stage" in str(error) and "in forward" in error.remote_traceback
+        x[5, 0] = 0.0
+        pipe.train_step(x, y, F.cross_entropy, microbatches=4)  # still usable
+
+
+def test_virtual_stages_bring_the_whole_last_rank(pool: RpcCommunicator) -> None:
+    """interleaved-1f1b, 4 stages on 2 ranks: rank 1 (stages 1 and 3) runs here, its stage 1 feeds rank 0's stage 2."""
+    model = mlp(depth=4)
+    x, y = data()
+    want = unsplit_grads(model, x, y)
+    with Pipeline(
+        model, stages=4, virtual_stages=2, schedule="interleaved-1f1b", transport=pool, partition="uniform", timeout=60
+    ) as pipe:  # fmt: skip
+        assert pool.placement.home == 1 and pool.placement.remote == [0]
+        pipe.train_step(x, y, F.cross_entropy, microbatches=4)
+        pipe.coordinator.settle()
+        got = pipe.grads()
+        sent = pool.stats()
+    for name, grad in want.items():
+        torch.testing.assert_close(got[name], grad, rtol=0, atol=1e-5, msg=name)
+    assert sent[1].messages[MessageKind.ACTIVATION] == 4 and sent[1].local[MessageKind.LOSS] == 4
+
+
+def test_one_rank_holding_every_stage_stays_in_a_worker(
+    pool: RpcCommunicator, caplog: pytest.LogCaptureFixture
+) -> None:
+    model = mlp()
+    x, y = data()
+    want = unsplit_grads(model, x, y)
+    with caplog.at_level(logging.INFO, logger="lightning_pipe"):
+        with Pipeline(model, stages=2, runner="linear", transport=pool, partition="uniform", timeout=60) as pipe:
+            assert pool.placement.home is None and not pool.shares_objects
+            pipe.train_step(x, y, F.cross_entropy, microbatches=4)
+            got = pipe.grads()
+    for name, grad in want.items():
+        torch.testing.assert_close(got[name], grad, rtol=0, atol=1e-5, msg=name)
+    assert "every rank in a worker process (one rank holds every stage" in caplog.text
+
+
+def test_colocate_false_keeps_every_rank_in_a_worker_process(pool: RpcCommunicator) -> None:
+    """Decided at each launch: the same pool runs a pipeline the earlier way."""
+    model = mlp()
+    x, y = data()
+    want = unsplit_grads(model, x, y)
+    pool.colocate = False
+    try:
+        with Pipeline(model, stages=2, transport=pool, partition="uniform", timeout=60) as pipe:
+            assert pool.placement.home is None and pool.placement.remote == [0, 1] and not pool.shares_objects
+            pipe.train_step(x, y, F.cross_entropy, microbatches=4)
+            got = pipe.grads()
+            sent = pool.stats()
+    finally:
+        pool.colocate = True
+    for name, grad in want.items():
+        torch.testing.assert_close(got[name], grad, rtol=0, atol=1e-5, msg=name)
+    # the coordinator computed the losses: the last stage's outputs and their gradients crossed
+    assert sent[1].messages[MessageKind.OUTPUT] == 4 and sent[COORDINATOR].messages[MessageKind.GRAD] == 4
