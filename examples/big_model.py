@@ -95,12 +95,13 @@ def main() -> None:
     parser.add_argument("--schedule", default="1f1b")
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--batch", type=int, default=16, help="rows per replica and step")
-    parser.add_argument("--epochs", type=int, default=3, help="one step per epoch")
+    parser.add_argument("--epochs", type=int, default=3, help="one step per epoch (0: build only)")
     parser.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")
     parser.add_argument("--clip", type=float, default=None)
     parser.add_argument("--ckpt-path", default=None)
     parser.add_argument("--save", default=None, help="checkpoint written after epoch --save-epoch")
     parser.add_argument("--save-epoch", type=int, default=0)
+    parser.add_argument("--save-at-end", default=None, help="checkpoint written after the fit, by every process")
     parser.add_argument("--single-file", action="store_true", help="save one file instead of a sharded folder")
     parser.add_argument("--weights", default=None, help="pretrained weights of the pipelined module")
     parser.add_argument("--plain", action="store_true", help="no pipeline: one process, the whole model")
@@ -155,6 +156,8 @@ def main() -> None:
     else:
         model = Big(args.width, args.depth, build, args.optimizer)
     trainer.fit(model, loader, ckpt_path=args.ckpt_path)
+    if args.save_at_end:
+        trainer.save_checkpoint(args.save_at_end)  # every process: each writes its own stage
     write_report(args.report, record.losses)
 
 

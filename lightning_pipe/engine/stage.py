@@ -22,6 +22,7 @@ from lightning_pipe.engine.versions import WorkerVersions
 from lightning_pipe.errors import PipeError, StageError
 from lightning_pipe.rng import StageRandom, run_seed
 from lightning_pipe.runtime import BaseRuntime, runtime_registry
+from lightning_pipe.weights import Materialized
 
 _IDLE_POLL = 1.0  # seconds between checks while waiting for the next step
 
@@ -46,8 +47,12 @@ class StageWorker:
         self.runtimes: dict[int, BaseRuntime] = {
             index: chosen[index] or runtime_registry.create(shard.device) for index, shard in self.shards.items()
         }
+        #: what this worker read from a checkpoint or weights, and what it initialised (`weights.Materialized`)
+        self.materialized = Materialized()
         if spec.init is not None:  # tensors without values (a model built on meta), a resumed run's: made here
-            spec.init.apply([(s.module, self.runtimes[i].torch_device) for i, s in self.shards.items()])
+            self.materialized = spec.init.apply(
+                [(s.module, self.runtimes[i].torch_device) for i, s in self.shards.items()]
+            )
         for index, shard in self.shards.items():
             shard.module = self.runtimes[index].move_module(shard.module)
             shard.module._pipe_runtime = self.runtimes[index]

@@ -34,6 +34,7 @@ from lightning.pytorch.strategies.launchers.subprocess_script import _Subprocess
 from torch.distributed.device_mesh import init_device_mesh
 from typing_extensions import override
 
+from lightning_pipe.allocator import give_back_large_blocks
 from lightning_pipe.comm import P2PCommunicator, serve_stages
 from lightning_pipe.comm.p2p_wire import close_open_wires
 from lightning_pipe.engine.runners import worker_of_stages
@@ -161,6 +162,7 @@ class LaunchedWorld:
 
     def connect(self, cluster_environment: Any) -> None:
         """Join torch.distributed (unless joined) and make this layout's process groups."""
+        give_back_large_blocks()  # this process holds its stage, not the freed space of its gradients
         device = self.root_device
         if not dist.is_initialized():
             backend = _get_default_process_group_backend_for_device(device)
