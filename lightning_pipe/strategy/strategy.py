@@ -230,8 +230,8 @@ class PipeStrategy(ModelStateStrategy):
         self.setup_precision_plugin()
         self.optimization.setup(self.mode != LOCAL, self.builder.outside(lightning_module))
         self.optimization.layouts = optimizer_layouts(lightning_module, self.optimizers)  # checkpoints' keys
-        if self.world is not None:  # by name: a stage built in this process swaps its parameters (FSDP's shards)
-            self.optimization.stage_names = self.builder.parameter_names(self.optimizers)
+        # by name: building the stages may replace their parameters (made real from meta, FSDP's shards)
+        self.optimization.stage_names = self.builder.parameter_names(self.optimizers)
         self.steps.setup(StepSetting(lightning_module, trainer, self.root_device, scaler))
         self._install(trainer)
         self.builder.build_early(getattr(lightning_module, "example_input_array", None))
@@ -243,12 +243,15 @@ class PipeStrategy(ModelStateStrategy):
     def _built(self, pipeline: Pipeline) -> None:
         """The stages exist: they get the saved generator states, the optimizers their per-stage parts; in launched
         mode this process keeps its own stage and the tensors outside the pipeline, nothing else."""
-        lightning_module, names = self.lightning_module, self.optimization.stage_names
-        if self.world is not None and lightning_module is not None:
+        lightning_module, names = self.lightning_module, self.optimization.stage_names or {}
+        launched = self.world is not None
+        if launched and lightning_module is not None:
             self.stage.release(keep=self.builder.outside_tensors(lightning_module))
+        elif self.mode == LOCAL:  # the stages are this module's: parameters made real from meta replace its own
+            self.builder.rebind(self.optimizers, names)
         self.random.restore(pipeline)
-        self.optimization.attach(pipeline, self.optimizers, self.root_device, names)
-        if names is not None:  # the optimizers hold no tensor of a stage: the stages step their own
+        self.optimization.attach(pipeline, self.optimizers, self.root_device, names if launched else None)
+        if launched:  # the optimizers hold no tensor of a stage: the stages step their own
             for optimizer in self.optimizers:
                 swap_parameters(optimizer, names)
 

@@ -1,0 +1,177 @@
+"""Big models: memory splits like compute (examples/big_model.py, real processes on 127.0.0.1 over gloo).
+
+Every launch runs ``examples/big_model.py`` as a user does (Lightning's launcher starts the processes); each
+process reports its losses and its peak resident memory. The plain Trainer's runs are the references.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from launching import ROOT, Run, lightning_launch
+
+from lightning_pipe import PipeStrategy
+from lightning_pipe.weights.consolidate import consolidate
+
+EXAMPLE = str(ROOT / "examples" / "big_model.py")
+sys.path.insert(0, str(ROOT / "examples"))
+import big_model  # noqa: E402 - the example, imported for its LightningModule
+
+MIB = 1 << 20
+
+
+def launch(args: list[str], timeout: float = 600) -> Run:
+    run = lightning_launch(EXAMPLE, args, timeout=timeout)
+    assert run.ok, f"launch failed ({run.returncodes}):\n{run.output[-6000:]}"
+    return run
+
+
+def reports(folder: Path) -> list[dict[str, Any]]:
+    return [json.loads(p.read_text()) for p in sorted(folder.glob("rank*.json"))]
+
+
+def losses(folder: Path) -> list[list[float]]:
+    """The losses of each replica's coordinator (the processes that run Lightning's loop)."""
+    return [r["losses"] for r in reports(folder) if r["losses"]]
+
+
+def close(a: list[float], b: list[float], rel: float = 1e-5) -> bool:
+    return len(a) == len(b) and all(abs(x - y) <= rel * abs(y) for x, y in zip(a, b, strict=True))
+
+
+def state_of(checkpoint: Path, out: Path) -> dict[str, torch.Tensor]:
+    """The module state of a checkpoint (a sharded folder is made one file first)."""
+    if checkpoint.is_dir():
+        checkpoint = consolidate(checkpoint, out)
+    return torch.load(checkpoint, weights_only=True)["state_dict"]
+
+
+def same_state(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: float = 1e-6) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+@pytest.mark.slow
+def test_a_512_mib_model_resumed_per_stage_holds_a_stage_per_process(tmp_path: Path) -> None:
+    """32 x Linear(2048, 2048), SGD with momentum (1.5 GiB of training state), resumed from a plain Trainer's
+    checkpoint: 1 x 4 (eager, meta, configure_model) and 2 x 2 FSDP (meta) take the plain run's losses, and
+    every process stays within its share of the training state."""
+    state = 3 * 32 * (2048 * 2048 + 2048) * 4 / MIB  # parameters + gradients + momentum, in MiB
+    launch(["--empty", "--report", str(tmp_path / "empty")])
+    empty = reports(tmp_path / "empty")[0]["peak_mib"]
+    launch(["--plain", "--save", str(tmp_path / "plain.ckpt"), "--report", str(tmp_path / "plain")])
+    plain = losses(tmp_path / "plain")[0][1:]  # the two steps after the checkpoint
+    cases = {
+        "eager": (["--build", "eager"], 0.55),
+        "meta": (["--build", "meta"], 0.35),
+        "configure_model": (["--build", "configure_model"], 0.35),
+        # 2 replicas of 8 rows each: the plain run's 16 rows per step
+        "fsdp": (["--build", "meta", "--stages", "2", "--data-parallel", "fsdp", "--batch", "8"], 0.40),
+    }
+    for name, (args, share) in cases.items():
+        out = tmp_path / name
+        launch([*args, "--ckpt-path", str(tmp_path / "plain.ckpt"), "--report", str(out)])
+        got = reports(out)
+        assert len(got) == 4
+        peaks = [(r["peak_mib"] - empty) / state for r in got]
+        assert max(peaks) <= share, f"{name}: peak memory per process / training state = {peaks} (> {share})"
+        per_replica = losses(out)  # each replica's loss is over its half of the rows: their mean is over all
+        got_losses = [sum(step) / len(step) for step in zip(*per_replica, strict=True)]
+        assert close(got_losses, plain), f"{name}: {per_replica} != {plain}"
+
+
+SMALL = ["--width", "32", "--depth", "6", "--microbatches", "2"]
+
+
+@pytest.mark.slow
+def test_fsdp_2x2_equals_lightning_ddp_with_two_processes(tmp_path: Path) -> None:
+    """3 SGD steps (gpipe) and 3 Adam steps (1f1b, clipping) from the same eagerly built model: FSDP over each stage's 2 replicas takes Lightning
+    DDP's steps (same per-process batch), losses and trained parameters to 1e-5."""
+    for optimizer, schedule, clip in (("sgd", "gpipe", []), ("adam", "1f1b", ["--clip", "0.05"])):
+        case = [*SMALL, "--epochs", "3", "--optimizer", optimizer, "--batch", "8", *clip]
+        fsdp, ddp = tmp_path / f"fsdp-{optimizer}", tmp_path / f"ddp-{optimizer}"
+        launch([*case, "--stages", "2", "--data-parallel", "fsdp", "--build", "eager", "--schedule", schedule,
+                "--save-at-end", str(fsdp / "ckpt"), "--report", str(fsdp)])  # fmt: skip
+        launch([*case, "--ddp", "--devices", "2", "--save-at-end", str(ddp / "ckpt"), "--report", str(ddp)])
+        for a, b in zip(losses(fsdp), losses(ddp), strict=True):
+            assert close(a, b), f"{optimizer}: {a} != {b}"
+        diff = same_state(state_of(fsdp / "ckpt", fsdp / "one.ckpt"), state_of(ddp / "ckpt", ddp / "one.ckpt"))
+        assert diff < 1e-5, f"{optimizer}: parameters differ from DDP's by {diff:.2e}"
+
+
+@pytest.mark.slow
+def test_a_sharded_fsdp_checkpoint_resumes_under_any_layout(tmp_path: Path) -> None:
+    """A 2 x 2 FSDP run's sharded checkpoint resumes under 1 x 4 (DDP), 4 x 1 and local mode: the next step
+    takes every layout to the same parameters (16 rows, one global batch); consolidated, it loads strictly into
+    a plain Trainer's module with its own values."""
+    common = [*SMALL, "--optimizer", "adam", "--build", "meta"]
+    first = tmp_path / "fsdp"
+    launch([*common, "--stages", "2", "--data-parallel", "fsdp", "--batch", "8", "--epochs", "2",
+            "--save", str(first / "saved"), "--save-at-end", str(first / "final"), "--report", str(first)])  # fmt: skip
+    expected = state_of(first / "final", first / "final.ckpt")
+    layouts = {"1x4": ["--stages", "4", "--batch", "16"], "4x1": ["--stages", "1", "--batch", "4"]}
+    for name, args in layouts.items():
+        out = tmp_path / name
+        launch([*common, *args, "--epochs", "2", "--ckpt-path", str(first / "saved"), "--save-at-end",
+                str(out / "final"), "--report", str(out)])  # fmt: skip
+        diff = same_state(state_of(out / "final", out / "final.ckpt"), expected)
+        assert diff < 1e-5, f"{name}: the resumed step differs from the 2 x 2 run's by {diff:.2e}"
+    # local mode, in this process: all stages are threads here
+    L.seed_everything(0, verbose=False)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_epochs=2, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+        strategy=PipeStrategy(stages=2, microbatches=2, transport="local"),
+    )  # fmt: skip
+    with trainer.init_module(empty_init=True):
+        model = big_model.Big(32, 6, "meta", "adam")
+    torch.manual_seed(1)
+    data = torch.utils.data.TensorDataset(torch.randn(16, 32), torch.randn(16, 32))
+    trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=16), ckpt_path=str(first / "saved"))
+    local = {f"model.{k}": v for k, v in model.model.state_dict().items()}
+    assert same_state(local, expected) < 1e-5
+    # the folder as one file, in a plain Trainer's module: strict, equal to the folder's values
+    single = state_of(first / "saved", tmp_path / "saved.ckpt")
+    plain = big_model.Big(32, 6, "eager", "adam")
+    plain.load_state_dict(single, strict=True)
+    folder = open_folder_state(first / "saved")
+    assert same_state({f"model.{k}": v for k, v in plain.model.state_dict().items()}, folder) == 0.0
+
+
+def open_folder_state(folder: Path) -> dict[str, torch.Tensor]:
+    from lightning_pipe.weights.checkpoint import open_checkpoint
+
+    model = open_checkpoint(folder).model()
+    return {key: model.get(key) for key in model.keys()}
+
+
+@pytest.mark.slow
+def test_the_same_seed_builds_the_same_model_in_every_layout(tmp_path: Path) -> None:
+    """Built on meta with no checkpoint, each stage initialises its own tensors from the run's seed and their
+    names: 1 x 4, 2 x 2 and local mode start from the same parameters."""
+    runs = {"1x4": ["--stages", "4"], "2x2": ["--stages", "2"]}
+    states = {}
+    for name, args in runs.items():
+        out = tmp_path / name
+        launch([*SMALL, *args, "--build", "meta", "--epochs", "0", "--save-at-end", str(out / "initial")])
+        states[name] = state_of(out / "initial", out / "initial.ckpt")
+    L.seed_everything(0, verbose=False)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_epochs=0, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, strategy=PipeStrategy(stages=3, transport="local"),
+    )  # fmt: skip
+    with trainer.init_module(empty_init=True):
+        model = big_model.Big(32, 6, "meta", "sgd")
+    torch.manual_seed(1)
+    data = torch.utils.data.TensorDataset(torch.randn(8, 32), torch.randn(8, 32))
+    trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=8))
+    local = {f"model.{k}": v for k, v in model.model.state_dict().items()}
+    assert same_state(states["1x4"], local) == 0.0
+    assert same_state(states["2x2"], local) == 0.0
+    assert local["model.0.weight"].std() > 0  # initialised, not zeros
