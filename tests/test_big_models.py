@@ -91,8 +91,8 @@ SMALL = ["--width", "32", "--depth", "6", "--microbatches", "2"]
 
 @pytest.mark.slow
 def test_fsdp_2x2_equals_lightning_ddp_with_two_processes(tmp_path: Path) -> None:
-    """3 SGD steps (gpipe) and 3 Adam steps (1f1b, clipping) from the same eagerly built model: FSDP over each stage's 2 replicas takes Lightning
-    DDP's steps (same per-process batch), losses and trained parameters to 1e-5."""
+    """3 SGD steps (gpipe) and 3 Adam steps (1f1b, clipping) from the same eagerly built model: FSDP over each
+    stage's 2 replicas takes Lightning DDP's steps (same per-process batch), losses and trained parameters to 1e-5."""
     for optimizer, schedule, clip in (("sgd", "gpipe", []), ("adam", "1f1b", ["--clip", "0.05"])):
         case = [*SMALL, "--epochs", "3", "--optimizer", optimizer, "--batch", "8", *clip]
         fsdp, ddp = tmp_path / f"fsdp-{optimizer}", tmp_path / f"ddp-{optimizer}"
@@ -175,3 +175,29 @@ def test_the_same_seed_builds_the_same_model_in_every_layout(tmp_path: Path) -> 
     assert same_state(states["1x4"], local) == 0.0
     assert same_state(states["2x2"], local) == 0.0
     assert local["model.0.weight"].std() > 0  # initialised, not zeros
+
+
+@pytest.mark.slow
+def test_pretrained_safetensors_weights_are_read_per_stage(tmp_path: Path) -> None:
+    """A HF GPT-2 (from a config) saved with ``save_pretrained`` in small safetensors shards: 1 x 4 with the model
+    built on meta reads each stage's tensors in that stage's process (its tied head from the embedding's key),
+    nothing else, and trains as the plain model loaded with ``from_pretrained`` does."""
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    from causal_lm import CausalLM
+
+    torch.manual_seed(0)
+    CausalLM().model.save_pretrained(tmp_path / "weights", max_shard_size="100KB")
+    assert (tmp_path / "weights" / "model.safetensors.index.json").is_file()
+    script = str(ROOT / "tests" / "hf_weights_train.py")
+    for mode in ("plain", "pipe"):
+        args = ["--weights", str(tmp_path / "weights"), "--report", str(tmp_path / mode)]
+        run = lightning_launch(script, [*args, "--plain"] if mode == "plain" else args, timeout=600)
+        assert run.ok, run.output[-6000:]
+    want, got = reports(tmp_path / "plain")[0]["losses"], reports(tmp_path / "pipe")
+    assert close(got[0]["losses"], want), f"{got[0]['losses']} != {want}"
+    held: list[str] = []
+    for report in got:
+        assert report["read"] == report["holds"], "a process read tensors that are not its stage's"
+        held += report["holds"]
+    assert "lm_head.weight" in held and len(set(held)) == len(held)  # every stage its own keys, once

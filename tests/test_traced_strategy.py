@@ -40,8 +40,8 @@ class Recorder(L.Callback):
         self.losses.append(float(outputs["loss"]))
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
-        if not self.grads:
-            self.grads = [p.grad.detach().clone() for p in pl_module.parameters()]
+        if not self.grads:  # (none here where the stages own their parameters: rpc)
+            self.grads = [p.grad.detach().clone() for p in pl_module.parameters() if p.grad is not None]
 
 
 class Wrapper(L.LightningModule):
@@ -266,3 +266,19 @@ def test_steps_that_call_the_model_in_different_ways() -> None:
         results.append((trainer.callback_metrics["val_loss"], torch.cat(trainer.predict(module, data))))
     torch.testing.assert_close(results[0][0], results[1][0])
     assert torch.equal(results[0][1], results[1][1])
+
+
+def test_a_traced_model_whose_stages_own_their_parameters_takes_its_first_step() -> None:
+    """rpc: the first training step cuts the model (the pipeline is built inside the step's closure) and its
+    optimizer step must reach the stages built there, not the LightningModule's own copy; each of three SGD
+    steps then equals the plain run (before the fix the first update was lost and every later loss differed)."""
+    torch.manual_seed(0)
+    piped = Wrapper(TinyGPT(), gpt_step)
+    plain = copy.deepcopy(piped)
+    data = DataLoader(TensorDataset(*gpt_batch(rows=24)), batch_size=8)
+    strategy = PipeStrategy(stages=2, microbatches=2, split_points=["blocks.2"], transport="rpc", timeout=120)
+    got = fit(piped, data, strategy)
+    want = fit(plain, data)
+    torch.testing.assert_close(torch.tensor(got.losses), torch.tensor(want.losses), rtol=1e-5, atol=1e-5)
+    for p, q in zip(piped.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-5)

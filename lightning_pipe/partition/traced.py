@@ -288,7 +288,10 @@ class TracedPartitioner(Partitioner):
         return (0, *traced.signature.tensors(traced.call))
 
     def _compare(self, module: nn.Module, variant: int) -> None:
-        """Run the stages one after another on the example and compare with the unsplit model."""
+        """Run the stages one after another on the example and compare with the unsplit model (a model built on
+        meta has no values to compare: its stages are made real where they run)."""
+        if any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers())):
+            return
         traced = self.variants[variant][True]
         for training in (False, True):
             with preserved(module), torch.no_grad():
@@ -329,9 +332,10 @@ def _constants(traced: dict[bool, Traced]) -> dict[str, Any]:
 
 def _on_module_device(call: CallArgs, module: nn.Module) -> CallArgs:
     """The example where the module is: the strategy hands over batches on the last stage's device while the
-    module waits on the cpu for its stages to place it."""
+    module waits on the cpu for its stages to place it. A module built on meta is traced where the example is
+    (its layers get values there while they run: `stand_in_values`)."""
     first = next(itertools.chain(module.parameters(), module.buffers()), None)
-    if first is None:
+    if first is None or first.is_meta:
         return call
     args, kwargs = tree.map_tensors(lambda t: t.to(first.device), (call.args, call.kwargs))
     return CallArgs(tuple(args), dict(kwargs))

@@ -41,6 +41,7 @@ from lightning_pipe.partition.explain import (
     user_frame_of,
 )
 from lightning_pipe.partition.signature import CallArgs, Signature, class_forward
+from lightning_pipe.partition.stand_ins import stand_in, stand_in_values
 
 __all__ = ["CallArgs", "ConcreteTracer", "LeafSpec", "Signature", "TraceError", "Traced", "class_forward", "trace"]
 
@@ -169,9 +170,11 @@ class ConcreteTracer(fx.Tracer):
             if kind == "call_method":
                 return getattr(args[0], target)(*args[1:], **kwargs)
             if kind == "call_module":
-                return self.root.get_submodule(target)(*args, **kwargs)
+                module = self.root.get_submodule(target)
+                with stand_in_values(module, (args, kwargs)):  # a model built on meta: zeros while it runs
+                    return module(*args, **kwargs)
             if kind == "get_attr":
-                return _fetch(self.root, target)
+                return stand_in(_fetch(self.root, target), self._values)
         raise AssertionError(f"unexpected node kind {kind!r}")
 
     def trace_call(self, root: nn.Module, call: CallArgs) -> tuple[fx.Graph, Signature]:

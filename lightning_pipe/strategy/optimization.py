@@ -91,8 +91,10 @@ class StageOptimization:
                 optimizer.zero_grad(set_to_none=True)
 
     def steps_stages(self, optimizer: Any) -> bool:
-        """Whether ``optimizer`` (or the LightningOptimizer around it) is stepped on the stages."""
-        return self.stage_params is not None and self.stage_params.view(optimizer) is not None
+        """Whether ``optimizer`` (or the LightningOptimizer around it) is stepped on the stages: it has their
+        parts, or the stages do not exist yet (the step builds them: a traced module is cut on its first call)."""
+        params = self.stage_params
+        return params is not None and (params.view(optimizer) is not None or not params.views)
 
     def optimizer_step(
         self, precision: Any, optimizer: Any, model: pl.LightningModule, closure: Callable[[], Any], **kwargs: Any

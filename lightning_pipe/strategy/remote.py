@@ -16,6 +16,7 @@ import lightning.pytorch as pl
 import torch
 from typing_extensions import override
 
+from lightning_pipe.errors import PipeError
 from lightning_pipe.optim import StageOptimizers
 
 if TYPE_CHECKING:
@@ -110,8 +111,9 @@ class StageParameters:
     def optimizer_step(
         self, precision: Any, optimizer: Any, model: pl.LightningModule, closure: Callable[[], Any], **kwargs: Any
     ) -> Any:
-        view = self.view(optimizer)
-        assert view is not None
+        view: StageOptimizerView | _AwaitedView | None = self.view(optimizer)
+        if view is None:  # the step builds the stages (a traced module): they are stepped once it ran
+            view = _AwaitedView(self, getattr(optimizer, "_optimizer", optimizer))
         view.scaler = getattr(precision, "scaler", None)
 
         def closure_then_unscale() -> Any:
@@ -176,6 +178,59 @@ class StageParameters:
         precision.clip_grad_by_norm = clip_grad_by_norm
         precision.clip_grad_by_value = clip_grad_by_value
         precision._pipe_clipping = True
+
+
+class _AwaitedView:
+    """What the precision plugin steps when the stages do not exist yet: the first training step builds them
+    (a traced module is cut on its first call, inside the closure). After the closure ran, the optimizer's view
+    exists and takes over; before, the user's optimizer's ``param_groups`` serve the hooks."""
+
+    _step_supports_amp_scaling = True
+
+    def __init__(self, parameters: StageParameters, template: torch.optim.Optimizer) -> None:
+        self.parameters = parameters
+        self.template = template
+        self.scaler: Any = None
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        view = self.parameters.view(self.template)
+        return view.param_groups if view is not None else self.template.param_groups
+
+    @property
+    def state(self) -> Any:
+        return self.template.state
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return self.template.defaults
+
+    def _view(self) -> StageOptimizerView:
+        view = self.parameters.view(self.template)
+        if view is None:
+            raise PipeError("the training step ran but built no stages to step; the pipeline was not built")
+        view.scaler = self.scaler
+        return view
+
+    def after_backward(self) -> None:
+        self._view().after_backward()
+
+    def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        view = self._view()
+        for name in ("found_inf", "grad_scale"):  # what a GradScaler's step set on this object
+            if hasattr(self, name):
+                setattr(view, name, getattr(self, name))
+        view.step(None)
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        view = self.parameters.view(self.template)
+        if view is not None:
+            view.zero_grad(set_to_none)
 
 
 class StageGradZeroing(pl.Callback):

@@ -30,8 +30,8 @@ class StageInit:
     the pipelined module's path in the checkpoint's keys (``"model."``). Tensors it holds are read from it
     (also into tensors that have values already, with ``overwrite``: a resumed run); tensors without values
     (built on meta) that it does not hold are initialised by their modules under ``seed`` and their names.
-    ``aliases`` are the other names of tied tensors; ``init_owner`` a meta copy of the pipelined module that
-    initialises modules without ``reset_parameters`` (HuggingFace's ``_init_weights``).
+    ``aliases`` are the other names of tied tensors; ``init_owner`` a model of the pipelined module's class and
+    configuration, on meta, that initialises modules without ``reset_parameters`` (HuggingFace's ``_init_weights``).
     """
 
     path: str | None = None
@@ -46,12 +46,9 @@ class StageInit:
         """This description for the pipelined ``module``: with the names its tied tensors share, and (for a model
         that initialises its modules itself, HuggingFace's) a meta copy of it to do so."""
         owner = self.init_owner
-        if owner is None and callable(getattr(module, "_init_weights", None)) and self._may_initialise(module):
-            owner = meta_copy(module)
+        if owner is None and callable(getattr(module, "_init_weights", None)) and on_meta(module):
+            owner = _model_like(module)
         return replace(self, aliases=self.aliases or aliases_of(module), init_owner=owner)
-
-    def _may_initialise(self, module: nn.Module) -> bool:
-        return on_meta(module)
 
     def source(self) -> WeightSource | None:
         """The opened source, its keys those of the pipelined module (None: nothing to read)."""
@@ -82,6 +79,16 @@ class StageInit:
             if source is not None:
                 source.close()
         return done
+
+
+def _model_like(module: nn.Module) -> nn.Module | None:
+    """A new model of ``module``'s class and configuration, on meta (a HuggingFace model: what its
+    ``_init_weights`` reads), or None where the class is not built from a ``config``."""
+    config = getattr(module, "config", None)
+    if config is None:
+        return None
+    with torch.device("meta"):
+        return type(module)(config)  # type: ignore[no-any-return]
 
 
 def meta_copy(obj: T, modules: Iterable[nn.Module] | None = None) -> T:
