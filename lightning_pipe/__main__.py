@@ -16,7 +16,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     worker.add_arguments(
         commands.add_parser("worker", help="serve pipeline stages for a coordinator (a training script)")
     )
+    consolidating = commands.add_parser(
+        "consolidate", help="make one checkpoint file (what a plain Trainer loads) of a sharded checkpoint folder"
+    )
+    consolidating.add_argument("folder", help="a checkpoint folder written by launched mode")
+    consolidating.add_argument("output", help="the file to write (it must not exist)")
     args = parser.parse_args(argv)
+    if args.command == "consolidate":
+        from lightning_pipe.weights.consolidate import consolidate
+
+        print(f"wrote {consolidate(args.folder, args.output)}")
+        return 0
     return worker.run(args)
 
 

@@ -166,20 +166,6 @@ class PipelineBuilder:
         stage_ids = {id(p) for p in self.pipelined.parameters()}
         return [p for p in lightning_module.parameters() if id(p) not in stage_ids]
 
-    def parameter_names(self, optimizers: list[torch.optim.Optimizer]) -> dict[int, str]:
-        """The ids of the optimizers' parameters that are the pipelined module's, with their names in it."""
-        assert self.pipelined is not None
-        names = {id(p): name for name, p in self.pipelined.named_parameters()}
-        return {id(p): names[id(p)] for o in optimizers for g in o.param_groups for p in g["params"] if id(p) in names}
-
-    def rebind(self, optimizers: list[torch.optim.Optimizer], names: dict[int, str]) -> None:
-        """The optimizers' parameters that the stages replaced (made real from meta) become the new ones."""
-        assert self.pipelined is not None
-        current = dict(self.pipelined.named_parameters())
-        for optimizer in optimizers:
-            for group in optimizer.param_groups:
-                group["params"] = [current.get(names[id(p)], p) if id(p) in names else p for p in group["params"]]
-
     def outside_tensors(self, lightning_module: pl.LightningModule) -> list[torch.Tensor]:
         """The LightningModule's parameters and buffers outside the pipelined module (the coordinator's own)."""
         assert self.pipelined is not None

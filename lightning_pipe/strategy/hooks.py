@@ -89,3 +89,10 @@ class RuntimeHooks(pl.Callback):
     on_test_batch_end = on_validation_batch_end
     on_predict_batch_start = on_validation_batch_start
     on_predict_batch_end = on_validation_batch_end
+
+
+def install(callbacks: list[pl.Callback], *wanted: pl.Callback) -> None:
+    """Add each of ``wanted`` to the Trainer's ``callbacks`` unless it is there already (a fit after a fit)."""
+    for callback in wanted:
+        if not any(existing is callback for existing in callbacks):
+            callbacks.append(callback)

@@ -14,12 +14,16 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
 from lightning_pipe.grads import GradStash
 from lightning_pipe.pipeline import Pipeline
 from lightning_pipe.strategy.asynchronous import AsyncTraining
+from lightning_pipe.strategy.layout import LAUNCHED, LOCAL
 from lightning_pipe.strategy.remote import StageGradZeroing, StageParameters
+from lightning_pipe.strategy.resume import optimizer_layouts
+from lightning_pipe.strategy.stage_placement import swap_parameters
 
 
 class StageOptimization:
@@ -55,16 +59,43 @@ class StageOptimization:
             callbacks.append(StageGradZeroing(self.stage_params))
         StageParameters.patch_clipping(precision)
 
+    def name_parameters(
+        self, lightning_module: nn.Module, pipelined: nn.Module, optimizers: list[torch.optim.Optimizer]
+    ) -> None:
+        """At setup: each optimizer's parameters by their key (what checkpoints store by position) and, for those of
+        the pipelined module, by their name there (building the stages may replace them: made real from meta,
+        sharded by FSDP)."""
+        self.layouts = optimizer_layouts(lightning_module, optimizers)
+        names = {id(p): name for name, p in pipelined.named_parameters()}
+        self.stage_names = {id(p): names[id(p)] for o in optimizers for g in o.param_groups for p in g["params"]
+                            if id(p) in names}  # fmt: skip
+
     def attach(
         self,
         pipeline: Pipeline,
         optimizers: list[torch.optim.Optimizer],
         device: torch.device,
-        names: dict[int, str] | None = None,
+        mode: str,
+        pipelined: nn.Module,
     ) -> None:
-        """A pipeline was built: give each optimizer its per-stage parts (where the stages own parameters)."""
+        """A pipeline was built: each optimizer steps the stages' parameters where they live.
+
+        Local mode: the stages are the LightningModule's modules; parameters they made real replace their meta
+        ones in the optimizers. Stages that own their parameters (rpc, launched): each optimizer gets its
+        per-stage parts; in launched mode, found by name, and the optimizers keep only meta stand-ins of the
+        stages' parameters (this process's own stage included: its stage optimizer steps it).
+        """
+        names = self.stage_names or {}
+        if mode == LOCAL:
+            current = dict(pipelined.named_parameters())
+            for optimizer in optimizers:
+                for group in optimizer.param_groups:
+                    group["params"] = [current.get(names.get(id(p), ""), p) for p in group["params"]]
         if self.stage_params is not None and optimizers:
-            self.stage_params.attach(pipeline, optimizers, device, names)
+            self.stage_params.attach(pipeline, optimizers, device, names if mode == LAUNCHED else None)
+        if mode == LAUNCHED:
+            for optimizer in optimizers:
+                swap_parameters(optimizer, names)
 
     @contextmanager
     def set_aside(self) -> Iterator[None]:
@@ -103,11 +134,21 @@ class StageOptimization:
         assert self.stage_params is not None
         return self.stage_params.optimizer_step(precision, optimizer, model, closure, **kwargs)
 
-    def fold(self, pipeline: Pipeline | None) -> None:
-        """Before the stages stop: the LightningModule and its optimizers end up trained, as usual."""
-        if self.stage_params is not None and self.stage_params.views and pipeline is not None:
-            pipeline.sync_module()
-            self.stage_params.fold_into_templates()
+    def fold(self, pipeline: Pipeline | None, has_values: bool = True) -> None:
+        """Before the stages stop: the LightningModule and its optimizers end up trained, as usual (rpc), where the
+        module has values to take them (``has_values``: one built on meta keeps none, this process holds no stage)."""
+        if self.stage_params is None or not self.stage_params.views or pipeline is None:
+            return
+        if not has_values:
+            rank_zero_warn(
+                "PipeStrategy(transport='rpc'): the model was built on the meta device, so this process holds no "
+                "stage; the trained values lived in the worker processes, which stop now. Save a checkpoint during "
+                "the fit (a ModelCheckpoint callback) to keep them"
+            )
+            self.forget_stages()
+            return
+        pipeline.sync_module()
+        self.stage_params.fold_into_templates()
 
     def forget_stages(self) -> None:
         """After an error: the stages may be gone, nothing to gather from them."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import lightning.pytorch as pl
@@ -25,20 +25,20 @@ from lightning_pipe.strategy.arguments import check_arguments, check_memory_argu
 from lightning_pipe.strategy.asynchronous import AsyncTraining
 from lightning_pipe.strategy.building import PipelineBuilder, Placement, autocast_of
 from lightning_pipe.strategy.checkpoints import Checkpoints
-from lightning_pipe.strategy.hooks import RuntimeHooks
+from lightning_pipe.strategy.hooks import RuntimeHooks, install
 from lightning_pipe.strategy.interrupts import CtrlC
 from lightning_pipe.strategy.layout import LOCAL
-from lightning_pipe.strategy.model_state import ModelStateStrategy
 from lightning_pipe.strategy.optimization import StageOptimization
 from lightning_pipe.strategy.patch import Patches
 from lightning_pipe.strategy.random_state import RandomStreams
-from lightning_pipe.strategy.resume import optimizer_layouts
-from lightning_pipe.strategy.stage_placement import ProcessStage, swap_parameters
+from lightning_pipe.strategy.stage_placement import ProcessStage
+from lightning_pipe.strategy.step_hooks import StepHooksStrategy
 from lightning_pipe.strategy.steps import StepDriver, StepSetting
 from lightning_pipe.strategy.trace import PipeTrace
+from lightning_pipe.weights import on_meta
 
 
-class PipeStrategy(ModelStateStrategy):
+class PipeStrategy(StepHooksStrategy):
     """Splits the LightningModule's pipelined module into stages and runs each step as a pipeline.
 
     Args:
@@ -92,6 +92,13 @@ class PipeStrategy(ModelStateStrategy):
             values combine with the weights normalised over the batch: return what the loss averages
             over, e.g. ``lambda b: (b["labels"][:, 1:] != -100).sum()`` for a causal LM's labelled tokens.
             A microbatch of weight 0 adds nothing, not even its loss's gradient.
+        data_parallel: launched mode with several replicas: ``"ddp"`` (each replica holds its whole stage, gradients
+            averaged) or ``"fsdp"`` (each stage sharded over its replicas with FSDP2, gradients reduce-scattered once
+            per step).
+        weights: pretrained weights of the pipelined module (safetensors, a file or a sharded folder with its index;
+            a ``torch.save``d state dict; a torch.distributed.checkpoint folder): each stage reads its own tensors.
+        save_distributed_checkpoint: launched mode writes a checkpoint as a folder, every process its own stage
+            (True), or as one file, written a tensor at a time (False); see `lightning_pipe.weights`.
 
     Lightning's hooks hand the work to the parts the strategy holds: ``builder`` (the pipeline), ``steps``
     (each step, microbatch by microbatch), ``optimization`` (gradients and optimizer steps), ``random``
@@ -146,16 +153,17 @@ class PipeStrategy(ModelStateStrategy):
         weights_path = str(weights) if weights is not None else None
         checkpoints = Checkpoints(builder, self.optimization, self.random, self.asynchronous, weights_path)
         stage = ProcessStage(data_parallel, lambda: mixed_precision_policy(self.precision_plugin.precision))
+        steps = StepDriver(
+            microbatches, microbatch_weight, timeout, builder, self.optimization, self.random, self.asynchronous
+        )  # fmt: skip
         super().__init__(
             stages, device_names, transport, virtual_stages, runner, timeout, asynchronous, stage,
             accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin,
             checkpoints=checkpoints, builder=builder, save_distributed_checkpoint=save_distributed_checkpoint,
+            steps=steps, optimization=self.optimization,
         )  # fmt: skip
         self.pipe_trace = trace if isinstance(trace, PipeTrace) or trace is None else PipeTrace(trace)
-        self.steps = StepDriver(
-            microbatches, microbatch_weight, self.timeout, self.builder, self.optimization, self.random,
-            self.asynchronous,
-        )  # fmt: skip
+        self._runtime_hooks = RuntimeHooks(self)  # the stages' runtime callbacks at Lightning's hooks
         self._patches = Patches()  # attributes set on the user's objects for this fit, restored exactly
         self._ctrl_c = CtrlC()  # Ctrl-C works again after a fit it stopped
         self._trainer: pl.Trainer | None = None
@@ -229,9 +237,7 @@ class PipeStrategy(ModelStateStrategy):
                 self.asynchronous.attach(self.optimizers, stage_params, trainer.accumulate_grad_batches, scaler)
         self.setup_precision_plugin()
         self.optimization.setup(self.mode != LOCAL, self.builder.outside(lightning_module))
-        self.optimization.layouts = optimizer_layouts(lightning_module, self.optimizers)  # checkpoints' keys
-        # by name: building the stages may replace their parameters (made real from meta, FSDP's shards)
-        self.optimization.stage_names = self.builder.parameter_names(self.optimizers)
+        self.optimization.name_parameters(lightning_module, pipelined, self.optimizers)
         self.steps.setup(StepSetting(lightning_module, trainer, self.root_device, scaler))
         self._install(trainer)
         self.builder.build_early(getattr(lightning_module, "example_input_array", None))
@@ -243,17 +249,12 @@ class PipeStrategy(ModelStateStrategy):
     def _built(self, pipeline: Pipeline) -> None:
         """The stages exist: they get the saved generator states, the optimizers their per-stage parts; in launched
         mode this process keeps its own stage and the tensors outside the pipeline, nothing else."""
-        lightning_module, names = self.lightning_module, self.optimization.stage_names or {}
-        launched = self.world is not None
-        if launched and lightning_module is not None:
+        lightning_module = self.lightning_module
+        if self.world is not None and lightning_module is not None:
             self.stage.release(keep=self.builder.outside_tensors(lightning_module))
-        elif self.mode == LOCAL:  # the stages are this module's: parameters made real from meta replace its own
-            self.builder.rebind(self.optimizers, names)
         self.random.restore(pipeline)
-        self.optimization.attach(pipeline, self.optimizers, self.root_device, names if launched else None)
-        if launched:  # the optimizers hold no tensor of a stage: the stages step their own
-            for optimizer in self.optimizers:
-                swap_parameters(optimizer, names)
+        assert self.builder.pipelined is not None
+        self.optimization.attach(pipeline, self.optimizers, self.root_device, self.mode, self.builder.pipelined)
 
     @override
     def model_to_device(self) -> None:
@@ -265,11 +266,8 @@ class PipeStrategy(ModelStateStrategy):
         assert self.builder.pipelined is not None
         self._patches.set(self.builder.pipelined, "forward", self.steps.forward)
         callbacks: list[pl.Callback] = trainer.callbacks  # type: ignore[attr-defined]
-        if not any(isinstance(cb, RuntimeHooks) and cb.strategy is self for cb in callbacks):
-            callbacks.append(RuntimeHooks(self))
+        install(callbacks, self._runtime_hooks, *([self.pipe_trace] if self.pipe_trace is not None else []))
         self.optimization.install(callbacks, self.precision_plugin)
-        if self.pipe_trace is not None and not any(cb is self.pipe_trace for cb in callbacks):
-            callbacks.append(self.pipe_trace)
 
     @override
     def teardown(self) -> None:
@@ -287,7 +285,8 @@ class PipeStrategy(ModelStateStrategy):
             self.steps.end_stream()
             self.checkpoints.close()
             if self.world is None:  # launched mode: each process's LightningModule already holds its own stage
-                self.optimization.fold(self.builder.pipeline)
+                module = self.lightning_module
+                self.optimization.fold(self.builder.pipeline, module is not None and not on_meta(module))
         finally:  # whatever failed above: the user's objects as they were, the stages stopped
             self._patches.restore()
             self.steps.close()
@@ -303,51 +302,6 @@ class PipeStrategy(ModelStateStrategy):
         if self.asynchronous is not None:
             self.asynchronous.abort()  # nor to drain
         self._shutdown(exception)
-
-    @override
-    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
-        return super().batch_to_device(batch, device or self.root_device, dataloader_idx)
-
-    # steps
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self.steps.run("training_step", args, kwargs, self.precision_plugin.train_step_context)
-
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self.steps.run("validation_step", args, kwargs, self.precision_plugin.val_step_context)
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self.steps.run("test_step", args, kwargs, self.precision_plugin.test_step_context)
-
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self.steps.run("predict_step", args, kwargs, self.precision_plugin.predict_step_context)
-
-    @override
-    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-        """Put the gradients the pipeline computed during ``training_step`` on ``p.grad``.
-
-        Lightning zeroes gradients between ``training_step`` and ``backward``, so the pipeline keeps
-        them aside until now. The precision plugin's hooks still run (``on_before_backward``,
-        ``on_after_backward``); ``LightningModule.backward`` is not called: the pipeline did the backward.
-        """
-        lightning_module, pipeline = self.lightning_module, self.builder.pipeline
-        assert lightning_module is not None and pipeline is not None and self._trainer is not None
-        self.pre_backward(closure_loss)
-        closure_loss = self.precision_plugin.pre_backward(closure_loss, lightning_module)
-        self.optimization.apply_grads(pipeline, 1.0 / self._trainer.accumulate_grad_batches)
-        closure_loss = self.precision_plugin.post_backward(closure_loss, lightning_module)
-        self.post_backward(closure_loss)
-        return closure_loss
-
-    @override
-    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        if not self.optimization.steps_stages(optimizer):
-            return super().optimizer_step(optimizer, closure, model, **kwargs)
-        model = model or self.lightning_module
-        return self.optimization.optimizer_step(self.precision_plugin, optimizer, model, closure, **kwargs)
 
     # what users ask of the strategy
     def staleness(self) -> list[Staleness]:
