@@ -90,6 +90,7 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=32)
     parser.add_argument("--build", choices=["eager", "meta", "configure_model"], default="meta")
     parser.add_argument("--devices", type=int, default=4)
+    parser.add_argument("--accelerator", default="cpu", help="cpu, or gpu: one process per GPU")
     parser.add_argument("--stages", type=int, default=4)
     parser.add_argument("--data-parallel", choices=["ddp", "fsdp"], default="ddp")
     parser.add_argument("--schedule", default="1f1b")
@@ -137,7 +138,7 @@ def main() -> None:
         )
     record = Record(args.save, args.save_epoch)
     trainer = L.Trainer(
-        accelerator="cpu",
+        accelerator=args.accelerator,
         devices=1 if args.plain else args.devices,
         strategy=strategy,
         max_epochs=args.epochs,
@@ -167,7 +168,10 @@ def write_report(folder: str | None, losses: list[float]) -> None:
         return
     rank = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", 0)))
     Path(folder).mkdir(parents=True, exist_ok=True)
-    (Path(folder) / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "losses": losses, "peak_mib": peak_mib()}))
+    report = {"rank": rank, "losses": losses, "peak_mib": peak_mib()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        report["cuda_peak_mib"] = torch.cuda.max_memory_allocated() / 2**20
+    (Path(folder) / f"rank{rank}.json").write_text(json.dumps(report))
 
 
 if __name__ == "__main__":
