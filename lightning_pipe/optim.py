@@ -202,12 +202,7 @@ class StageOptimizers:
                     per_rank[rank][name] = saved
         hparams = [{k: v for k, v in g.items() if k != "params"} for g in groups]
         self._call("load_optimizer_state", each=[(part, hparams) for part in per_rank])
-        if self._outside:
-            self.template.load_state_dict({"state": local, "param_groups": groups})
-        else:
-            for group, values in zip(self.template.param_groups, hparams, strict=True):
-                group.update(values)
-        self._pushed = copy.deepcopy(self._hparams())
+        self._load_template(local, hparams)
 
     def load_where_saved(
         self, load: Callable[[list[dict[str, Any]]], None], hparams: list[dict[str, Any]], outside: dict[int, Any]
@@ -215,11 +210,15 @@ class StageOptimizers:
         """Each rank reads its own state where it was saved (``load(hparams)`` asks them: launched mode, so that
         no process holds another's); ``outside``: the saved state of the template's own parameters, by position."""
         load(hparams)
-        groups, start = [], 0
-        for layout, values in zip(self._layout, hparams, strict=True):
-            groups.append({**values, "params": list(range(start, start + len(layout)))})
-            start += len(layout)
+        self._load_template(outside, hparams)
+
+    def _load_template(self, outside: dict[int, Any], hparams: list[dict[str, Any]]) -> None:
+        """The template's own parameters' state (by position) and every group's hyperparameters."""
         if self._outside:
+            groups, start = [], 0
+            for layout, values in zip(self._layout, hparams, strict=True):
+                groups.append({**values, "params": list(range(start, start + len(layout)))})
+                start += len(layout)
             self.template.load_state_dict({"state": outside, "param_groups": groups})
         else:
             for group, values in zip(self.template.param_groups, hparams, strict=True):

@@ -180,12 +180,10 @@ class StageParameters:
         precision._pipe_clipping = True
 
 
-class _AwaitedView:
+class _AwaitedView(StageOptimizerView):
     """What the precision plugin steps when the stages do not exist yet: the first training step builds them
     (a traced module is cut on its first call, inside the closure). After the closure ran, the optimizer's view
     exists and takes over; before, the user's optimizer's ``param_groups`` serve the hooks."""
-
-    _step_supports_amp_scaling = True
 
     def __init__(self, parameters: StageParameters, template: torch.optim.Optimizer) -> None:
         self.parameters = parameters
@@ -196,14 +194,6 @@ class _AwaitedView:
     def param_groups(self) -> list[dict[str, Any]]:
         view = self.parameters.view(self.template)
         return view.param_groups if view is not None else self.template.param_groups
-
-    @property
-    def state(self) -> Any:
-        return self.template.state
-
-    @property
-    def defaults(self) -> dict[str, Any]:
-        return self.template.defaults
 
     def _view(self) -> StageOptimizerView:
         view = self.parameters.view(self.template)
