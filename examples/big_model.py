@@ -96,9 +96,11 @@ def main() -> None:
     parser.add_argument("--schedule", default="1f1b")
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--batch", type=int, default=16, help="rows per replica and step")
-    parser.add_argument("--epochs", type=int, default=3, help="one step per epoch (0: build only)")
+    parser.add_argument("--epochs", type=int, default=3, help="one optimizer step per epoch (0: build only)")
     parser.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")
     parser.add_argument("--clip", type=float, default=None)
+    parser.add_argument("--accumulate", type=int, default=1, help="accumulate_grad_batches")
+    parser.add_argument("--recompute", default="auto", help="PipeStrategy(checkpoint=...): activation recomputation")
     parser.add_argument("--ckpt-path", default=None)
     parser.add_argument("--save", default=None, help="checkpoint written after epoch --save-epoch")
     parser.add_argument("--save-epoch", type=int, default=0)
@@ -117,7 +119,7 @@ def main() -> None:
     L.seed_everything(0, verbose=False)
     replicas = 1 if args.plain else args.devices if args.ddp else args.devices // args.stages
     torch.manual_seed(1)
-    rows = args.batch * replicas
+    rows = args.batch * replicas * args.accumulate
     data = TensorDataset(torch.randn(rows, args.width), torch.randn(rows, args.width))
     if args.plain:  # the order Lightning's distributed sampler gives a launched run (it shuffles, seed 0)
         loader = DataLoader(data, batch_size=args.batch, sampler=DistributedSampler(data, 1, 0, seed=0))
@@ -133,6 +135,7 @@ def main() -> None:
             microbatches=args.microbatches,
             schedule=args.schedule,
             data_parallel=args.data_parallel,
+            checkpoint=args.recompute,
             weights=args.weights,
             save_distributed_checkpoint=not args.single_file,
         )
@@ -143,6 +146,7 @@ def main() -> None:
         strategy=strategy,
         max_epochs=args.epochs,
         gradient_clip_val=args.clip,
+        accumulate_grad_batches=args.accumulate,
         use_distributed_sampler=not args.plain,
         callbacks=[record],
         logger=False,

@@ -17,6 +17,7 @@ import torch
 from launching import ROOT, Run, lightning_launch
 
 from lightning_pipe import PipeStrategy
+from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.weights.consolidate import consolidate
 
 EXAMPLE = str(ROOT / "examples" / "big_model.py")
@@ -92,13 +93,20 @@ SMALL = ["--width", "32", "--depth", "6", "--microbatches", "2"]
 @pytest.mark.slow
 def test_fsdp_2x2_equals_lightning_ddp_with_two_processes(tmp_path: Path) -> None:
     """3 SGD steps (gpipe) and 3 Adam steps (1f1b, clipping) from the same eagerly built model: FSDP over each
-    stage's 2 replicas takes Lightning DDP's steps (same per-process batch), losses and trained parameters to 1e-5."""
-    for optimizer, schedule, clip in (("sgd", "gpipe", []), ("adam", "1f1b", ["--clip", "0.05"])):
-        case = [*SMALL, "--epochs", "3", "--optimizer", optimizer, "--batch", "8", *clip]
-        fsdp, ddp = tmp_path / f"fsdp-{optimizer}", tmp_path / f"ddp-{optimizer}"
+    stage's 2 replicas takes Lightning DDP's steps (same per-process batch), losses and trained parameters to 1e-5;
+    so does 1f1b with gradient accumulation and recomputation."""
+    cases = (
+        ("sgd", "gpipe", []),
+        ("adam", "1f1b", ["--clip", "0.05"]),
+        ("sgd", "1f1b", ["--accumulate", "2", "--recompute", "always"]),
+    )
+    for optimizer, schedule, extra in cases:
+        case = [*SMALL, "--epochs", "3", "--optimizer", optimizer, "--batch", "8", *extra]
+        fsdp, ddp = tmp_path / f"fsdp-{len(extra)}-{schedule}", tmp_path / f"ddp-{len(extra)}-{schedule}"
         launch([*case, "--stages", "2", "--data-parallel", "fsdp", "--build", "eager", "--schedule", schedule,
                 "--save-at-end", str(fsdp / "ckpt"), "--report", str(fsdp)])  # fmt: skip
-        launch([*case, "--ddp", "--devices", "2", "--save-at-end", str(ddp / "ckpt"), "--report", str(ddp)])
+        ddp_case = [a for a in case if a not in ("--recompute", "always")]  # DDP has no stages to recompute
+        launch([*ddp_case, "--ddp", "--devices", "2", "--save-at-end", str(ddp / "ckpt"), "--report", str(ddp)])
         for a, b in zip(losses(fsdp), losses(ddp), strict=True):
             assert close(a, b), f"{optimizer}: {a} != {b}"
         diff = same_state(state_of(fsdp / "ckpt", fsdp / "one.ckpt"), state_of(ddp / "ckpt", ddp / "one.ckpt"))
@@ -154,8 +162,9 @@ def open_folder_state(folder: Path) -> dict[str, torch.Tensor]:
 @pytest.mark.slow
 def test_the_same_seed_builds_the_same_model_in_every_layout(tmp_path: Path) -> None:
     """Built on meta with no checkpoint, each stage initialises its own tensors from the run's seed and their
-    names: 1 x 4, 2 x 2 and local mode start from the same parameters."""
-    runs = {"1x4": ["--stages", "4"], "2x2": ["--stages", "2"]}
+    names: 1 x 4, 2 x 2 and local mode start from the same parameters (1 x 4 saves them as one file, written
+    a tensor at a time: save_distributed_checkpoint=False)."""
+    runs = {"1x4": ["--stages", "4", "--single-file"], "2x2": ["--stages", "2"]}  # 1 x 4 writes one file
     states = {}
     for name, args in runs.items():
         out = tmp_path / name
@@ -201,3 +210,12 @@ def test_pretrained_safetensors_weights_are_read_per_stage(tmp_path: Path) -> No
         assert report["read"] == report["holds"], "a process read tensors that are not its stage's"
         held += report["holds"]
     assert "lm_head.weight" in held and len(set(held)) == len(held)  # every stage its own keys, once
+
+
+def test_fsdp_refuses_split_backwards_and_one_file_before_any_work() -> None:
+    with pytest.raises(ConfigurationError, match="zero-bubble splits each backward"):
+        PipeStrategy(data_parallel="fsdp", schedule="zero-bubble")
+    with pytest.raises(ConfigurationError, match="consolidate"):
+        PipeStrategy(data_parallel="fsdp", save_distributed_checkpoint=False)
+    with pytest.raises(ConfigurationError, match="pass 'ddp'"):
+        PipeStrategy(data_parallel="zero")

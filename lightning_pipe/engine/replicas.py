@@ -29,12 +29,9 @@ from torch.nn.parallel import DistributedDataParallel
 class DataParallel(Protocol):
     """A stage over its replicas (DDP: `StageReplicas`, FSDP: `engine.stage_shards.StageShards`)."""
 
-    #: whether a backward may run as its input half then its weight half on its own (the early input gradient of
-    #: a stage's last backward); a schedule of split backwards (zero-bubble) is told so in `before_step`
+    #: whether a backward may run as its input half, then its weight half (zero-bubble's split backwards, the early
+    #: input gradient of a stage's last backward); where not, a split backward runs whole at its input half
     splits: bool
-
-    def before_step(self, splits_backward: bool) -> None:
-        """A training step starts; ``splits_backward``: its schedule runs backwards as input and weight halves."""
 
     def reduce(self, stages: Iterable[int]) -> None:
         """Combine the step's gradients of ``stages`` over the replicas, after the step's last backward."""
@@ -60,9 +57,6 @@ class StageReplicas:
                 broadcast_buffers=False,  # BatchNorm statistics stay per replica (see the README)
                 find_unused_parameters=False,
             )
-
-    def before_step(self, splits_backward: bool) -> None:
-        pass
 
     def reduce(self, stages: Iterable[int]) -> None:
         """Average the step's accumulated gradients of ``stages`` over the replicas (after their last backward)."""

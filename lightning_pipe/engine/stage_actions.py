@@ -27,7 +27,7 @@ from lightning_pipe.engine.stage_inbox import StageInbox, StepAborted
 from lightning_pipe.engine.stage_memory import StageMemory
 from lightning_pipe.engine.step_result import Record
 from lightning_pipe.engine.versions import WorkerVersions
-from lightning_pipe.errors import StageError
+from lightning_pipe.errors import ConfigurationError, StageError
 from lightning_pipe.executors import Activation, BackwardModule, output_grads, recompute
 from lightning_pipe.rng import StageRandom
 from lightning_pipe.runtime import BaseRuntime
@@ -97,10 +97,14 @@ class StageActions:
                 if plan.dataflow
                 else self.inbox.in_order(step, plan.actions, ready)
             )
-            splits = any(a.kind is Kind.BACKWARD_INPUT for a in plan.actions)
-            if training and replicas is not None:
-                replicas.before_step(splits)
-            early = self._early_input_grad(plan) if set_aside and (replicas is None or replicas.splits) else None
+            whole = replicas is not None and not replicas.splits  # FSDP frees a block's parameters after its backward
+            if whole and any(a.kind is Kind.BACKWARD_INPUT for a in plan.actions):
+                raise ConfigurationError(
+                    "this schedule splits backwards into input and weight halves (zero-bubble), which a stage "
+                    "sharded with FSDP cannot run (it frees a block's gathered parameters after its backward): use "
+                    "schedule='1f1b', 'gpipe' or 'interleaved-1f1b' with data_parallel='fsdp', or data_parallel='ddp'"
+                )
+            early = self._early_input_grad(plan) if set_aside and not whole else None
             for action in order:  # each action's inputs are here: its record times the work, not the wait
                 start = time.perf_counter()
                 self._parts.append((f"{action} idle", idle_since, start))  # waiting for its inputs

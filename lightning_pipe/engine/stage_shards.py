@@ -26,10 +26,10 @@ from torch import nn
 class StageShards:
     """FSDP2 of each shard module of a stage worker over ``mesh`` (the 1-D mesh of its stage's replicas).
 
-    A block's parameters are freed after its backward; a weight gradient computed after the input gradient
-    (a split backward) would read freed parameters. So no backward is split for speed alone (``splits``), and
-    a schedule of split backwards (zero-bubble) keeps each block's parameters gathered from its input half to
-    its weight half (`before_step`: the stage's whole parameters, for that step).
+    FSDP runs a block's backward with its gathered parameters and frees them after: a weight gradient computed
+    after the input gradient (a split backward) would miss them. So a stage sharded here never splits a
+    backward (``splits``): zero-bubble's split backwards run whole at their input half (the same gradients;
+    the weight halves' place in the schedule stays empty).
     """
 
     splits = False
@@ -48,10 +48,6 @@ class StageShards:
             root.set_requires_gradient_sync(False)  # reduced once per step, in `reduce`
             self.modules[index] = root
 
-    def before_step(self, splits_backward: bool) -> None:
-        for module in self.modules.values():
-            module.set_reshard_after_backward(not splits_backward)
-
     def reduce(self, stages: Iterable[int]) -> None:
         """Reduce-scatter the step's accumulated gradients of ``stages`` (after their last backward)."""
         from torch.distributed.fsdp import fully_shard
@@ -68,7 +64,6 @@ class StageShards:
                     group.post_backward()
             state._root_post_backward_final_callback()
             module.set_requires_gradient_sync(False)
-            module.reshard()  # a split step kept the parameters gathered: the step is over
 
 
 def blocks(module: nn.Module) -> list[nn.Module]:

@@ -103,7 +103,7 @@ def check_launched(processes: int, devices: Sequence[str] | None, runner: str, a
         )
 
 
-def check_memory_arguments(data_parallel: str, weights: Any, save_distributed_checkpoint: bool) -> None:
+def check_memory_arguments(data_parallel: str, weights: Any, save_distributed_checkpoint: bool, schedule: Any) -> None:
     """``data_parallel``, ``weights`` and ``save_distributed_checkpoint``: known values, weights that exist."""
     if data_parallel not in ("ddp", "fsdp"):
         raise ConfigurationError(
@@ -115,6 +115,12 @@ def check_memory_arguments(data_parallel: str, weights: Any, save_distributed_ch
             "PipeStrategy(data_parallel='fsdp', save_distributed_checkpoint=False): an FSDP stage is sharded over "
             "its replicas, and one file would gather it; keep the sharded checkpoints (save_distributed_checkpoint="
             "True) and make one file of a folder with `python -m lightning_pipe consolidate FOLDER OUT.ckpt`"
+        )
+    if data_parallel == "fsdp" and schedule == "zero-bubble":
+        raise ConfigurationError(
+            "PipeStrategy(data_parallel='fsdp', schedule='zero-bubble'): zero-bubble splits each backward into an "
+            "input and a weight half, and FSDP frees a block's gathered parameters after its backward; use "
+            "schedule='1f1b', 'gpipe' or 'interleaved-1f1b' with FSDP, or data_parallel='ddp' with zero-bubble"
         )
     if weights is not None and not os.path.exists(weights):
         raise ConfigurationError(f"PipeStrategy(weights={str(weights)!r}): no such file or folder")

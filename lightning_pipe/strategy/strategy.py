@@ -141,7 +141,7 @@ class PipeStrategy(StepHooksStrategy):
             stages, microbatches, schedule, devices, checkpoint, runtime, timeout, backend, strict, transport,
             coordinator, token, split_points, virtual_stages, runner, microbatch_weight, compress,
         )  # fmt: skip
-        check_memory_arguments(data_parallel, weights, save_distributed_checkpoint)
+        check_memory_arguments(data_parallel, weights, save_distributed_checkpoint, schedule)
         timeout = float(timeout)
         self.asynchronous = AsyncTraining() if asynchronous else None
         builder = PipelineBuilder(
