@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import time
 from collections.abc import Iterator
@@ -9,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from processes import leftover_processes, owned_env
 from torch import nn
 
@@ -147,3 +149,21 @@ def worker_pool(workers: int) -> Iterator[Any]:
     finally:
         communicator.close()
         assert leftover_processes() == [], "worker processes left behind"
+
+
+def classification_data(rows: int, seed: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rows`` inputs of width 8 and their labels among 3 classes."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, 8, generator=g), torch.randint(0, 3, (rows,), generator=g)
+
+
+def unsplit_grads(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The gradients of a copy of ``model`` after one cross-entropy backward over the whole batch."""
+    reference = copy.deepcopy(model)
+    F.cross_entropy(reference(x), y).backward()
+    return {name: p.grad for name, p in reference.named_parameters() if p.grad is not None}
+
+
+def assert_grads_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    for name, grad in want.items():
+        torch.testing.assert_close(got[name], grad, rtol=0, atol=1e-5, msg=name)

@@ -7,7 +7,6 @@ every stage) every rank runs in a worker process and the log says why.
 
 from __future__ import annotations
 
-import copy
 import logging
 import os
 import threading
@@ -17,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import mlp
-from rpc_models import FailsOn, worker_pool
+from rpc_models import FailsOn, assert_grads_equal, classification_data, unsplit_grads, worker_pool
 from torch import nn
 
 from lightning_pipe import Pipeline, StageError
@@ -30,15 +29,8 @@ def pool() -> Iterator[RpcCommunicator]:
     yield from worker_pool(2)
 
 
-def data(rows: int = 24, seed: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(rows, 8, generator=g), torch.randint(0, 3, (rows,), generator=g)
-
-
-def unsplit_grads(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
-    reference = copy.deepcopy(model)
-    F.cross_entropy(reference(x), y).backward()
-    return {name: p.grad for name, p in reference.named_parameters() if p.grad is not None}
+def data(rows: int = 24) -> tuple[torch.Tensor, torch.Tensor]:
+    return classification_data(rows)
 
 
 def stage_threads() -> list[str]:
@@ -59,8 +51,7 @@ def test_the_last_stage_runs_in_the_coordinators_process(
             got = pipe.grads()
             sent = pool.stats()
     assert stage_threads() == []  # stopped with the pipeline
-    for name, grad in want.items():
-        torch.testing.assert_close(got[name], grad, rtol=0, atol=1e-5, msg=name)
+    assert_grads_equal(got, want)
     assert "rank 2 (stage 2) in the coordinator's process on cpu, with the last stage" in caplog.text
     assert "rank 0 (stage 0) in worker process 0; rank 1 (stage 1) in worker process 1" in caplog.text
     # the losses were computed on the last stage: no output left it, no gradient of the output came to it
@@ -96,8 +87,7 @@ def test_virtual_stages_bring_the_whole_last_rank(pool: RpcCommunicator) -> None
         pipe.coordinator.settle()
         got = pipe.grads()
         sent = pool.stats()
-    for name, grad in want.items():
-        torch.testing.assert_close(got[name], grad, rtol=0, atol=1e-5, msg=name)
+    assert_grads_equal(got, want)
     assert sent[1].messages[MessageKind.ACTIVATION] == 4 and sent[1].local[MessageKind.LOSS] == 4
 
 
@@ -112,8 +102,7 @@ def test_one_rank_holding_every_stage_stays_in_a_worker(
             assert pool.placement.home is None and not pool.shares_objects
             pipe.train_step(x, y, F.cross_entropy, microbatches=4)
             got = pipe.grads()
-    for name, grad in want.items():
-        torch.testing.assert_close(got[name], grad, rtol=0, atol=1e-5, msg=name)
+    assert_grads_equal(got, want)
     assert "every rank in a worker process (one rank holds every stage" in caplog.text
 
 
@@ -131,7 +120,6 @@ def test_colocate_false_keeps_every_rank_in_a_worker_process(pool: RpcCommunicat
             sent = pool.stats()
     finally:
         pool.colocate = True
-    for name, grad in want.items():
-        torch.testing.assert_close(got[name], grad, rtol=0, atol=1e-5, msg=name)
+    assert_grads_equal(got, want)
     # the coordinator computed the losses: the last stage's outputs and their gradients crossed
     assert sent[1].messages[MessageKind.OUTPUT] == 4 and sent[COORDINATOR].messages[MessageKind.GRAD] == 4

@@ -6,15 +6,13 @@ group (`test_rpc_default_group`: a user's default group is left as it was).
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Iterator
 
 import pytest
 import torch
 import torch.nn.functional as F
 from helpers import mlp
-from rpc_models import worker_pool
-from torch import nn
+from rpc_models import assert_grads_equal, classification_data, unsplit_grads, worker_pool
 
 from lightning_pipe import Pipeline
 from lightning_pipe.comm import COORDINATOR, MessageKind
@@ -27,15 +25,8 @@ def pool() -> Iterator[RpcCommunicator]:
     yield from worker_pool(3)
 
 
-def data(rows: int = 32, seed: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(rows, 8, generator=g), torch.randint(0, 3, (rows,), generator=g)
-
-
-def unsplit_grads(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
-    reference = copy.deepcopy(model)
-    F.cross_entropy(reference(x), y).backward()
-    return {name: p.grad for name, p in reference.named_parameters() if p.grad is not None}
+def data(rows: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    return classification_data(rows)
 
 
 # where tensors go: the layout every slot receives
@@ -114,6 +105,5 @@ def test_a_rank_holding_consecutive_stages_hands_them_their_inputs_itself(pool: 
         pipe.coordinator.settle()
         got = pipe.grads()
         sent = pool.stats()[0]
-    for name, grad in want.items():
-        torch.testing.assert_close(got[name], grad, rtol=0, atol=1e-5, msg=name)
+    assert_grads_equal(got, want)
     assert sent.messages[MessageKind.ACTIVATION] == 2 * 4  # stage 0 -> 1 and 1 -> 2, to itself

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from lightning_pipe.comm import by_value
 from lightning_pipe.comm.base import COORDINATOR, Communicator, Endpoint, Message, deadline, remaining
+from lightning_pipe.comm.p2p_send import WireStats
 from lightning_pipe.comm.p2p_serve import (
     BUILD,
     BUILT,
@@ -44,7 +45,7 @@ from lightning_pipe.comm.p2p_serve import (
     default_describe,
     stop_message,
 )
-from lightning_pipe.comm.p2p_wire import LOST, STATS, STATS_REPLY, WIRE, Wire, WireStats
+from lightning_pipe.comm.p2p_wire import LOST, STATS, STATS_REPLY, WIRE, Wire
 from lightning_pipe.errors import ConfigurationError, PipeTimeoutError, StageError, TransportError
 from lightning_pipe.weights import meta_copy
 

@@ -1,7 +1,7 @@
 """The links of one process of a pipeline to its peers, over torch.distributed point-to-point sends.
 
-A send posts its frame's ``isend``s (`p2p_frames`) from the sending thread itself, under the link's
-lock, and returns: the transfer runs in the process group's own I/O threads, so a stage's sends
+A send posts its frame's ``isend``s (`p2p_send`, frames of `p2p_frames`) from the sending thread itself,
+under the link's lock, and returns: the transfer runs in the process group's own I/O threads, so a stage's sends
 overlap with its next computation, each link keeps its order, and no thread has to be woken to send
 (on a machine whose cores are all computing, every wake-up is a wait for a core). A frame's tensors
 stay referenced until their sends completed. Each peer gets a receiving thread (`p2p_receive`) that
@@ -33,17 +33,13 @@ work by an event): the same code, untested here.
 from __future__ import annotations
 
 import atexit
-import collections
 import contextlib
 import copy
 import sys
 import threading
 import time
 import weakref
-from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -51,8 +47,8 @@ import torch.distributed as dist
 
 from lightning_pipe.comm import p2p_frames as frames
 from lightning_pipe.comm.base import COORDINATOR, Message, QueueInbox, deadline, remaining
-from lightning_pipe.comm.p2p_frames import FRAME_BUFFERS, FRAME_TAG, SPILL_TAG, ahead_of_time, body_tag
 from lightning_pipe.comm.p2p_receive import Receiver, first_line
+from lightning_pipe.comm.p2p_send import Link, Sender, WireStats
 from lightning_pipe.comm.placement import group_ranks_of, process_device
 from lightning_pipe.errors import TransportError
 
@@ -62,44 +58,6 @@ STATS = "p2p-stats"  # asks a process for its statistics, answered by its receiv
 STATS_REPLY = "p2p-stats-reply"
 CRASHED = "p2p-crashed"  # a serving process's stage loop broke: the receiving process counts it as lost
 EXIT_CLOSE_TIMEOUT = 10.0  # seconds the exit hook waits for the peers of a wire still open
-
-
-@dataclass
-class WireStats:
-    """What one endpoint sent, by message kind: messages, raw tensor bytes, pickled bytes and header bytes."""
-
-    messages: Counter[str] = field(default_factory=Counter)
-    tensor_bytes: Counter[str] = field(default_factory=Counter)
-    pickled_bytes: Counter[str] = field(default_factory=Counter)
-    header_bytes: Counter[str] = field(default_factory=Counter)
-    local: Counter[str] = field(default_factory=Counter)  # passed by reference within the process
-    signatures: int = 0  # signatures negotiated (their bytes are in pickled_bytes)
-
-    def total_bytes(self) -> int:
-        return sum(self.tensor_bytes.values())
-
-
-class _Link:
-    """This process's side of one link: its lock, the signatures it negotiated, the sends in flight."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.signatures: dict[frames.Signature, int] = {}
-        self.pending: collections.deque[tuple[Any, torch.Tensor]] = collections.deque()
-        self.last_send = time.monotonic()
-        self.closed = False
-
-    def reap(self, timeout: float) -> None:
-        """Forget the sends that completed (raising a failed one's error); the oldest go first."""
-        while self.pending and self.pending[0][0].is_completed():
-            work, _ = self.pending.popleft()
-            work.wait(timedelta(seconds=timeout))  # done: returns at once, or raises its error
-
-    def drain(self, timeout: float) -> None:
-        """Wait until every send of this link completed."""
-        while self.pending:
-            work, _ = self.pending.popleft()
-            work.wait(timedelta(seconds=max(0.1, timeout)))
 
 
 class Wire:
@@ -138,7 +96,8 @@ class Wire:
         self._inboxes: dict[int, QueueInbox] = {WIRE: QueueInbox()}
         self._stats: dict[int, WireStats] = {}
         self._lock = threading.Lock()
-        self._links: dict[int, _Link] = {}
+        self._links: dict[int, Link] = {}
+        self.sender = Sender(group, self.group_ranks, self.device, self.framed, timeout, self._count, self._lock)
         self._threads: list[threading.Thread] = []
         self._local = threading.local()  # each thread's CUDA stream for sends and receives
         self._closing = threading.Event()
@@ -148,7 +107,7 @@ class Wire:
         # where a receive posted ahead would hold back every send behind it; the rpc transport's NCCL wires go
         # one way each
         for peer in others if sends_to is None else sends_to:
-            self._links[peer] = _Link()
+            self._links[peer] = Link()
         for peer in others if hears_from is None else hears_from:
             name = f"lightning_pipe-p2p-recv-{self.ranks[peer]}"
             thread = threading.Thread(target=Receiver(self, peer).run, name=name, daemon=True)
@@ -187,7 +146,7 @@ class Wire:
             try:
                 with link.lock, self.on_stream(self._ready()):
                     if not link.closed:
-                        self._send_message(process, link, destination, message, bundled)
+                        self.sender.message(process, link, destination, message, bundled)
             except Exception as exc:
                 self.mark_lost(process, f"sending failed: {first_line(exc)}")
 
@@ -230,7 +189,7 @@ class Wire:
                 if peer in self._dead:
                     continue
                 try:
-                    self._close_link(peer, link)
+                    self.sender.close(peer, link)
                     link.drain(remaining(until))
                 except Exception as exc:
                     self.mark_lost(peer, f"closing failed: {first_line(exc)}")
@@ -275,7 +234,7 @@ class Wire:
         with self._lock:
             return self._stats.setdefault(source, WireStats())
 
-    # sending (in the sending thread) and the keep-alives
+    # the keep-alives
     def _keepalive_loop(self) -> None:
         while not self._closing.wait(self.keepalive / 2):
             now = time.monotonic()
@@ -285,68 +244,9 @@ class Wire:
                 try:
                     with link.lock:
                         if not link.closed:
-                            self._keepalive(peer, link)
+                            self.sender.keepalive(peer, link)
                 except Exception as exc:
                     self.mark_lost(peer, f"sending failed: {first_line(exc)}")
-
-    def _send_message(self, peer: int, link: _Link, destination: int, message: Message, bundled: int = 1) -> None:
-        stats, kind = self._count(message.source), message.kind
-        signature: frames.Signature | None = None
-        tensors: list[torch.Tensor] = []
-        if kind in frames.TENSOR_KINDS:
-            signature, tensors = frames.split_payload(kind, message.payload)
-        if signature is not None:
-            extra = b""
-            marker = link.signatures.get(signature)
-            if marker is None:
-                marker = link.signatures[signature] = len(link.signatures)
-                extra = frames.encode_signature(signature)
-                stats.signatures += 1
-            metas: Sequence[frames.TensorMeta] = signature.metas
-        else:
-            marker = frames.CONTROL
-            extra, tensors, metas = frames.encode_control(message)
-        inline = self.framed and frames.inline_size(len(extra), metas) <= frames.INLINE_BYTES
-        head = frames.header(marker, destination, message, len(extra), inline, bundled)
-        with self._lock:
-            stats.messages[kind] += 1
-            stats.header_bytes[kind] += head.numel() * 8
-            stats.pickled_bytes[kind] += len(extra)
-            stats.tensor_bytes[kind] += sum(t.numel() * t.element_size() for t in tensors)
-        if inline:
-            self._transmit(peer, link, [(frames.pack(head, extra, tensors), FRAME_TAG)])
-            return
-        spill = SPILL_TAG if self.framed else 0  # what follows a header-only frame, in order
-        tensor_tag = body_tag(marker) if self.framed and signature is not None else spill
-        parts = [(head, FRAME_TAG)]
-        if extra:
-            parts.append((torch.frombuffer(bytearray(extra), dtype=torch.uint8), spill))
-        parts += [(t, tensor_tag) for t in tensors if t.numel() > 0]
-        self._transmit(peer, link, parts)
-
-    def _close_link(self, peer: int, link: _Link) -> None:
-        """Send the close frame(s) and fill the bodies the peer posted ahead (the caller holds the lock)."""
-        close = frames.control_header(frames.CLOSE)
-        if not self.framed:
-            self._transmit(peer, link, [(close, 0)])
-            return
-        self._transmit(peer, link, [(close, FRAME_TAG)] * FRAME_BUFFERS)  # one per posted frame
-        for signature, marker in link.signatures.items():
-            if ahead_of_time(signature):
-                dummies = [meta.empty(self.device).zero_() for meta in signature.metas]
-                self._transmit(peer, link, [(t, body_tag(marker)) for t in dummies if t.numel() > 0])
-
-    def _keepalive(self, peer: int, link: _Link) -> None:
-        self._transmit(peer, link, [(frames.control_header(frames.KEEPALIVE), FRAME_TAG)])
-
-    def _transmit(self, peer: int, link: _Link, parts: list[tuple[torch.Tensor, int]]) -> None:
-        """Post one frame's sends (the caller holds the link's lock); its tensors stay referenced until sent."""
-        dst = self.group_ranks[peer]
-        link.reap(self.timeout)
-        for part, tag in parts:
-            part = part.detach().to(self.device).contiguous()
-            link.pending.append((dist.isend(part, group=self.group, tag=tag, group_dst=dst), part))
-        link.last_send = time.monotonic()
 
     # CUDA ordering (the same code with another device; not exercised on CPU)
     def _ready(self) -> Any:

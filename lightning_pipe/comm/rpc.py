@@ -38,18 +38,18 @@ from typing import Any
 
 import torch.distributed.rpc as rpc
 
-from lightning_pipe.comm.base import COORDINATOR, Communicator, Endpoint, Message, MessageKind, deadline, remaining
-from lightning_pipe.comm.by_value import ByValue
+from lightning_pipe.comm.base import COORDINATOR, Communicator, Endpoint, deadline, remaining
 from lightning_pipe.comm.compress import resolve_codec
 from lightning_pipe.comm.control import ControlServer, Slot, parse_address
 from lightning_pipe.comm.local_workers import exit_reason
+from lightning_pipe.comm.rpc_build import await_builds, ready_ping, start_builds
 from lightning_pipe.comm.rpc_endpoint import RpcEndpoint, TransportStats, register_inbox
 from lightning_pipe.comm.rpc_home import HomeStage, Placement, home_device, place
-from lightning_pipe.comm.rpc_hosted import HostedWorld, wait_all, wait_future
+from lightning_pipe.comm.rpc_hosted import HostedWorld, wait_all
 from lightning_pipe.comm.rpc_plane import DataPlane
-from lightning_pipe.comm.rpc_stages import build_stage, stage_stats, stop_stage
+from lightning_pipe.comm.rpc_stages import stage_stats, stop_stage
 from lightning_pipe.comm.slot import TOKEN_ENV
-from lightning_pipe.errors import PipeTimeoutError, StageError, TransportError
+from lightning_pipe.errors import PipeTimeoutError, TransportError
 
 log = logging.getLogger("lightning_pipe")
 
@@ -309,41 +309,17 @@ class RpcCommunicator(Communicator):
         endpoint = RpcEndpoint(COORDINATOR, launch, names, hosts, self.codec, world.plane, processes)
         register_inbox(launch, COORDINATOR, endpoint.inbox)
         self._endpoint = endpoint
-        futures = {}
-        for rank in placement.remote:
-            device = None if self.local else world.slots[rank].device
-            # the spec holds the user's modules: what the training script defines itself goes by value
-            spec, codec = ByValue(specs[rank]), ByValue(self.codec)
-            args = (launch, spec, ByValue(worker_cls), names, hosts, device, codec, processes)
-            futures[rank] = rpc.rpc_async(names[rank], build_stage, args=args)
+        devices = [None if self.local else slot.device for slot in world.slots]  # a local worker's is in its spec
+        futures = start_builds(
+            launch, placement.remote, specs, worker_cls, devices, names, hosts, self.codec, processes
+        )
         if placement.home is not None:  # built here meanwhile; stopped by `close` if anything fails from here on
             home = self._home = HomeStage(launch, placement.home)
             home.build(
                 specs[placement.home], worker_cls, names, hosts, self.codec, world.plane, processes, self._threads
             )
-        for rank, future in futures.items():
-            while not wait_future(future, min(0.5, remaining(until))):
-                self._wait_step(until, f"rank {rank} to build its stage")
-            try:
-                future.wait()
-            except Exception as exc:
-                raise StageError(
-                    self._stages_of[rank][0], None, "build", f"building the stage failed: {_first_line(exc)}",
-                    str(exc), hosts[rank],
-                ) from None  # fmt: skip
-        for rank in range(len(specs)):  # the ready ping, through the same path as every later message
-            endpoint.send(rank, Message(MessageKind.CALL, 0, payload=("ping", ())))
-        ready: set[int] = set()
-        while len(ready) < len(specs):
-            message = endpoint.recv(min(0.5, remaining(until)))
-            if message is None:
-                self._wait_step(until, f"the ready ping of ranks {sorted(set(range(len(specs))) - ready)}")
-                continue
-            if message.kind == MessageKind.REPLY and message.step == 0:
-                ok, value = message.payload
-                if not ok:
-                    raise value
-                ready.add(message.source)
+        await_builds(futures, self._stages_of, hosts, until, self._wait_step)
+        ready_ping(endpoint, len(specs), until, self._wait_step)
         return endpoint
 
     def _wait_step(self, until: float, what: str) -> None:
@@ -375,9 +351,3 @@ def _close_all() -> None:
 
 def _device_of(spec: Any) -> str:
     return str(spec.shards[0].device) if spec.shards else "cpu"
-
-
-def _first_line(exc: BaseException) -> str:
-    lines = [line for line in str(exc).splitlines() if line.strip()]
-    errors = [line for line in lines if "Error" in line or "Exception" in line]
-    return (errors[-1] if errors else lines[0] if lines else type(exc).__name__).strip()

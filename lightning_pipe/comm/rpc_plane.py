@@ -33,7 +33,8 @@ from typing import Any
 import torch.distributed as dist
 
 from lightning_pipe.comm.base import Message, QueueInbox, deadline, remaining
-from lightning_pipe.comm.p2p_wire import Wire, WireStats
+from lightning_pipe.comm.p2p_send import WireStats
+from lightning_pipe.comm.p2p_wire import Wire
 
 
 def address(launch: str, rank: int) -> int:

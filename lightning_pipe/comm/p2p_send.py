@@ -1,0 +1,146 @@
+"""The sending half of a wire (`p2p_wire`): one link per peer and the frames that go over it.
+
+A send posts its frame's ``isend``s from the sending thread itself, under the link's lock, and returns:
+the transfer runs in the process group's own I/O threads, so each link keeps its order and no thread has
+to be woken to send. A frame's tensors stay referenced until their sends completed. A tensor message
+sends its signature (its tensors' shapes and dtypes) once per link and a marker after that. Over gloo a
+message of up to `p2p_frames.INLINE_BYTES` is one inline frame, one ``isend`` of a packed copy into a
+buffer the receiver posted ahead; a larger one is a header-only frame followed by its parts. Under NCCL,
+whose receives must match their sends' sizes, every part of a frame is its own send, in order.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_pipe.comm import p2p_frames as frames
+from lightning_pipe.comm.base import Message
+from lightning_pipe.comm.p2p_frames import FRAME_BUFFERS, FRAME_TAG, SPILL_TAG, ahead_of_time, body_tag
+
+
+@dataclass
+class WireStats:
+    """What one endpoint sent, by message kind: messages, raw tensor bytes, pickled bytes and header bytes."""
+
+    messages: Counter[str] = field(default_factory=Counter)
+    tensor_bytes: Counter[str] = field(default_factory=Counter)
+    pickled_bytes: Counter[str] = field(default_factory=Counter)
+    header_bytes: Counter[str] = field(default_factory=Counter)
+    local: Counter[str] = field(default_factory=Counter)  # passed by reference within the process
+    signatures: int = 0  # signatures negotiated (their bytes are in pickled_bytes)
+
+    def total_bytes(self) -> int:
+        return sum(self.tensor_bytes.values())
+
+
+class Link:
+    """This process's side of one link: its lock, the signatures it negotiated, the sends in flight."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.signatures: dict[frames.Signature, int] = {}
+        self.pending: collections.deque[tuple[Any, torch.Tensor]] = collections.deque()
+        self.last_send = time.monotonic()
+        self.closed = False
+
+    def reap(self, timeout: float) -> None:
+        """Forget the sends that completed (raising a failed one's error); the oldest go first."""
+        while self.pending and self.pending[0][0].is_completed():
+            work, _ = self.pending.popleft()
+            work.wait(timedelta(seconds=timeout))  # done: returns at once, or raises its error
+
+    def drain(self, timeout: float) -> None:
+        """Wait until every send of this link completed."""
+        while self.pending:
+            work, _ = self.pending.popleft()
+            work.wait(timedelta(seconds=max(0.1, timeout)))
+
+
+class Sender:
+    """Turns messages into frames and posts their sends on a link (the caller holds the link's lock).
+
+    ``group_ranks`` names each peer's rank in ``group``; ``count`` gives the statistics of a sending endpoint,
+    updated under ``lock`` (the wire's, which its statistics' readers take)."""
+
+    def __init__(
+        self,
+        group: Any,
+        group_ranks: Sequence[int],
+        device: torch.device,
+        framed: bool,
+        timeout: float,
+        count: Callable[[int], WireStats],
+        lock: threading.Lock,
+    ) -> None:
+        self.group, self.group_ranks, self.device, self.framed = group, group_ranks, device, framed
+        self.timeout, self.count, self.lock = timeout, count, lock
+
+    def message(self, peer: int, link: Link, destination: int, message: Message, bundled: int = 1) -> None:
+        """Send ``message`` to endpoint ``destination`` of ``peer``: as one inline frame where it fits."""
+        stats, kind = self.count(message.source), message.kind
+        signature: frames.Signature | None = None
+        tensors: list[torch.Tensor] = []
+        if kind in frames.TENSOR_KINDS:
+            signature, tensors = frames.split_payload(kind, message.payload)
+        if signature is not None:
+            extra = b""
+            marker = link.signatures.get(signature)
+            if marker is None:
+                marker = link.signatures[signature] = len(link.signatures)
+                extra = frames.encode_signature(signature)
+                stats.signatures += 1
+            metas: Sequence[frames.TensorMeta] = signature.metas
+        else:
+            marker = frames.CONTROL
+            extra, tensors, metas = frames.encode_control(message)
+        inline = self.framed and frames.inline_size(len(extra), metas) <= frames.INLINE_BYTES
+        head = frames.header(marker, destination, message, len(extra), inline, bundled)
+        with self.lock:
+            stats.messages[kind] += 1
+            stats.header_bytes[kind] += head.numel() * 8
+            stats.pickled_bytes[kind] += len(extra)
+            stats.tensor_bytes[kind] += sum(t.numel() * t.element_size() for t in tensors)
+        if inline:
+            self.transmit(peer, link, [(frames.pack(head, extra, tensors), FRAME_TAG)])
+            return
+        spill = SPILL_TAG if self.framed else 0  # what follows a header-only frame, in order
+        tensor_tag = body_tag(marker) if self.framed and signature is not None else spill
+        parts = [(head, FRAME_TAG)]
+        if extra:
+            parts.append((torch.frombuffer(bytearray(extra), dtype=torch.uint8), spill))
+        parts += [(t, tensor_tag) for t in tensors if t.numel() > 0]
+        self.transmit(peer, link, parts)
+
+    def close(self, peer: int, link: Link) -> None:
+        """Send the close frame(s) and fill the bodies the peer posted ahead."""
+        close = frames.control_header(frames.CLOSE)
+        if not self.framed:
+            self.transmit(peer, link, [(close, 0)])
+            return
+        self.transmit(peer, link, [(close, FRAME_TAG)] * FRAME_BUFFERS)  # one per posted frame
+        for signature, marker in link.signatures.items():
+            if ahead_of_time(signature):
+                dummies = [meta.empty(self.device).zero_() for meta in signature.metas]
+                self.transmit(peer, link, [(t, body_tag(marker)) for t in dummies if t.numel() > 0])
+
+    def keepalive(self, peer: int, link: Link) -> None:
+        self.transmit(peer, link, [(frames.control_header(frames.KEEPALIVE), FRAME_TAG)])
+
+    def transmit(self, peer: int, link: Link, parts: list[tuple[torch.Tensor, int]]) -> None:
+        """Post one frame's sends; its tensors stay referenced until sent."""
+        dst = self.group_ranks[peer]
+        link.reap(self.timeout)
+        for part, tag in parts:
+            part = part.detach().to(self.device).contiguous()
+            link.pending.append((dist.isend(part, group=self.group, tag=tag, group_dst=dst), part))
+        link.last_send = time.monotonic()
