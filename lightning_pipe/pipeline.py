@@ -193,13 +193,19 @@ class Pipeline:
             if self._coordinator is not None:
                 self._coordinator.close()
 
+    def flush(self) -> None:
+        """Wait until the stages ran what was posted to them (the last optimizer step) and ended their steps;
+        raises the first of those that failed. Nothing to wait for before `start` or after `close`."""
+        if self._started and self._coordinator is not None:
+            self._coordinator.flush()
+
     def __enter__(self) -> Pipeline:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
         try:
-            if exc[0] is None and self._started and self._coordinator is not None:
-                self._coordinator.flush()  # a failed posted call (the last optimizer step) is raised, not lost
+            if exc[0] is None:
+                self.flush()  # a failed posted call (the last optimizer step) is raised, not lost
         finally:
             self.close()
 

@@ -265,9 +265,25 @@ class PipeStrategy(StepHooksStrategy):
     def _install(self, trainer: pl.Trainer) -> None:
         assert self.builder.pipelined is not None
         self._patches.set(self.builder.pipelined, "forward", self.steps.forward)
+        if self.world is not None:
+            self._zero_grads_after_the_stage(trainer.lightning_module)
         callbacks: list[pl.Callback] = trainer.callbacks  # type: ignore[attr-defined]
         install(callbacks, self._runtime_hooks, *([self.pipe_trace] if self.pipe_trace is not None else []))
         self.optimization.install(callbacks, self.precision_plugin)
+
+    def _zero_grads_after_the_stage(self, module: pl.LightningModule) -> None:
+        """Launched mode: this process's stage trains the LightningModule's own tensors, in its stage thread, and
+        Lightning posts it the optimizer step without waiting. Before validation Lightning frees the module's
+        gradients from the loop's thread (``on_validation_model_zero_grad``): the stages first finish what
+        was posted to them, or the step would lose gradients it is reading."""
+        release = module.on_validation_model_zero_grad  # the user's override, or Lightning's
+
+        def after_the_stages() -> None:
+            if self.builder.pipeline is not None:
+                self.builder.pipeline.flush()
+            release()
+
+        self._patches.set(module, "on_validation_model_zero_grad", after_the_stages)
 
     @override
     def teardown(self) -> None:
