@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from lightning_pipe.engine.runners import worker_lists
+from lightning_pipe.engine.stage_protocol import StageProtocol
 from lightning_pipe.engine.stash import StageBytes
 from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.runtime import DeviceMemory
@@ -206,15 +207,15 @@ class AutoCheckpoint:
         self.steps += 1
         if self.plan is not None or self.steps < 2:
             return None
-        sizes: dict[int, StageBytes] = _merged(coordinator.call("stash_sizes"))
+        sizes: dict[int, StageBytes] = _merged(coordinator.stages.call(StageProtocol.stash_sizes))
         if len(sizes) < coordinator.num_stages:  # the first step did not get through: measure in the next
             return None
-        memory: dict[int, DeviceMemory | None] = _merged(coordinator.call("device_memory"))
+        memory: dict[int, DeviceMemory | None] = _merged(coordinator.stages.call(StageProtocol.device_memory))
         schedule = coordinator.schedule(microbatches)
         lists = worker_lists(schedule.actions(), coordinator.num_stages, coordinator.rank_of_stage)
         name = str(getattr(schedule, "name", type(schedule).__name__))
         self.plan = plan_recompute(lists, sizes, memory, self.devices, name, microbatches)
-        coordinator.call("set_recompute", dict(enumerate(self.plan.flags)))
+        coordinator.stages.call(StageProtocol.set_recompute, dict(enumerate(self.plan.flags)))
         return self.plan
 
 

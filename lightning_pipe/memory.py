@@ -30,7 +30,7 @@ from lightning_pipe.schedule import Action, Kind, resolve_schedule
 
 
 @dataclass
-class StageMemory:
+class StageFootprint:
     """One stage: its parameters and what one microbatch keeps alive on it."""
 
     stage: int
@@ -48,7 +48,7 @@ class MemoryPlan:
 
     schedule: str
     microbatches: int
-    stages: list[StageMemory]
+    stages: list[StageFootprint]
     rank_peak_bytes: list[int] = field(default_factory=list)
     rank_peak_activations: list[int] = field(default_factory=list)
 
@@ -111,13 +111,15 @@ def plan(
     return result
 
 
-def _walk(actions: list[Action], memory: list[StageMemory]) -> tuple[int, int, dict[int, int]]:
+def _walk(actions: list[Action], memory: list[StageFootprint]) -> tuple[int, int, dict[int, int]]:
     """Follow one worker's list: peak bytes, microbatches held then, and per stage how many."""
     stash = {st.stage: st.activation_bytes for st in memory}
     return walk(actions, stash, {st.stage: st.split_bytes for st in memory})
 
 
-def _measure(shards: list[ShardedTask], piece: Any, checkpoint: list[bool], split_backward: bool) -> list[StageMemory]:
+def _measure(
+    shards: list[ShardedTask], piece: Any, checkpoint: list[bool], split_backward: bool
+) -> list[StageFootprint]:
     """Run each stage once on ``piece`` as a worker would; parameters and buffers are left as they were."""
     buffers = [(b, b.detach().clone()) for shard in shards for b in shard.module.buffers()]
     result = []
@@ -138,7 +140,7 @@ def _measure(shards: list[ShardedTask], piece: Any, checkpoint: list[bool], spli
                     _, work = backward_input(flat, grads, tree.flatten(leaves)[0], params)
                     extra += work.nbytes()
                 param_bytes = sum(p.numel() * p.element_size() for p in params)
-                result.append(StageMemory(shard.index, 0, list(shard.layers), param_bytes, stashed, extra))
+                result.append(StageFootprint(shard.index, 0, list(shard.layers), param_bytes, stashed, extra))
                 inputs = tree.detach(outputs)
                 if checkpoint[shard.index]:  # as the worker: a checkpointed stage's forward ran without grad
                     mask = [isinstance(t, torch.Tensor) and t.is_floating_point() for t in tree.flatten(outputs)[0]]

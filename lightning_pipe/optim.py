@@ -21,6 +21,7 @@ from typing import Any, Protocol
 import torch
 
 from lightning_pipe.comm.base import Communicator
+from lightning_pipe.engine import StageProtocol, StageProxy
 from lightning_pipe.errors import ConfigurationError
 
 Location = tuple[int, str]  # (rank, parameter name)
@@ -73,7 +74,8 @@ class StageOptimizers:
             ]
             for rank in range(ranks)
         ]
-        self._call("build_optimizer", type(template), dict(template.defaults), each=[(g,) for g in per_rank])
+        groups = [(g,) for g in per_rank]
+        self._stages.call_each(StageProtocol.build_optimizer, groups, type(template), dict(template.defaults))
         self._pushed = copy.deepcopy(self._hparams())
 
     @property
@@ -86,12 +88,11 @@ class StageOptimizers:
             return []
         return self._copies.get(location, [location])
 
-    def _call(self, name: str, *args: Any, each: Any = None) -> list[Any]:
-        return self.pipeline.coordinator.call(name, *args, each=each)
-
-    def _post(self, name: str, *args: Any) -> None:
-        """What returns nothing goes without a round trip: the stages run it before the next call or step."""
-        self.pipeline.coordinator.post(name, *args)
+    @property
+    def _stages(self) -> StageProxy:
+        """The stages' control calls. What returns nothing is posted (no round trip): the stages run it before
+        the next call or step."""
+        return self.pipeline.coordinator.stages
 
     def _hparams(self) -> list[dict[str, Any]]:
         return [{k: v for k, v in group.items() if k != "params"} for group in self.template.param_groups]
@@ -123,21 +124,22 @@ class StageOptimizers:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._post("optimizer_step", self._changed())
+        self._stages.post(StageProtocol.optimizer_step, self._changed())
         # the parameters outside the pipeline; the stages' copies here have no gradient and are skipped
         # (an LR scheduler also learns that its optimizer stepped)
         self.template.step()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self._post("zero_grad", set_to_none)
+        self._stages.post(StageProtocol.zero_grad, set_to_none)
         self.template.zero_grad(set_to_none)
 
     # what Lightning's precision plugins do to gradients, over all stages
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Like ``torch.nn.utils.clip_grad_norm_`` over every stage's gradients; returns the total norm."""
         norm_type = float(norm_type)
-        parts = self._call("grad_norm", norm_type, each=[(skip,) for skip in self._counted_elsewhere])
+        skips = [(skip,) for skip in self._counted_elsewhere]
+        parts = self._stages.call_each(StageProtocol.grad_norm, skips, norm_type)
         local = self._local_grads()
         if math.isinf(norm_type):
             total = max(parts + [g.detach().abs().max().item() for g in local])
@@ -146,19 +148,19 @@ class StageOptimizers:
             total = (sum(parts) + local_sum) ** (1.0 / norm_type)
         coef = max_norm / (total + 1e-6)
         if coef < 1.0:
-            self._post("scale_grads", coef)
+            self._stages.post(StageProtocol.scale_grads, coef)
             for g in local:
                 g.detach().mul_(coef)
         return torch.tensor(total)
 
     def clip_grad_value_(self, value: float) -> None:
-        self._post("clamp_grads", float(value))
+        self._stages.post(StageProtocol.clamp_grads, float(value))
         for g in self._local_grads():
             g.detach().clamp_(-value, value)
 
     def unscale_(self, inv_scale: float) -> bool:
         """A GradScaler's unscale over all stages; True if any stage found an inf or nan."""
-        found = any(self._call("unscale_grads", float(inv_scale)))
+        found = any(self._stages.call(StageProtocol.unscale_grads, float(inv_scale)))
         for g in self._local_grads():
             g.detach().mul_(inv_scale)
             found = found or not bool(torch.isfinite(g).all())
@@ -166,7 +168,7 @@ class StageOptimizers:
 
     # checkpoints: the template's layout, gathered from the stages
     def state_dict(self) -> dict[str, Any]:
-        parts = self._call("optimizer_state")
+        parts = self._stages.call(StageProtocol.optimizer_state)
         local = self.template.state_dict() if self._outside else {"state": {}}
         state: dict[int, Any] = {}
         groups, index = [], 0
@@ -201,7 +203,7 @@ class StageOptimizers:
                 for rank, name in self._holders(loc):
                     per_rank[rank][name] = saved
         hparams = [{k: v for k, v in g.items() if k != "params"} for g in groups]
-        self._call("load_optimizer_state", each=[(part, hparams) for part in per_rank])
+        self._stages.call_each(StageProtocol.load_optimizer_state, [(part, hparams) for part in per_rank])
         self._load_template(local, hparams)
 
     def load_where_saved(

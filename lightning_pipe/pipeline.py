@@ -28,7 +28,7 @@ from lightning_pipe.backends import BackendArg, BackendPlan, CoordinatorOps, Exe
 from lightning_pipe.backends.compiled import split_compiled
 from lightning_pipe.checkpointing import AutoCheckpoint, RecomputePlan, checkpoint_flags
 from lightning_pipe.comm import Communicator
-from lightning_pipe.engine import AutocastSpec, Coordinator, StepResult
+from lightning_pipe.engine import AutocastSpec, Coordinator, StageProtocol, StepResult
 from lightning_pipe.engine.runners import worker_of_stages
 from lightning_pipe.engine.stream import AsyncRun, train_stream
 from lightning_pipe.errors import ConfigurationError
@@ -214,7 +214,7 @@ class Pipeline:
 
     def execution_trace(self, reset: bool = False) -> ExecutionTrace:
         """Per stage: which backend ran its forwards and which substituted ops ran where."""
-        per_rank = self.coordinator.call("execution_trace", reset)
+        per_rank = self.coordinator.stages.call(StageProtocol.execution_trace, reset)
         stages = ExecutionTrace(sorted((t for traces in per_rank for t in traces), key=lambda t: t.stage))
         trace = stages.merged(ExecutionTrace([self.coordinator_ops.trace]))
         if reset:
@@ -282,7 +282,7 @@ class Pipeline:
             raise ConfigurationError("train_async needs at least one batch")
         result = train_stream(self.coordinator, _chain(first, stream), count, self._weighted(criterion), optimizer)
         per_batch = [sum(result.losses[b * microbatches : (b + 1) * microbatches]) for b in range(count)]
-        staleness = [s for stats in self.coordinator.call("async_stats") for s in stats]
+        staleness = [s for stats in self.coordinator.stages.call(StageProtocol.async_stats) for s in stats]
         return AsyncRun(losses=per_batch, staleness=sorted(staleness, key=lambda s: s.stage), step=result)
 
     def before_train_step(self, microbatches: int, report: Callable[[str], Any] = log.info) -> RecomputePlan | None:
@@ -294,7 +294,7 @@ class Pipeline:
 
     def stash_peaks(self) -> list[int]:
         """Most bytes of stashed activations each worker held at once in the last training step."""
-        return [int(peak) for peak in self.coordinator.call("stash_peak")]
+        return [int(peak) for peak in self.coordinator.stages.call(StageProtocol.stash_peak)]
 
     def forward(self, inputs: Any, microbatches: int = 1, kwargs: dict[str, Any] | None = None) -> Any:
         """Forward only, no autograd; outputs are concatenated in batch order."""

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from lightning_pipe.comm import Communicator
-from lightning_pipe.engine import Coordinator
+from lightning_pipe.engine import Coordinator, StageProtocol
 from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.optim import StageOptimizers
 from lightning_pipe.partition import Partitioner, ShardedTask
@@ -54,14 +54,15 @@ class StageState:
         read their gradients, and each stage runs them after it. Stages that share ``module``'s
         parameters have them in ``p.grad`` when this returns: the caller's optimizer reads them next.
         """
-        send = self.coordinator.post if self.communicator.stages_own_parameters else self.coordinator.call
+        stages = self.coordinator.stages
+        send_each = stages.post_each if self.communicator.stages_own_parameters else stages.call_each
         tied = self.tied
         if tied:
             names: list[list[str]] = [[] for _ in range(self.coordinator.num_ranks)]
             for holders in tied:
                 for rank, name in holders:
                     names[rank].append(name)
-            got = self.coordinator.call("step_grads", each=[(own,) for own in names])
+            got = stages.call_each(StageProtocol.step_grads, [(own,) for own in names])
             totals: list[dict[str, torch.Tensor]] = [{} for _ in names]
             for holders in tied:
                 parts = [g for g in (got[rank][name] for rank, name in holders) if g is not None]
@@ -72,8 +73,8 @@ class StageState:
                     total += g.to(total.device)
                 for rank, name in holders:
                     totals[rank][name] = total
-            send("set_step_grads", each=[(own,) for own in totals])
-        send("apply_grads", scale)
+            send_each(StageProtocol.set_step_grads, [(own,) for own in totals])
+        send_each(StageProtocol.apply_grads, [(scale,)] * self.coordinator.num_ranks)
 
     @property
     def tied(self) -> list[list[tuple[int, str]]]:
@@ -110,7 +111,7 @@ class StageState:
         A tied weight is taken from its first holder: all its keys name that one tensor, as in the module.
         """
         state: dict[str, torch.Tensor] = {}
-        for part in self.coordinator.call("state_dict"):
+        for part in self.coordinator.stages.call(StageProtocol.state_dict):
             state.update(part)
         for holders in self.tied:
             for _, name in holders[1:]:
@@ -133,12 +134,13 @@ class StageState:
         keys: list[list[str]] = [[] for _ in range(self.coordinator.num_ranks)]
         for shard in self.shards:
             keys[self.coordinator.rank_of_stage[shard.index]] += list(shard.module.state_dict())
-        self.coordinator.call("load_state_dict", each=[({k: state[k] for k in own},) for own in keys])
+        own_parts = [({k: state[k] for k in own},) for own in keys]
+        self.coordinator.stages.call_each(StageProtocol.load_state_dict, own_parts)
 
     def random_state(self) -> dict[str, Any]:
         """The stages' random generator states: ``{"seed": run seed, "stages": {stage: {device: state}}}``."""
         stages: dict[int, dict[str, torch.Tensor]] = {}
-        for part in self.coordinator.call("random_state"):
+        for part in self.coordinator.stages.call(StageProtocol.random_state):
             stages.update(part)
         return {"seed": self.seed, "stages": dict(sorted(stages.items()))}
 
@@ -160,7 +162,7 @@ class StageState:
         each: list[dict[int, dict[str, torch.Tensor]]] = [{} for _ in range(self.coordinator.num_ranks)]
         for index, states in stages.items():
             each[rank_of[index]][index] = states
-        self.coordinator.call("load_random_state", each=[(own,) for own in each])
+        self.coordinator.stages.call_each(StageProtocol.load_random_state, [(own,) for own in each])
 
     def sync_module(self) -> None:
         """Copy the stages' parameters and buffers into ``module`` (with transport="rpc" they train apart)."""
@@ -169,7 +171,7 @@ class StageState:
     def grads(self) -> dict[str, torch.Tensor | None]:
         """Each parameter's gradient as its stage holds it, by name."""
         grads: dict[str, torch.Tensor | None] = {}
-        for part in self.coordinator.call("grads"):
+        for part in self.coordinator.stages.call(StageProtocol.grads):
             grads.update(part)
         return grads
 
@@ -206,7 +208,7 @@ class StageState:
                 updates[self.coordinator.rank_of_stage[shard.index]].setdefault(shard.index, []).append(
                     (variant, sources, constants)
                 )
-        self.coordinator.call("install_variants", each=[(own,) for own in updates])
+        self.coordinator.stages.call_each(StageProtocol.install_variants, [(own,) for own in updates])
 
     def optimizer(self, template: torch.optim.Optimizer, names: dict[int, str] | None = None) -> StageOptimizers:
         """Per-stage parts of ``template`` (an optimizer over ``module``'s parameters); see `StageOptimizers`."""

@@ -29,6 +29,7 @@ from lightning_pipe import Pipeline
 from lightning_pipe.comm.p2p import P2PCommunicator
 from lightning_pipe.comm.p2p_frames import TENSOR_KINDS
 from lightning_pipe.comm.p2p_serve import serve_stages
+from lightning_pipe.engine import StageProtocol
 from lightning_pipe.errors import StageError, TransportError
 
 
@@ -147,7 +148,7 @@ def posted_error(comm: P2PCommunicator) -> str:
     """A posted call fails on the remote stage only (it has no stage 5): raised at the next step."""
     x, y = data(3)
     with Pipeline(mlp(), stages=2, partition="uniform", transport=comm, timeout=60) as pipe:
-        pipe.coordinator.post("load_random_state", each=[({},), ({5: {}},)])
+        pipe.coordinator.stages.post_each(StageProtocol.load_random_state, [({},), ({5: {}},)])
         try:
             pipe.train_step(x, y, F.cross_entropy)
         except StageError as exc:

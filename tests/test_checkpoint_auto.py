@@ -24,6 +24,7 @@ from traced_models import TinyGPT, gpt_batch
 
 from lightning_pipe import Pipeline, PipeStrategy
 from lightning_pipe.checkpointing import RecomputePlan, plan_recompute
+from lightning_pipe.engine import StageProtocol
 from lightning_pipe.engine.runners import worker_lists
 from lightning_pipe.engine.stash import StageBytes
 from lightning_pipe.memory import plan as memory_plan
@@ -219,7 +220,7 @@ def test_rpc_workers_read_their_own_device_memory(monkeypatch: pytest.MonkeyPatc
     with Pipeline(net, stages=2, partition="uniform", devices=devices, transport="rpc", timeout=120) as pipe:
         for _ in range(2):
             pipe.train_step(x, y, F.cross_entropy, microbatches=M)
-            pipe.coordinator.call("zero_grad")
+            pipe.coordinator.stages.call(StageProtocol.zero_grad)
         pipe.train_step(x, y, F.cross_entropy, microbatches=M)
         grads = pipe.grads()
         decided = pipe.auto_checkpoint.plan  # type: ignore[union-attr]

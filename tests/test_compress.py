@@ -19,6 +19,7 @@ from lightning_pipe import ConfigurationError, Pipeline
 from lightning_pipe.comm import COORDINATOR, MessageKind
 from lightning_pipe.comm.compress import Cast, Codec, Zstd, decode_payload, encode_payload, resolve_codec, wire_bytes
 from lightning_pipe.comm.rpc import RpcCommunicator
+from lightning_pipe.engine import StageProtocol
 
 pytest.importorskip("zstandard", reason="compress='zstd' needs zstandard (pip install lightning_pipe[compress])")
 
@@ -162,7 +163,7 @@ def train_through(compress: Any) -> tuple[dict[str, torch.Tensor], dict[str, tor
         pipe.train_step(x, y, F.cross_entropy, microbatches=4)
         pipe.coordinator.settle()  # the first stages end their step after train_step returned: count all of it
         communicator.stats(reset=True)
-        pipe.coordinator.call("zero_grad", True)
+        pipe.coordinator.stages.call(StageProtocol.zero_grad, True)
         pipe.train_step(x, y, F.cross_entropy, microbatches=4)
         pipe.coordinator.settle()
         stats = communicator.stats()

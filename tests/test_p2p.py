@@ -22,7 +22,7 @@ from rpc_models import worker_env
 from lightning_pipe.comm.base import Message, MessageKind
 from lightning_pipe.comm.p2p_frames import (
     INLINE_BYTES,
-    TensorMeta,
+    TensorHeader,
     bundle,
     decode_signature,
     encode_signature,
@@ -166,7 +166,7 @@ def test_a_signature_describes_a_payload_without_its_tensors() -> None:
 def test_an_inline_frame_packs_a_message_into_one_buffer_and_back() -> None:
     tensors = [torch.randn(3, 5), torch.arange(7), torch.tensor([True, False]), torch.empty(0, 4)]
     tensors += [torch.randn(2).half(), torch.randn(4, 6).t()]  # the last is not contiguous
-    metas = [TensorMeta.of(t) for t in tensors]
+    metas = [TensorHeader.of(t) for t in tensors]
     head = header(3, 1, Message(MessageKind.GRAD, step=2, stage=1, microbatch=5), extra=5, inline=True)
     frame = pack(head, b"hello", tensors)
     assert frame.dtype == torch.uint8 and frame.numel() == inline_size(5, metas) <= INLINE_BYTES

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_pipe.rng import RandomRouting, StageGenerators, StageRandom, randomness, replaying
-from lightning_pipe.rng.catalog import GENERATOR_OPS, Kind, kind_of
+from lightning_pipe.rng.catalog import GENERATOR_OPS, RandomOpKind, kind_of
 
 X = torch.randn(4, 6, 8, 8, generator=torch.Generator().manual_seed(0))
 Q = torch.randn(2, 3, 5, 8, generator=torch.Generator().manual_seed(1))
@@ -253,7 +253,7 @@ def test_every_aten_op_with_a_generator_is_routed() -> None:
         for namespace in (torch, torch.Tensor, torch._C._nn):
             fn = getattr(namespace, name, None)
             if fn is not None and not inspect.ismodule(fn):
-                assert kind_of(fn) is Kind.INJECT, f"{namespace.__name__}.{name}"
+                assert kind_of(fn) is RandomOpKind.INJECT, f"{namespace.__name__}.{name}"
 
 
 _DRAWING_SOURCE = re.compile(
@@ -275,6 +275,6 @@ def test_every_functional_that_draws_is_routed() -> None:
         except (OSError, TypeError):
             continue
         body = source.split('"""')[-1]  # the code after the docstring
-        if _DRAWING_SOURCE.search(body) and kind_of(fn) is Kind.PASS:
+        if _DRAWING_SOURCE.search(body) and kind_of(fn) is RandomOpKind.PASS:
             missing.append(name)
     assert missing == []

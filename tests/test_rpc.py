@@ -18,6 +18,7 @@ from torch import nn
 from lightning_pipe import Pipeline, StageError
 from lightning_pipe.comm import COORDINATOR, MessageKind
 from lightning_pipe.comm.rpc import RpcCommunicator
+from lightning_pipe.engine import StageProtocol
 
 
 def mlp(depth: int = 4, width: int = 16, inputs: int = 8, classes: int = 3, seed: int = 0) -> nn.Sequential:
@@ -54,7 +55,7 @@ def test_gradients_equal_unsplit(pool: RpcCommunicator, schedule: str, stages: i
     checkpoint = "always" if schedule == "gpipe" else "never"  # recomputation happens on the workers too
     with rpc_pipeline(pool, model, stages, schedule=schedule, checkpoint=checkpoint) as pipe:
         for microbatches in (1, 3, 4, 8):
-            pipe.coordinator.call("zero_grad", True)
+            pipe.coordinator.stages.call(StageProtocol.zero_grad, True)
             pipe.train_step(x, y, F.cross_entropy, microbatches=microbatches)
             got = pipe.grads()
             assert got.keys() == expected.keys()
@@ -157,7 +158,8 @@ def test_grad_scaler_sees_an_overflow_in_one_stage(pool: RpcCommunicator) -> Non
     with Pipeline(model, stages=2, partition=[2, 3], transport=pool, timeout=60) as pipe:
         opt = pipe.optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
         pipe.train_step(x, y, F.cross_entropy, scaler=torch.amp.GradScaler("cpu", init_scale=2.0))
-        finite = [all(torch.isfinite(g).all() for g in part.values()) for part in pipe.coordinator.call("grads")]
+        grads = pipe.coordinator.stages.call(StageProtocol.grads)
+        finite = [all(torch.isfinite(g).all() for g in part.values()) for part in grads]
         assert finite == [False, True]  # only the first stage overflowed
         assert opt.unscale_(0.5) is True
 
@@ -171,22 +173,22 @@ def test_posted_calls_run_in_order_and_a_failure_is_raised_at_the_next_wait(pool
         opt = pipe.optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
         for _ in range(3):  # each round: posts, then a call that sees every one of them
             pipe.train_step(x, y, F.cross_entropy)  # apply_grads is posted
-            pipe.coordinator.post("scale_grads", 0.5)
+            pipe.coordinator.stages.post(StageProtocol.scale_grads, 0.5)
             got = pipe.grads()
             for name, p in reference.named_parameters():
                 torch.testing.assert_close(got[name], p.grad * 0.5, atol=1e-5, rtol=0)
             opt.zero_grad()
             assert all(g is None for g in pipe.grads().values())
         one_too_many = [([{}],)] * 3 + [([{}, {}],)]  # rank 3's optimizer has one group, not two
-        pipe.coordinator.post("set_hparams", each=one_too_many)
+        pipe.coordinator.stages.post_each(StageProtocol.set_hparams, one_too_many)
         with pytest.raises(StageError, match=r"stage 3 on .* failed in action set_hparams: ValueError") as info:
             pipe.train_step(x, y, F.cross_entropy)
         assert "call_set_hparams" in info.value.remote_traceback
-        assert pipe.coordinator.call("ping") == [0, 1, 2, 3]
-        pipe.coordinator.post("set_hparams", [{}, {}])  # fails on every rank: raised once
+        assert pipe.coordinator.stages.ping() == [0, 1, 2, 3]
+        pipe.coordinator.stages.post(StageProtocol.set_hparams, [{}, {}])  # fails on every rank: raised once
         with pytest.raises(StageError, match="failed in action set_hparams"):
-            pipe.coordinator.call("ping")
-        assert pipe.coordinator.call("ping") == [0, 1, 2, 3]
+            pipe.coordinator.stages.ping()
+        assert pipe.coordinator.stages.ping() == [0, 1, 2, 3]
 
 
 def test_no_parameter_crosses_processes_during_a_step(pool: RpcCommunicator) -> None:

@@ -16,6 +16,7 @@ from test_rpc import data, mlp
 
 from lightning_pipe import Pipeline
 from lightning_pipe.comm.rpc import RpcCommunicator
+from lightning_pipe.engine import StageProtocol
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +46,7 @@ def test_gradients_equal_unsplit(
         checkpoint=checkpoint, transport=pool, partition="uniform", timeout=60,
     ) as pipe:  # fmt: skip
         for microbatches in (2, 4):
-            pipe.coordinator.call("zero_grad", True)
+            pipe.coordinator.stages.call(StageProtocol.zero_grad, True)
             pipe.train_step(x, y, F.cross_entropy, microbatches=microbatches)
             got = pipe.grads()
             for name, want in expected.items():

@@ -16,6 +16,7 @@ from helpers import QUIET, Classifier, loader
 from torch import nn
 
 from lightning_pipe import Pipeline, PipeStrategy, PipeTimeoutError, StageError
+from lightning_pipe.engine import StageProtocol
 from lightning_pipe.engine.stream import BatchStream
 
 
@@ -110,19 +111,20 @@ def test_a_failed_post_is_raised_once_at_the_next_call_or_step() -> None:
     x, y = torch.randn(8, 4), torch.zeros(8, dtype=torch.long)
     with Pipeline(model, stages=2, partition=[1, 1]) as pipe:
         coordinator = pipe.coordinator
-        coordinator.post("optimizer_step", None)  # no stage optimizer was built: both ranks fail
+        coordinator.stages.post(StageProtocol.optimizer_step, None)  # no stage optimizer was built: both ranks fail
         with pytest.raises(StageError, match=r"stage [01] failed in action optimizer_step: PipeError") as info:
-            coordinator.call("ping")
+            coordinator.stages.ping()
         assert "has no optimizer" in str(info.value) and "call_optimizer_step" in info.value.remote_traceback
-        assert coordinator.call("ping") == [0, 1]  # the other rank's failure of that post is not raised again
-        coordinator.post("set_hparams", [])
+        assert coordinator.stages.ping() == [0, 1]  # the other rank's failure of that post is not raised again
+        coordinator.stages.post(StageProtocol.set_hparams, [])
         with pytest.raises(StageError, match="failed in action set_hparams"):
             pipe.train_step(x, y, F.cross_entropy)
         pipe.train_step(x, y, F.cross_entropy)  # the pipeline is still usable afterwards
-        coordinator.post("zero_grad", True)  # a post that succeeds sends nothing back
+        coordinator.stages.post(StageProtocol.zero_grad, True)  # a post that succeeds sends nothing back
         assert all(g is None for g in pipe.grads().values())
     with pytest.raises(StageError, match="optimizer_step"), Pipeline(model, stages=2, partition=[1, 1]) as pipe:
-        pipe.coordinator.post("optimizer_step", None)  # leaving the block waits for what was posted
+        # leaving the block waits for what was posted
+        pipe.coordinator.stages.post(StageProtocol.optimizer_step, None)
 
 
 def test_a_post_reaches_a_stage_in_the_middle_of_a_step() -> None:
@@ -130,9 +132,10 @@ def test_a_post_reaches_a_stage_in_the_middle_of_a_step() -> None:
     x, y = torch.randn(8, 4), torch.zeros(8, dtype=torch.long)
     with Pipeline(model, stages=2, partition=[1, 1], schedule="async") as pipe:
         stream = BatchStream(pipe.coordinator, 2, 2, lambda params: torch.optim.SGD(params, lr=0.1))
-        pipe.coordinator.post("zero_grad", True)  # the stages wait for the stream's inputs: served there
+        # the stages wait for the stream's inputs: served there
+        pipe.coordinator.stages.post(StageProtocol.zero_grad, True)
         stream.feed(list(x.chunk(2)), list(y.chunk(2)), F.cross_entropy)
-        pipe.coordinator.post("optimizer_step", None)
+        pipe.coordinator.stages.post(StageProtocol.optimizer_step, None)
         with pytest.raises(StageError, match="failed in action optimizer_step"):
             stream.feed(list(x.chunk(2)), list(y.chunk(2)), F.cross_entropy)
         assert stream.closed  # the failure aborted the stream

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from traced_models import KeywordNet, SkipCNN, TinyGPT, gpt_batch
 
+from lightning_pipe.engine import StageProtocol
 from lightning_pipe.errors import ConfigurationError, PartitionError
 from lightning_pipe.microbatch import split
 from lightning_pipe.partition.traced import TracedPartitioner
@@ -113,7 +114,7 @@ def test_cnn_with_skip_connections_and_batchnorm(schedule: str) -> None:
     # eval mode uses the running statistics, as the unsplit model does
     model.eval()
     with Pipeline(model, stages=3, schedule=schedule, split_points=["mid", "up2"], sample=x) as pipe:
-        pipe.coordinator.call("train", False)
+        pipe.coordinator.stages.call(StageProtocol.train, False)
         torch.testing.assert_close(pipe.forward(x, microbatches=2), model(x))
 
 
@@ -263,7 +264,7 @@ def test_eval_mode_has_its_own_graph() -> None:
     model, x = TrainingBranch(), torch.randn(6, 4)
     with Pipeline(model, stages=2, partition="uniform", sample=x) as pipe:
         assert "dropout" in pipe.shards[0].module.code(True) and "dropout" not in pipe.shards[0].module.code(False)
-        pipe.coordinator.call("train", False)
+        pipe.coordinator.stages.call(StageProtocol.train, False)
         model.eval()
         torch.testing.assert_close(pipe.forward(x, microbatches=2), model(x))
     assert not any(name.startswith("_tensor_constant") for name in vars(model))  # the model is left as it was

@@ -21,6 +21,7 @@ from traced_models import LossInForward
 
 from lightning_pipe import PipeStrategy, TraceError
 from lightning_pipe.comm.rpc import RpcCommunicator
+from lightning_pipe.engine import StageProtocol
 from lightning_pipe.partition.tracer import CallArgs
 from lightning_pipe.pipeline import Pipeline
 
@@ -152,7 +153,7 @@ def test_causal_lm_with_labels_padding_and_the_default_cache(name: str) -> None:
     short = {"input_ids": ids[:, :7], "attention_mask": mask[:, :7]}
     with pytest.warns(UserWarning, match=USE_CACHE):
         with Pipeline(model, stages=2, split_points=[split_point], sample=CallArgs((), short)) as pipe:
-            pipe.coordinator.call("train", False)
+            pipe.coordinator.stages.call(StageProtocol.train, False)
             out = pipe.forward((), microbatches=2, kwargs=short)
     assert set(out) == {"logits"}  # no past_key_values
     with torch.no_grad():

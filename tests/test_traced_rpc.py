@@ -25,6 +25,7 @@ from traced_models import KeywordNet, SkipCNN, TinyGPT, gpt_batch
 
 from lightning_pipe import PipeStrategy
 from lightning_pipe.comm.rpc import RpcCommunicator
+from lightning_pipe.engine import StageProtocol
 from lightning_pipe.microbatch import split
 from lightning_pipe.partition.tracer import CallArgs
 from lightning_pipe.pipeline import Pipeline
@@ -60,7 +61,8 @@ def reference_step(model: nn.Module, args: tuple, kwargs: dict, targets: Any, cr
 
 def assert_copies_equal(pipe: Pipeline) -> None:
     """Every holder of a tied weight has the same value and the same gradient (bitwise)."""
-    values, grads = pipe.coordinator.call("state_dict"), pipe.coordinator.call("grads")
+    stages = pipe.coordinator.stages
+    values, grads = stages.call(StageProtocol.state_dict), stages.call(StageProtocol.grads)
     for holders in pipe.tied:
         (rank, name), *others = holders
         for other_rank, other_name in others:
@@ -196,7 +198,7 @@ def test_tied_weight_checkpoint_holds_one_tensor_and_loads_into_every_holder(
         opt = pipe.optimizer(torch.optim.SGD(resumed.parameters(), lr=0.3, momentum=0.5))
         pipe.load_state_dict(loaded)
         opt.load_state_dict(opt_state)
-        values = pipe.coordinator.call("state_dict")
+        values = pipe.coordinator.stages.call(StageProtocol.state_dict)
         torch.testing.assert_close(values[0]["wte.weight"], loaded["wte.weight"], rtol=0, atol=0)
         torch.testing.assert_close(values[2]["head.weight"], loaded["wte.weight"], rtol=0, atol=0)
         pipe.train_step((idx,), targets, lm_loss, kwargs={"mask": mask})

@@ -35,6 +35,10 @@ class MessageKind:
     STOP = "stop"  # coordinator -> rank: leave the event loop
 
 
+#: the control call every stage serves with its rank (`StageProtocol.ping`): the transports' ready ping
+PING = "ping"
+
+
 @dataclass
 class Message:
     kind: str

@@ -56,7 +56,7 @@ TENSOR_KINDS = frozenset((MessageKind.ACTIVATION, MessageKind.OUTPUT, MessageKin
 
 
 @dataclass(frozen=True)
-class TensorMeta:
+class TensorHeader:
     """What a receiver needs to allocate a tensor before its bytes arrive."""
 
     shape: tuple[int, ...]
@@ -64,8 +64,8 @@ class TensorMeta:
     requires_grad: bool
 
     @staticmethod
-    def of(t: torch.Tensor) -> TensorMeta:
-        return TensorMeta(tuple(t.shape), t.dtype, t.requires_grad)
+    def of(t: torch.Tensor) -> TensorHeader:
+        return TensorHeader(tuple(t.shape), t.dtype, t.requires_grad)
 
     def empty(self, device: torch.device) -> torch.Tensor:
         return torch.empty(self.shape, dtype=self.dtype, device=device)
@@ -75,13 +75,13 @@ class TensorMeta:
 
 
 @dataclass(frozen=True)
-class Signature:
+class FrameSignature:
     """A tensor message without its tensors: kind, tree structure, non-tensor leaves, tensor metadata."""
 
     kind: str
     spec: Any  # torch.utils._pytree.TreeSpec
     others: tuple[tuple[int, Any], ...]  # (position, leaf) of every leaf that is not a tensor
-    metas: tuple[TensorMeta, ...]
+    metas: tuple[TensorHeader, ...]
 
     @property
     def nbytes(self) -> int:
@@ -105,16 +105,18 @@ def _spec_of(parts: Any) -> Any:
     return pytree.TreeSpec(kind, context, [_spec_of(child) for child in children])
 
 
-def _signature(kind: str, parts: Any, others: tuple[tuple[int, Any], ...], metas: tuple[TensorMeta, ...]) -> Signature:
-    return Signature(kind, _spec_of(parts), others, metas)
+def _signature(
+    kind: str, parts: Any, others: tuple[tuple[int, Any], ...], metas: tuple[TensorHeader, ...]
+) -> FrameSignature:
+    return FrameSignature(kind, _spec_of(parts), others, metas)
 
 
-def split_payload(kind: str, payload: Any) -> tuple[Signature | None, list[torch.Tensor]]:
+def split_payload(kind: str, payload: Any) -> tuple[FrameSignature | None, list[torch.Tensor]]:
     """The signature of a tensor message and its tensors; None where it cannot be cached (unhashable leaves)."""
     leaves, spec = tree.flatten(payload)
     tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
     others = tuple((i, leaf) for i, leaf in enumerate(leaves) if not isinstance(leaf, torch.Tensor))
-    signature = Signature(kind, spec, others, tuple(TensorMeta.of(t) for t in tensors))
+    signature = FrameSignature(kind, spec, others, tuple(TensorHeader.of(t) for t in tensors))
     try:
         hash(signature)
     except TypeError:
@@ -122,7 +124,7 @@ def split_payload(kind: str, payload: Any) -> tuple[Signature | None, list[torch
     return signature, tensors
 
 
-def join_payload(signature: Signature, tensors: list[torch.Tensor]) -> Any:
+def join_payload(signature: FrameSignature, tensors: list[torch.Tensor]) -> Any:
     """The payload of `split_payload` again, from its signature and the received tensors."""
     count = len(signature.others) + len(tensors)
     leaves: list[Any] = [None] * count
@@ -164,7 +166,7 @@ def unbundle(message: Message, fields: list[int]) -> list[Message]:
     return [Message(kind, step, stage, first + i, message.payload[i], source) for i in range(count)]
 
 
-def inline_size(extra: int, metas: Sequence[TensorMeta]) -> int:
+def inline_size(extra: int, metas: Sequence[TensorHeader]) -> int:
     """The bytes of an inline frame with ``extra`` pickled bytes and tensors of ``metas``."""
     return _aligned(HEADER_BYTES) + _aligned(extra) + sum(_aligned(_numel(m.shape) * m.dtype.itemsize) for m in metas)
 
@@ -174,7 +176,7 @@ def body_tag(marker: int) -> int:
     return 2 + marker
 
 
-def ahead_of_time(signature: Signature) -> bool:
+def ahead_of_time(signature: FrameSignature) -> bool:
     """Whether a framed receiver posts this signature's body ahead: its messages never fit inline."""
     return inline_size(0, signature.metas) > INLINE_BYTES
 
@@ -199,7 +201,7 @@ def frame_bytes(frame: torch.Tensor, extra: int) -> bytes:
     return bytes(frame[offset : offset + extra].numpy()) if extra else b""
 
 
-def frame_tensors(frame: torch.Tensor, extra: int, metas: Sequence[TensorMeta]) -> list[torch.Tensor]:
+def frame_tensors(frame: torch.Tensor, extra: int, metas: Sequence[TensorHeader]) -> list[torch.Tensor]:
     """Copies of an inline frame's tensors: the receiver posts the frame's buffer again at once."""
     offset = _aligned(HEADER_BYTES) + _aligned(extra)
     tensors = []
@@ -219,36 +221,36 @@ def control_header(marker: int) -> torch.Tensor:
     return torch.tensor([marker] + [0] * (HEADER_FIELDS - 1), dtype=torch.int64)
 
 
-def encode_signature(signature: Signature) -> bytes:
+def encode_signature(signature: FrameSignature) -> bytes:
     blob, tensors = by_value.dumps(signature)
     assert not tensors  # tensors are never leaves of a signature
     return blob
 
 
-def decode_signature(extra: bytes) -> Signature:
-    signature: Signature = by_value.loads(extra, [])
+def decode_signature(extra: bytes) -> FrameSignature:
+    signature: FrameSignature = by_value.loads(extra, [])
     return signature
 
 
-def encode_control(message: Message) -> tuple[bytes, list[torch.Tensor], list[TensorMeta]]:
+def encode_control(message: Message) -> tuple[bytes, list[torch.Tensor], list[TensorHeader]]:
     """A control message pickled by value; its tensors stay out of the bytes and follow them raw."""
     blob, tensors = by_value.dumps(message)
-    metas = [TensorMeta.of(t) for t in tensors]
+    metas = [TensorHeader.of(t) for t in tensors]
     return pickle.dumps((blob, metas), protocol=pickle.HIGHEST_PROTOCOL), tensors, metas
 
 
-def control_metas(extra: bytes) -> tuple[bytes, list[TensorMeta]]:
+def control_metas(extra: bytes) -> tuple[bytes, list[TensorHeader]]:
     """The pickled message and the metadata of the tensors to receive after it."""
     blob, metas = pickle.loads(extra)
     return blob, metas
 
 
-def decode_control(blob: bytes, metas: list[TensorMeta], tensors: list[torch.Tensor]) -> Message:
+def decode_control(blob: bytes, metas: list[TensorHeader], tensors: list[torch.Tensor]) -> Message:
     message: Message = by_value.loads(blob, [m.finish(t) for m, t in zip(metas, tensors, strict=True)])
     return message
 
 
-def message_of(signature: Signature, fields: list[int], tensors: list[torch.Tensor]) -> Message:
+def message_of(signature: FrameSignature, fields: list[int], tensors: list[torch.Tensor]) -> Message:
     _, _, source, step, stage, microbatch, _, _ = fields
     return Message(signature.kind, step, stage, microbatch, join_payload(signature, tensors), source)
 

@@ -53,7 +53,7 @@ class Receiver:
 
     def __init__(self, wire: ReceivingWire, peer: int) -> None:
         self.wire, self.peer, self.src = wire, peer, wire.group_ranks[peer]
-        self.signatures: dict[int, frames.Signature] = {}
+        self.signatures: dict[int, frames.FrameSignature] = {}
         self.ahead: dict[int, tuple[list[torch.Tensor], list[Any]]] = {}  # framed: one body per large signature
 
     def run(self) -> None:
@@ -151,12 +151,12 @@ class Receiver:
         self._complete([self._irecv(buffer, tag)])
         return bytes(buffer.cpu().numpy())
 
-    def _receive_all(self, metas: list[frames.TensorMeta], tag: int) -> list[torch.Tensor]:
+    def _receive_all(self, metas: list[frames.TensorHeader], tag: int) -> list[torch.Tensor]:
         tensors, works = self._post(metas, tag)
         self._complete(works)
         return tensors
 
-    def _post(self, metas: list[frames.TensorMeta], tag: int) -> tuple[list[torch.Tensor], list[Any]]:
+    def _post(self, metas: list[frames.TensorHeader], tag: int) -> tuple[list[torch.Tensor], list[Any]]:
         """Post the receives of a body: its tensors (empty ones are not sent) and their works."""
         tensors = [meta.empty(self.wire.device) for meta in metas]
         return tensors, [self._irecv(t, tag) for t in tensors if t.numel() > 0]

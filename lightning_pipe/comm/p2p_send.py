@@ -48,7 +48,7 @@ class Link:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.signatures: dict[frames.Signature, int] = {}
+        self.signatures: dict[frames.FrameSignature, int] = {}
         self.pending: collections.deque[tuple[Any, torch.Tensor]] = collections.deque()
         self.last_send = time.monotonic()
         self.closed = False
@@ -88,7 +88,7 @@ class Sender:
     def message(self, peer: int, link: Link, destination: int, message: Message, bundled: int = 1) -> None:
         """Send ``message`` to endpoint ``destination`` of ``peer``: as one inline frame where it fits."""
         stats, kind = self.count(message.source), message.kind
-        signature: frames.Signature | None = None
+        signature: frames.FrameSignature | None = None
         tensors: list[torch.Tensor] = []
         if kind in frames.TENSOR_KINDS:
             signature, tensors = frames.split_payload(kind, message.payload)
@@ -99,7 +99,7 @@ class Sender:
                 marker = link.signatures[signature] = len(link.signatures)
                 extra = frames.encode_signature(signature)
                 stats.signatures += 1
-            metas: Sequence[frames.TensorMeta] = signature.metas
+            metas: Sequence[frames.TensorHeader] = signature.metas
         else:
             marker = frames.CONTROL
             extra, tensors, metas = frames.encode_control(message)

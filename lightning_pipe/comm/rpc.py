@@ -44,7 +44,7 @@ from lightning_pipe.comm.control import ControlServer, Slot, parse_address
 from lightning_pipe.comm.local_workers import exit_reason
 from lightning_pipe.comm.rpc_build import await_builds, ready_ping, start_builds
 from lightning_pipe.comm.rpc_endpoint import RpcEndpoint, TransportStats, register_inbox
-from lightning_pipe.comm.rpc_home import HomeStage, Placement, home_device, place
+from lightning_pipe.comm.rpc_home import HomeStage, RankPlacement, home_device, place
 from lightning_pipe.comm.rpc_hosted import HostedWorld, wait_all
 from lightning_pipe.comm.rpc_plane import DataPlane
 from lightning_pipe.comm.rpc_stages import stage_stats, stop_stage
@@ -107,7 +107,7 @@ class RpcCommunicator(Communicator):
         self._world: HostedWorld | None = None
         self._endpoint: RpcEndpoint | None = None
         self._stages_of: dict[int, list[int]] = {}
-        self._placement = Placement(0, None)
+        self._placement = RankPlacement(0, None)
         self._home: HomeStage | None = None  # the stage worker this process holds while a pipeline runs
         self._threads: int | None = None  # intra-op threads of a CPU stage (local workers and the home stage)
         self._lost: str | None = None
@@ -124,7 +124,7 @@ class RpcCommunicator(Communicator):
         return self._placement.home is not None
 
     @property
-    def placement(self) -> Placement:
+    def placement(self) -> RankPlacement:
         """Which process serves which rank of the running (or last) pipeline."""
         return self._placement
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch.distributed.rpc as rpc
 
-from lightning_pipe.comm.base import Message, MessageKind, remaining
+from lightning_pipe.comm.base import PING, Message, MessageKind, remaining
 from lightning_pipe.comm.by_value import ByValue
 from lightning_pipe.comm.rpc_endpoint import RpcEndpoint
 from lightning_pipe.comm.rpc_hosted import wait_future
@@ -61,7 +61,7 @@ def await_builds(
 def ready_ping(endpoint: RpcEndpoint, ranks: int, until: float, wait_step: WaitStep) -> None:
     """Ping every rank through the path of every later message and wait for all their replies."""
     for rank in range(ranks):
-        endpoint.send(rank, Message(MessageKind.CALL, 0, payload=("ping", ())))
+        endpoint.send(rank, Message(MessageKind.CALL, 0, payload=(PING, ())))
     ready: set[int] = set()
     while len(ready) < ranks:
         message = endpoint.recv(min(0.5, remaining(until)))

@@ -39,7 +39,7 @@ from lightning_pipe.errors import StageError
 
 
 @dataclass(frozen=True)
-class Placement:
+class RankPlacement:
     """Which process serves each pipeline rank of one launch: ``home`` in the coordinator's, the rest in slots."""
 
     ranks: int
@@ -80,20 +80,20 @@ class Placement:
         return f"{here}; {remote}" if remote else here
 
 
-def place(specs: Sequence[Any], colocate: bool) -> Placement:
+def place(specs: Sequence[Any], colocate: bool) -> RankPlacement:
     """Whether the coordinator's process holds the rank of the last stage for ``specs``, and if not, why."""
     ranks = len(specs)
     last = specs[0].rank_of_stage[-1] if specs else 0
     if not colocate:
-        return Placement(ranks, None, "colocate=False")
+        return RankPlacement(ranks, None, "colocate=False")
     if ranks < 2:
-        return Placement(ranks, None, "one rank holds every stage: it runs apart from the coordinator")
+        return RankPlacement(ranks, None, "one rank holds every stage: it runs apart from the coordinator")
     if last != ranks - 1:  # the runners place the last stage on the last rank; another layout stays apart
-        return Placement(ranks, None, f"the last stage is on rank {last}, not the last rank")
+        return RankPlacement(ranks, None, f"the last stage is on rank {last}, not the last rank")
     missing = [str(shard.device) for shard in specs[last].shards if not usable_here(str(shard.device))]
     if missing:
-        return Placement(ranks, None, f"this process cannot use {', '.join(missing)}")
-    return Placement(ranks, last)
+        return RankPlacement(ranks, None, f"this process cannot use {', '.join(missing)}")
+    return RankPlacement(ranks, last)
 
 
 def usable_here(device: str) -> bool:
@@ -104,7 +104,7 @@ def usable_here(device: str) -> bool:
     return torch.cuda.is_available() and int(index or 0) < torch.cuda.device_count()
 
 
-def home_device(specs: Sequence[Any], placement: Placement) -> str | None:
+def home_device(specs: Sequence[Any], placement: RankPlacement) -> str | None:
     """The device of the stage the coordinator's process holds (its first shard's), None if it holds none."""
     if placement.home is None or not specs[placement.home].shards:
         return None

@@ -3,6 +3,19 @@
 from lightning_pipe.engine.coordinator import Coordinator
 from lightning_pipe.engine.plan import EVAL, TRAIN, AutocastSpec, StageSpec, StepPlan
 from lightning_pipe.engine.stage import StageWorker
+from lightning_pipe.engine.stage_protocol import StageProtocol
+from lightning_pipe.engine.stage_proxy import StageProxy
 from lightning_pipe.engine.step_result import StepResult
 
-__all__ = ["EVAL", "TRAIN", "AutocastSpec", "Coordinator", "StageSpec", "StageWorker", "StepPlan", "StepResult"]
+__all__ = [
+    "EVAL",
+    "TRAIN",
+    "AutocastSpec",
+    "Coordinator",
+    "StageProtocol",
+    "StageProxy",
+    "StageSpec",
+    "StageWorker",
+    "StepPlan",
+    "StepResult",
+]

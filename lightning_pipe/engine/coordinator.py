@@ -16,6 +16,7 @@ from lightning_pipe.engine.plan import ASYNC, EVAL, TRAIN, LossPlan, StageSpec, 
 from lightning_pipe.engine.runners import check_runner, worker_lists
 from lightning_pipe.engine.shared_weights import SharedWeights
 from lightning_pipe.engine.stage import StageWorker
+from lightning_pipe.engine.stage_proxy import StageProxy
 from lightning_pipe.engine.step_result import Record, StepResult
 from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.executors import output_grads
@@ -82,6 +83,8 @@ class Coordinator:
         self._head = _Received()
         self._worker_cls = worker_cls
         self.link = CoordinatorLink(communicator, self.num_ranks, timeout)
+        #: every rank's control calls (`StageProtocol`'s methods), typed
+        self.stages = StageProxy(self.link)
         self._schedules: dict[tuple[int, int], Schedule] = {}
         self.last_result: StepResult | None = None
 
@@ -109,14 +112,6 @@ class Coordinator:
     @property
     def endpoint(self) -> Endpoint:
         return self.link.endpoint
-
-    def call(self, name: str, *args: Any, each: Sequence[tuple[Any, ...]] | None = None) -> list[Any]:
-        """Run the control call ``name`` on every rank and return the results (`CoordinatorLink.call`)."""
-        return self.link.call(name, *args, each=each)
-
-    def post(self, name: str, *args: Any, each: Sequence[tuple[Any, ...]] | None = None) -> None:
-        """Send the control call ``name`` to every rank without waiting for it (`CoordinatorLink.post`)."""
-        self.link.post(name, *args, each=each)
 
     def flush(self) -> None:
         """Wait for the posted calls and the ranks still finishing steps (`CoordinatorLink.flush`)."""

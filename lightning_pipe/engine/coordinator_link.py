@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_pipe.comm.base import Communicator, Endpoint, Message, MessageKind, deadline, remaining
+from lightning_pipe.engine.stage_protocol import StageProtocol
 from lightning_pipe.engine.step_result import Record
 from lightning_pipe.errors import PipeTimeoutError, StageError
 
@@ -97,7 +98,7 @@ class CoordinatorLink:
         """Wait until every rank ran the calls posted so far and finished its steps; raises the first that failed."""
         self.settle()
         if self._posted:
-            self.call("ping")
+            self.call(StageProtocol.ping.__name__)
 
     def _send_call(self, kind: str, name: str, args: tuple[Any, ...], each: Sequence[tuple[Any, ...]] | None) -> int:
         self._step += 1

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import traceback
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -16,10 +15,11 @@ from lightning_pipe.engine.stage_actions import StageActions, StepFailed
 from lightning_pipe.engine.stage_checkpoint import StageCheckpoint
 from lightning_pipe.engine.stage_inbox import StageInbox, StepAborted
 from lightning_pipe.engine.stage_memory import StageMemory
+from lightning_pipe.engine.stage_protocol import StageProtocol
 from lightning_pipe.engine.stage_shards import StageShards
 from lightning_pipe.engine.stage_state import StageStateCalls
 from lightning_pipe.engine.versions import WorkerVersions
-from lightning_pipe.errors import PipeError, StageError
+from lightning_pipe.errors import StageError
 from lightning_pipe.rng import StageRandom, run_seed
 from lightning_pipe.runtime import BaseRuntime, runtime_registry
 from lightning_pipe.weights import Materialized
@@ -34,8 +34,8 @@ class StageWorker:
     for the next step), ``actions`` (a step's compute and the activations it holds), ``state`` (the
     shards' parameters, gradients, optimizer and generators as the coordinator reaches them), ``memory``
     (the stash meter and which stages recompute) and ``versions`` (the weight versions of an
-    asynchronous run). A control call (`Coordinator.call`) is served by the part that owns what it
-    touches: `calls` is the table of their names.
+    asynchronous run). A control call is a method of ``protocol`` (`StageProtocol`), which hands it to
+    the part that owns what it touches.
     """
 
     def __init__(self, spec: StageSpec, endpoint: Endpoint) -> None:
@@ -70,13 +70,7 @@ class StageWorker:
         )
         self.checkpoints = StageCheckpoint(self.shards, self.state)
         self.replicas: DataParallel | None = None  # launched mode: the stage over its replicas
-        self.calls = _table(
-            {"ping": self.call_ping},
-            self.state.calls(),
-            self.memory.calls(),
-            self.versions.calls(),
-            self.checkpoints.calls(),
-        )
+        self.protocol = StageProtocol(self.rank, self.state, self.memory, self.versions, self.checkpoints)
         self._failed: int | None = None  # a step that failed here, until the coordinator's abort says it knows
 
     def replicate(self, group: Any) -> None:
@@ -89,9 +83,6 @@ class StageWorker:
         per step. Before any optimizer is built: the parameters become shards (DTensors)."""
         self.replicas = StageShards({i: s.module for i, s in self.shards.items()}, mesh, mixed_precision)
         self.state.regather()
-
-    def call_ping(self) -> int:
-        return self.rank
 
     # event loop
     def serve(self) -> None:
@@ -120,10 +111,7 @@ class StageWorker:
         if posted and self._failed is not None:
             return  # sent before the coordinator heard of the failure (an optimizer step after the failed step)
         try:
-            call = self.calls.get(name)
-            if call is None:
-                raise PipeError(f"a stage worker serves no call {name!r}; it serves {', '.join(sorted(self.calls))}")
-            result: Any = call(*args)
+            result: Any = self.protocol.serve(name)(*args)
             if posted:
                 return
             reply = Message(MessageKind.REPLY, message.step, payload=(True, result))
@@ -165,13 +153,3 @@ class StageWorker:
         self.inbox.forget(step)
         self.actions.forget()
 
-
-def _table(*parts: dict[str, Callable[..., Any]]) -> dict[str, Callable[..., Any]]:
-    """The control calls of a worker's parts in one table; a name served by two parts is a mistake."""
-    table: dict[str, Callable[..., Any]] = {}
-    for calls in parts:
-        twice = table.keys() & calls.keys()
-        if twice:
-            raise ValueError(f"control calls served by two parts of the stage worker: {', '.join(sorted(twice))}")
-        table.update(calls)
-    return table

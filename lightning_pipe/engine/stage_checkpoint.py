@@ -9,7 +9,6 @@ the LightningModule's: ``prefix`` (the pipelined module's path, ``"model."``) be
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,11 +40,6 @@ class StageCheckpoint:
         self.shards = shards
         self.state = state
 
-    def calls(self) -> dict[str, Callable[..., Any]]:
-        return {
-            "save_sharded": self.call_save_sharded,
-            "load_optimizer_from": self.call_load_optimizer_from,
-        }
 
     def _model(self, prefix: str) -> dict[str, torch.Tensor]:
         return {prefix + k: v for shard in self.shards.values() for k, v in shard.module.state_dict().items()}

@@ -7,7 +7,6 @@ memory of its device.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -63,14 +62,6 @@ class StageMemory:
         self.size(s, saved, False)
         self.size(s, Activation(saved.inputs), True)
 
-    def calls(self) -> dict[str, Callable[..., Any]]:
-        """The control calls served here, by the name the coordinator calls them by."""
-        return {
-            "stash_sizes": self.call_stash_sizes,
-            "stash_peak": self.call_stash_peak,
-            "device_memory": self.call_device_memory,
-            "set_recompute": self.call_set_recompute,
-        }
 
     def call_stash_sizes(self) -> dict[int, StageBytes]:
         """Per stage of this rank measured so far: what its largest microbatch keeps alive."""

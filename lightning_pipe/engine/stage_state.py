@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -50,33 +50,6 @@ class StageStateCalls:
         self._optimizer: torch.optim.Optimizer | None = None
         self._optimizer_names: list[list[str]] = []
 
-    def calls(self) -> dict[str, Callable[..., Any]]:
-        """The control calls served here, by the name the coordinator calls them by."""
-        return {
-            "state_dict": self.call_state_dict,
-            "load_state_dict": self.call_load_state_dict,
-            "install_variants": self.call_install_variants,
-            "train": self.call_train,
-            "random_state": self.call_random_state,
-            "load_random_state": self.call_load_random_state,
-            "grads": self.call_grads,
-            "apply_grads": self.call_apply_grads,
-            "discard_grads": self.call_discard_grads,
-            "step_grads": self.call_step_grads,
-            "set_step_grads": self.call_set_step_grads,
-            "zero_grad": self.call_zero_grad,
-            "grad_norm": self.call_grad_norm,
-            "scale_grads": self.call_scale_grads,
-            "clamp_grads": self.call_clamp_grads,
-            "unscale_grads": self.call_unscale_grads,
-            "build_optimizer": self.call_build_optimizer,
-            "set_hparams": self.call_set_hparams,
-            "optimizer_step": self.call_optimizer_step,
-            "optimizer_state": self.call_optimizer_state,
-            "load_optimizer_state": self.call_load_optimizer_state,
-            "runtime_hook": self.call_runtime_hook,
-            "execution_trace": self.call_execution_trace,
-        }
 
     def _named_parameters(self) -> dict[str, nn.Parameter]:
         return {name: p for shard in self.shards.values() for name, p in shard.module.named_parameters()}

@@ -232,9 +232,6 @@ class WorkerVersions:
         """The parameters of every version ``stage`` keeps (`StageVersions.weights`)."""
         return self._stages[stage].weights()
 
-    def calls(self) -> dict[str, Callable[..., Any]]:
-        """The control calls served here, by the name the coordinator calls them by."""
-        return {"async_stats": self.call_async_stats}
 
     def call_async_stats(self) -> list[Staleness]:
         """Each stage's `Staleness` in the last asynchronous run."""

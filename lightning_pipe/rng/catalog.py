@@ -30,7 +30,7 @@ from torch import nn
 _NOT_DRAWS = {"manual_seed", "seed", "initial_seed"}  # take a generator, draw nothing
 
 
-class Kind(enum.Enum):
+class RandomOpKind(enum.Enum):
     PASS = 0
     INJECT = 1
     COMPOSITE = 2
@@ -90,40 +90,40 @@ ATEN_DRAWS = {"native_dropout", "dropout", "feature_dropout", "alpha_dropout", "
 POSITIONS: dict[Any, int | None] = _public_functions()
 
 
-def _kinds() -> dict[Any, Kind]:
-    kinds: dict[Any, Kind] = {fn: Kind.INJECT for fn in POSITIONS}
-    kinds.update({getattr(F, n): Kind.COMPOSITE for n in _COMPOSITE_NAMES if hasattr(F, n)})
-    kinds.update({getattr(torch, n): Kind.COMPOSITE for n in _COMPOSITE_TORCH if hasattr(torch, n)})
-    kinds[F.scaled_dot_product_attention] = Kind.SDPA
-    kinds[F.multi_head_attention_forward] = Kind.MHA
+def _kinds() -> dict[Any, RandomOpKind]:
+    kinds: dict[Any, RandomOpKind] = {fn: RandomOpKind.INJECT for fn in POSITIONS}
+    kinds.update({getattr(F, n): RandomOpKind.COMPOSITE for n in _COMPOSITE_NAMES if hasattr(F, n)})
+    kinds.update({getattr(torch, n): RandomOpKind.COMPOSITE for n in _COMPOSITE_TORCH if hasattr(torch, n)})
+    kinds[F.scaled_dot_product_attention] = RandomOpKind.SDPA
+    kinds[F.multi_head_attention_forward] = RandomOpKind.MHA
     return kinds
 
 
-KINDS: dict[Any, Kind] = _kinds()
+KINDS: dict[Any, RandomOpKind] = _kinds()
 
 
-def kind_of(func: Callable[..., Any]) -> Kind:
+def kind_of(func: Callable[..., Any]) -> RandomOpKind:
     """How a call of ``func`` is routed; ``torch.ops`` overloads are classified by their schema (and cached)."""
     try:
         kind = KINDS.get(func)
     except TypeError:  # unhashable callable
-        return Kind.PASS
+        return RandomOpKind.PASS
     if kind is not None:
         return kind
-    kind = Kind.PASS
+    kind = RandomOpKind.PASS
     schema = getattr(func, "_schema", None)
     if schema is not None:  # a torch.ops overload
         name = schema.name.partition("::")[2]
         slots = [(i, a) for i, a in enumerate(schema.arguments) if "Generator" in str(a.type)]
         if slots and name in GENERATOR_OPS:
-            kind = Kind.INJECT
+            kind = RandomOpKind.INJECT
             POSITIONS[func] = None if slots[0][1].kwarg_only else slots[0][0]
         elif name in GENERATOR_OPS or name in ATEN_DRAWS:  # no generator here (aten.rand.default): the
-            kind = Kind.COMPOSITE  # aten-level mode calls the overload with one, or reimplements the op
+            kind = RandomOpKind.COMPOSITE  # aten-level mode calls the overload with one, or reimplements the op
     elif isinstance(func, torch._ops.OpOverloadPacket):
         name = func._qualified_op_name.partition("::")[2]
         if name in GENERATOR_OPS or name in ATEN_DRAWS:
-            kind = Kind.COMPOSITE  # overload chosen at call time: the aten-level mode sees the chosen one
+            kind = RandomOpKind.COMPOSITE  # overload chosen at call time: the aten-level mode sees the chosen one
     KINDS[func] = kind
     return kind
 
@@ -134,9 +134,9 @@ def draws(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any
     Arguments that are not plain values (graph nodes of a traced model) count as drawing.
     """
     kind = kind_of(func)
-    if kind is Kind.PASS:
+    if kind is RandomOpKind.PASS:
         return False
-    if kind is Kind.INJECT:
+    if kind is RandomOpKind.INJECT:
         return True
     values = _bind(func, args, kwargs)
     if "_random_samples" in values:  # fractional max pooling: draws only the samples it is not given

@@ -5,7 +5,7 @@ stage threads compute at once. torch's mode stacks (TorchFunctionMode, TorchDisp
 thread, so a mode pushed in a stage thread sees only that stage's calls:
 
 - `RandomRouting` (a TorchFunctionMode, about 1.5 us per torch call on CPU) passes the stage's
-  generator to every call that takes one (`catalog.Kind.INJECT`), and runs the functions that draw
+  generator to every call that takes one (`catalog.RandomOpKind.INJECT`), and runs the functions that draw
   inside without one under `AtenRouting`;
 - `AtenRouting` (a TorchDispatchMode, only around those calls) passes the generator to the aten ops
   they draw with (``bernoulli_``, ``uniform_``, ...) and reimplements ``native_dropout`` (the fused
@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _pop_mode, _push_mode
 
-from lightning_pipe.rng.catalog import ATEN_DRAWS, GENERATOR_OPS, POSITIONS, Kind, draws, kind_of
+from lightning_pipe.rng.catalog import ATEN_DRAWS, GENERATOR_OPS, POSITIONS, RandomOpKind, draws, kind_of
 
 
 class Generators(Protocol):
@@ -70,17 +70,17 @@ class RandomRouting(TorchFunctionMode):
     ) -> Any:
         kwargs = kwargs or {}
         kind = kind_of(func)
-        if kind is Kind.PASS:
+        if kind is RandomOpKind.PASS:
             return func(*args, **kwargs)
-        if kind is Kind.INJECT:
+        if kind is RandomOpKind.INJECT:
             args, kwargs, injected = inject(self.generators, POSITIONS.get(func), args, kwargs)
             self.drew = self.drew or injected
             return func(*args, **kwargs)
         if not draws(func, args, kwargs):  # no dropout in this call: nothing to route
             return func(*args, **kwargs)
-        if kind is Kind.SDPA:
+        if kind is RandomOpKind.SDPA:
             return self._aten(_attention, *args, **kwargs)
-        if kind is Kind.MHA:
+        if kind is RandomOpKind.MHA:
             return self._aten(_multi_head_attention, func, *args, **kwargs)
         return self._aten(func, *args, **kwargs)
 

@@ -20,6 +20,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
+from lightning_pipe.engine.stage_protocol import StageProtocol
 from lightning_pipe.engine.stream import BatchStream
 from lightning_pipe.engine.versions import Staleness
 from lightning_pipe.errors import ConfigurationError
@@ -177,7 +178,7 @@ class AsyncTraining:
             self.stream = None
 
     def record(self, pipeline: Pipeline) -> None:
-        for stats in pipeline.coordinator.call("async_stats"):
+        for stats in pipeline.coordinator.stages.call(StageProtocol.async_stats):
             for s in stats:
                 total = self.totals.setdefault(s.stage, Staleness(s.stage))
                 for f in fields(Staleness):

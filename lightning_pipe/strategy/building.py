@@ -20,7 +20,7 @@ from torch import nn
 from lightning_pipe.backends import BackendArg, CoordinatorOps, ExecutionTrace, resolve_backends
 from lightning_pipe.backends.compiled import TorchCompiled, unwrap_compiled
 from lightning_pipe.comm import Communicator
-from lightning_pipe.engine import AutocastSpec
+from lightning_pipe.engine import AutocastSpec, StageProtocol
 from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.partition import Partitioner
 from lightning_pipe.partition.traced import TracedPartitioner
@@ -245,7 +245,7 @@ class PipelineBuilder:
     def runtime_hook(self, name: str, args: tuple[Any, ...]) -> None:
         """Call ``runtime.<name>`` on every stage (skipped when no stage's runtime overrides it)."""
         if self.pipeline is not None and name in self.runtime_hooks:
-            self.pipeline.coordinator.call("runtime_hook", name, args)
+            self.pipeline.coordinator.stages.call(StageProtocol.runtime_hook, name, args)
 
     def execution_trace(self) -> ExecutionTrace:
         """Per stage: which backend ran its forwards and which substituted ops ran where.

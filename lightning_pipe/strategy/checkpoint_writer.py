@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_pipe.engine.stage_checkpoint import CoordinatorPart
+from lightning_pipe.engine.stage_protocol import StageProtocol
 from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.pipeline import Pipeline
 from lightning_pipe.weights.consolidate import consolidate
@@ -45,7 +46,7 @@ def write_sharded(
         coordinator.meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
     if pipeline is not None:
         each = [(coordinator if rank == here else None,) for rank in range(pipeline.coordinator.num_ranks)]
-        pipeline.coordinator.call("save_sharded", str(path), prefix, each=each)
+        pipeline.coordinator.stages.call_each(StageProtocol.save_sharded, each, str(path), prefix)
         return
     if worker is None:
         raise ConfigurationError(

@@ -20,6 +20,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
+from lightning_pipe.engine import StageProtocol
 from lightning_pipe.strategy.asynchronous import AsyncTraining
 from lightning_pipe.strategy.building import PipelineBuilder
 from lightning_pipe.strategy.optimization import StageOptimization
@@ -116,7 +117,9 @@ class Checkpoints:
                 def on_stages(groups: list[dict[str, Any]], layout: list[list[str]] = layout) -> None:
                     pipeline = self.builder.pipeline
                     assert pipeline is not None
-                    pipeline.coordinator.call("load_optimizer_from", resume.path, prefix, layout, groups, aliases)
+                    pipeline.coordinator.stages.call(
+                        StageProtocol.load_optimizer_from, resume.path, prefix, layout, groups, aliases
+                    )
 
                 view.stages.load_where_saved(on_stages, hparams, {p: s for p, s in outside.items() if s})
 
