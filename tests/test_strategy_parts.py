@@ -10,20 +10,19 @@ from helpers import Classifier, mlp
 from lightning_pipe.pipeline import Pipeline
 from lightning_pipe.strategy.building import PipelineBuilder, Placement
 from lightning_pipe.strategy.checkpoints import CHECKPOINT_KEY, Checkpoints
+from lightning_pipe.strategy.config import PipeConfig
 from lightning_pipe.strategy.launched import LaunchedWorld
 from lightning_pipe.strategy.layout import Layout
 from lightning_pipe.strategy.optimization import StageOptimization
 from lightning_pipe.strategy.random_state import RandomStreams
 from lightning_pipe.strategy.stage_placement import ProcessStage
 
+ONE, TWO = (PipeConfig.of({"timeout": 30.0, "virtual_stages": v}) for v in (1, 2))  # virtual stages per rank
+
 
 def builder(**overrides: Any) -> PipelineBuilder:
-    arguments: dict[str, Any] = {
-        "partition": "uniform", "split_points": None, "module_name": None, "schedule": "1f1b",
-        "checkpoint": "never", "runtime": None, "timeout": 30.0, "backend": None, "strict": False,
-        "virtual_stages": 1, "runner": "parallel", "transport_options": {},
-    }  # fmt: skip
-    return PipelineBuilder(**{**arguments, **overrides})
+    arguments: dict[str, Any] = {"partition": "uniform", "checkpoint": "never", "timeout": 30.0}
+    return PipelineBuilder(PipeConfig.of({**arguments, **overrides}))
 
 
 def ran_eager(part: PipelineBuilder) -> list[dict[str, int]]:
@@ -69,13 +68,13 @@ def test_random_states_go_through_a_checkpoint_before_any_pipeline_exists() -> N
 
 def test_the_world_places_stages_by_the_layout_without_joining_any_process_group() -> None:
     devices = [torch.device("cuda", i) for i in range(4)]  # placement only: no CUDA needed
-    coordinator = LaunchedWorld(Layout.of(4, 2, 2, 1, 4), devices, 30.0, "parallel", 1, ProcessStage())
+    coordinator = LaunchedWorld(Layout.of(4, 2, 2, 1, 4), devices, ONE, ProcessStage())
     assert coordinator.layout.coordinates and coordinator.root_device == torch.device("cuda", 2)
     assert coordinator.stage_devices() == ["cuda:3", "cuda:2"]  # stage 0 on the replica's second process
     assert "replica 1: rank 2 -> pipeline rank 1 (coordinator), rank 3 -> pipeline rank 0" in coordinator.describe()
-    interleaved = LaunchedWorld(Layout.of(4, 0, 4, 2, 4), devices, 30.0, "parallel", 2, ProcessStage())
+    interleaved = LaunchedWorld(Layout.of(4, 0, 4, 2, 4), devices, TWO, ProcessStage())
     assert interleaved.stage_devices() == ["cuda:1", "cuda:0", "cuda:1", "cuda:0"]
     tensor = torch.ones(2)
     assert coordinator.reduce(tensor) is tensor and coordinator.broadcast("x") == "x"  # not connected: alone
-    server = LaunchedWorld(Layout.of(4, 3, 2, 1, 4), devices, 30.0, "parallel", 1, ProcessStage())
+    server = LaunchedWorld(Layout.of(4, 3, 2, 1, 4), devices, ONE, ProcessStage())
     assert not server.layout.coordinates and server.root_device == torch.device("cuda", 3)

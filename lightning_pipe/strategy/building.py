@@ -17,7 +17,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
-from lightning_pipe.backends import BackendArg, CoordinatorOps, ExecutionTrace, resolve_backends
+from lightning_pipe.backends import CoordinatorOps, ExecutionTrace, resolve_backends
 from lightning_pipe.backends.compiled import TorchCompiled, unwrap_compiled
 from lightning_pipe.comm import Communicator
 from lightning_pipe.engine import AutocastSpec, StageProtocol
@@ -28,6 +28,7 @@ from lightning_pipe.partition.tracer import CallArgs
 from lightning_pipe.pipeline import Pipeline, resolve_partitioner
 from lightning_pipe.rng import run_seed
 from lightning_pipe.runtime import BaseRuntime, runtime_registry
+from lightning_pipe.strategy.config import PipeConfig
 from lightning_pipe.strategy.session import capture_call
 from lightning_pipe.weights import StageInit
 
@@ -77,32 +78,11 @@ class PipelineBuilder:
     first input and `pipeline_input` for each call of the pipelined module.
     """
 
-    def __init__(
-        self,
-        partition: str | Sequence[int] | Partitioner,
-        split_points: Sequence[str] | None,
-        module_name: str | None,
-        schedule: Any,
-        checkpoint: str,
-        runtime: str | BaseRuntime | None,
-        timeout: float,
-        backend: BackendArg,
-        strict: bool,
-        virtual_stages: int,
-        runner: str,
-        transport_options: dict[str, Any],
-    ) -> None:
-        self.partitioner = resolve_partitioner(partition, split_points=split_points)
-        self.module_name = module_name
-        self.schedule = schedule
-        self.checkpoint = checkpoint
-        self.runtime = runtime
-        self.timeout = timeout
-        self.backend = backend
-        self.strict = strict
-        self.virtual_stages = virtual_stages
-        self.runner = runner
-        self.transport_options = transport_options  # rpc: coordinator, token, compress
+    def __init__(self, config: PipeConfig) -> None:
+        self.config = config  # the strategy's arguments: what the pipeline is built with
+        self.partitioner = resolve_partitioner(config.partition, split_points=config.split_points)
+        self.schedule = config.schedule
+        self.checkpoint = config.checkpoint
         self.pipeline: Pipeline | None = None
         self.pipelined: nn.Module | None = None  # the LightningModule's submodule that is pipelined
         self.compiled: TorchCompiled | None = None  # the pipelined module is torch.compile(...) of this
@@ -114,13 +94,13 @@ class PipelineBuilder:
     def find(self, lightning_module: pl.LightningModule) -> nn.Module:
         """The pipelined module: ``module=``, or the child with the most parameters."""
         children = dict(lightning_module.named_children())
-        if self.module_name is not None:
+        if self.config.module is not None:
             try:
-                return lightning_module.get_submodule(self.module_name)
+                return lightning_module.get_submodule(self.config.module)
             except AttributeError:
                 known = ", ".join(children) or "none"
                 raise ConfigurationError(
-                    f"PipeStrategy(module={self.module_name!r}): the LightningModule has no such submodule; "
+                    f"PipeStrategy(module={self.config.module!r}): the LightningModule has no such submodule; "
                     f"its children are: {known}"
                 ) from None
         if not children:
@@ -135,11 +115,11 @@ class PipelineBuilder:
         self.pipelined = self.find(lightning_module)
         self.compiled = unwrap_compiled(self.pipelined)
         if self.compiled is not None:
-            rank_zero_info(f"PipeStrategy: {self.compiled.note(self.backend)}")
+            rank_zero_info(f"PipeStrategy: {self.compiled.note(self.config.backend)}")
         self.partitioner = resolve_partitioner(self.partitioner, self.split_module)
         self.partitioner.check(self.split_module, len(placement.devices))
         stages = len(placement.devices)
-        self.coordinator_ops = CoordinatorOps(resolve_backends(self.backend, stages), stages - 1)
+        self.coordinator_ops = CoordinatorOps(resolve_backends(self.config.backend, stages), stages - 1)
         self._placement = placement
         return self.pipelined
 
@@ -156,8 +136,8 @@ class PipelineBuilder:
 
     def coordinator_device(self, devices: Sequence[str]) -> torch.device:
         """Where the last stage's output and the loss live, with the stages on ``devices`` in this process."""
-        if isinstance(self.runtime, BaseRuntime):
-            return self.runtime.torch_device
+        if isinstance(self.config.runtime, BaseRuntime):
+            return self.config.runtime.torch_device
         return runtime_registry.create(devices[-1]).torch_device
 
     def outside(self, lightning_module: pl.LightningModule) -> list[nn.Parameter]:
@@ -201,7 +181,8 @@ class PipelineBuilder:
         assert placement is not None, "PipelineBuilder.setup places the pipeline first"
         stages = len(placement.devices)
         compiled = self.compiled
-        backend = compiled.plan(self.backend, stages, self.strict) if compiled is not None else self.backend
+        config = self.config
+        backend = compiled.plan(config.backend, stages, config.strict) if compiled is not None else config.backend
         self.pipeline = Pipeline(
             self.split_module,
             stages=stages,
@@ -209,19 +190,19 @@ class PipelineBuilder:
             partition=self.partitioner,
             devices=placement.devices,
             checkpoint=self.checkpoint,
-            runtime=self.runtime,
-            timeout=self.timeout,
+            runtime=self.config.runtime,
+            timeout=self.config.timeout,
             autocast=placement.autocast,
             sample=sample,
             coordinator_device=placement.coordinator_device,
-            virtual_stages=self.virtual_stages,
-            runner=self.runner,
+            virtual_stages=self.config.virtual_stages,
+            runner=self.config.runner,
             backend=backend,
-            strict=self.strict,
+            strict=self.config.strict,
             transport=placement.transport(),
             seed=run_seed(),  # seed_everything's seed: each stage's generators start from it and the stage index
             init=placement.init,
-            **self.transport_options,
+            **self.config.transport_options,
         ).start()
         placement.on_built(self.pipeline)
         self.runtime_hooks = {
@@ -279,7 +260,7 @@ class PipelineBuilder:
 
         if isinstance(model, pl.LightningModule):
             called = self.find(model)
-            sample = self.pipeline_input(*capture_call(model, called, sample_batch, self.timeout))
+            sample = self.pipeline_input(*capture_call(model, called, sample_batch, self.config.timeout))
         else:
             called, sample = model, sample_batch
         compiled = unwrap_compiled(called)
@@ -292,9 +273,9 @@ class PipelineBuilder:
             stages,
             microbatches,
             self.schedule,
-            self.virtual_stages,
+            self.config.virtual_stages,
             self.partitioner,
             self.checkpoint,
-            self.runner,
+            self.config.runner,
             verbose,
         )

@@ -38,6 +38,7 @@ from lightning_pipe.allocator import give_back_large_blocks
 from lightning_pipe.comm import P2PCommunicator, serve_stages
 from lightning_pipe.comm.p2p_wire import close_open_wires
 from lightning_pipe.engine.runners import worker_of_stages
+from lightning_pipe.strategy.config import PipeConfig
 from lightning_pipe.strategy.layout import Layout
 from lightning_pipe.strategy.stage_placement import ProcessStage
 
@@ -133,16 +134,12 @@ class LaunchedWorld:
         self,
         layout: Layout,
         devices: Sequence[torch.device],
-        timeout: float,
-        runner: str,
-        virtual_stages: int,
+        config: PipeConfig,
         stage: ProcessStage,
     ) -> None:
         self.layout = layout
         self.devices = list(devices)  # this node's devices, one per local rank
-        self.timeout = timeout
-        self.runner = runner
-        self.virtual_stages = virtual_stages
+        self.config = config  # the strategy's arguments (``timeout``, ``runner``, ``virtual_stages`` are read)
         self.stage = stage  # this process's part of the model: the stages built here bind to it
         self._groups: ProcessGroups | None = None
         self._p2p: P2PCommunicator | None = None
@@ -155,8 +152,9 @@ class LaunchedWorld:
 
     def stage_devices(self) -> list[str]:
         """The device of each stage: that of the process holding it in this replica."""
-        stages = self.layout.ranks_per_pipeline * self.virtual_stages
-        holder = worker_of_stages(self.runner, stages, self.virtual_stages)
+        virtual = self.config.virtual_stages
+        stages = self.layout.ranks_per_pipeline * virtual
+        holder = worker_of_stages(self.config.runner, stages, virtual)
         ranks = self.layout.pipeline_ranks()
         return [str(self.devices[self.layout.local_index(ranks[holder[s]])]) for s in range(stages)]
 
@@ -206,7 +204,7 @@ class LaunchedWorld:
             "describe": self.layout.describe,
             "on_build": self.stage.built,
             "prepare": self.stage.prepare,
-            "timeout": self.timeout,
+            "timeout": self.config.timeout,
             "coordinator": self.layout.coordinator,
         }
 

@@ -33,9 +33,8 @@ from lightning_pipe.strategy.processes import ProcessStrategy
 class ModelStateStrategy(ProcessStrategy):
     """A `ProcessStrategy` whose model's tensors live with the stages (see the module's docstring).
 
-    Args: ``checkpoints`` and ``builder``, the parts it hands the work to; ``save_distributed_checkpoint``:
-    launched mode writes a sharded folder (True) or one file a stage at a time (False); the rest go to
-    `ProcessStrategy`.
+    Args: ``checkpoints`` and ``builder``, the parts it hands the work to; the rest go to `ProcessStrategy`
+    (``config.save_distributed_checkpoint``: launched mode writes a sharded folder, or one file a stage at a time).
     """
 
     def __init__(
@@ -43,13 +42,11 @@ class ModelStateStrategy(ProcessStrategy):
         *args: Any,
         checkpoints: Checkpoints,
         builder: PipelineBuilder,
-        save_distributed_checkpoint: bool = True,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
         self.checkpoints = checkpoints
         self.builder = builder
-        self.save_distributed_checkpoint = save_distributed_checkpoint
 
     # where a model's tensors are made
     @contextmanager
@@ -136,7 +133,7 @@ class ModelStateStrategy(ProcessStrategy):
         def save(folder: Path) -> None:
             write_sharded(folder, prefix, checkpoint, part, first, pipeline, here, worker)
 
-        if self.save_distributed_checkpoint:
+        if self.config.save_distributed_checkpoint:
             save(path)
         else:
             write_single_file(save, path, first)

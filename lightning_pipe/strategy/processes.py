@@ -20,6 +20,7 @@ from typing_extensions import override
 
 from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.strategy.arguments import check_launched
+from lightning_pipe.strategy.config import PipeConfig
 from lightning_pipe.strategy.launched import LaunchedWorld, PipeLauncher
 from lightning_pipe.strategy.layout import LAUNCHED, LOCAL, Layout, choose_mode
 from lightning_pipe.strategy.stage_placement import ProcessStage
@@ -28,36 +29,25 @@ from lightning_pipe.strategy.stage_placement import ProcessStage
 class ProcessStrategy(ParallelStrategy):
     """A ParallelStrategy whose Lightning loop runs in one process, or on each pipeline replica's coordinator.
 
-    Args: see `PipeStrategy` (``stages``, ``devices`` as ``stage_devices``, ``transport``, ``virtual_stages``,
-    ``runner``, ``timeout``); ``asynchronous``: whether the schedule is ``"async"`` (not in launched mode).
+    Args: ``config`` (the strategy's arguments, `PipeConfig`: ``stages``, ``stage_devices``, ``transport``,
+    ``virtual_stages``, ``runner``, ``timeout``, ``asynchronous`` are read here); ``stage``: launched mode's
+    part of the model in this process.
     """
 
     def __init__(
         self,
-        stages: int | None,
-        stage_devices: list[str] | None,
-        transport: str | None,
-        virtual_stages: int,
-        runner: str,
-        timeout: float,
-        asynchronous: bool,
+        config: PipeConfig,
         stage: ProcessStage,
         accelerator: pl.accelerators.Accelerator | None = None,
         checkpoint_io: Any = None,
         precision_plugin: Any = None,
     ) -> None:
         super().__init__(accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
-        self.stages = stages
-        self.stage_devices = stage_devices
-        self.transport = transport
-        self.virtual_stages = virtual_stages
-        self.runner = runner
-        self.timeout = timeout
+        self.config = config
         self.num_nodes = 1  # set by Lightning's connector from Trainer(num_nodes=...)
         #: launched mode: this process's place among the processes, made when Lightning sets the ranks
         self.world: LaunchedWorld | None = None
         self.stage = stage  # launched mode: this process's part of the model
-        self._asynchronous = asynchronous
         self._mode_logged = False
 
     # the processes: Lightning's connector calls these when the Trainer is built
@@ -73,7 +63,7 @@ class ProcessStrategy(ParallelStrategy):
     @property
     def mode(self) -> str:
         """``"local"``, ``"rpc"`` or ``"launched"`` (see `lightning_pipe.strategy.layout`)."""
-        return choose_mode(self.transport, self.processes)
+        return choose_mode(self.config.transport, self.processes)
 
     @property
     def launched(self) -> bool:
@@ -91,13 +81,15 @@ class ProcessStrategy(ParallelStrategy):
                 environment.set_global_rank(0)
                 environment.set_world_size(1)
             return
-        check_launched(self.processes, self.stage_devices, self.runner, self._asynchronous)
+        config = self.config
+        check_launched(self.processes, config.stage_devices, config.runner, config.asynchronous)
         assert self.parallel_devices is not None and environment is not None
         devices = self.parallel_devices
         global_rank = self.node_rank * len(devices) + self.local_rank
-        layout = Layout.of(self.processes, global_rank, self.stages or len(devices), self.virtual_stages, len(devices))
+        stages = config.stages or len(devices)
+        layout = Layout.of(self.processes, global_rank, stages, config.virtual_stages, len(devices))
         if self.world is None or (self.world.layout, self.world.devices) != (layout, devices):
-            self.world = LaunchedWorld(layout, devices, self.timeout, self.runner, self.virtual_stages, self.stage)
+            self.world = LaunchedWorld(layout, devices, config, self.stage)
         environment.set_global_rank(global_rank)
         environment.set_world_size(self.processes)
         rank_zero_only.rank = utils_rank_zero_only.rank = global_rank  # type: ignore[attr-defined]
@@ -129,14 +121,14 @@ class ProcessStrategy(ParallelStrategy):
 
     def resolve_devices(self) -> list[str]:
         """One device per stage, from ``devices``, the Trainer's devices or cpu."""
-        if self.stage_devices is not None:
-            return self.stage_devices
+        if self.config.stage_devices is not None:
+            return self.config.stage_devices
         if self.world is not None:  # launched mode: a stage per process of this replica's pipeline
             return self.world.stage_devices()
         trainer_devices = [str(d) for d in (self.parallel_devices or [torch.device("cpu")])]
         if all(d == "cpu" for d in trainer_devices):
-            return ["cpu"] * (self.stages or len(trainer_devices))
-        stages = self.stages or len(trainer_devices)
+            return ["cpu"] * (self.config.stages or len(trainer_devices))
+        stages = self.config.stages or len(trainer_devices)
         if stages > len(trainer_devices):
             raise ConfigurationError(
                 f"stages={stages} but the Trainer has {len(trainer_devices)} devices ({', '.join(trainer_devices)}); "

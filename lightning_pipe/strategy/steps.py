@@ -24,11 +24,12 @@ from lightning_pipe.engine import StepResult
 from lightning_pipe.errors import ConfigurationError, PipeError
 from lightning_pipe.loss import Loss, WeightedLoss
 from lightning_pipe.microbatch import batch_size, split
-from lightning_pipe.microbatch_weights import MicrobatchWeight, shares
+from lightning_pipe.microbatch_weights import shares
 from lightning_pipe.partition.tracer import CallArgs
 from lightning_pipe.pipeline import Pipeline
 from lightning_pipe.strategy.asynchronous import AsyncTraining
 from lightning_pipe.strategy.building import PipelineBuilder
+from lightning_pipe.strategy.config import PipeConfig
 from lightning_pipe.strategy.optimization import StageOptimization
 from lightning_pipe.strategy.outputs import combine_eval, combine_predict, combine_training
 from lightning_pipe.strategy.patch import patch
@@ -56,17 +57,15 @@ class StepDriver:
 
     def __init__(
         self,
-        microbatches: int,
-        microbatch_weight: MicrobatchWeight | None,
-        timeout: float,
+        config: PipeConfig,
         builder: PipelineBuilder,
         optimization: StageOptimization,
         random: RandomStreams,
         asynchronous: AsyncTraining | None,
     ) -> None:
-        self.microbatches = microbatches
-        self.microbatch_weight = microbatch_weight
-        self.timeout = timeout
+        self.microbatches = config.microbatches
+        self.microbatch_weight = config.microbatch_weight
+        self.timeout = config.timeout
         self.builder = builder  # builds the pipeline on the first step, turns calls into its inputs
         self.optimization = optimization  # the outside parameters' gradients wait there during a step
         self.random = random  # each microbatch's step code draws from its own generator

@@ -21,10 +21,10 @@ from lightning_pipe.partition import Partitioner
 from lightning_pipe.pipeline import Pipeline
 from lightning_pipe.rng import run_seed
 from lightning_pipe.runtime import BaseRuntime
-from lightning_pipe.strategy.arguments import check_arguments, check_memory_arguments
 from lightning_pipe.strategy.asynchronous import AsyncTraining
 from lightning_pipe.strategy.building import PipelineBuilder, Placement, autocast_of
 from lightning_pipe.strategy.checkpoints import Checkpoints
+from lightning_pipe.strategy.config import PipeConfig
 from lightning_pipe.strategy.hooks import RuntimeHooks, install
 from lightning_pipe.strategy.interrupts import CtrlC
 from lightning_pipe.strategy.layout import LOCAL
@@ -137,31 +137,20 @@ class PipeStrategy(StepHooksStrategy):
         weights: str | os.PathLike[str] | None = None,
         save_distributed_checkpoint: bool = True,
     ) -> None:
-        stages, device_names, asynchronous, options = check_arguments(
-            stages, microbatches, schedule, devices, checkpoint, runtime, timeout, backend, strict, transport,
-            coordinator, token, split_points, virtual_stages, runner, microbatch_weight, compress,
-        )  # fmt: skip
-        check_memory_arguments(data_parallel, weights, save_distributed_checkpoint, schedule)
-        timeout = float(timeout)
-        self.asynchronous = AsyncTraining() if asynchronous else None
-        builder = PipelineBuilder(
-            partition, split_points, module, schedule, checkpoint, runtime, timeout, backend, strict,
-            virtual_stages, runner, options,
-        )  # fmt: skip
+        config = PipeConfig.of(locals())  # every argument above but Lightning's own three, checked
+        self.asynchronous = AsyncTraining() if config.asynchronous else None
+        builder = PipelineBuilder(config)
         self.optimization = StageOptimization(self.asynchronous)
         self.random = RandomStreams(self.asynchronous)
-        weights_path = str(weights) if weights is not None else None
-        checkpoints = Checkpoints(builder, self.optimization, self.random, self.asynchronous, weights_path)
-        stage = ProcessStage(data_parallel, lambda: mixed_precision_policy(self.precision_plugin.precision))
-        steps = StepDriver(
-            microbatches, microbatch_weight, timeout, builder, self.optimization, self.random, self.asynchronous
-        )  # fmt: skip
+        checkpoints = Checkpoints(builder, self.optimization, self.random, self.asynchronous, config.weights_path)
+        stage = ProcessStage(config.data_parallel, lambda: mixed_precision_policy(self.precision_plugin.precision))
+        steps = StepDriver(config, builder, self.optimization, self.random, self.asynchronous)
         super().__init__(
-            stages, device_names, transport, virtual_stages, runner, timeout, asynchronous, stage,
+            config, stage,
             accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin,
-            checkpoints=checkpoints, builder=builder, save_distributed_checkpoint=save_distributed_checkpoint,
-            steps=steps, optimization=self.optimization,
+            checkpoints=checkpoints, builder=builder, steps=steps, optimization=self.optimization,
         )  # fmt: skip
+        trace = config.trace
         self.pipe_trace = trace if isinstance(trace, PipeTrace) or trace is None else PipeTrace(trace)
         self._runtime_hooks = RuntimeHooks(self)  # the stages' runtime callbacks at Lightning's hooks
         self._patches = Patches()  # attributes set on the user's objects for this fit, restored exactly
@@ -244,7 +233,7 @@ class PipeStrategy(StepHooksStrategy):
 
     def _transport(self) -> str | Communicator:
         """The pipeline's transport: launched mode's point-to-point communicator, or ``transport``'s name."""
-        return self.world.communicator() if self.world is not None else self.transport or "local"
+        return self.world.communicator() if self.world is not None else self.config.transport or "local"
 
     def _built(self, pipeline: Pipeline) -> None:
         """The stages exist: they get the saved generator states, the optimizers their per-stage parts; in launched
