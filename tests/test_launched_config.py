@@ -7,7 +7,7 @@ import pytest
 
 from lightning_pipe import PipeStrategy
 from lightning_pipe.errors import ConfigurationError
-from lightning_pipe.strategy.launched import PipeLauncher
+from lightning_pipe.strategy.launcher import PipeLauncher
 from lightning_pipe.strategy.layout import LAUNCHED, LOCAL, RPC, Layout, choose_mode
 
 
@@ -29,7 +29,7 @@ def test_a_trainer_with_four_devices_runs_two_replicas_of_two_stages() -> None:
     strategy = PipeStrategy(stages=2)
     trainer(strategy)
     layout = strategy.layout
-    assert strategy.mode == LAUNCHED and isinstance(strategy.launcher, PipeLauncher)
+    assert strategy.mode.name == LAUNCHED and isinstance(strategy.launcher, PipeLauncher)
     assert layout is not None and (layout.replicas, layout.ranks_per_pipeline) == (2, 2)
     assert layout.coordinates and layout.pipeline_ranks() == [1, 0] and layout.replica_ranks() == [0, 2]
     assert layout.pipeline_rank == 1  # the coordinator holds the last stage
@@ -41,7 +41,7 @@ def test_a_trainer_with_four_devices_runs_two_replicas_of_two_stages() -> None:
 def test_transport_local_keeps_one_process_with_the_trainers_devices() -> None:
     strategy = PipeStrategy(transport="local")
     trainer(strategy)
-    assert strategy.mode == LOCAL and strategy.launcher is None and strategy.layout is None
+    assert strategy.mode.name == LOCAL and strategy.launcher is None and strategy.layout is None
     assert strategy.resolve_devices() == ["cpu"] * 4
 
 

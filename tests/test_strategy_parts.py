@@ -11,7 +11,7 @@ from lightning_pipe.pipeline import Pipeline
 from lightning_pipe.strategy.building import PipelineBuilder, Placement
 from lightning_pipe.strategy.checkpoints import CHECKPOINT_KEY, Checkpoints
 from lightning_pipe.strategy.config import PipeConfig
-from lightning_pipe.strategy.launched import LaunchedWorld
+from lightning_pipe.strategy.launched import LaunchedMode
 from lightning_pipe.strategy.layout import Layout
 from lightning_pipe.strategy.optimization import StageOptimization
 from lightning_pipe.strategy.random_state import RandomStreams
@@ -68,13 +68,13 @@ def test_random_states_go_through_a_checkpoint_before_any_pipeline_exists() -> N
 
 def test_the_world_places_stages_by_the_layout_without_joining_any_process_group() -> None:
     devices = [torch.device("cuda", i) for i in range(4)]  # placement only: no CUDA needed
-    coordinator = LaunchedWorld(Layout.of(4, 2, 2, 1, 4), devices, ONE, ProcessStage())
-    assert coordinator.layout.coordinates and coordinator.root_device == torch.device("cuda", 2)
+    coordinator = LaunchedMode(Layout.of(4, 2, 2, 1, 4), devices, ONE, ProcessStage())
+    assert coordinator.layout.coordinates and coordinator.device == torch.device("cuda", 2)
     assert coordinator.stage_devices() == ["cuda:3", "cuda:2"]  # stage 0 on the replica's second process
     assert "replica 1: rank 2 -> pipeline rank 1 (coordinator), rank 3 -> pipeline rank 0" in coordinator.describe()
-    interleaved = LaunchedWorld(Layout.of(4, 0, 4, 2, 4), devices, TWO, ProcessStage())
+    interleaved = LaunchedMode(Layout.of(4, 0, 4, 2, 4), devices, TWO, ProcessStage())
     assert interleaved.stage_devices() == ["cuda:1", "cuda:0", "cuda:1", "cuda:0"]
     tensor = torch.ones(2)
     assert coordinator.reduce(tensor) is tensor and coordinator.broadcast("x") == "x"  # not connected: alone
-    server = LaunchedWorld(Layout.of(4, 3, 2, 1, 4), devices, ONE, ProcessStage())
-    assert not server.layout.coordinates and server.root_device == torch.device("cuda", 3)
+    server = LaunchedMode(Layout.of(4, 3, 2, 1, 4), devices, ONE, ProcessStage())
+    assert not server.layout.coordinates and server.device == torch.device("cuda", 3)

@@ -17,9 +17,7 @@ Lightning's collectives never interleave with a stage's on one group.
 
 from __future__ import annotations
 
-import atexit
 from collections.abc import Callable, Sequence
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -30,105 +28,28 @@ from lightning.fabric.utilities.distributed import (
     _init_dist_connection,
     _sync_ddp_if_available,
 )
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
-from torch.distributed.device_mesh import init_device_mesh
 from typing_extensions import override
 
 from lightning_pipe.allocator import give_back_large_blocks
 from lightning_pipe.comm import P2PCommunicator, serve_stages
-from lightning_pipe.comm.p2p_wire import close_open_wires
 from lightning_pipe.engine.runners import worker_of_stages
 from lightning_pipe.strategy.config import PipeConfig
-from lightning_pipe.strategy.layout import Layout
+from lightning_pipe.strategy.launcher import PipeLauncher
+from lightning_pipe.strategy.layout import LAUNCHED, Layout
+from lightning_pipe.strategy.mode import Mode
+from lightning_pipe.strategy.process_groups import PROCESS_GROUP_TIMEOUT, ProcessGroups
 from lightning_pipe.strategy.stage_placement import ProcessStage
 
-PROCESS_GROUP_TIMEOUT = timedelta(minutes=30)  # Lightning's default: serving ranks wait this long between fits
 
-
-class ProcessGroups:
-    """The groups of one layout, made once per process (every process makes them, in the same order).
-
-    They serve every fit of the process, and Lightning's collectives between fits (a ``save_checkpoint``
-    after ``fit``) run on the coordinators' group, so they live until the interpreter exits: then
-    `destroy_all` (an ``atexit`` hook) closes the p2p links still open, destroys the groups and the default
-    group if the strategy initialised it, as Lightning does for the NCCL group it initialises. Left to the
-    interpreter's own teardown, gloo's threads and pending waits end in whatever order it finalizes.
-    """
-
-    _made: dict[tuple[int, int], ProcessGroups] = {}
-    _default_made = False  # whether the strategy initialised the default group (then it destroys it)
-
-    def __init__(self, layout: Layout, device_type: str) -> None:
-        mesh = init_device_mesh(
-            device_type, (layout.replicas, layout.ranks_per_pipeline), mesh_dim_names=("replica", "pipeline")
-        )
-        self.mesh = mesh
-        self.pipeline = mesh.get_group("pipeline")
-        self.replicas = mesh.get_group("replica")
-        self.coordinators = dist.new_group(layout.coordinator_ranks)
-
-    @classmethod
-    def of(cls, layout: Layout, device_type: str) -> ProcessGroups:
-        key = (layout.world_size, layout.ranks_per_pipeline)
-        if key not in cls._made:
-            if not cls._made:
-                atexit.register(cls.destroy_all)
-            cls._made[key] = cls(layout, device_type)
-        return cls._made[key]
-
-    @classmethod
-    def made_default_group(cls) -> None:
-        """Called right after the strategy initialised the default group."""
-        cls._default_made = True
-
-    def destroy(self) -> None:
-        """Destroy this layout's groups (a dimension that spans the world is the default group: kept; a process
-        outside the coordinators' group holds no such group)."""
-        default = dist.distributed_c10d._get_default_group()
-        for group in {id(g): g for g in (self.pipeline, self.replicas, self.coordinators)}.values():
-            if isinstance(group, dist.ProcessGroup) and group is not default:
-                dist.destroy_process_group(group)
-
-    @classmethod
-    def destroy_all(cls) -> None:
-        """At exit: the p2p links closed (their threads joined), then every group made here destroyed."""
-        close_open_wires()
-        if not dist.is_initialized():
-            return
-        made, cls._made = list(cls._made.values()), {}
-        for groups in made:
-            groups.destroy()
-        if cls._default_made:
-            cls._default_made = False
-            dist.destroy_process_group()
-
-
-class PipeLauncher(_SubprocessScriptLauncher):
-    """Lightning's subprocess launcher (a no-op spawn under torchrun or SLURM); serving ranks serve their stage.
-
-    ``serve`` is what this process runs instead of the Trainer's function, given the Trainer: None where it
-    coordinates.
-    """
-
-    def __init__(
-        self, cluster_environment: Any, num_processes: int, num_nodes: int, serve: Callable[[Any], None] | None
-    ) -> None:
-        super().__init__(cluster_environment, num_processes, num_nodes)
-        self.serve = serve
-
-    @override
-    def launch(self, function: Any, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
-        if self.serve is not None:
-            return super().launch(self.serve, trainer)
-        return super().launch(function, *args, trainer=trainer, **kwargs)
-
-
-class LaunchedWorld:
+class LaunchedMode(Mode):
     """Launched mode in this process: its place in the `Layout`, its device, the process groups, the
     point-to-point transport of its pipeline, and Lightning's collectives among the coordinators.
 
     `PipeStrategy` makes one when Lightning sets the world's ranks and hands its collectives here.
     """
+
+    name = LAUNCHED
+    folds_stages_back = False  # each process's LightningModule holds its own stage's trained tensors
 
     def __init__(
         self,
@@ -137,7 +58,7 @@ class LaunchedWorld:
         config: PipeConfig,
         stage: ProcessStage,
     ) -> None:
-        self.layout = layout
+        self._layout = layout
         self.devices = list(devices)  # this node's devices, one per local rank
         self.config = config  # the strategy's arguments (``timeout``, ``runner``, ``virtual_stages`` are read)
         self.stage = stage  # this process's part of the model: the stages built here bind to it
@@ -146,11 +67,57 @@ class LaunchedWorld:
         self._released = True  # the serving ranks were told that this fit ended
 
     @property
-    def root_device(self) -> torch.device:
+    @override
+    def layout(self) -> Layout:
+        return self._layout
+
+    @property
+    def device(self) -> torch.device:
         """This process's device: where its stage and, on a coordinator, the loss live."""
         return self.devices[self.layout.local_index(self.layout.global_rank)]
 
-    def stage_devices(self) -> list[str]:
+    @override
+    def root_device(self, placed: Callable[[], torch.device]) -> torch.device:
+        return self.device
+
+    @override
+    def set_ranks(self, environment: Any) -> None:
+        environment.set_global_rank(self.layout.global_rank)
+        environment.set_world_size(self.layout.world_size)
+
+    @override
+    def launcher(self, environment: Any, devices: int, num_nodes: int, serve: Callable[[Any], None]) -> Any:
+        """Lightning's subprocess launcher (a no-op under torchrun or SLURM); a serving rank serves its stage."""
+        return PipeLauncher(environment, devices, num_nodes, None if self.layout.coordinates else serve)
+
+    @override
+    def world_size(self, lightning: int) -> int:
+        """1, as Lightning's loop must see it.
+
+        Lightning's training loop broadcasts a SIGTERM flag over the whole torch.distributed world
+        before every batch when ``world_size > 1``; the processes that serve a stage do not run that
+        loop and cannot join it. The collectives here span the coordinators, one per replica;
+        ``layout`` holds the real numbers (``layout.world_size`` processes, ``layout.replicas`` replicas).
+        """
+        return 1
+
+    @property
+    @override
+    def sampler_kwargs(self) -> dict[str, Any]:
+        """Each replica reads its own shard of the data; the ranks of one pipeline read none (they serve)."""
+        return {"num_replicas": self.layout.replicas, "rank": self.layout.replica}
+
+    @property
+    @override
+    def distributed(self) -> bool:
+        return True
+
+    @override
+    def transport(self, name: str | None) -> P2PCommunicator:
+        return self.communicator()
+
+    @override
+    def stage_devices(self, given: Callable[[], list[str]] | None = None) -> list[str]:
         """The device of each stage: that of the process holding it in this replica."""
         virtual = self.config.virtual_stages
         stages = self.layout.ranks_per_pipeline * virtual
@@ -158,16 +125,18 @@ class LaunchedWorld:
         ranks = self.layout.pipeline_ranks()
         return [str(self.devices[self.layout.local_index(ranks[holder[s]])]) for s in range(stages)]
 
+    @override
     def connect(self, cluster_environment: Any) -> None:
         """Join torch.distributed (unless joined) and make this layout's process groups."""
         give_back_large_blocks()  # this process holds its stage, not the freed space of its gradients
-        device = self.root_device
+        device = self.device
         if not dist.is_initialized():
             backend = _get_default_process_group_backend_for_device(device)
             _init_dist_connection(cluster_environment, backend, timeout=PROCESS_GROUP_TIMEOUT)
             ProcessGroups.made_default_group()
         self._groups = ProcessGroups.of(self.layout, device.type)
 
+    @override
     def describe(self) -> str:
         """The line logged once at the start: the processes and which pipeline rank each holds."""
         layout = self.layout
@@ -195,7 +164,7 @@ class LaunchedWorld:
         """This process's pipeline as both sides of the p2p transport take it: group, ranks, names, and the hooks
         that bind a stage built here to this process's model and spread it over its replicas (`ProcessStage`)."""
         groups = self._groups
-        assert groups is not None, "LaunchedWorld.connect makes the process groups first"
+        assert groups is not None, "LaunchedMode.connect makes the process groups first"
         if self.layout.replicas > 1:
             self.stage.replicate_over(groups.replicas, groups.mesh["replica"])
         return {
@@ -208,10 +177,12 @@ class LaunchedWorld:
             "coordinator": self.layout.coordinator,
         }
 
+    @override
     def hold(self) -> None:
         """A fit starts: the serving ranks serve until `release`."""
         self._released = False
 
+    @override
     def release(self, error: BaseException | None = None) -> None:
         """End the serving ranks' ``fit`` (with the coordinator's error, if it failed); once per fit."""
         if self._released or not self.layout.coordinates:
@@ -233,28 +204,32 @@ class LaunchedWorld:
             return None
         return self._groups.coordinators
 
+    @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         if self._coordinator_group() is None:
             return decision
-        votes = self.reduce(torch.tensor(int(decision), device=self.root_device), reduce_op="sum")
+        votes = self.reduce(torch.tensor(int(decision), device=self.device), reduce_op="sum")
         return bool(votes == self.layout.replicas) if all else bool(votes)
 
+    @override
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
         coordinators = self._coordinator_group()
         if coordinators is None or not isinstance(tensor, torch.Tensor):
             return tensor
         return _sync_ddp_if_available(tensor, group or coordinators, reduce_op=reduce_op)
 
+    @override
     def barrier(self) -> None:
         coordinators = self._coordinator_group()
         if coordinators is None:
             return
-        device = self.root_device
+        device = self.device
         if device.type == "cuda":
             dist.barrier(group=coordinators, device_ids=[device.index or 0])
         else:
             dist.barrier(group=coordinators)
 
+    @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         coordinators = self._coordinator_group()
         if coordinators is None:
@@ -264,6 +239,7 @@ class LaunchedWorld:
         dist.broadcast_object_list(box, src=src if src in ranks else ranks[0], group=coordinators)
         return box[0]
 
+    @override
     def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> torch.Tensor:
         coordinators = self._coordinator_group()
         if coordinators is None:

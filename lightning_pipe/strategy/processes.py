@@ -4,7 +4,7 @@ Lightning asks a strategy about its processes through methods of the strategy it
 (``set_world_ranks``), the launcher, the environment, the data sampler, ``world_size`` and the collectives
 (``reduce``, ``barrier``, ``broadcast``, ``all_gather``, ``reduce_boolean_decision``). `ProcessStrategy`
 answers them from the mode rule (`lightning_pipe.strategy.layout`) and, in launched mode, from the
-`LaunchedWorld` it holds; `PipeStrategy` extends it with the pipeline. It owns everything it reads.
+`LaunchedMode` it holds; `PipeStrategy` extends it with the pipeline. It owns everything it reads.
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ from typing_extensions import override
 from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.strategy.arguments import check_launched
 from lightning_pipe.strategy.config import PipeConfig
-from lightning_pipe.strategy.launched import LaunchedWorld, PipeLauncher
-from lightning_pipe.strategy.layout import LAUNCHED, LOCAL, Layout, choose_mode
+from lightning_pipe.strategy.launched import LaunchedMode
+from lightning_pipe.strategy.layout import LAUNCHED, RPC, Layout, choose_mode
+from lightning_pipe.strategy.mode import LocalMode, Mode, RpcMode
 from lightning_pipe.strategy.stage_placement import ProcessStage
 
 
@@ -45,9 +46,8 @@ class ProcessStrategy(ParallelStrategy):
         super().__init__(accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
         self.config = config
         self.num_nodes = 1  # set by Lightning's connector from Trainer(num_nodes=...)
-        #: launched mode: this process's place among the processes, made when Lightning sets the ranks
-        self.world: LaunchedWorld | None = None
         self.stage = stage  # launched mode: this process's part of the model
+        self._mode: Mode | None = None  # chosen when Lightning sets the ranks (`set_world_ranks`)
         self._mode_logged = False
 
     # the processes: Lightning's connector calls these when the Trainer is built
@@ -61,57 +61,59 @@ class ProcessStrategy(ParallelStrategy):
         return count
 
     @property
-    def mode(self) -> str:
-        """``"local"``, ``"rpc"`` or ``"launched"`` (see `lightning_pipe.strategy.layout`)."""
-        return choose_mode(self.config.transport, self.processes)
+    def mode(self) -> Mode:
+        """The mode this run is in (`lightning_pipe.strategy.mode`), chosen when Lightning sets the ranks."""
+        if self._mode is None:
+            self._mode = self._choose_mode()
+        return self._mode
 
     @property
-    def launched(self) -> bool:
-        return self.mode == LAUNCHED
+    def world(self) -> LaunchedMode | None:
+        """Launched mode's world in this process (None in one process)."""
+        return self.mode if isinstance(self.mode, LaunchedMode) else None
 
     @property
     def layout(self) -> Layout | None:
         """Launched mode: the processes, replicas and pipeline ranks (None in one process)."""
-        return self.world.layout if self.world is not None else None
+        return self.mode.layout
 
-    def set_world_ranks(self) -> None:  # called by Lightning's connector (as on DDPStrategy)
-        environment = self.cluster_environment
-        if not self.launched:
-            if environment is not None:
-                environment.set_global_rank(0)
-                environment.set_world_size(1)
-            return
+    def _choose_mode(self) -> Mode:
+        """The mode of ``transport`` and the number of processes (`layout.choose_mode`); launched mode's world is
+        kept while the layout and devices stay the same (it holds the process groups and transport)."""
         config = self.config
+        name = choose_mode(config.transport, self.processes)
+        if name != LAUNCHED:
+            return RpcMode() if name == RPC else LocalMode()
         check_launched(self.processes, config.stage_devices, config.runner, config.asynchronous)
-        assert self.parallel_devices is not None and environment is not None
+        assert self.parallel_devices is not None
         devices = self.parallel_devices
         global_rank = self.node_rank * len(devices) + self.local_rank
         stages = config.stages or len(devices)
         layout = Layout.of(self.processes, global_rank, stages, config.virtual_stages, len(devices))
-        if self.world is None or (self.world.layout, self.world.devices) != (layout, devices):
-            self.world = LaunchedWorld(layout, devices, config, self.stage)
-        environment.set_global_rank(global_rank)
-        environment.set_world_size(self.processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = global_rank  # type: ignore[attr-defined]
+        held = self._mode
+        if isinstance(held, LaunchedMode) and (held.layout, held.devices) == (layout, devices):
+            return held
+        return LaunchedMode(layout, devices, config, self.stage)
+
+    def set_world_ranks(self) -> None:  # called by Lightning's connector (as on DDPStrategy)
+        self._mode = self._choose_mode()
+        self._mode.set_ranks(self.cluster_environment)
+        if self.world is not None:
+            rank_zero_only.rank = utils_rank_zero_only.rank = self.world.layout.global_rank  # type: ignore[attr-defined]
 
     @override
     def _configure_launcher(self) -> None:
-        if self.world is not None:
-            assert self.cluster_environment is not None
-            serve = None if self.world.layout.coordinates else self.serve_stages
-            devices = len(self.parallel_devices or [None])
-            self._launcher = PipeLauncher(self.cluster_environment, devices, self.num_nodes, serve)
+        assert self.cluster_environment is not None
+        devices = len(self.parallel_devices or [None])
+        self._launcher = self.mode.launcher(self.cluster_environment, devices, self.num_nodes, self.serve_stages)
 
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        if self.world is not None:
-            self.world.connect(self.cluster_environment)
+        self.mode.connect(self.cluster_environment)
         if not self._mode_logged:
             self._mode_logged = True
-            where = "threads of this process" if self.mode == LOCAL else "rpc worker processes"
-            local = f"PipeStrategy: {self.mode} mode, one Lightning process, stages in {where}"
-            rank_zero_info(self.world.describe() if self.world is not None else local)
+            rank_zero_info(self.mode.describe())
 
     def serve_stages(self, trainer: Any = None) -> None:
         """What a process that does not coordinate runs instead of the Trainer's loop."""
@@ -120,11 +122,12 @@ class ProcessStrategy(ParallelStrategy):
         self.world.serve()
 
     def resolve_devices(self) -> list[str]:
-        """One device per stage, from ``devices``, the Trainer's devices or cpu."""
+        """One device per stage: launched mode's processes, or from ``devices``, the Trainer's devices or cpu."""
+        return self.mode.stage_devices(self._given_devices)
+
+    def _given_devices(self) -> list[str]:
         if self.config.stage_devices is not None:
             return self.config.stage_devices
-        if self.world is not None:  # launched mode: a stage per process of this replica's pipeline
-            return self.world.stage_devices()
         trainer_devices = [str(d) for d in (self.parallel_devices or [torch.device("cpu")])]
         if all(d == "cpu" for d in trainer_devices):
             return ["cpu"] * (self.config.stages or len(trainer_devices))
@@ -139,47 +142,34 @@ class ProcessStrategy(ParallelStrategy):
     # Lightning's collectives: among the coordinators in launched mode, nothing to agree on in one process
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """Each replica reads its own shard of the data; the ranks of one pipeline read none (they serve)."""
-        if self.layout is None:
-            return {"num_replicas": 1, "rank": 0}
-        return {"num_replicas": self.layout.replicas, "rank": self.layout.replica}
+        return self.mode.sampler_kwargs
 
     @property
     def is_distributed(self) -> bool:
         """Read by Lightning's connector: a distributed sampler over the replicas in launched mode."""
-        return self.world is not None
+        return self.mode.distributed
 
     @property
     def world_size(self) -> int:  # type: ignore[override]
-        """1 in launched mode, as Lightning's loop must see it.
-
-        Lightning's training loop broadcasts a SIGTERM flag over the whole torch.distributed world
-        before every batch when ``world_size > 1``; the processes that serve a stage do not run that
-        loop and cannot join it. The strategy's own collectives (``reduce``, ``barrier``, ``broadcast``,
-        ``all_gather``, ``reduce_boolean_decision``) span the coordinators, one per replica; ``layout``
-        holds the real numbers (``layout.world_size`` processes, ``layout.replicas`` replicas).
-        """
-        if self.world is not None:
-            return 1
-        return super().world_size
+        """What Lightning's loop sees: 1 in launched mode (`LaunchedMode.world_size` says why)."""
+        return self.mode.world_size(super().world_size)
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
-        return self.world.reduce_boolean_decision(decision, all) if self.world is not None else decision
+        return self.mode.reduce_boolean_decision(decision, all)
 
     @override
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
-        return self.world.reduce(tensor, group, reduce_op) if self.world is not None else tensor
+        return self.mode.reduce(tensor, group, reduce_op)
 
     @override
     def barrier(self, name: str | None = None) -> None:
-        if self.world is not None:
-            self.world.barrier()
+        self.mode.barrier()
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return self.world.broadcast(obj, src) if self.world is not None else obj
+        return self.mode.broadcast(obj, src)
 
     @override
     def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> torch.Tensor:
-        return self.world.all_gather(tensor, group, sync_grads) if self.world is not None else tensor
+        return self.mode.all_gather(tensor, group, sync_grads)

@@ -27,7 +27,6 @@ from lightning_pipe.strategy.checkpoints import Checkpoints
 from lightning_pipe.strategy.config import PipeConfig
 from lightning_pipe.strategy.hooks import RuntimeHooks, install
 from lightning_pipe.strategy.interrupts import CtrlC
-from lightning_pipe.strategy.layout import LOCAL
 from lightning_pipe.strategy.optimization import StageOptimization
 from lightning_pipe.strategy.patch import Patches
 from lightning_pipe.strategy.random_state import RandomStreams
@@ -188,9 +187,7 @@ class PipeStrategy(StepHooksStrategy):
     @override
     def root_device(self) -> torch.device:
         """The coordinator's device: where the last stage's output and the loss live (launched: this process's)."""
-        if self.world is not None:
-            return self.world.root_device
-        return self.builder.coordinator_device(self.resolve_devices())
+        return self.mode.root_device(lambda: self.builder.coordinator_device(self.resolve_devices()))
 
     # setup and teardown
     @override
@@ -198,8 +195,7 @@ class PipeStrategy(StepHooksStrategy):
         assert self.accelerator is not None and self.model is not None
         self._ctrl_c.remember()
         self._trainer = trainer
-        if self.world is not None:
-            self.world.hold()
+        self.mode.hold()
         lightning_module = self.lightning_module
         assert lightning_module is not None
         if not lightning_module.automatic_optimization:
@@ -225,7 +221,7 @@ class PipeStrategy(StepHooksStrategy):
                 stage_params = list(pipelined.parameters())
                 self.asynchronous.attach(self.optimizers, stage_params, trainer.accumulate_grad_batches, scaler)
         self.setup_precision_plugin()
-        self.optimization.setup(self.mode != LOCAL, self.builder.outside(lightning_module))
+        self.optimization.setup(self.mode.stages_own_parameters, self.builder.outside(lightning_module))
         self.optimization.name_parameters(lightning_module, pipelined, self.optimizers)
         self.steps.setup(StepSetting(lightning_module, trainer, self.root_device, scaler))
         self._install(trainer)
@@ -233,7 +229,7 @@ class PipeStrategy(StepHooksStrategy):
 
     def _transport(self) -> str | Communicator:
         """The pipeline's transport: launched mode's point-to-point communicator, or ``transport``'s name."""
-        return self.world.communicator() if self.world is not None else self.config.transport or "local"
+        return self.mode.transport(self.config.transport)
 
     def _built(self, pipeline: Pipeline) -> None:
         """The stages exist: they get the saved generator states, the optimizers their per-stage parts; in launched
@@ -243,7 +239,7 @@ class PipeStrategy(StepHooksStrategy):
             self.stage.release(keep=self.builder.outside_tensors(lightning_module))
         self.random.restore(pipeline)
         assert self.builder.pipelined is not None
-        self.optimization.attach(pipeline, self.optimizers, self.root_device, self.mode, self.builder.pipelined)
+        self.optimization.attach(pipeline, self.optimizers, self.root_device, self.mode.name, self.builder.pipelined)
 
     @override
     def model_to_device(self) -> None:
@@ -289,7 +285,7 @@ class PipeStrategy(StepHooksStrategy):
         try:
             self.steps.end_stream()
             self.checkpoints.close()
-            if self.world is None:  # launched mode: each process's LightningModule already holds its own stage
+            if self.mode.folds_stages_back:  # else each process's LightningModule holds its own stage already
                 module = self.lightning_module
                 self.optimization.fold(self.builder.pipeline, module is not None and not on_meta(module))
         finally:  # whatever failed above: the user's objects as they were, the stages stopped
@@ -298,8 +294,7 @@ class PipeStrategy(StepHooksStrategy):
             try:
                 self.builder.close()
             finally:
-                if self.world is not None:
-                    self.world.release(error)  # the serving ranks return from this fit (raise, after an error)
+                self.mode.release(error)  # launched mode: the serving ranks return from this fit
 
     @override
     def on_exception(self, exception: BaseException) -> None:

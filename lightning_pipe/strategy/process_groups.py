@@ -1,0 +1,78 @@
+"""`ProcessGroups`: launched mode's process groups (a DeviceMesh ``replica`` x ``pipeline`` and the coordinators').
+
+A pipeline's P ranks carry its activations and gradients point to point (`lightning_pipe.comm.p2p`); the R
+ranks of one stage average its gradients (`lightning_pipe.engine.replicas`, DDP; or shard it, FSDP); the
+coordinators get a group of their own, so that Lightning's collectives never interleave with a stage's on
+one group.
+"""
+
+from __future__ import annotations
+
+import atexit
+from datetime import timedelta
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from lightning_pipe.comm.p2p_wire import close_open_wires
+from lightning_pipe.strategy.layout import Layout
+
+PROCESS_GROUP_TIMEOUT = timedelta(minutes=30)  # Lightning's default: serving ranks wait this long between fits
+
+
+class ProcessGroups:
+    """The groups of one layout, made once per process (every process makes them, in the same order).
+
+    They serve every fit of the process, and Lightning's collectives between fits (a ``save_checkpoint``
+    after ``fit``) run on the coordinators' group, so they live until the interpreter exits: then
+    `destroy_all` (an ``atexit`` hook) closes the p2p links still open, destroys the groups and the default
+    group if the strategy initialised it, as Lightning does for the NCCL group it initialises. Left to the
+    interpreter's own teardown, gloo's threads and pending waits end in whatever order it finalizes.
+    """
+
+    _made: dict[tuple[int, int], ProcessGroups] = {}
+    _default_made = False  # whether the strategy initialised the default group (then it destroys it)
+
+    def __init__(self, layout: Layout, device_type: str) -> None:
+        mesh = init_device_mesh(
+            device_type, (layout.replicas, layout.ranks_per_pipeline), mesh_dim_names=("replica", "pipeline")
+        )
+        self.mesh = mesh
+        self.pipeline = mesh.get_group("pipeline")
+        self.replicas = mesh.get_group("replica")
+        self.coordinators = dist.new_group(layout.coordinator_ranks)
+
+    @classmethod
+    def of(cls, layout: Layout, device_type: str) -> ProcessGroups:
+        key = (layout.world_size, layout.ranks_per_pipeline)
+        if key not in cls._made:
+            if not cls._made:
+                atexit.register(cls.destroy_all)
+            cls._made[key] = cls(layout, device_type)
+        return cls._made[key]
+
+    @classmethod
+    def made_default_group(cls) -> None:
+        """Called right after the strategy initialised the default group."""
+        cls._default_made = True
+
+    def destroy(self) -> None:
+        """Destroy this layout's groups (a dimension that spans the world is the default group: kept; a process
+        outside the coordinators' group holds no such group)."""
+        default = dist.distributed_c10d._get_default_group()
+        for group in {id(g): g for g in (self.pipeline, self.replicas, self.coordinators)}.values():
+            if isinstance(group, dist.ProcessGroup) and group is not default:
+                dist.destroy_process_group(group)
+
+    @classmethod
+    def destroy_all(cls) -> None:
+        """At exit: the p2p links closed (their threads joined), then every group made here destroyed."""
+        close_open_wires()
+        if not dist.is_initialized():
+            return
+        made, cls._made = list(cls._made.values()), {}
+        for groups in made:
+            groups.destroy()
+        if cls._default_made:
+            cls._default_made = False
+            dist.destroy_process_group()
