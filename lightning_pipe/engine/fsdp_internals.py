@@ -38,19 +38,27 @@ class FsdpInternalsChanged(PipeError):
     """The installed torch's FSDP2 does not hold what `lightning_pipe.engine.fsdp_internals` reads."""
 
 
-def check(root: Any) -> None:
-    """Raise `FsdpInternalsChanged` unless the root FSDP module ``root`` holds every private attribute read here."""
+def check(root: Any) -> int:
+    """Raise `FsdpInternalsChanged` unless the root FSDP module ``root`` holds every private attribute read here;
+    returns how many parameter groups (FSDP units with parameters) it found under ``root``."""
     state = _state(root)
+    if state is None:
+        raise PipeError(f"{type(root).__name__} is not a module sharded with fully_shard: it has no FSDP state")
     context = _require(state, STATE_CONTEXT, "the FSDP state of the root module")
     units = _require(context, ALL_STATES, f"FSDPState.{STATE_CONTEXT}")
-    if not isinstance(units, list) or not units:
+    if not isinstance(units, list):  # every unit's state, filled in at the root's first forward
         raise _changed(f"FSDPState.{STATE_CONTEXT}.{ALL_STATES} is {type(units).__name__}, not a list of states")
-    for unit in units:
+    from torch.distributed.fsdp import FSDPModule
+
+    found: dict[int, Any] = {}
+    for unit in [*units, *(_state(m) for m in root.modules() if isinstance(m, FSDPModule))]:
         for group in _groups(unit):
             if not callable(getattr(group, "post_backward", None)):
                 raise _changed(f"{type(group).__name__} has no post_backward()")
+            found[id(group)] = group
     if not callable(getattr(state, FINAL_CALLBACK, None)):
         raise _changed(f"FSDPState has no {FINAL_CALLBACK}()")
+    return len(found)
 
 
 def post_backward(root: Any) -> None:

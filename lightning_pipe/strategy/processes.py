@@ -14,12 +14,12 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.strategies import ParallelStrategy
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from typing_extensions import override
 
 from lightning_pipe.errors import ConfigurationError
-from lightning_pipe.strategy.arguments import check_launched
+from lightning_pipe.strategy.arguments import check_launched, fsdp_without_replicas
 from lightning_pipe.strategy.launched import LaunchedWorld, PipeLauncher
 from lightning_pipe.strategy.layout import LAUNCHED, LOCAL, Layout, choose_mode
 from lightning_pipe.strategy.stage_placement import ProcessStage
@@ -120,6 +120,10 @@ class ProcessStrategy(ParallelStrategy):
             where = "threads of this process" if self.mode == LOCAL else "rpc worker processes"
             local = f"PipeStrategy: {self.mode} mode, one Lightning process, stages in {where}"
             rank_zero_info(self.world.describe() if self.world is not None else local)
+            replicas = self.world.layout.replicas if self.world is not None else 1
+            alone = fsdp_without_replicas(self.stage.data_parallel, self.mode, replicas)
+            if alone is not None:
+                rank_zero_warn(alone)
 
     def serve_stages(self, trainer: Any = None) -> None:
         """What a process that does not coordinate runs instead of the Trainer's loop."""
