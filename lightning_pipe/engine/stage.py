@@ -78,10 +78,11 @@ class StageWorker:
         devices = {index: runtime.torch_device for index, runtime in self.runtimes.items()}
         self.replicas = StageReplicas({i: s.module for i, s in self.shards.items()}, group, devices)
 
-    def shard(self, mesh: Any, mixed_precision: Any = None) -> None:
-        """Shard this worker's stages over ``mesh`` (their replicas) with FSDP2; gradients reduce-scattered once
-        per step. Before any optimizer is built: the parameters become shards (DTensors)."""
-        self.replicas = StageShards({i: s.module for i, s in self.shards.items()}, mesh, mixed_precision)
+    def sharded(self, shards: StageShards) -> None:
+        """This worker's stages are sharded over their replicas with FSDP2 (``shards``: ``fully_shard`` applied to
+        their modules before this worker made their tensors real, so each holds only its shard); gradients are
+        reduce-scattered once per step. Before any optimizer is built."""
+        self.replicas = shards
         self.state.regather()
 
     # event loop

@@ -22,6 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_pipe.engine.fsdp_internals import post_backward
+
 
 class StageShards:
     """FSDP2 of each shard module of a stage worker over ``mesh`` (the 1-D mesh of its stage's replicas).
@@ -50,19 +52,13 @@ class StageShards:
 
     def reduce(self, stages: Iterable[int]) -> None:
         """Reduce-scatter the step's accumulated gradients of ``stages`` (after their last backward)."""
-        from torch.distributed.fsdp import fully_shard
-
         for index in stages:
             module = self.modules.get(index)
             if module is None:
                 continue
             module.set_is_last_backward(True)
             module.set_requires_gradient_sync(True)
-            state = fully_shard.state(module)  # type: ignore[attr-defined]
-            for unit in state._state_ctx.all_states:  # FSDP's post-backward, run where autograd would have
-                for group in unit._fsdp_param_groups:
-                    group.post_backward()
-            state._root_post_backward_final_callback()
+            post_backward(module)  # FSDP's post-backward, run where autograd would have (its private state)
             module.set_requires_gradient_sync(False)
 
 

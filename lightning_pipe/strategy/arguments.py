@@ -124,3 +124,20 @@ def check_memory_arguments(data_parallel: str, weights: Any, save_distributed_ch
         )
     if weights is not None and not os.path.exists(weights):
         raise ConfigurationError(f"PipeStrategy(weights={str(weights)!r}): no such file or folder")
+
+
+def fsdp_without_replicas(data_parallel: str, mode: str, replicas: int) -> str | None:
+    """The warning for ``data_parallel="fsdp"`` where a stage has no second replica to be sharded over (None: it has).
+
+    Not an error: the run is right, it only shards nothing (each stage whole, as with ``"ddp"``); a script
+    written for R x S processes also runs on one machine's R = 1 without an edit.
+    """
+    if data_parallel != "fsdp" or replicas > 1:
+        return None
+    where = "launched mode with one replica (devices x num_nodes == stages)" if mode == "launched" else f"{mode} mode"
+    return (
+        f"PipeStrategy(data_parallel='fsdp') in {where}: no stage has a second replica to be sharded over, so "
+        "nothing is sharded: each stage is built and held whole by its process or device, as with "
+        "data_parallel='ddp'. To shard each stage R ways, run R x stages processes with R >= 2 (launched mode: "
+        "devices x num_nodes a multiple of stages)"
+    )

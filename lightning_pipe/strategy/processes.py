@@ -14,12 +14,12 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.strategies import ParallelStrategy
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from typing_extensions import override
 
 from lightning_pipe.errors import ConfigurationError
-from lightning_pipe.strategy.arguments import check_launched
+from lightning_pipe.strategy.arguments import check_launched, fsdp_without_replicas
 from lightning_pipe.strategy.config import PipeConfig
 from lightning_pipe.strategy.launched import LaunchedMode
 from lightning_pipe.strategy.layout import LAUNCHED, RPC, Layout, choose_mode
@@ -114,6 +114,10 @@ class ProcessStrategy(ParallelStrategy):
         if not self._mode_logged:
             self._mode_logged = True
             rank_zero_info(self.mode.describe())
+            replicas = self.layout.replicas if self.layout is not None else 1
+            alone = fsdp_without_replicas(self.stage.data_parallel, self.mode.name, replicas)
+            if alone is not None:
+                rank_zero_warn(alone)
 
     def serve_stages(self, trainer: Any = None) -> None:
         """What a process that does not coordinate runs instead of the Trainer's loop."""

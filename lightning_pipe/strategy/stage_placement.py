@@ -4,9 +4,11 @@ Every process of a launched run has its own copy of the LightningModule: the use
 eagerly or on the meta device. The coordinator cuts the pipelined module and sends each process the spec
 of its stage as shapes only (`P2PCommunicator(send_values=False)`). Here the stage is bound to this
 process's own modules (`adopt`, before the stage worker is built), so it trains the very tensors of this
-process's LightningModule; the worker makes real what has no values (from the checkpoint, the weights, or
-the seed); the stage is replicated (DDP) or sharded (FSDP) over its replicas; and everything else of this
-process's copy goes to the meta device (`release`). After a fit each process's LightningModule holds its
+process's LightningModule. With FSDP the stage is sharded over its replicas right there, while it is still on
+meta (``fully_shard``), so the worker makes real only this process's shard of each parameter (from the
+checkpoint, the weights, or the seed: `lightning_pipe.weights.dtensor_shards`); with DDP the worker makes the
+whole stage real and it is replicated over its replicas after. Everything else of this process's copy goes to
+the meta device (`release`). After a fit each process's LightningModule holds its
 own stage's trained tensors, as FSDP's and ModelParallelStrategy's sharded modules do.
 """
 
@@ -18,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_pipe.engine.stage_shards import StageShards
 from lightning_pipe.weights import adopt, free_to_meta
 
 DATA_PARALLEL = ("ddp", "fsdp")
@@ -42,6 +45,7 @@ class ProcessStage:
         self.worker: Any = None
         self._group: Any = None  # the replicas of this process's stage (DDP's group)
         self._mesh: Any = None  # the same as a 1-D device mesh (FSDP's)
+        self._shards: StageShards | None = None  # FSDP: the stage being built, sharded before it has values
 
     def bind(self, lightning_module: nn.Module, pipelined: nn.Module) -> None:
         """This process's LightningModule and its pipelined module (what a stage sent here binds to)."""
@@ -57,17 +61,20 @@ class ProcessStage:
         if self.pipelined is None:
             raise RuntimeError("ProcessStage.bind gives the pipelined module before a stage is built")
         self.kept = []
+        self._shards = None
         for shard in spec.shards:
             adopt(shard.module, self.pipelined)
+        if self._group is not None and self.data_parallel == "fsdp":  # shard first: the worker makes shards real
+            policy = self.mixed_precision() if self.mixed_precision is not None else None
+            self._shards = StageShards({s.index: s.module for s in spec.shards}, self._mesh, policy)
 
     def built(self, worker: Any) -> None:
         """After: spread over the replicas, and remember what it holds (`release` keeps that)."""
-        if self._group is not None:
-            if self.data_parallel == "fsdp":
-                policy = self.mixed_precision() if self.mixed_precision is not None else None
-                worker.shard(self._mesh, policy)
-            else:
-                worker.replicate(self._group)
+        if self._shards is not None:
+            worker.sharded(self._shards)
+            self._shards = None
+        elif self._group is not None:
+            worker.replicate(self._group)
         self.kept = [t for shard in worker.shards.values() for t in _tensors(shard.module)]
         self.worker = worker
 

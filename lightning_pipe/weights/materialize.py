@@ -25,6 +25,7 @@ from torch import nn
 
 from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.rng import derive_seed
+from lightning_pipe.weights.dtensor_shards import Wholes, copy_shard, empty_shard_like, is_sharded, shard_of, whole_like
 from lightning_pipe.weights.sources import WeightSource
 
 Slot = tuple[nn.Module, str, bool]  # (owner module, attribute name, is a parameter)
@@ -32,10 +33,12 @@ Slot = tuple[nn.Module, str, bool]  # (owner module, attribute name, is a parame
 
 @dataclass
 class Materialized:
-    """What `materialize` did: keys read from the source, modules initialised (by qualified name)."""
+    """What `materialize` did: keys read from the source, modules initialised (by qualified name), and the whole
+    tensors of sharded parameters it held on the way (`Wholes`: at most one module's at once)."""
 
     loaded: list[str] = field(default_factory=list)
     initialized: list[str] = field(default_factory=list)
+    wholes: Wholes = field(default_factory=Wholes)
 
 
 def on_meta(module: nn.Module) -> bool:
@@ -52,6 +55,7 @@ def materialize(
     init_owner: nn.Module | None = None,
     overwrite: bool = False,
     made: dict[int, torch.Tensor] | None = None,
+    wholes: Wholes | None = None,
     skip: set[int] | None = None,
 ) -> Materialized:
     """Make every meta tensor of ``module`` real on ``device``; its keys are those of ``module.state_dict()``.
@@ -62,13 +66,17 @@ def materialize(
     ``overwrite``, get the source's values where it holds them. ``made`` (meta tensor's id -> its real
     tensor) carries what one call made to the next, for modules that share tensors. Modules whose ids are in
     ``skip`` are left alone.
+
+    A sharded tensor (a DTensor: the stage was sharded with FSDP on meta) gets only this process's shard: read
+    as a shard where the source can, else read or initialised whole, one module at a time, and cut to its shard
+    (`lightning_pipe.weights.dtensor_shards`); ``wholes`` counts the whole tensors held meanwhile.
     """
     device = torch.device(device)
     aliases = aliases or {}
-    done = Materialized()
+    done = Materialized() if wholes is None else Materialized(wholes=wholes)
     skip = skip or set()
     if overwrite and source is not None:
-        done.loaded += _overwrite(module, source, aliases, skip)
+        done.loaded += _overwrite(module, source, aliases, skip, done.wholes)
     made = {} if made is None else made  # id of a meta tensor -> its real one (a tied tensor is made once)
     for qualified, owner in module.named_modules(remove_duplicate=False):
         if id(owner) in skip:
@@ -84,27 +92,27 @@ def materialize(
         needs_init = [key for key, _ in fresh.values() if found[key] is None]
         staging = torch.device("cpu") if needs_init else device  # initialisation draws on the CPU, as everywhere
         for tid, (_, old) in fresh.items():
-            made[tid] = _empty_like(old, staging)
+            made[tid] = _staged(old, staging, bool(needs_init), done.wholes)
         for _, slot, old in slots:
             _set(slot, made[id(old)])
         if needs_init:
             _initialize(owner, qualified, seed, init_owner, needs_init)
             done.initialized.append(qualified or "<root>")
-            for tid in fresh:
-                made[tid] = _moved(made[tid], device)
+            for tid, (_, old) in fresh.items():
+                made[tid] = _moved(made[tid], device, old, done.wholes)
             for _, slot, old in slots:
                 _set(slot, made[id(old)])
         for tid, (key, _) in fresh.items():
             name = found[key]
             if name is None or source is None:
                 continue
-            _copy_in(made[tid], source, name, key)
+            _copy_in(made[tid], source, name, key, done.wholes)
             done.loaded.append(key)
     return done
 
 
 def _overwrite(
-    module: nn.Module, source: WeightSource, aliases: Mapping[str, Sequence[str]], skip: set[int]
+    module: nn.Module, source: WeightSource, aliases: Mapping[str, Sequence[str]], skip: set[int], wholes: Wholes
 ) -> list[str]:
     """Copy the source's values into the tensors of ``module`` that have values already."""
     loaded, seen = [], set()
@@ -117,20 +125,27 @@ def _overwrite(
             if tensor.is_meta or id(tensor) in seen or name is None:
                 continue
             seen.add(id(tensor))
-            _copy_in(tensor, source, name, key)
+            _copy_in(tensor, source, name, key, wholes)
             loaded.append(key)
     return loaded
 
 
-def _copy_in(target: torch.Tensor, source: WeightSource, name: str, key: str) -> None:
+def _copy_in(target: torch.Tensor, source: WeightSource, name: str, key: str, wholes: Wholes) -> None:
+    if is_sharded(target) and source.read_shard(name, target):
+        return  # only this process's shard was read
     value = source.get(name)
     if tuple(value.shape) != tuple(target.shape):
         raise ConfigurationError(
             f"{source.describe()}: {name!r} has shape {tuple(value.shape)} but the model's {key!r} has "
             f"{tuple(target.shape)}; the weights are of another model or configuration"
         )
-    with torch.no_grad():
-        target.copy_(value)
+    if is_sharded(target):
+        wholes.hold(value)
+        copy_shard(target, value)
+        wholes.drop(value)
+    else:
+        with torch.no_grad():
+            target.copy_(value)
     source.release(value)
 
 
@@ -220,7 +235,24 @@ def _empty_like(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return empty
 
 
-def _moved(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+def _staged(old: torch.Tensor, device: torch.device, whole: bool, wholes: Wholes) -> torch.Tensor:
+    """Where ``old`` (a meta tensor) gets its values: a tensor like it on ``device``; for a sharded one, its shard,
+    or (``whole``: its module initialises it) the whole tensor, cut to its shard once initialised (`_moved`)."""
+    if not is_sharded(old):
+        return _empty_like(old, device)
+    if not whole:
+        return empty_shard_like(old, device)
+    staged = whole_like(old, device)
+    wholes.hold(staged)
+    return staged
+
+
+def _moved(tensor: torch.Tensor, device: torch.device, like: torch.Tensor, wholes: Wholes) -> torch.Tensor:
+    """``tensor`` (made for the meta tensor ``like``, initialised) on ``device``: for a sharded ``like``, its shard."""
+    if is_sharded(like):
+        shard = shard_of(tensor, like, device)
+        wholes.drop(tensor)
+        return shard
     if tensor.device == device:
         return tensor
     if isinstance(tensor, nn.Parameter):

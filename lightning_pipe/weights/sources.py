@@ -48,6 +48,11 @@ class WeightSource:
         """Several tensors at once (a source may batch the reads)."""
         return {key: self.get(key) for key in keys}
 
+    def read_shard(self, key: str, target: torch.Tensor) -> bool:
+        """Fill ``target`` (a DTensor: this process's shard of ``key``) reading only that shard; False where this
+        source cannot, or holds ``key`` in another shape (the caller then reads it whole, with `get`)."""
+        return False
+
     def __contains__(self, key: object) -> bool:
         return key in self.keys()
 
@@ -127,6 +132,13 @@ class DcpSource(WeightSource):
         targets = {k: torch.empty(self._tensors[k].size, dtype=self._tensors[k].properties.dtype) for k in keys}
         self.load_into(targets)
         return targets
+
+    def read_shard(self, key: str, target: torch.Tensor) -> bool:
+        stored = self._tensors.get(key)
+        if stored is None or tuple(stored.size) != tuple(target.shape):
+            return False
+        self.load_into({key: target})  # DCP reads the saved chunks that overlap this shard, nothing else
+        return True
 
     def load_into(self, targets: dict[str, Any]) -> None:
         """Fill ``targets`` in place (tensors, DTensors: each reads only its own chunks; other values too)."""
@@ -225,6 +237,9 @@ class Prefixed(WeightSource):
     def read(self, keys: Sequence[str]) -> dict[str, torch.Tensor]:
         got = self.source.read([self.prefix + k for k in keys])
         return {k[len(self.prefix) :]: v for k, v in got.items()}
+
+    def read_shard(self, key: str, target: torch.Tensor) -> bool:
+        return self.source.read_shard(self.prefix + key, target)
 
     def release(self, tensor: torch.Tensor) -> None:
         self.source.release(tensor)

@@ -71,7 +71,7 @@ class StageInit:
         try:
             for module, device in modules:
                 part = materialize(
-                    module, device, source, self.seed, self.aliases, self.init_owner, self.overwrite, made
+                    module, device, source, self.seed, self.aliases, self.init_owner, self.overwrite, made, done.wholes
                 )
                 done.loaded += part.loaded
                 done.initialized += part.initialized

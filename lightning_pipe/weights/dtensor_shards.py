@@ -1,0 +1,105 @@
+"""Sharded tensors (FSDP2's DTensors) made real one shard at a time.
+
+With ``PipeStrategy(data_parallel="fsdp")`` a stage is sharded (``fully_shard``) while it is still on the meta
+device: its parameters are then DTensors without values, each a shard of the whole parameter over the stage's
+replicas. `lightning_pipe.weights.materialize` makes each of them real here, holding only this process's shard:
+
+- read from a source that reads shards (a DCP folder: `WeightSource.read_shard`), only the shard is read;
+- read from one that does not (a single file, mapped; safetensors), the whole tensor is read, one at a time,
+  and only this process's shard of it is kept;
+- initialised by its module (``reset_parameters()``) under the run's seed, the module's tensors are made whole
+  on the CPU (`whole_like`), initialised exactly as an unsharded stage's are, and only the shard is kept
+  (`shard_of`): the same seed gives the same model with FSDP as without. One module is whole at a time.
+
+`Wholes` counts the most bytes of whole tensors held at once while a stage was made (the check that a stage
+is never built whole). The shard of a whole tensor is torch's own: ``distribute_tensor(..., src_data_rank=None)``
+cuts it locally, without communication, exactly as FSDP laid out the meta shard.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def is_sharded(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a DTensor (a shard of a tensor spread over processes)."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - a torch built without distributed support has no DTensors
+        return False
+    return isinstance(tensor, DTensor)
+
+
+def empty_shard_like(like: Any, device: torch.device) -> torch.Tensor:
+    """A DTensor laid out as ``like`` (a meta one) whose local shard is allocated, without values, on ``device``."""
+    from torch.distributed.tensor import DTensor
+
+    local = torch.empty(like.to_local().shape, dtype=like.dtype, device=device)
+    return _as(like, DTensor.from_local(local, like.device_mesh, like.placements, run_check=False,
+                                        shape=like.shape, stride=like.stride()))  # fmt: skip
+
+
+def whole_like(like: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A plain tensor of the whole shape of ``like`` (a DTensor), without values: where a module initialises it."""
+    return _as(like, torch.empty(like.shape, dtype=like.dtype, device=device))
+
+
+def shard_of(whole: torch.Tensor, like: Any, device: torch.device) -> torch.Tensor:
+    """This process's shard of ``whole`` laid out as ``like`` (a DTensor), on ``device``; it holds no part of
+    ``whole`` (a copy), which can go."""
+    from torch.distributed.tensor import distribute_tensor
+
+    value = whole.detach()
+    if value.device != device:
+        value = value.to(device)
+    cut = distribute_tensor(value, like.device_mesh, like.placements, src_data_rank=None)
+    local = cut.to_local()
+    if local.untyped_storage().data_ptr() == value.untyped_storage().data_ptr():  # a view: keep no part of whole
+        local = local.clone()
+    expected = tuple(like.to_local().shape)
+    if tuple(local.shape) != expected:
+        raise RuntimeError(f"this process's shard of a {tuple(like.shape)} tensor is {tuple(local.shape)}, "
+                           f"but FSDP laid it out as {expected}")  # fmt: skip
+    from torch.distributed.tensor import DTensor
+
+    return _as(like, DTensor.from_local(local, like.device_mesh, like.placements, run_check=False,
+                                        shape=like.shape, stride=like.stride()))  # fmt: skip
+
+
+def copy_shard(target: Any, whole: torch.Tensor) -> None:
+    """Copy this process's shard of ``whole`` into ``target`` (a real DTensor)."""
+    from torch.distributed.tensor import distribute_tensor
+
+    value = whole.detach().to(target.to_local().device)
+    cut = distribute_tensor(value, target.device_mesh, target.placements, src_data_rank=None)
+    with torch.no_grad():
+        target.to_local().copy_(cut.to_local())
+
+
+@dataclass
+class Wholes:
+    """The whole (unsharded) tensors of sharded parameters a process held while making its stage: how many bytes
+    at most at once (``peak``), and how many tensors it ever made whole (``count``)."""
+
+    peak: int = 0
+    count: int = 0
+    _now: int = 0
+
+    def hold(self, tensor: torch.Tensor) -> None:
+        self._now += tensor.numel() * tensor.element_size()
+        self.count += 1
+        self.peak = max(self.peak, self._now)
+
+    def drop(self, tensor: torch.Tensor) -> None:
+        self._now -= tensor.numel() * tensor.element_size()
+
+
+def _as(like: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``value`` as a parameter where ``like`` is one (with its ``requires_grad``), else as it is."""
+    if isinstance(like, nn.Parameter):
+        return nn.Parameter(value, requires_grad=like.requires_grad)
+    return value
