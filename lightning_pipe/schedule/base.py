@@ -31,6 +31,8 @@ class Schedule(ABC):
     name: str = "schedule"
     #: which rank holds each stage (`rank_of`); the pipeline places the stages by this name
     placement: str = LOOP
+    #: some backwards run as ``I`` and ``W`` (a stage sharded with FSDP cannot run them)
+    splits_backward: bool = False
     #: the coordinator computes every loss only after all forwards finished (synchronous training)
     loss_after_all_forwards: bool = False
     #: stages update their own weights as gradients arrive, over a stream of batches (``stream()``)

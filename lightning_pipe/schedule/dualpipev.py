@@ -28,6 +28,7 @@ class DualPipeV(Schedule):
     """
 
     name = "dualpipev"
+    splits_backward = True
     placement = V
 
     def check(self) -> None:

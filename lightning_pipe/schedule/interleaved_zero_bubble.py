@@ -26,6 +26,7 @@ class InterleavedZeroBubble(Schedule):
     """
 
     name = "interleaved-zero-bubble"
+    splits_backward = True
 
     def check(self) -> None:
         rounds = self._rounds()

@@ -36,6 +36,7 @@ class ZeroBubbleV(Schedule):
     """
 
     name = "zbv"
+    splits_backward = True
     placement = V
 
     def check(self) -> None:

@@ -38,6 +38,7 @@ from lightning_pipe.allocator import give_back_large_blocks
 from lightning_pipe.comm import P2PCommunicator, serve_stages
 from lightning_pipe.comm.p2p_wire import close_open_wires
 from lightning_pipe.engine.runners import worker_of_stages
+from lightning_pipe.schedule import LOOP
 from lightning_pipe.strategy.layout import Layout
 from lightning_pipe.strategy.stage_placement import ProcessStage
 
@@ -153,10 +154,10 @@ class LaunchedWorld:
         """This process's device: where its stage and, on a coordinator, the loss live."""
         return self.devices[self.layout.local_index(self.layout.global_rank)]
 
-    def stage_devices(self) -> list[str]:
-        """The device of each stage: that of the process holding it in this replica."""
+    def stage_devices(self, placement: str = LOOP) -> list[str]:
+        """The device of each stage: that of the process holding it in this replica (the schedule's ``placement``)."""
         stages = self.layout.ranks_per_pipeline * self.virtual_stages
-        holder = worker_of_stages(self.runner, stages, self.virtual_stages)
+        holder = worker_of_stages(self.runner, stages, self.virtual_stages, placement)
         ranks = self.layout.pipeline_ranks()
         return [str(self.devices[self.layout.local_index(ranks[holder[s]])]) for s in range(stages)]
 

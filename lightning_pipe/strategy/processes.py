@@ -19,6 +19,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from typing_extensions import override
 
 from lightning_pipe.errors import ConfigurationError
+from lightning_pipe.schedule import LOOP
 from lightning_pipe.strategy.arguments import check_launched
 from lightning_pipe.strategy.launched import LaunchedWorld, PipeLauncher
 from lightning_pipe.strategy.layout import LAUNCHED, LOCAL, Layout, choose_mode
@@ -127,12 +128,12 @@ class ProcessStrategy(ParallelStrategy):
         self.setup_environment()
         self.world.serve()
 
-    def resolve_devices(self) -> list[str]:
-        """One device per stage, from ``devices``, the Trainer's devices or cpu."""
+    def resolve_devices(self, placement: str = LOOP) -> list[str]:
+        """One device per stage, from ``devices``, the Trainer's devices or cpu (``placement``: the schedule's)."""
         if self.stage_devices is not None:
             return self.stage_devices
         if self.world is not None:  # launched mode: a stage per process of this replica's pipeline
-            return self.world.stage_devices()
+            return self.world.stage_devices(placement)
         trainer_devices = [str(d) for d in (self.parallel_devices or [torch.device("cpu")])]
         if all(d == "cpu" for d in trainer_devices):
             return ["cpu"] * (self.stages or len(trainer_devices))
