@@ -26,7 +26,7 @@ from lightning_pipe.executors import Activation, call_module
 from lightning_pipe.microbatch import split
 from lightning_pipe.partition import Partitioner, ShardedTask
 from lightning_pipe.partition.selection import resolve_partitioner
-from lightning_pipe.schedule import Action, Kind, resolve_schedule
+from lightning_pipe.schedule import Action, Kind, placement_of, resolve_schedule
 
 
 @dataclass
@@ -89,10 +89,10 @@ def plan(
     """Predict every rank's peak stash for one step on ``sample`` (a whole batch); prints the table if verbose."""
     # "auto" is planned without recomputation: what it chooses where memory allows (always on cpu)
     flags = [bool(f) for f in (checkpoint_flags(checkpoint, stages) if isinstance(checkpoint, str) else checkpoint)]
-    worker_of = worker_of_stages(runner, stages, virtual_stages)
+    factory = resolve_schedule(schedule)
+    worker_of = worker_of_stages(runner, stages, virtual_stages, placement_of(factory))
     pieces = split(sample, microbatches)
     shards = resolve_partitioner(partition).partition(module, ["cpu"] * stages, sample)
-    factory = resolve_schedule(schedule)
     built = factory(stages // virtual_stages, microbatches, virtual_stages)
     lists = worker_lists(built.actions(), stages, worker_of)
     split_backward = any(a.kind is Kind.BACKWARD_INPUT for actions in lists for a in actions)

@@ -42,7 +42,7 @@ from lightning_pipe.partition.traced import TracedPartitioner
 from lightning_pipe.pipeline_inputs import PipelineInputs
 from lightning_pipe.rng import run_seed
 from lightning_pipe.runtime import BaseRuntime
-from lightning_pipe.schedule import resolve_schedule
+from lightning_pipe.schedule import placement_of, resolve_schedule
 from lightning_pipe.stage_layout import resolve_runtime, stage_devices, worker_specs
 from lightning_pipe.stage_state import StageState
 from lightning_pipe.transports import TRANSPORTS as TRANSPORTS  # re-exported: strategy/arguments.py
@@ -57,7 +57,8 @@ class Pipeline:
     """Stages built from an ``nn.Sequential``, a schedule and a communicator.
 
     ``stages`` counts the pieces of the model; with ``virtual_stages=V`` each worker (rank) holds
-    ``V`` of them, stage ``s`` on rank ``s % (stages // V)``. ``runner`` picks how the workers run
+    ``V`` of them, placed as the schedule says (`Schedule.placement`: stage ``s`` on rank ``s % (stages // V)``,
+    or in a V for ``zbv`` and ``dualpipev``). ``runner`` picks how the workers run
     the schedule (see `lightning_pipe.engine.runners`); ``schedule`` is a registered name, a
     `Schedule` subclass or a function returning per-rank action lists. ``checkpoint``: see `checkpointing`.
     Each stage draws its random numbers (dropout) from generators of its own, seeded from ``seed`` and its
@@ -91,13 +92,14 @@ class Pipeline:
         init: StageInit | None = None,
         **transport_options: Any,
     ) -> None:
-        self.worker_of_stage = worker_of_stages(runner, stages, virtual_stages)
-        self.devices = stage_devices(devices, stages, stages // virtual_stages)
+        self.schedule_factory = resolve_schedule(schedule)
+        placement = placement_of(self.schedule_factory)  # where the schedule wants each stage
+        self.worker_of_stage = worker_of_stages(runner, stages, virtual_stages, placement)
+        self.devices = stage_devices(devices, stages, stages // virtual_stages, placement)
         module, backend = split_compiled(module, backend, stages, strict)  # torch.compile(m): split m, compile stages
         self.module = module
         self.virtual_stages = virtual_stages
         self.runner = runner
-        self.schedule_factory = resolve_schedule(schedule)
         self.partitioner = resolve_partitioner(partition, module, split_points)
         self.checkpoint = checkpoint_flags(checkpoint, stages)
         self.auto_checkpoint = AutoCheckpoint(self.devices) if checkpoint == "auto" else None

@@ -14,13 +14,15 @@ from lightning_pipe.engine import AutocastSpec, StageSpec
 from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.partition import ShardedTask
 from lightning_pipe.runtime import BaseRuntime, runtime_registry
+from lightning_pipe.schedule import LOOP, stage_ranks
 
 
-def stage_devices(devices: Sequence[Any] | None, stages: int, ranks: int) -> list[str]:
-    """One device per stage: ``devices`` per stage, or one per rank (its stages share it); all ``cpu`` if None."""
+def stage_devices(devices: Sequence[Any] | None, stages: int, ranks: int, placement: str = LOOP) -> list[str]:
+    """One device per stage: ``devices`` per stage, or one per rank (its stages share it, placed by the schedule's
+    ``placement``); all ``cpu`` if None."""
     found = [str(d) for d in (devices or ["cpu"] * stages)]
     if len(found) == ranks != stages:  # one device per rank: its stages share it
-        found = [found[s % ranks] for s in range(stages)]
+        found = [found[rank] for rank in stage_ranks(placement, stages, ranks)]
     if len(found) != stages:
         raise ConfigurationError(
             f"devices has {len(found)} entries but stages={stages}; give one device per stage"

@@ -213,8 +213,10 @@ def test_pretrained_safetensors_weights_are_read_per_stage(tmp_path: Path) -> No
 
 
 def test_fsdp_refuses_split_backwards_and_one_file_before_any_work() -> None:
-    with pytest.raises(ConfigurationError, match="zero-bubble splits each backward"):
-        PipeStrategy(data_parallel="fsdp", schedule="zero-bubble")
+    for schedule in ("zero-bubble", "interleaved-zero-bubble", "zbv", "dualpipev"):
+        with pytest.raises(ConfigurationError, match=f"schedule='{schedule}'.*splits backwards.*'looped-bfs' with FSDP"):
+            PipeStrategy(data_parallel="fsdp", schedule=schedule)
+    PipeStrategy(data_parallel="fsdp", schedule="looped-bfs")  # a full backward: FSDP runs it
     with pytest.raises(ConfigurationError, match="consolidate"):
         PipeStrategy(data_parallel="fsdp", save_distributed_checkpoint=False)
     with pytest.raises(ConfigurationError, match="pass 'ddp'"):

@@ -24,7 +24,20 @@ from lightning_pipe.schedule.__main__ import page
 RANKS = range(1, 9)
 MICROBATCHES = range(1, 17)
 VIRTUAL = (1, 2)
-BUILT_IN = ["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"]
+BUILT_IN = [
+    "gpipe",
+    "1f1b",
+    "interleaved-1f1b",
+    "zero-bubble",
+    "looped-bfs",
+    "interleaved-zero-bubble",
+    "zbv",
+    "dualpipev",
+]
+FULL = {Kind.FORWARD, Kind.BACKWARD}
+SPLIT = {Kind.FORWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT}
+#: chunks per rank each schedule is drawn with
+DRAWN_VIRTUAL = {"interleaved-1f1b": 2, "looped-bfs": 2, "interleaved-zero-bubble": 2, "zbv": 2, "dualpipev": 2}
 
 
 def expected_rejection(name: str, ranks: int, microbatches: int, virtual: int) -> str | None:
@@ -33,12 +46,18 @@ def expected_rejection(name: str, ranks: int, microbatches: int, virtual: int) -
         return "one stage on each rank"
     if name == "interleaved-1f1b" and virtual > 1 and microbatches % ranks:
         return "not a multiple of"
+    if name == "interleaved-zero-bubble" and microbatches % max(1, microbatches // ranks):
+        return "not a multiple of"
+    if name in ("zbv", "dualpipev") and virtual != 2:
+        return "pass virtual_stages=2"
+    if name == "dualpipev" and microbatches < 2 * ranks:
+        return "at least as many microbatches as stages"
     return None
 
 
 def test_every_built_in_schedule_is_registered() -> None:
     assert set(BUILT_IN) <= set(available_schedules())
-    known = "1f1b, async, gpipe, interleaved-1f1b, zero-bubble"
+    known = "1f1b, async, dualpipev, gpipe, interleaved-1f1b, interleaved-zero-bubble, looped-bfs, zbv, zero-bubble"
     with pytest.raises(ScheduleError, match=f"unknown schedule 'nope'; available: {known}"):
         get_schedule("nope")
 
@@ -57,9 +76,15 @@ def test_every_size_is_valid_or_rejected_with_a_message(name: str) -> None:
         lists = schedule.actions()  # validated: complete, ordered, on the right ranks, no deadlock
         stages = ranks * virtual
         assert len(lists) == ranks
-        assert sum(len(actions) for actions in lists) == stages * microbatches * (3 if name == "zero-bubble" else 2)
+        runs = [(a.stage, a.kind, a.microbatch) for actions in lists for a in actions]
+        assert len(runs) == len(set(runs))  # each of a microbatch's F, B, I and W at most once on each stage
+        kinds: dict[tuple[int, int], set[Kind]] = {}
+        for s, k, m in runs:
+            kinds.setdefault((s, m), set()).add(k)
+        assert len(kinds) == stages * microbatches  # F, and B or I and W, on every stage for every microbatch
+        assert all(found in (FULL, SPLIT) for found in kinds.values())
         for rank, actions in enumerate(lists):
-            assert {a.stage for a in actions} == set(range(rank, stages, ranks))
+            assert {a.stage for a in actions} == {s for s in range(stages) if schedule.rank_of(s) == rank}
         validate(lists, stages, microbatches, schedule.rank_of)
 
 
@@ -130,7 +155,7 @@ def test_zero_bubble_splits_every_backward() -> None:
 
 def test_grids_draw_every_action_once() -> None:
     for name in BUILT_IN:
-        schedule = get_schedule(name)(4, 8, 2 if name == "interleaved-1f1b" else 1)
+        schedule = get_schedule(name)(4, 8, DRAWN_VIRTUAL.get(name, 1))
         lines = schedule.grid().splitlines()
         assert len(lines) == 4
         for line, actions in zip(lines, schedule.actions(), strict=True):

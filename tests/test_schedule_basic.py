@@ -49,5 +49,5 @@ def test_validation_marks_the_faulty_action() -> None:
 
 def test_registry() -> None:
     assert get_schedule("1F1B") is OneFOneB
-    with pytest.raises(ScheduleError, match="available: 1f1b, async, gpipe"):
+    with pytest.raises(ScheduleError, match="available: 1f1b, async, dualpipev, gpipe"):
         get_schedule("nope")

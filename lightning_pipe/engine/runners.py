@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from lightning_pipe.errors import ConfigurationError
-from lightning_pipe.schedule import Action, simulate
+from lightning_pipe.schedule import LOOP, Action, simulate, stage_ranks
 
 RUNNERS = ("parallel", "dataflow", "linear")
 
@@ -23,8 +23,9 @@ def check_runner(runner: str) -> str:
     return runner
 
 
-def worker_of_stages(runner: str, num_stages: int, virtual_stages: int) -> list[int]:
-    """Which worker holds each stage: stage ``s`` on rank ``s % ranks``, or all on one for ``linear``."""
+def worker_of_stages(runner: str, num_stages: int, virtual_stages: int, placement: str = LOOP) -> list[int]:
+    """Which worker holds each stage: the schedule's ``placement`` (`lightning_pipe.schedule.placement`: stage ``s``
+    on rank ``s % ranks``, or in a V), or all on one for ``linear``."""
     check_runner(runner)
     if num_stages % virtual_stages:
         raise ConfigurationError(
@@ -33,8 +34,7 @@ def worker_of_stages(runner: str, num_stages: int, virtual_stages: int) -> list[
         )
     if runner == "linear":
         return [0] * num_stages
-    ranks = num_stages // virtual_stages
-    return [s % ranks for s in range(num_stages)]
+    return stage_ranks(placement, num_stages, num_stages // virtual_stages)
 
 
 def worker_lists(

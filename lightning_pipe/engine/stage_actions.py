@@ -100,9 +100,10 @@ class StageActions:
             whole = replicas is not None and not replicas.splits  # FSDP frees a block's parameters after its backward
             if whole and any(a.kind is Kind.BACKWARD_INPUT for a in plan.actions):
                 raise ConfigurationError(
-                    "this schedule splits backwards into input and weight halves (zero-bubble), which a stage "
-                    "sharded with FSDP cannot run (it frees a block's gathered parameters after its backward): use "
-                    "schedule='1f1b', 'gpipe' or 'interleaved-1f1b' with data_parallel='fsdp', or data_parallel='ddp'"
+                    "this schedule splits backwards into input and weight halves (zero-bubble, zbv, dualpipev), which "
+                    "a stage sharded with FSDP cannot run (it frees a block's gathered parameters after its backward): "
+                    "use schedule='1f1b', 'gpipe', 'interleaved-1f1b' or 'looped-bfs' with data_parallel='fsdp', or "
+                    "data_parallel='ddp'"
                 )
             early = self._early_input_grad(plan) if set_aside and not whole else None
             for action in order:  # each action's inputs are here: its record times the work, not the wait

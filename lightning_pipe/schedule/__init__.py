@@ -20,8 +20,13 @@ from lightning_pipe.schedule.base import (
     validate,
 )
 from lightning_pipe.schedule.custom import ListSchedule, ScheduleFactory, resolve
+from lightning_pipe.schedule.dualpipev import DualPipeV
 from lightning_pipe.schedule.interleaved import Interleaved1F1B
+from lightning_pipe.schedule.interleaved_zero_bubble import InterleavedZeroBubble
+from lightning_pipe.schedule.looped_bfs import LoopedBFS
+from lightning_pipe.schedule.placement import LOOP, V, placement_of, stage_ranks
 from lightning_pipe.schedule.schedules import GPipe, OneFOneB
+from lightning_pipe.schedule.zbv import ZeroBubbleV
 from lightning_pipe.schedule.zero_bubble import ZeroBubbleH1
 
 _SCHEDULES: dict[str, ScheduleFactory] = {
@@ -30,6 +35,10 @@ _SCHEDULES: dict[str, ScheduleFactory] = {
     "interleaved-1f1b": Interleaved1F1B,
     "zero-bubble": ZeroBubbleH1,
     "async": AsyncOneFOneB,
+    "looped-bfs": LoopedBFS,
+    "interleaved-zero-bubble": InterleavedZeroBubble,
+    "zbv": ZeroBubbleV,
+    "dualpipev": DualPipeV,
 }
 
 
@@ -59,26 +68,34 @@ def resolve_schedule(spec: Any) -> ScheduleFactory:
 
 __all__ = [
     "COSTS",
+    "LOOP",
     "UNIT",
+    "V",
     "Action",
     "ActionLists",
     "AsyncOneFOneB",
+    "DualPipeV",
     "GPipe",
     "Interleaved1F1B",
+    "InterleavedZeroBubble",
     "Kind",
     "ListSchedule",
+    "LoopedBFS",
     "OneFOneB",
     "Schedule",
     "ScheduleFactory",
     "ZeroBubbleH1",
+    "ZeroBubbleV",
     "available_schedules",
     "bubble_fraction",
     "format_grid",
     "get_schedule",
     "makespan",
     "peak_activations",
+    "placement_of",
     "register_schedule",
     "resolve_schedule",
     "simulate",
+    "stage_ranks",
     "validate",
 ]

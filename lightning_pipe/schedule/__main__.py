@@ -16,6 +16,10 @@ SHOWN = [
     ("1f1b", 1, "one forward, one backward after a warm-up (semi-asynchronous)"),
     ("interleaved-1f1b", 2, "1F1B over two model chunks per rank (stage s on rank s % 4)"),
     ("zero-bubble", 1, "ZB-H1: backward split into I (input gradient) and W (weight gradient)"),
+    ("looped-bfs", 2, "breadth-first over two chunks per rank, earlier chunk first (stage s on rank s % 4)"),
+    ("interleaved-zero-bubble", 2, "ZB1P: interleaved 1F1B with split backwards (stage s on rank s % 4)"),
+    ("zbv", 2, "ZB-V: two chunks per rank in a V (stages r and 7 - r on rank r), split backwards"),
+    ("dualpipev", 2, "DualPipeV: the V of zbv, a forward of one chunk paired with a backward of the other"),
 ]
 
 

@@ -7,6 +7,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 
 from lightning_pipe.errors import ScheduleError
 from lightning_pipe.schedule.action import Action, Kind
+from lightning_pipe.schedule.placement import LOOP, stage_rank
 
 ActionLists = list[list[Action]]
 Durations = Mapping[Kind, float]
@@ -22,10 +23,16 @@ class Schedule(ABC):
 
     A *stage* is one piece of the model; a *rank* is one worker (a device). Most schedules place
     one stage on each rank; interleaved schedules place ``virtual_stages`` stages on each rank,
-    stage ``s`` on rank ``s % num_ranks``. The engine runs each rank's list in order.
+    stage ``s`` on rank ``s % num_ranks`` (``placement = "loop"``), V-shaped ones stage ``r`` and
+    ``2 num_ranks - 1 - r`` on rank ``r`` (``placement = "v"``, `lightning_pipe.schedule.placement`).
+    The engine places the stages by ``placement`` and runs each rank's list in order.
     """
 
     name: str = "schedule"
+    #: which rank holds each stage (`rank_of`); the pipeline places the stages by this name
+    placement: str = LOOP
+    #: some backwards run as ``I`` and ``W`` (a stage sharded with FSDP cannot run them)
+    splits_backward: bool = False
     #: the coordinator computes every loss only after all forwards finished (synchronous training)
     loss_after_all_forwards: bool = False
     #: stages update their own weights as gradients arrive, over a stream of batches (``stream()``)
@@ -53,8 +60,8 @@ class Schedule(ABC):
         return self.num_ranks * self.virtual_stages
 
     def rank_of(self, stage: int) -> int:
-        """The rank that holds ``stage``."""
-        return stage % self.num_ranks
+        """The rank that holds ``stage`` (set ``placement`` to change it: the engine follows that name)."""
+        return stage_rank(self.placement, stage, self.num_ranks)
 
     @abstractmethod
     def build(self) -> ActionLists:

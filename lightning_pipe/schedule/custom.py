@@ -9,6 +9,7 @@ from typing import Any
 from lightning_pipe.errors import ScheduleError
 from lightning_pipe.schedule.action import Action
 from lightning_pipe.schedule.base import ActionLists, Schedule
+from lightning_pipe.schedule.placement import placement_of
 
 ScheduleFactory = Callable[[int, int, int], Schedule]
 ListsFunction = Callable[..., Sequence[Sequence[Action | str]]]
@@ -19,7 +20,7 @@ class ListSchedule(Schedule):
 
     Each list entry is an `Action` or its text form (``"1F0"``); the lists are validated like every
     schedule's before any work starts, and a faulty one is reported with the grid, the first faulty
-    action marked.
+    action marked. The stages are placed by ``fn.placement`` where the function sets it (``"v"``), else looped.
     """
 
     def __init__(
@@ -32,6 +33,7 @@ class ListSchedule(Schedule):
     ) -> None:
         self.fn = fn
         self.name = getattr(fn, "__name__", "custom")
+        self.placement = placement_of(fn)
         self._given = lists
         super().__init__(num_ranks, num_microbatches, virtual_stages)
 
@@ -73,6 +75,7 @@ def _from_function(fn: Callable[..., Any]) -> ScheduleFactory:
         return ListSchedule(fn, num_ranks, num_microbatches, virtual_stages, lists=result)
 
     factory.__name__ = getattr(fn, "__name__", "custom")
+    factory.placement = placement_of(fn)  # type: ignore[attr-defined]  # where the engine puts the stages
     return factory
 
 
@@ -87,6 +90,7 @@ def _fixed(schedule: Schedule) -> ScheduleFactory:
             )
         return schedule
 
+    factory.placement = schedule.placement  # type: ignore[attr-defined]  # where the engine puts the stages
     return factory
 
 

@@ -25,6 +25,7 @@ class ZeroBubbleH1(Schedule):
     """
 
     name = "zero-bubble"
+    splits_backward = True
 
     def check(self) -> None:
         if self.virtual_stages != 1:

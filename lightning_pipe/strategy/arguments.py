@@ -116,11 +116,12 @@ def check_memory_arguments(data_parallel: str, weights: Any, save_distributed_ch
             "its replicas, and one file would gather it; keep the sharded checkpoints (save_distributed_checkpoint="
             "True) and make one file of a folder with `python -m lightning_pipe consolidate FOLDER OUT.ckpt`"
         )
-    if data_parallel == "fsdp" and schedule == "zero-bubble":
+    if data_parallel == "fsdp" and getattr(resolve_schedule(schedule), "splits_backward", False):
         raise ConfigurationError(
-            "PipeStrategy(data_parallel='fsdp', schedule='zero-bubble'): zero-bubble splits each backward into an "
+            f"PipeStrategy(data_parallel='fsdp', schedule={schedule!r}): this schedule splits backwards into an "
             "input and a weight half, and FSDP frees a block's gathered parameters after its backward; use "
-            "schedule='1f1b', 'gpipe' or 'interleaved-1f1b' with FSDP, or data_parallel='ddp' with zero-bubble"
+            "schedule='1f1b', 'gpipe', 'interleaved-1f1b' or 'looped-bfs' with FSDP, or data_parallel='ddp' with "
+            f"{schedule!r}"
         )
     if weights is not None and not os.path.exists(weights):
         raise ConfigurationError(f"PipeStrategy(weights={str(weights)!r}): no such file or folder")

@@ -28,6 +28,7 @@ from lightning_pipe.partition.tracer import CallArgs
 from lightning_pipe.pipeline import Pipeline, resolve_partitioner
 from lightning_pipe.rng import run_seed
 from lightning_pipe.runtime import BaseRuntime, runtime_registry
+from lightning_pipe.schedule import placement_of, resolve_schedule
 from lightning_pipe.strategy.config import PipeConfig
 from lightning_pipe.strategy.session import capture_call
 from lightning_pipe.weights import StageInit
@@ -90,6 +91,11 @@ class PipelineBuilder:
         self.runtime_hooks: set[str] = set()  # the runtime callbacks some stage's runtime overrides
         self._placement: Placement | None = None
         self._closed = ExecutionTrace([])  # the traces of pipelines already closed
+
+    @property
+    def rank_placement(self) -> str:
+        """Which rank holds each stage: the schedule's placement (``loop``, or ``v`` for ``zbv`` and ``dualpipev``)."""
+        return placement_of(resolve_schedule(self.schedule))
 
     def find(self, lightning_module: pl.LightningModule) -> nn.Module:
         """The pipelined module: ``module=``, or the child with the most parameters."""

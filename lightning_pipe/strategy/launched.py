@@ -33,6 +33,7 @@ from typing_extensions import override
 from lightning_pipe.allocator import give_back_large_blocks
 from lightning_pipe.comm import P2PCommunicator, serve_stages
 from lightning_pipe.engine.runners import worker_of_stages
+from lightning_pipe.schedule import LOOP
 from lightning_pipe.strategy.config import PipeConfig
 from lightning_pipe.strategy.launcher import PipeLauncher
 from lightning_pipe.strategy.layout import LAUNCHED, Layout
@@ -117,11 +118,11 @@ class LaunchedMode(Mode):
         return self.communicator()
 
     @override
-    def stage_devices(self, given: Callable[[], list[str]] | None = None) -> list[str]:
-        """The device of each stage: that of the process holding it in this replica."""
+    def stage_devices(self, given: Callable[[], list[str]] | None = None, placement: str = LOOP) -> list[str]:
+        """The device of each stage: that of the process holding it in this replica (the schedule's ``placement``)."""
         virtual = self.config.virtual_stages
         stages = self.layout.ranks_per_pipeline * virtual
-        holder = worker_of_stages(self.config.runner, stages, virtual)
+        holder = worker_of_stages(self.config.runner, stages, virtual, placement)
         ranks = self.layout.pipeline_ranks()
         return [str(self.devices[self.layout.local_index(ranks[holder[s]])]) for s in range(stages)]
 

@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 import torch
 
 from lightning_pipe.comm import Communicator
+from lightning_pipe.schedule import LOOP
 from lightning_pipe.strategy.layout import LOCAL, RPC, Layout
 
 
@@ -70,8 +71,9 @@ class Mode:
         """The coordinator's device (``placed``: where the strategy's placement puts the last stage's output)."""
         return placed()
 
-    def stage_devices(self, given: Callable[[], list[str]]) -> list[str]:
-        """One device per stage (``given``: from ``devices=`` or the Trainer's devices)."""
+    def stage_devices(self, given: Callable[[], list[str]], placement: str = LOOP) -> list[str]:
+        """One device per stage (``given``: from ``devices=`` or the Trainer's devices; ``placement``: which rank
+        holds each stage, as the schedule says)."""
         return given()
 
     def transport(self, name: str | None) -> str | Communicator:

@@ -19,6 +19,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from typing_extensions import override
 
 from lightning_pipe.errors import ConfigurationError
+from lightning_pipe.schedule import LOOP
 from lightning_pipe.strategy.arguments import check_launched, fsdp_without_replicas
 from lightning_pipe.strategy.config import PipeConfig
 from lightning_pipe.strategy.launched import LaunchedMode
@@ -125,9 +126,10 @@ class ProcessStrategy(ParallelStrategy):
         self.setup_environment()
         self.world.serve()
 
-    def resolve_devices(self) -> list[str]:
-        """One device per stage: launched mode's processes, or from ``devices``, the Trainer's devices or cpu."""
-        return self.mode.stage_devices(self._given_devices)
+    def resolve_devices(self, placement: str = LOOP) -> list[str]:
+        """One device per stage: launched mode's processes (``placement``: the schedule's), or from ``devices``,
+        the Trainer's devices or cpu."""
+        return self.mode.stage_devices(self._given_devices, placement)
 
     def _given_devices(self) -> list[str]:
         if self.config.stage_devices is not None:
