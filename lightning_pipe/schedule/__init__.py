@@ -7,6 +7,7 @@ from typing import Any
 from lightning_pipe.errors import ScheduleError
 from lightning_pipe.schedule.action import Action, Kind
 from lightning_pipe.schedule.asynchronous import AsyncOneFOneB
+from lightning_pipe.schedule.auto import AutoChoice, Candidate, StageCost, StepCosts, choose
 from lightning_pipe.schedule.base import (
     COSTS,
     UNIT,
@@ -42,6 +43,11 @@ def available_schedules() -> list[str]:
     return sorted(_SCHEDULES)
 
 
+def registered_schedules() -> dict[str, ScheduleFactory]:
+    """Every registered schedule by name (a copy): ``schedule="auto"``'s candidates."""
+    return dict(_SCHEDULES)
+
+
 def get_schedule(name: str) -> ScheduleFactory:
     """The factory registered as ``name``; the error lists the known names."""
     try:
@@ -63,6 +69,8 @@ __all__ = [
     "Action",
     "ActionLists",
     "AsyncOneFOneB",
+    "AutoChoice",
+    "Candidate",
     "GPipe",
     "Interleaved1F1B",
     "Kind",
@@ -70,14 +78,18 @@ __all__ = [
     "OneFOneB",
     "Schedule",
     "ScheduleFactory",
+    "StageCost",
+    "StepCosts",
     "ZeroBubbleH1",
     "available_schedules",
     "bubble_fraction",
+    "choose",
     "format_grid",
     "get_schedule",
     "makespan",
     "peak_activations",
     "register_schedule",
+    "registered_schedules",
     "resolve_schedule",
     "simulate",
     "validate",
