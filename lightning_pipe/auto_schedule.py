@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from lightning_pipe.checkpointing import HEADROOM
@@ -46,11 +46,13 @@ class AutoSchedule:
         budget: most bytes of stashed activations a rank may hold; None: ``HEADROOM`` of its device's free
             memory (no limit where the device reports none: cpu).
         split_backward: whether the stages may split their backward into ``I`` and ``W`` (FSDP may not).
+        agree: makes the pipeline replicas' choices one (launched mode: the first coordinator's, broadcast).
     """
 
     microbatches: bool = False
     budget: int | None = None
     split_backward: bool = True
+    agree: Callable[[AutoChoice], AutoChoice] | None = field(default=None, compare=False)
 
 
 def is_auto(schedule: Any) -> bool:
@@ -164,7 +166,7 @@ class ScheduleChooser:
             coordinator.rank_of_stage,
         )
         choice.notes.extend(notes)
-        return choice
+        return self.options.agree(choice) if self.options.agree is not None else choice
 
 
 def measured_costs(

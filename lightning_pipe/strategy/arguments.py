@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -136,9 +136,15 @@ def check_memory_arguments(data_parallel: str, weights: Any, save_distributed_ch
         raise ConfigurationError(f"PipeStrategy(weights={str(weights)!r}): no such file or folder")
 
 
-def auto_schedule_of(schedule: Any, microbatches: int | str, memory_budget: int | None, data_parallel: str) -> Any:
-    """``schedule="auto"`` as an `AutoSchedule` with the strategy's options (FSDP: no split backward); any other
-    schedule as given."""
+def auto_schedule_of(
+    schedule: Any,
+    microbatches: int | str,
+    memory_budget: int | None,
+    data_parallel: str,
+    agree: Callable[[Any], Any] | None = None,
+) -> Any:
+    """``schedule="auto"`` as an `AutoSchedule` with the strategy's options (FSDP: no split backward; ``agree``: the
+    replicas take one choice); any other schedule as given."""
     if memory_budget is not None and (not isinstance(memory_budget, int) or memory_budget < 1):
         raise ConfigurationError(f"memory_budget={memory_budget!r}: pass a positive number of bytes, or None")
     if not is_auto(schedule):
@@ -151,4 +157,5 @@ def auto_schedule_of(schedule: Any, microbatches: int | str, memory_budget: int 
         microbatches=given.microbatches or microbatches == AUTO,
         budget=memory_budget if memory_budget is not None else given.budget,
         split_backward=given.split_backward and data_parallel != "fsdp",
+        agree=given.agree or agree,
     )

@@ -149,7 +149,8 @@ class PipeStrategy(StepHooksStrategy):
             coordinator, token, split_points, virtual_stages, runner, microbatch_weight, compress,
         )  # fmt: skip
         check_memory_arguments(data_parallel, weights, save_distributed_checkpoint, schedule)
-        schedule = auto_schedule_of(schedule, microbatches, memory_budget, data_parallel)
+        # launched mode's replicas run the first coordinator's choice: Lightning's broadcast among the coordinators
+        schedule = auto_schedule_of(schedule, microbatches, memory_budget, data_parallel, lambda c: self.broadcast(c))
         timeout = float(timeout)
         self.asynchronous = AsyncTraining() if asynchronous else None
         builder = PipelineBuilder(
