@@ -30,6 +30,7 @@ from lightning_pipe.engine.stash import StageBytes
 from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.runtime import DeviceMemory
 from lightning_pipe.schedule import Action, Kind
+from lightning_pipe.schedule.memory_walk import walk as walk  # re-exported: memory.py
 
 if TYPE_CHECKING:
     from lightning_pipe.engine import Coordinator
@@ -47,36 +48,6 @@ def checkpoint_flags(mode: str, num_stages: int) -> list[bool | None]:
     if mode == "except_last":
         return [s < num_stages - 1 for s in range(num_stages)]
     return [mode == "always" for _ in range(num_stages)]
-
-
-def walk(
-    actions: Iterable[Action], stash: Mapping[int, int], split: Mapping[int, int] | None = None
-) -> tuple[int, int, dict[int, int]]:
-    """Follow one worker's list: its peak of stashed bytes, the microbatches held then, and per stage how many.
-
-    A forward adds its stage's ``stash`` bytes, ``I`` adds its ``split`` bytes (kept until ``W``), ``B`` or
-    ``W`` frees the microbatch.
-    """
-    live: dict[tuple[int, int], int] = {}
-    current = peak = 0
-    at_peak: dict[tuple[int, int], int] = {}
-    for action in actions:
-        key = (action.stage, action.microbatch)
-        if action.kind is Kind.FORWARD:
-            live[key] = stash[action.stage]
-            current += stash[action.stage]
-        elif action.kind is Kind.BACKWARD_INPUT:
-            extra = (split or {}).get(action.stage, 0)
-            live[key] += extra
-            current += extra
-        else:
-            current -= live.pop(key)
-        if current > peak or not at_peak:
-            peak, at_peak = current, dict(live)
-    held: dict[int, int] = {}
-    for s, _ in at_peak:
-        held[s] = held.get(s, 0) + 1
-    return peak, len(at_peak), held
 
 
 @dataclass

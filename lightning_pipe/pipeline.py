@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_pipe.auto_schedule import AUTO, AutoSchedule, ScheduleChooser, first_microbatches, is_auto
 from lightning_pipe.backends import BackendArg, BackendPlan, CoordinatorOps, ExecutionTrace, resolve_backends
 from lightning_pipe.backends.compiled import split_compiled
 from lightning_pipe.checkpointing import AutoCheckpoint, RecomputePlan, checkpoint_flags
@@ -33,7 +34,7 @@ from lightning_pipe.engine.runners import worker_of_stages
 from lightning_pipe.engine.stream import AsyncRun, train_stream
 from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.loss import Criterion, Loss, WeightedLoss, as_loss
-from lightning_pipe.microbatch import gather
+from lightning_pipe.microbatch import batch_size, gather
 from lightning_pipe.microbatch_weights import MicrobatchWeight, check_weight_function
 from lightning_pipe.optim import StageOptimizers
 from lightning_pipe.partition import Partitioner, ShardedTask
@@ -92,7 +93,12 @@ class Pipeline:
         init: StageInit | None = None,
         **transport_options: Any,
     ) -> None:
-        self.schedule_factory = resolve_schedule(schedule)
+        self.auto_schedule = (  # schedule="auto": measures in the first training step, chooses before the second
+            ScheduleChooser(schedule if isinstance(schedule, AutoSchedule) else AutoSchedule(), virtual_stages, runner)
+            if is_auto(schedule)
+            else None
+        )
+        self.schedule_factory = self.auto_schedule.probe if self.auto_schedule else resolve_schedule(schedule)
         placement = placement_of(self.schedule_factory)  # where the schedule wants each stage
         self.worker_of_stage = worker_of_stages(runner, stages, virtual_stages, placement)
         self.devices = stage_devices(devices, stages, stages // virtual_stages, placement)
@@ -228,7 +234,7 @@ class Pipeline:
         inputs: Any,
         targets: Any,
         criterion: Loss | Criterion,
-        microbatches: int = 4,
+        microbatches: int | str = 4,
         scaler: Any = None,
         kwargs: dict[str, Any] | None = None,
         microbatch_weight: MicrobatchWeight | None = None,
@@ -243,13 +249,15 @@ class Pipeline:
         averages over in its targets, e.g. ``lambda y: (y != -100).sum()``. A microbatch of weight 0
         adds nothing, not even its loss's gradient (its loss in the result is 0). A traced module is
         called as ``module(*inputs, **kwargs)`` (``inputs`` a tuple) and the criterion receives its
-        output as the module returns it.
+        output as the module returns it. ``microbatches="auto"`` with ``schedule="auto"``: see `choose_schedule`.
         """
         argument = "Pipeline.train_step(microbatch_weight=...)"
         check_weight_function(microbatch_weight, argument)
-        xs, labels = self.inputs.labelled(inputs, targets, kwargs, microbatches, microbatch_weight, argument)
+        count = self.choose_schedule(microbatches, batch_size(targets), log.info)
+        xs, labels = self.inputs.labelled(inputs, targets, kwargs, count, microbatch_weight, argument)
         self.before_train_step(len(xs), log.info)
         result = self.coordinator.train_step(xs, labels, self._weighted(criterion, "train"), scaler)
+        self.after_train_step(result)
         self.apply_grads(1.0)
         return result
 
@@ -286,6 +294,24 @@ class Pipeline:
         per_batch = [sum(result.losses[b * microbatches : (b + 1) * microbatches]) for b in range(count)]
         staleness = [s for stats in self.coordinator.stages.call(StageProtocol.async_stats) for s in stats]
         return AsyncRun(losses=per_batch, staleness=sorted(staleness, key=lambda s: s.stage), step=result)
+
+    def choose_schedule(self, microbatches: int | str, rows: int, report: Callable[[str], Any] = log.info) -> int:
+        """Call before each training step, before its batch of ``rows`` rows is split: how many microbatches it
+        runs with. ``schedule="auto"`` decides before the second step (`lightning_pipe.auto_schedule`) and
+        reports its choice; ``microbatches="auto"`` (only with ``schedule="auto"``) lets it choose the count too."""
+        if self.auto_schedule is None:
+            if microbatches == AUTO:
+                raise ConfigurationError("microbatches='auto' is chosen by schedule='auto'; pass a number or both")
+            return int(microbatches)
+        if not self.built:  # a traced module's first step: built on its first microbatch
+            ranks = len(self.devices) // self.virtual_stages
+            return first_microbatches(rows, ranks) if microbatches == AUTO else int(microbatches)
+        return self.auto_schedule.before_step(self.coordinator, microbatches, rows, report)
+
+    def after_train_step(self, result: StepResult) -> None:
+        """Call after each (synchronous) training step: ``schedule="auto"`` measures the first, predicts the later."""
+        if self.auto_schedule is not None:
+            self.auto_schedule.after_step(result)
 
     def before_train_step(self, microbatches: int, report: Callable[[str], Any] = log.info) -> RecomputePlan | None:
         """Call before each (synchronous) training step: ``checkpoint="auto"`` decides and reports before the second."""

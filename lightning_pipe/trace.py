@@ -93,6 +93,7 @@ class StepTimeline:
     step: int
     ranks: list[list[ActionTiming]]
     schedule: Schedule | None = None
+    predicted: float | None = None  # seconds ``schedule="auto"`` predicted for this step when it chose
 
     @classmethod
     def from_records(
@@ -122,7 +123,9 @@ class StepTimeline:
     @classmethod
     def from_result(cls, result: Any, step: int = 0) -> StepTimeline:
         """From a `StepResult` (``Coordinator.last_result``, ``Pipeline.train_step``'s return value)."""
-        return cls.from_records(result.records, result.schedule, step, getattr(result, "parts", ()))
+        timeline = cls.from_records(result.records, result.schedule, step, getattr(result, "parts", ()))
+        timeline.predicted = getattr(result, "predicted", None)
+        return timeline
 
     @property
     def num_ranks(self) -> int:
@@ -180,6 +183,8 @@ class StepTimeline:
         )
         if theory is not None:
             text += f", theoretical {theory:.3f}"
+        if self.predicted is not None:
+            text += f"; predicted {self.predicted * 1e3:.1f} ms (schedule='auto')"
         overhead = self.overhead_per_microbatch()
         compute = self.compute() / m
         share = overhead / compute if compute > 0 else 0.0
@@ -213,6 +218,7 @@ def chrome_trace(timelines: Sequence[StepTimeline]) -> dict[str, Any]:
         label = f"step {timeline.step}: bubble {timeline.measured_bubble():.3f}"
         if theory is not None:
             label += f" (theoretical {theory:.3f})"
+        label += _prediction(timeline)
         events.append({"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": label}})
         events.append({"name": "process_sort_index", "ph": "M", "pid": pid, "tid": 0, "args": {"sort_index": pid}})
         for rank, timings in enumerate(timeline.ranks):
@@ -324,4 +330,11 @@ def _draw(ax: Any, timeline: StepTimeline, width: int) -> None:
     title = f"step {timeline.step} ({getattr(timeline.schedule, 'name', '?')}): bubble {timeline.measured_bubble():.3f}"
     if theory is not None:
         title += f", theoretical {theory:.3f}"
-    ax.set_title(title, fontsize=9)
+    ax.set_title(title + _prediction(timeline), fontsize=9)
+
+
+def _prediction(timeline: StepTimeline) -> str:
+    """The measured step time beside ``schedule="auto"``'s prediction, where there is one."""
+    if timeline.predicted is None:
+        return ""
+    return f"; {timeline.duration * 1e3:.1f} ms, predicted {timeline.predicted * 1e3:.1f} ms"

@@ -127,11 +127,13 @@ def test_lightning_launcher_trains_like_the_unsplit_model_on_the_global_batch(tm
 
 
 def test_torchrun_trains_1x4_and_2x2(tmp_path: Path) -> None:
-    cases = ["s4-adam-gpipe", "s2-sgd-1f1b"]
+    """Also schedule="auto" on 2 x 2: both replicas run the first coordinator's choice, the same exact step."""
+    cases = ["s4-adam-gpipe", "s2-sgd-1f1b", "s2-sgd-auto"]
     run = torchrun(SCRIPT, ["--devices", "4", "--cases", ",".join(cases), "--out", str(tmp_path)])
     assert_ok(run)
     for name in cases:
         check_trained(tmp_path, name, coordinators(name))
+    assert run.output.count("schedule='auto' chose") == 1  # logged once, by global rank 0
 
 
 def test_two_slurm_nodes_simulated_on_one_machine(tmp_path: Path) -> None:

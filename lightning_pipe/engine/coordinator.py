@@ -121,6 +121,11 @@ class Coordinator:
         """Wait for the ranks still finishing train steps (before step ``before``: `CoordinatorLink.settle`)."""
         self.link.settle(before)
 
+    def use_schedule(self, factory: Callable[[int, int, int], Schedule]) -> None:
+        """From the next step on, steps run ``factory``'s schedules (``schedule="auto"``'s choice)."""
+        self.schedule_factory = factory
+        self._schedules.clear()
+
     def schedule(self, num_microbatches: int) -> Schedule:
         ranks = self.num_stages // self.virtual_stages  # the schedule's ranks; workers may be fewer (linear)
         key = (ranks, num_microbatches)

@@ -68,6 +68,16 @@ class StageMemory:
         sizes = {s: self.stash.stage_bytes(s) for s in self.shards}
         return {s: size for s, size in sizes.items() if size is not None}
 
+    def call_stash_held(self) -> dict[int, tuple[int, int]]:
+        """Per stage of this rank measured so far: the bytes its largest microbatch stashes as the stage runs now
+        (its inputs only where it recomputes) and the more it keeps from ``I`` until ``W`` (``schedule="auto"``)."""
+        held = {}
+        for s in self.shards:
+            nbytes = self.stash.largest(s, "inputs" if self.recompute[s] else "full")
+            if nbytes is not None:
+                held[s] = (nbytes, self.stash.largest(s, "split") or 0)
+        return held
+
     def call_stash_peak(self) -> int:
         """Most bytes of stashed tensors this rank held at once during the last training step."""
         return self.stash.peak

@@ -153,6 +153,10 @@ class StageProtocol:
         """Per stage of this rank measured so far: what its largest microbatch keeps alive."""
         return self._memory.call_stash_sizes()
 
+    def stash_held(self) -> dict[int, tuple[int, int]]:
+        """Per stage of this rank: what its largest microbatch stashes, and keeps from I until W (``"auto"``)."""
+        return self._memory.call_stash_held()
+
     def stash_peak(self) -> int:
         """Most bytes of stashed tensors this rank held at once during the last training step."""
         return self._memory.call_stash_peak()

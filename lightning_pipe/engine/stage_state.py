@@ -1,9 +1,9 @@
 """`StageStateCalls`: what a stage serves between steps: its parameters, gradients, optimizer, hooks and traces.
 
 With the RPC transport a stage's parameters exist only in its worker process. The coordinator
-reaches them through these calls (``Coordinator.call("<name>", ...)``, or ``Coordinator.post`` for
-one whose result is not used) between steps; nothing here moves parameters during a step. Names are
-the unsplit module's: a shard keeps its layers' names.
+reaches them through `StageProtocol`'s methods (``coordinator.stages.call(StageProtocol.<name>, ...)``,
+or ``post`` for one whose result is not used) between steps; nothing here moves parameters during a
+step. Names are the unsplit module's: a shard keeps its layers' names.
 """
 
 from __future__ import annotations

@@ -120,6 +120,11 @@ class StashMeter:
         key = (stage, part)
         self._largest[key] = max(self._largest.get(key, 0), nbytes)
 
+    def largest(self, stage: int, part: str) -> int | None:
+        """The most bytes of ``part`` (``"full"``, ``"inputs"`` or ``"split"``) a microbatch of ``stage`` kept; None:
+        not measured."""
+        return self._largest.get((stage, part))
+
     def stage_bytes(self, stage: int) -> StageBytes | None:
         """The largest microbatch of ``stage`` measured with and without recomputation; None until both were."""
         full, inputs = self._largest.get((stage, "full")), self._largest.get((stage, "inputs"))

@@ -33,6 +33,8 @@ class StepResult:
         #: per rank, the parts of each action ("1F0 idle", start, end): see `lightning_pipe.trace`
         self._parts = [] if parts is None else parts
         self._settle = settle
+        #: the step's seconds as ``schedule="auto"`` predicted them when it chose (None: no prediction)
+        self.predicted: float | None = None
 
     @property
     def records(self) -> list[list[Record]]:

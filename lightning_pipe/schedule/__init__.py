@@ -7,6 +7,7 @@ from typing import Any
 from lightning_pipe.errors import ScheduleError
 from lightning_pipe.schedule.action import Action, Kind
 from lightning_pipe.schedule.asynchronous import AsyncOneFOneB
+from lightning_pipe.schedule.auto import AutoChoice, Candidate, StageCost, StepCosts, choose
 from lightning_pipe.schedule.base import (
     COSTS,
     UNIT,
@@ -51,6 +52,11 @@ def available_schedules() -> list[str]:
     return sorted(_SCHEDULES)
 
 
+def registered_schedules() -> dict[str, ScheduleFactory]:
+    """Every registered schedule by name (a copy): ``schedule="auto"``'s candidates."""
+    return dict(_SCHEDULES)
+
+
 def get_schedule(name: str) -> ScheduleFactory:
     """The factory registered as ``name``; the error lists the known names."""
     try:
@@ -74,6 +80,8 @@ __all__ = [
     "Action",
     "ActionLists",
     "AsyncOneFOneB",
+    "AutoChoice",
+    "Candidate",
     "DualPipeV",
     "GPipe",
     "Interleaved1F1B",
@@ -84,16 +92,20 @@ __all__ = [
     "OneFOneB",
     "Schedule",
     "ScheduleFactory",
+    "StageCost",
+    "StepCosts",
     "ZeroBubbleH1",
     "ZeroBubbleV",
     "available_schedules",
     "bubble_fraction",
+    "choose",
     "format_grid",
     "get_schedule",
     "makespan",
     "peak_activations",
     "placement_of",
     "register_schedule",
+    "registered_schedules",
     "resolve_schedule",
     "simulate",
     "stage_ranks",

@@ -11,6 +11,8 @@ from lightning_pipe.schedule.placement import LOOP, stage_rank
 
 ActionLists = list[list[Action]]
 Durations = Mapping[Kind, float]
+#: an action's time: the same for every action of a kind, or per action (measured stages: `schedule.auto`)
+Costs = Durations | Callable[[Action], float]
 
 #: every action takes one time unit (the grids in the docstrings)
 UNIT: Durations = {Kind.FORWARD: 1, Kind.BACKWARD: 1, Kind.BACKWARD_INPUT: 1, Kind.BACKWARD_WEIGHT: 1}
@@ -211,7 +213,12 @@ def _check_complete(
                 )
 
 
-def simulate(lists: Sequence[Sequence[Action]], num_stages: int, durations: Durations = UNIT) -> dict[Action, float]:
+def duration(durations: Costs, action: Action) -> float:
+    """How long ``action`` takes under ``durations`` (per kind, or a function of the action)."""
+    return durations(action) if callable(durations) else durations[action.kind]
+
+
+def simulate(lists: Sequence[Sequence[Action]], num_stages: int, durations: Costs = UNIT) -> dict[Action, float]:
     """Start time of each action, each rank running its list in order; raises on a deadlock."""
     present = {a for actions in lists for a in actions}
     start: dict[Action, float] = {}
@@ -227,7 +234,7 @@ def simulate(lists: Sequence[Sequence[Action]], num_stages: int, durations: Dura
                 if any(d not in finish for d in deps):
                     break
                 t = max([free[rank], *(finish[d] for d in deps)])
-                start[action], finish[action] = t, t + durations[action.kind]
+                start[action], finish[action] = t, t + duration(durations, action)
                 free[rank] = finish[action]
                 position[rank] += 1
                 progressed = True
@@ -237,15 +244,16 @@ def simulate(lists: Sequence[Sequence[Action]], num_stages: int, durations: Dura
     return start
 
 
-def makespan(lists: Sequence[Sequence[Action]], num_stages: int, durations: Durations = COSTS) -> float:
+def makespan(lists: Sequence[Sequence[Action]], num_stages: int, durations: Costs = COSTS) -> float:
     """Simulated length of a step."""
     start = simulate(lists, num_stages, durations)
-    return max([t + durations[a.kind] for a, t in start.items()] + [0.0])
+    return max([t + duration(durations, a) for a, t in start.items()] + [0.0])
 
 
-def bubble_fraction(lists: Sequence[Sequence[Action]], num_stages: int, durations: Durations = COSTS) -> float:
-    """Idle share of ranks x simulated step time."""
-    busy = sum(durations[a.kind] for actions in lists for a in actions)
+def bubble_fraction(lists: Sequence[Sequence[Action]], num_stages: int, durations: Costs = COSTS) -> float:
+    """Idle share of ranks x simulated step time: ``idle / (ranks x makespan)``, the whole step's rank-time as the
+    denominator (the zero-bubble paper's bubble rate divides the idle time by the compute time instead)."""
+    busy = sum(duration(durations, a) for actions in lists for a in actions)
     total = makespan(lists, num_stages, durations) * len(lists)
     return 1.0 - busy / total if total else 0.0
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
+from lightning_pipe.auto_schedule import AUTO, AutoSchedule, is_auto
 from lightning_pipe.backends import BackendArg, resolve_backends
 from lightning_pipe.checkpointing import checkpoint_flags
 from lightning_pipe.comm.compress import resolve_codec
@@ -21,7 +23,7 @@ from lightning_pipe.schedule import resolve_schedule
 
 def check_arguments(
     stages: int | None,
-    microbatches: int,
+    microbatches: int | str,
     schedule: Any,
     devices: Sequence[str | torch.device] | None,
     checkpoint: str,
@@ -42,8 +44,15 @@ def check_arguments(
     transport options)`` with ``stages`` taken from ``split_points`` where not given."""
     if stages is not None and (not isinstance(stages, int) or stages < 1):
         raise ConfigurationError(f"stages={stages!r}: pass a positive number of stages")
-    if not isinstance(microbatches, int) or microbatches < 1:
-        raise ConfigurationError(f"microbatches={microbatches!r}: pass a positive number of microbatches")
+    if microbatches == AUTO and not is_auto(schedule):
+        raise ConfigurationError(
+            f"microbatches='auto' is chosen together with the schedule: pass schedule='auto', or a number of "
+            f"microbatches with schedule={schedule!r}"
+        )
+    if microbatches != AUTO and (not isinstance(microbatches, int) or microbatches < 1):
+        raise ConfigurationError(
+            f"microbatches={microbatches!r}: pass a positive number of microbatches (or 'auto' with schedule='auto')"
+        )
     check_weight_function(microbatch_weight, "PipeStrategy(microbatch_weight=...)")
     device_names = [str(d) for d in devices] if devices is not None else None
     if device_names is not None:
@@ -53,7 +62,8 @@ def check_arguments(
             )
     if not timeout or timeout <= 0:
         raise ConfigurationError(f"timeout={timeout!r}: pass a positive number of seconds")
-    asynchronous = bool(getattr(resolve_schedule(schedule), "asynchronous", False))  # unknown names fail here
+    # unknown names fail here
+    asynchronous = not is_auto(schedule) and bool(getattr(resolve_schedule(schedule), "asynchronous", False))
     if asynchronous and transport not in (None, "local"):
         raise ConfigurationError(
             f"PipeStrategy(schedule='async') runs with transport='local'; with transport={transport!r} train "
@@ -141,4 +151,29 @@ def fsdp_without_replicas(data_parallel: str, mode: str, replicas: int) -> str |
         "nothing is sharded: each stage is built and held whole by its process or device, as with "
         "data_parallel='ddp'. To shard each stage R ways, run R x stages processes with R >= 2 (launched mode: "
         "devices x num_nodes a multiple of stages)"
+    )
+
+
+def auto_schedule_of(
+    schedule: Any,
+    microbatches: int | str,
+    memory_budget: int | None,
+    data_parallel: str,
+    agree: Callable[[Any], Any] | None = None,
+) -> Any:
+    """``schedule="auto"`` as an `AutoSchedule` with the strategy's options (FSDP: no split backward; ``agree``: the
+    replicas take one choice); any other schedule as given."""
+    if memory_budget is not None and (not isinstance(memory_budget, int) or memory_budget < 1):
+        raise ConfigurationError(f"memory_budget={memory_budget!r}: pass a positive number of bytes, or None")
+    if not is_auto(schedule):
+        if memory_budget is not None:
+            raise ConfigurationError("memory_budget is schedule='auto''s limit: pass schedule='auto' with it")
+        return schedule
+    given = schedule if isinstance(schedule, AutoSchedule) else AutoSchedule()
+    return dataclasses.replace(
+        given,
+        microbatches=given.microbatches or microbatches == AUTO,
+        budget=memory_budget if memory_budget is not None else given.budget,
+        split_backward=given.split_backward and data_parallel != "fsdp",
+        agree=given.agree or agree,
     )

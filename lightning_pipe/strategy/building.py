@@ -17,18 +17,20 @@ from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
+from lightning_pipe.auto_schedule import AUTO, AutoSchedule, ScheduleChooser, first_microbatches, is_auto
 from lightning_pipe.backends import CoordinatorOps, ExecutionTrace, resolve_backends
 from lightning_pipe.backends.compiled import TorchCompiled, unwrap_compiled
 from lightning_pipe.comm import Communicator
 from lightning_pipe.engine import AutocastSpec, StageProtocol
 from lightning_pipe.errors import ConfigurationError
+from lightning_pipe.microbatch import batch_size
 from lightning_pipe.partition import Partitioner
 from lightning_pipe.partition.traced import TracedPartitioner
 from lightning_pipe.partition.tracer import CallArgs
 from lightning_pipe.pipeline import Pipeline, resolve_partitioner
 from lightning_pipe.rng import run_seed
 from lightning_pipe.runtime import BaseRuntime, runtime_registry
-from lightning_pipe.schedule import placement_of, resolve_schedule
+from lightning_pipe.schedule import AutoChoice, placement_of, resolve_schedule
 from lightning_pipe.strategy.config import PipeConfig
 from lightning_pipe.strategy.session import capture_call
 from lightning_pipe.weights import StageInit
@@ -90,6 +92,8 @@ class PipelineBuilder:
         self.coordinator_ops: CoordinatorOps | None = None  # op substitution in the user's step code
         self.runtime_hooks: set[str] = set()  # the runtime callbacks some stage's runtime overrides
         self._placement: Placement | None = None
+        #: what ``schedule="auto"`` chose in the last fit that chose (`AutoChoice`), kept after it
+        self.schedule_choice: AutoChoice | None = None
         self._closed = ExecutionTrace([])  # the traces of pipelines already closed
 
     @property
@@ -139,6 +143,12 @@ class PipelineBuilder:
         """What the pipeline splits: the pipelined module, or the original of a ``torch.compile``d one."""
         assert self.pipelined is not None, "PipelineBuilder.setup finds the pipelined module first"
         return self.compiled.module if self.compiled is not None else self.pipelined
+
+    @property
+    def ranks(self) -> int:
+        """The schedule's ranks: the stages over the stages each rank holds."""
+        assert self._placement is not None, "PipelineBuilder.setup places the pipeline first"
+        return len(self._placement.devices) // self.config.virtual_stages
 
     def coordinator_device(self, devices: Sequence[str]) -> torch.device:
         """Where the last stage's output and the loss live, with the stages on ``devices`` in this process."""
@@ -257,12 +267,22 @@ class PipelineBuilder:
         """Stop the stages of this fit's pipeline (a later fit builds a new one)."""
         if self.pipeline is not None:
             pipeline, self.pipeline = self.pipeline, None
+            if pipeline.auto_schedule is not None:  # schedule="auto"'s choice stays readable after the fit
+                self.schedule_choice = pipeline.auto_schedule.choice
             pipeline.close()
 
     # the memory plan
-    def plan(self, model: nn.Module, sample_batch: Any, stages: int, microbatches: int, verbose: bool) -> Any:
-        """Predict each stage's activation memory for one training step (see `PipeStrategy.plan`)."""
+    def plan(self, model: nn.Module, sample_batch: Any, stages: int, microbatches: int | str, verbose: bool) -> Any:
+        """Predict each stage's activation memory for one training step (see `PipeStrategy.plan`); ``schedule="auto"``
+        is planned as its first, measured step runs."""
         from lightning_pipe.memory import plan as memory_plan
+
+        schedule = self.schedule
+        if is_auto(schedule):
+            options = schedule if isinstance(schedule, AutoSchedule) else AutoSchedule()
+            schedule = ScheduleChooser(options, self.config.virtual_stages, self.config.runner).probe
+        if microbatches == AUTO:
+            microbatches = first_microbatches(batch_size(sample_batch), stages // self.config.virtual_stages)
 
         if isinstance(model, pl.LightningModule):
             called = self.find(model)
@@ -277,8 +297,8 @@ class PipelineBuilder:
             pipelined,
             sample,
             stages,
-            microbatches,
-            self.schedule,
+            int(microbatches),
+            schedule,
             self.config.virtual_stages,
             self.partitioner,
             self.checkpoint,

@@ -28,7 +28,7 @@ class PipeConfig:
     """The user's arguments of one `PipeStrategy` (see its docstring for each), checked, plus what they imply."""
 
     stages: int | None = None
-    microbatches: int = 4
+    microbatches: int | str = 4
     schedule: Any = "1f1b"
     partition: str | Sequence[int] | Partitioner = "params"
     module: str | None = None
@@ -50,6 +50,7 @@ class PipeConfig:
     data_parallel: str = "ddp"
     weights: str | os.PathLike[str] | None = None
     save_distributed_checkpoint: bool = True
+    memory_budget: int | None = None
     # what the arguments imply (set by `of`)
     stage_devices: list[str] | None = field(default=None, init=False)  # ``devices`` as names
     asynchronous: bool = field(default=False, init=False)  # the schedule streams batches (``"async"``)

@@ -19,6 +19,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lightning_pipe.auto_schedule import AUTO, first_microbatches
 from lightning_pipe.backends import CoordinatorOps
 from lightning_pipe.engine import StepResult
 from lightning_pipe.errors import ConfigurationError, PipeError
@@ -105,7 +106,7 @@ class StepDriver:
         if not training:
             self.end_stream()
         batch, rest = args[0], args[1:]
-        pieces = split(batch, self._microbatches_for(batch))
+        pieces = split(batch, self._microbatches_for(batch, training))
         weights = self._weights(pieces, name)
         step_fn = getattr(lightning_module, name)
         recorder = LogRecorder(lightning_module.log, weights)
@@ -146,6 +147,7 @@ class StepDriver:
                         self._criterion(pipeline, drivers, name),
                         setting.scaler,
                     )
+                pipeline.after_train_step(result)  # schedule="auto": the first step measures, later ones predicted
             else:
                 result = pipeline.coordinator.forward_step(inputs)
                 for driver, output in zip(drivers, result.outputs, strict=True):
@@ -184,21 +186,34 @@ class StepDriver:
             )
         return value
 
-    def _microbatches_for(self, batch: Any) -> int:
+    def _microbatches_for(self, batch: Any, training: bool) -> int:
         rows = batch_size(batch)
-        if rows >= self.microbatches:
+        wanted = self._wanted(rows, training)
+        if rows >= wanted:
             self._seen_batch = True
-            return self.microbatches
+            return wanted
         if not self._seen_batch:
             raise ConfigurationError(
-                f"PipeStrategy(microbatches={self.microbatches}) is larger than the batch ({rows} rows); "
+                f"PipeStrategy(microbatches={wanted}) is larger than the batch ({rows} rows); "
                 f"use microbatches <= {rows} or a larger batch_size"
             )
         rank_zero_warn(
-            f"a batch of {rows} rows is smaller than microbatches={self.microbatches}; "
-            f"it runs as {rows} microbatches of one row",
+            f"a batch of {rows} rows is smaller than microbatches={wanted}; it runs as {rows} microbatches of one row",
         )
         return rows
+
+    def _wanted(self, rows: int, training: bool) -> int:
+        """This step's microbatch count: the given one, or ``schedule="auto"``'s (chosen before the second
+        training step, logged: `Pipeline.choose_schedule`)."""
+        pipeline = self.builder.pipeline
+        if training and pipeline is not None and self.asynchronous is None:
+            return pipeline.choose_schedule(self.microbatches, rows, rank_zero_info)
+        if self.microbatches != AUTO:
+            return int(self.microbatches)
+        chooser = pipeline.auto_schedule if pipeline is not None else None
+        if chooser is not None and chooser.choice is not None:
+            return chooser.choice.chosen.microbatches
+        return first_microbatches(rows, self.builder.ranks)
 
     def _weights(self, pieces: Sequence[Any], name: str) -> list[float]:
         """Each microbatch's share of the step's loss and logged values (``microbatch_weight``, or rows)."""

@@ -21,6 +21,8 @@ from lightning_pipe.partition import Partitioner
 from lightning_pipe.pipeline import Pipeline
 from lightning_pipe.rng import run_seed
 from lightning_pipe.runtime import BaseRuntime
+from lightning_pipe.schedule import AutoChoice
+from lightning_pipe.strategy.arguments import auto_schedule_of
 from lightning_pipe.strategy.asynchronous import AsyncTraining
 from lightning_pipe.strategy.building import PipelineBuilder, Placement, autocast_of
 from lightning_pipe.strategy.checkpoints import Checkpoints
@@ -42,12 +44,15 @@ class PipeStrategy(StepHooksStrategy):
 
     Args:
         stages: number of stages; default: one per device.
-        microbatches: how many pieces each batch is cut into (along dimension 0).
+        microbatches: how many pieces each batch is cut into (along dimension 0); ``"auto"`` with
+            ``schedule="auto"``: chosen with the schedule.
         schedule: ``"gpipe"`` (all forwards, then losses, then backwards), ``"1f1b"``,
             ``"interleaved-1f1b"``, ``"zero-bubble"``, ``"async"`` (no flush between batches, each stage
             steps its own copy of the ``configure_optimizers`` optimizer with weight stashing; transport
             ``"local"``; `staleness` reports what it measured), a `Schedule` subclass or a function
-            returning per-rank action lists (see docs/schedules.md).
+            returning per-rank action lists (see docs/schedules.md). ``"auto"``: the first training step
+            measures every stage, the second runs the registered schedule `simulate` predicts fastest
+            (`lightning_pipe.auto_schedule`; the choice is logged as a table and kept in `schedule_choice`).
         partition: ``"uniform"``, ``"params"``, ``"memory"``, ``"time"``, layer counts such as
             ``[3, 5]``, or a `Partitioner`.
         module: attribute path of the pipelined module in the LightningModule; default: the child
@@ -96,6 +101,8 @@ class PipeStrategy(StepHooksStrategy):
             per step).
         weights: pretrained weights of the pipelined module (safetensors, a file or a sharded folder with its index;
             a ``torch.save``d state dict; a torch.distributed.checkpoint folder): each stage reads its own tensors.
+        memory_budget: ``schedule="auto"``: most bytes of stashed activations a rank may hold; default 90% of the
+            device's free memory (no limit on cpu).
         save_distributed_checkpoint: launched mode writes a checkpoint as a folder, every process its own stage
             (True), or as one file, written a tensor at a time (False); see `lightning_pipe.weights`.
 
@@ -110,7 +117,7 @@ class PipeStrategy(StepHooksStrategy):
     def __init__(
         self,
         stages: int | None = None,
-        microbatches: int = 4,
+        microbatches: int | str = 4,
         schedule: Any = "1f1b",
         partition: str | Sequence[int] | Partitioner = "params",
         module: str | None = None,
@@ -135,10 +142,15 @@ class PipeStrategy(StepHooksStrategy):
         data_parallel: str = "ddp",
         weights: str | os.PathLike[str] | None = None,
         save_distributed_checkpoint: bool = True,
+        memory_budget: int | None = None,
     ) -> None:
         config = PipeConfig.of(locals())  # every argument above but Lightning's own three, checked
         self.asynchronous = AsyncTraining() if config.asynchronous else None
         builder = PipelineBuilder(config)
+        # launched mode's replicas run the first coordinator's choice: Lightning's broadcast among the coordinators
+        builder.schedule = auto_schedule_of(
+            config.schedule, config.microbatches, config.memory_budget, config.data_parallel, self.broadcast
+        )
         self.optimization = StageOptimization(self.asynchronous)
         self.random = RandomStreams(self.asynchronous)
         checkpoints = Checkpoints(builder, self.optimization, self.random, self.asynchronous, config.weights_path)
@@ -172,12 +184,20 @@ class PipeStrategy(StepHooksStrategy):
         return self.builder.partitioner
 
     @property
-    def microbatches(self) -> int:
+    def microbatches(self) -> int | str:
         return self.steps.microbatches
 
     @property
     def schedule(self) -> Any:
         return self.builder.schedule
+
+    @property
+    def schedule_choice(self) -> AutoChoice | None:
+        """What ``schedule="auto"`` chose in this (or the last) fit; None before its second training step."""
+        pipeline = self.builder.pipeline
+        if pipeline is not None and pipeline.auto_schedule is not None and pipeline.auto_schedule.choice is not None:
+            return pipeline.auto_schedule.choice
+        return self.builder.schedule_choice
 
     @property
     def checkpoint(self) -> str:

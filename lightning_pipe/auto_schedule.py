@@ -1,0 +1,216 @@
+"""``schedule="auto"`` over a pipeline's life: the first training step measures the stages, the second decides.
+
+- The first training step runs a *probe*: a registered schedule that fits the pipeline, preferring one that splits
+  the backward (``I`` and ``W`` are then timed apart); with ``microbatches="auto"`` it runs
+  `first_microbatches` microbatches. Every stage worker times each action and its parts (`lightning_pipe.trace`)
+  and measures what a microbatch stashes (`engine.stash`).
+- Before the second training step the coordinator turns those records into each stage's forward, input-backward
+  and weight-backward seconds (medians over the microbatches, so the first microbatch's warm-up does not count)
+  and its overhead per action, asks the workers for the bytes each stage stashes per microbatch and the devices'
+  free memory, and lets `lightning_pipe.schedule.auto.choose` simulate every registered schedule that fits (with
+  ``microbatches="auto"`` at several microbatch counts) within the memory budget. The choice is logged once, as
+  a table with every candidate's predicted step time, and runs from then on: each step is the chosen schedule's
+  own exact step. Later steps carry the prediction (`StepResult.predicted`), which the timeline shows beside the
+  measurement.
+
+Where the probe does not split the backward (FSDP, or no split schedule fits the stages), ``I`` and ``W`` are
+estimated as half of the measured ``B`` each; the table says so.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from lightning_pipe.checkpointing import HEADROOM
+from lightning_pipe.engine.stage_protocol import StageProtocol
+from lightning_pipe.errors import ConfigurationError, ScheduleError
+from lightning_pipe.runtime import DeviceMemory
+from lightning_pipe.schedule import AutoChoice, Kind, Schedule, StageCost, StepCosts, choose, registered_schedules
+from lightning_pipe.trace import StepTimeline
+
+if TYPE_CHECKING:
+    from lightning_pipe.engine import Coordinator, StepResult
+
+AUTO = "auto"
+
+
+@dataclass(frozen=True)
+class AutoSchedule:
+    """``schedule="auto"`` with its options (``schedule=AutoSchedule(...)`` passes them; ``"auto"`` takes the defaults).
+
+    Args:
+        microbatches: choose the microbatch count too (``PipeStrategy(microbatches="auto")``), among
+            ``ranks x {1, 2, 4, 8}`` up to the batch's rows.
+        budget: most bytes of stashed activations a rank may hold; None: ``HEADROOM`` of its device's free
+            memory (no limit where the device reports none: cpu).
+        split_backward: whether the stages may split their backward into ``I`` and ``W`` (FSDP may not).
+        agree: makes the pipeline replicas' choices one (launched mode: the first coordinator's, broadcast).
+    """
+
+    microbatches: bool = False
+    budget: int | None = None
+    split_backward: bool = True
+    agree: Callable[[AutoChoice], AutoChoice] | None = field(default=None, compare=False)
+
+
+def is_auto(schedule: Any) -> bool:
+    return isinstance(schedule, AutoSchedule) or (isinstance(schedule, str) and schedule.lower() == AUTO)
+
+
+def first_microbatches(rows: int, ranks: int) -> int:
+    """``microbatches="auto"``'s count in the measured first step: two per rank, at most the rows."""
+    return max(1, min(rows, 2 * ranks))
+
+
+def microbatch_options(rows: int, ranks: int, measured: int) -> list[int]:
+    """``microbatches="auto"``'s candidates: ``ranks x {1, 2, 4, 8}`` and the measured count, at most ``rows``."""
+    return sorted({m for m in (ranks, 2 * ranks, 4 * ranks, 8 * ranks, measured) if 1 <= m <= rows} or {rows})
+
+
+class ScheduleChooser:
+    """The state of ``schedule="auto"`` for one pipeline: the probe, the first step's record and the choice."""
+
+    def __init__(self, options: AutoSchedule, virtual_stages: int, runner: str) -> None:
+        if runner == "linear":
+            raise ConfigurationError(
+                "schedule='auto' compares schedules by how they overlap the stages, but runner='linear' runs one "
+                "stage at a time; name a schedule, or use runner='parallel'"
+            )
+        self.options = options
+        self.virtual_stages = virtual_stages
+        self.choice: AutoChoice | None = None
+        self.steps = 0  # training steps begun
+        self._first: StepResult | None = None  # the first training step's result: the measurement
+        self._factories = registered_schedules()
+
+    # the probe: the first step's schedule
+    def probe(self, ranks: int, microbatches: int, virtual_stages: int) -> Schedule:
+        """The schedule of the measured steps: a registered one that fits (ranks, microbatches, virtual_stages)
+        on the round-robin placement, not asynchronous; one that splits the backward where allowed, the smallest
+        activation peak, then by name."""
+        found = []
+        for name, factory in sorted(self._factories.items()):
+            try:
+                schedule = factory(ranks, microbatches, virtual_stages)
+                lists = schedule.actions()
+            except Exception:  # noqa: BLE001, S112 - a schedule that does not fit is not a probe
+                continue
+            if schedule.asynchronous or any(schedule.rank_of(s) != s % ranks for s in range(schedule.num_stages)):
+                continue
+            splits = any(a.kind is Kind.BACKWARD_INPUT for actions in lists for a in actions)
+            if splits and not self.options.split_backward:
+                continue
+            found.append((not splits, max(schedule.peak_activations()), name, schedule))
+        if not found:
+            raise ScheduleError(
+                f"schedule='auto' found no registered schedule for {ranks} ranks x {virtual_stages} stages each and "
+                f"{microbatches} microbatches; name a schedule"
+            )
+        return min(found, key=lambda f: f[:3])[3]
+
+    # over the steps
+    def before_step(
+        self, coordinator: Coordinator, microbatches: int | str, rows: int, report: Callable[[str], Any]
+    ) -> int:
+        """Call before each training step, before its batch is split: the microbatch count it runs with.
+
+        Before the second step (or the first after a measured one) it decides, switches the coordinator's
+        schedule and reports the choice.
+        """
+        self.steps += 1
+        ranks = coordinator.num_stages // self.virtual_stages
+        if self.choice is None and self._first is not None:
+            self.choice = self._decide(coordinator, microbatches, rows, ranks)
+            if self.choice is not None:
+                factory = self._factories[self.choice.chosen.name]
+                coordinator.use_schedule(factory)
+                report(f"lightning_pipe: {self.choice.table()}")
+        if microbatches != AUTO:
+            return int(microbatches)
+        if self.choice is not None:
+            return min(self.choice.chosen.microbatches, rows)
+        return first_microbatches(rows, ranks)
+
+    def after_step(self, result: StepResult) -> None:
+        """Call after each training step: the first one is the measurement; later ones get their prediction."""
+        if self.choice is None:
+            if self._first is None:
+                self._first = result
+            return
+        chosen = self.choice.chosen
+        if len(result.losses) == chosen.microbatches:
+            result.predicted = chosen.predicted
+
+    def _decide(self, coordinator: Coordinator, microbatches: int | str, rows: int, ranks: int) -> AutoChoice | None:
+        first, self._first = self._first, None
+        assert first is not None
+        held = {s: v for rank in coordinator.stages.call(StageProtocol.stash_held) for s, v in rank.items()}
+        measured = measured_costs(first, coordinator.num_stages, held)
+        if measured is None:  # the step did not get through every stage: measure the next one
+            return None
+        costs, notes = measured
+        counts = microbatch_options(rows, ranks, costs.microbatches) if microbatches == AUTO else [int(microbatches)]
+        budget = self.options.budget
+        if budget is None:
+            budget = _free_budget(coordinator.stages.call(StageProtocol.device_memory))
+        choice = choose(
+            costs,
+            self._factories,
+            ranks,
+            self.virtual_stages,
+            counts,
+            budget,
+            self.options.split_backward,
+            coordinator.rank_of_stage,
+        )
+        choice.notes.extend(notes)
+        return self.options.agree(choice) if self.options.agree is not None else choice
+
+
+def measured_costs(
+    result: StepResult, num_stages: int, held: dict[int, tuple[int, int]]
+) -> tuple[StepCosts, list[str]] | None:
+    """Each stage's `StageCost` from a training step's records and the bytes it stashes; None where a stage
+    has no record (the step did not run through)."""
+    timeline = StepTimeline.from_result(result)
+    compute: dict[tuple[int, Kind], list[float]] = {}
+    overhead: dict[int, list[float]] = {}
+    for rank in timeline.ranks:
+        for t in rank:
+            key = (t.action.stage, t.action.kind)
+            compute.setdefault(key, []).append(t.part("compute") + t.part("loss"))
+            overhead.setdefault(t.action.stage, []).append(max(0.0, t.overhead))
+    stages, estimated = [], []
+    for s in range(num_stages):
+        forward = compute.get((s, Kind.FORWARD))
+        if not forward or s not in held:
+            return None
+        i, w = compute.get((s, Kind.BACKWARD_INPUT)), compute.get((s, Kind.BACKWARD_WEIGHT))
+        if i and w:
+            back_i, back_w = statistics.median(i), statistics.median(w)
+        else:
+            whole = compute.get((s, Kind.BACKWARD))
+            if not whole:
+                return None
+            back_i = back_w = statistics.median(whole) / 2
+            estimated.append(s)
+        nbytes, split = held[s]
+        stages.append(
+            StageCost(statistics.median(forward), back_i, back_w, statistics.median(overhead[s]), nbytes, split)
+        )
+    notes = []
+    if estimated:
+        notes.append(
+            f"(stages {', '.join(map(str, estimated))}: I and W estimated as half of the measured backward each; "
+            "the measured step did not split it)"
+        )
+    return StepCosts(stages, timeline.num_microbatches()), notes
+
+
+def _free_budget(per_rank: Sequence[dict[int, DeviceMemory | None]]) -> int | None:
+    """``HEADROOM`` of the least free memory of the stages' devices; None where no device reports any (cpu)."""
+    free = [info.free for rank in per_rank for info in rank.values() if info is not None]
+    return int(min(free) * HEADROOM) if free else None

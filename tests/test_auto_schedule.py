@@ -1,0 +1,100 @@
+"""``schedule="auto"`` running: the first step measures, the second runs the chosen schedule's own exact step."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import Classifier, max_param_diff, mlp
+from test_transparency import fit
+
+from lightning_pipe import Pipeline, PipeStrategy
+from lightning_pipe.auto_schedule import AutoSchedule, ScheduleChooser
+from lightning_pipe.errors import ConfigurationError
+from lightning_pipe.strategy.arguments import auto_schedule_of
+from lightning_pipe.trace import StepTimeline
+
+
+def _batches(steps: int, rows: int = 16) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randn(rows, 8, generator=g), torch.randint(0, 3, (rows,), generator=g)) for _ in range(steps)]
+
+
+def _train(schedule: object, counts: list[int | str], stages: int = 2) -> tuple[list[float], object, list[object]]:
+    """SGD steps of a pipeline; the losses, the module and each step's result."""
+    net = mlp(depth=6)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    losses, results = [], []
+    with Pipeline(net, stages=stages, schedule=schedule, partition="uniform", checkpoint="never") as pipe:
+        for (x, y), count in zip(_batches(len(counts)), counts, strict=True):
+            result = pipe.train_step(x, y, F.cross_entropy, microbatches=count)
+            opt.step()
+            opt.zero_grad()
+            losses.append(float(sum(result.losses)))
+            results.append(result)
+        choice = pipe.auto_schedule.choice if pipe.auto_schedule is not None else None
+    return losses, (net, choice), results
+
+
+def test_auto_equals_the_chosen_schedule_and_the_unsplit_run(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="lightning_pipe"):
+        auto_losses, (auto_net, choice), results = _train("auto", ["auto"] * 3)
+    assert choice is not None
+    chosen, count = choice.chosen.name, choice.chosen.microbatches
+    assert any(f"schedule='auto' chose {chosen!r} with {count} microbatches" in r.message for r in caplog.records)
+    assert [len(r.losses) for r in results] == [4, count, count]  # the measured step: 2 microbatches per rank
+    assert results[0].predicted is None and results[1].predicted == choice.chosen.predicted
+    assert results[1].schedule.name == chosen and results[0].schedule.name == "zero-bubble"  # the probe splits I/W
+    assert "predicted" in StepTimeline.from_result(results[2], 2).summary()
+    # the same steps with the chosen schedule named (the probe's first step: any schedule's step is the same)
+    fixed_losses, (fixed_net, _), _ = _train(chosen, [4, count, count])
+    torch.testing.assert_close(torch.tensor(auto_losses), torch.tensor(fixed_losses), atol=1e-5, rtol=0)
+    assert max_param_diff(auto_net, fixed_net) < 1e-5
+    # and the model unsplit
+    plain = mlp(depth=6)
+    opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    for (x, y), piped_loss in zip(_batches(3), auto_losses, strict=True):
+        loss = F.cross_entropy(plain(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        assert abs(loss.detach().item() - piped_loss) < 1e-5
+    assert max_param_diff(auto_net, plain) < 1e-5
+
+
+def test_trainer_with_auto_schedule_and_microbatches_equals_unsplit() -> None:
+    piped, plain = Classifier(mlp(depth=6)), Classifier(mlp(depth=6))
+    strategy = PipeStrategy(stages=2, microbatches="auto", schedule="auto", partition="uniform", memory_budget=10**9)
+    got, want = fit(piped, strategy), fit(plain, None)
+    assert len(got.grads) == len(want.grads) == 3
+    for step in range(3):
+        for g, w in zip(got.grads[step], want.grads[step], strict=True):
+            torch.testing.assert_close(g, w, atol=1e-5, rtol=0)
+    assert max_param_diff(piped, plain) < 1e-5
+    choice = strategy.schedule_choice
+    assert choice is not None and choice.budget == 10**9
+    assert len(strategy.last_step.losses) == min(choice.chosen.microbatches, 12)
+    assert strategy.last_step.predicted == choice.chosen.predicted
+
+
+def test_fsdp_probes_and_chooses_without_split_backward() -> None:
+    options = auto_schedule_of("auto", "auto", None, "fsdp")
+    assert options == AutoSchedule(microbatches=True, budget=None, split_backward=False)
+    assert ScheduleChooser(options, 1, "parallel").probe(2, 4, 1).name == "1f1b"
+    assert ScheduleChooser(AutoSchedule(), 1, "parallel").probe(2, 4, 1).name == "zero-bubble"
+    assert ScheduleChooser(AutoSchedule(), 2, "parallel").probe(2, 4, 2).name == "interleaved-1f1b"
+    assert auto_schedule_of("1f1b", 4, None, "ddp") == "1f1b"
+
+
+def test_auto_configuration_errors_name_the_fix() -> None:
+    with pytest.raises(ConfigurationError, match="pass schedule='auto'"):
+        PipeStrategy(stages=2, microbatches="auto", schedule="1f1b")
+    with pytest.raises(ConfigurationError, match="memory_budget is schedule='auto''s limit"):
+        PipeStrategy(stages=2, schedule="1f1b", memory_budget=1000)
+    with pytest.raises(ConfigurationError, match="runner='linear' runs one stage at a time"):
+        Pipeline(mlp(), stages=2, schedule="auto", runner="linear")
+    with pytest.raises(ConfigurationError, match="microbatches='auto' is chosen by schedule='auto'"):
+        with Pipeline(mlp(), stages=2) as pipe:
+            pipe.train_step(*_batches(1)[0], F.cross_entropy, microbatches="auto")

@@ -1,0 +1,97 @@
+"""``schedule="auto"``'s decision (`lightning_pipe.schedule.auto`) from costs given by hand: no model, no devices."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_pipe.errors import ScheduleError
+from lightning_pipe.schedule import (
+    OneFOneB,
+    StageCost,
+    StepCosts,
+    choose,
+    makespan,
+    register_schedule,
+    registered_schedules,
+)
+from lightning_pipe.schedule.action import Action
+
+
+def even(ranks: int, f: float = 1.0, i: float = 1.0, w: float = 1.0, act: int = 100, split: int = 0) -> StepCosts:
+    return StepCosts([StageCost(f, i, w, 0.0, act, split)] * ranks, microbatches=2 * ranks)
+
+
+def test_prediction_is_the_simulated_step_with_the_measured_times() -> None:
+    costs = StepCosts([StageCost(1.0, 0.5, 0.5), StageCost(2.0, 1.0, 1.0)], microbatches=4)
+    choice = choose(costs, {"1f1b": OneFOneB}, ranks=2, virtual_stages=1, microbatches=[4])
+    schedule = OneFOneB(2, 4)
+    expected = makespan(schedule.actions(), 2, lambda a: costs.stages[a.stage].compute(a.kind))
+    assert choice.chosen.predicted == pytest.approx(expected)
+    # stage 1 is twice as slow and the step follows it: stage 0's F0, stage 1's 4 x (F + B), stage 0's last B
+    assert expected == pytest.approx(1.0 + 4 * 4.0 + 1.0)
+
+
+def test_zero_bubble_wins_where_the_weight_gradient_fills_the_bubble() -> None:
+    choice = choose(even(4), registered_schedules(), ranks=4, virtual_stages=1, microbatches=[8])
+    assert choice.chosen.name == "zero-bubble"
+    one = choice.predicted("1f1b", 8)
+    assert one is not None and choice.chosen.predicted is not None and choice.chosen.predicted < one
+    table = choice.table()
+    assert "schedule='auto' chose 'zero-bubble' with 8 microbatches" in table
+    assert "1f1b" in table and "gpipe" in table and "skipped: asynchronous" in table
+
+
+def test_fsdp_leaves_out_split_backward_and_the_budget_leaves_out_gpipe() -> None:
+    costs = even(2, act=1000, split=500)
+    choice = choose(costs, registered_schedules(), 2, 1, [4], budget=2500, split_backward=False)
+    reasons = {c.name: c.reason for c in choice.candidates}
+    assert reasons["zero-bubble"] == "splits the backward, which FSDP refuses"
+    assert "exceeds the budget" in reasons["gpipe"]  # 4 x 1000 bytes held at once
+    assert choice.chosen.name in ("1f1b", "interleaved-1f1b") and choice.chosen.peak_bytes == 2000
+    with pytest.raises(ScheduleError, match="the smallest peak is 2.0 KiB"):
+        choose(costs, registered_schedules(), 2, 1, [4], budget=1000)
+
+
+def test_microbatches_within_the_budget() -> None:
+    # measured with 4 microbatches of 1000 bytes; 8 halves each microbatch's bytes and the compute per action
+    costs = StepCosts([StageCost(1.0, 1.0, 1.0, 0.1, 1000)] * 2, microbatches=4)
+    free = choose(costs, {"1f1b": OneFOneB}, 2, 1, [2, 4, 8])
+    assert free.chosen.microbatches == 8  # the smallest bubble while the overhead per action is small
+    tight = choose(costs, {"1f1b": OneFOneB}, 2, 1, [2, 4, 8], budget=2000)
+    assert [c.microbatches for c in tight.candidates if c.fits] == [4, 8]
+    expensive = StepCosts([StageCost(1.0, 1.0, 1.0, 5.0, 1000)] * 2, microbatches=4)
+    assert choose(expensive, {"1f1b": OneFOneB}, 2, 1, [2, 4, 8]).chosen.microbatches == 2
+
+
+def test_candidates_are_the_registry_including_schedules_registered_later() -> None:
+    class Late(OneFOneB):
+        name = "late"
+
+    register_schedule("late-test", Late)
+    try:
+        choice = choose(even(2, w=0.0), registered_schedules(), 2, 1, [4])
+        assert "late-test" in {c.name for c in choice.candidates if c.fits}
+    finally:
+        from lightning_pipe import schedule
+
+        schedule._SCHEDULES.pop("late-test")
+    # a schedule whose check() refuses the configuration is left out with its own words
+    choice = choose(even(4), registered_schedules(), 2, 2, [3])
+    reasons = {c.name: c.reason for c in choice.candidates}
+    assert "not a multiple of 2 ranks" in reasons["interleaved-1f1b"]
+    assert "virtual_stages=2" in reasons["1f1b"]
+    assert choice.chosen.name == "gpipe"
+
+
+def test_placement_other_than_the_built_pipelines_is_left_out() -> None:
+    class Swapped(OneFOneB):
+        def rank_of(self, stage: int) -> int:
+            return self.num_ranks - 1 - stage
+
+        def build(self) -> list[list[Action]]:
+            return super().build()[::-1]
+
+    choice = choose(even(2), {"1f1b": OneFOneB, "swapped": Swapped}, 2, 1, [4], placement=[0, 1])
+    assert {c.name: c.reason for c in choice.candidates}["swapped"] == (
+        "places the stages on other ranks than the built pipeline"
+    )
