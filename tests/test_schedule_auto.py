@@ -33,11 +33,13 @@ def test_prediction_is_the_simulated_step_with_the_measured_times() -> None:
 
 def test_zero_bubble_wins_where_the_weight_gradient_fills_the_bubble() -> None:
     choice = choose(even(4), registered_schedules(), ranks=4, virtual_stages=1, microbatches=[8])
-    assert choice.chosen.name == "zero-bubble"
+    # a split-backward schedule (zero-bubble; interleaved-zero-bubble with one stage per rank is the same step)
+    assert choice.chosen.name in ("zero-bubble", "interleaved-zero-bubble")
+    assert choice.predicted("zero-bubble", 8) == choice.chosen.predicted
     one = choice.predicted("1f1b", 8)
     assert one is not None and choice.chosen.predicted is not None and choice.chosen.predicted < one
     table = choice.table()
-    assert "schedule='auto' chose 'zero-bubble' with 8 microbatches" in table
+    assert f"schedule='auto' chose {choice.chosen.name!r} with 8 microbatches" in table
     assert "1f1b" in table and "gpipe" in table and "skipped: asynchronous" in table
 
 
@@ -80,7 +82,8 @@ def test_candidates_are_the_registry_including_schedules_registered_later() -> N
     reasons = {c.name: c.reason for c in choice.candidates}
     assert "not a multiple of 2 ranks" in reasons["interleaved-1f1b"]
     assert "virtual_stages=2" in reasons["1f1b"]
-    assert choice.chosen.name == "gpipe"
+    fits = {c.name for c in choice.candidates if c.fits}
+    assert "gpipe" in fits and choice.chosen.name in fits and not {"1f1b", "interleaved-1f1b"} & fits
 
 
 def test_placement_other_than_the_built_pipelines_is_left_out() -> None:

@@ -30,7 +30,7 @@ from lightning_pipe.partition.tracer import CallArgs
 from lightning_pipe.pipeline import Pipeline, resolve_partitioner
 from lightning_pipe.rng import run_seed
 from lightning_pipe.runtime import BaseRuntime, runtime_registry
-from lightning_pipe.schedule import AutoChoice, placement_of, resolve_schedule
+from lightning_pipe.schedule import LOOP, AutoChoice, placement_of, resolve_schedule
 from lightning_pipe.strategy.config import PipeConfig
 from lightning_pipe.strategy.session import capture_call
 from lightning_pipe.weights import StageInit
@@ -99,6 +99,8 @@ class PipelineBuilder:
     @property
     def rank_placement(self) -> str:
         """Which rank holds each stage: the schedule's placement (``loop``, or ``v`` for ``zbv`` and ``dualpipev``)."""
+        if is_auto(self.schedule):
+            return LOOP  # schedule="auto" measures and chooses among the round-robin placed schedules
         return placement_of(resolve_schedule(self.schedule))
 
     def find(self, lightning_module: pl.LightningModule) -> nn.Module:
