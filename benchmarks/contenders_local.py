@@ -235,7 +235,7 @@ def _wire_bytes(stats: Any) -> int:
 
 def timeline_info(result: Any, step: int) -> dict[str, float]:
     """Bubble and engine overhead of one lightning_pipe step, from its stage timeline."""
-    from lightning_pipe.trace import StepTimeline
+    from lightning_pipe.timeline import StepTimeline
 
     timeline = StepTimeline.from_result(result, step)
     m = timeline.num_microbatches()

@@ -2,7 +2,7 @@
 
 - The first training step runs a *probe*: a registered schedule that fits the pipeline, preferring one that splits
   the backward (``I`` and ``W`` are then timed apart); with ``microbatches="auto"`` it runs
-  `first_microbatches` microbatches. Every stage worker times each action and its parts (`lightning_pipe.trace`)
+  `first_microbatches` microbatches. Every stage worker times each action and its parts (`lightning_pipe.timeline`)
   and measures what a microbatch stashes (`engine.stash`).
 - Before the second training step the coordinator turns those records into each stage's forward, input-backward
   and weight-backward seconds (medians over the microbatches, so the first microbatch's warm-up does not count)
@@ -24,12 +24,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from lightning_pipe.checkpointing import HEADROOM
 from lightning_pipe.engine.stage_protocol import StageProtocol
 from lightning_pipe.errors import ConfigurationError, ScheduleError
+from lightning_pipe.recompute import HEADROOM
 from lightning_pipe.runtime import DeviceMemory
 from lightning_pipe.schedule import AutoChoice, Kind, Schedule, StageCost, StepCosts, choose, registered_schedules
-from lightning_pipe.trace import StepTimeline
+from lightning_pipe.timeline import StepTimeline
 
 if TYPE_CHECKING:
     from lightning_pipe.engine import Coordinator, StepResult

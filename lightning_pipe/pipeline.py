@@ -27,7 +27,6 @@ from torch import nn
 from lightning_pipe.auto_schedule import AUTO, AutoSchedule, ScheduleChooser, first_microbatches, is_auto
 from lightning_pipe.backends import BackendArg, BackendPlan, CoordinatorOps, ExecutionTrace, resolve_backends
 from lightning_pipe.backends.compiled import split_compiled
-from lightning_pipe.checkpointing import AutoCheckpoint, RecomputePlan, checkpoint_flags
 from lightning_pipe.comm import Communicator
 from lightning_pipe.engine import AutocastSpec, Coordinator, StageProtocol, StepResult
 from lightning_pipe.engine.runners import worker_of_stages
@@ -41,6 +40,7 @@ from lightning_pipe.partition import Partitioner, ShardedTask
 from lightning_pipe.partition.selection import resolve_partitioner as resolve_partitioner  # re-exported: strategy
 from lightning_pipe.partition.traced import TracedPartitioner
 from lightning_pipe.pipeline_inputs import PipelineInputs
+from lightning_pipe.recompute import AutoCheckpoint, RecomputePlan, checkpoint_flags
 from lightning_pipe.rng import run_seed
 from lightning_pipe.runtime import BaseRuntime
 from lightning_pipe.schedule import placement_of, resolve_schedule
@@ -61,7 +61,7 @@ class Pipeline:
     ``V`` of them, placed as the schedule says (`Schedule.placement`: stage ``s`` on rank ``s % (stages // V)``,
     or in a V for ``zbv`` and ``dualpipev``). ``runner`` picks how the workers run
     the schedule (see `lightning_pipe.engine.runners`); ``schedule`` is a registered name, a
-    `Schedule` subclass or a function returning per-rank action lists. ``checkpoint``: see `checkpointing`.
+    `Schedule` subclass or a function returning per-rank action lists. ``checkpoint``: see `recompute`.
     Each stage draws its random numbers (dropout) from generators of its own, seeded from ``seed`` and its
     index (default: ``PL_GLOBAL_SEED`` when Lightning's ``seed_everything`` ran, else ``torch.initial_seed()``).
 

@@ -15,7 +15,7 @@ from lightning_pipe.auto_schedule import AutoSchedule, ScheduleChooser
 from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.schedule import Kind
 from lightning_pipe.strategy.arguments import auto_schedule_of
-from lightning_pipe.trace import StepTimeline
+from lightning_pipe.timeline import StepTimeline
 
 
 def _batches(steps: int, rows: int = 16) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -165,7 +165,7 @@ def test_inductor_backend_with_strict_equals_a_plain_trainer() -> None:
     assert max_param_diff(piped, plain) < 1e-5
 
 
-def test_checkpoint_auto_reads_the_gpus_free_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_recompute_auto_reads_the_gpus_free_memory(monkeypatch: pytest.MonkeyPatch) -> None:
     """``checkpoint="auto"`` decides before the second step from ``torch.cuda.mem_get_info``: both stages report
     the one GPU's free memory (not "no limit", as on cpu); a small model recomputes nothing and stays exact."""
     logged: list[str] = []

@@ -71,7 +71,7 @@ class StageActions:
         self._saved: dict[tuple[int, int], Activation] = {}
         self._weight_work: dict[tuple[int, int], WeightGradient] = {}  # I done, W pending
         self._initialized: set[int] = set()  # stages whose runtime initialized their module
-        self._parts: list[Record] = []  # this step's action parts (see lightning_pipe.trace)
+        self._parts: list[Record] = []  # this step's action parts (see lightning_pipe.timeline)
         self._loss: LossPlan | None = None  # set when this rank computes the step's losses
         self._outputs: dict[int, Any] = {}  # last stage: outputs awaiting their loss, by microbatch
         self._losses: list[Message] = []  # last stage: this step's losses, sent with its end (one wake-up)

@@ -1,6 +1,6 @@
 """`StageMemory`: a stage worker's memory accounting: its stash meter and which of its stages recompute.
 
-For ``checkpoint="auto"`` the coordinator decides (`lightning_pipe.checkpointing`); the worker measures where
+For ``checkpoint="auto"`` the coordinator decides (`lightning_pipe.recompute`); the worker measures where
 the device is: what a microbatch of each stage keeps alive with and without recomputation, and the free
 memory of its device.
 """

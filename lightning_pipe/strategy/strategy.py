@@ -35,7 +35,7 @@ from lightning_pipe.strategy.random_state import RandomStreams
 from lightning_pipe.strategy.stage_placement import ProcessStage
 from lightning_pipe.strategy.step_hooks import StepHooksStrategy
 from lightning_pipe.strategy.steps import StepDriver, StepSetting
-from lightning_pipe.strategy.trace import PipeTrace
+from lightning_pipe.strategy.timeline import PipeTrace
 from lightning_pipe.weights import on_meta
 
 

@@ -13,7 +13,7 @@ from torch import nn
 
 from lightning_pipe.pipeline import Pipeline
 from lightning_pipe.schedule import get_schedule
-from lightning_pipe.trace import StepTimeline, chrome_trace, render_png, theoretical_bubble, write_chrome_trace
+from lightning_pipe.timeline import StepTimeline, chrome_trace, render_png, theoretical_bubble, write_chrome_trace
 
 
 def _model() -> nn.Sequential:

@@ -19,7 +19,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from lightning_pipe.trace import StepTimeline, render_png, write_chrome_trace
+from lightning_pipe.timeline import StepTimeline, render_png, write_chrome_trace
 
 
 class PipeTrace(pl.Callback):

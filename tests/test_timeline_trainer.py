@@ -12,7 +12,7 @@ from helpers import QUIET, Classifier, loader, mlp
 
 from lightning_pipe import PipeStrategy, PipeTrace
 from lightning_pipe.schedule import get_schedule
-from lightning_pipe.strategy import trace as trace_module
+from lightning_pipe.strategy import timeline as trace_module
 
 
 def _tracks(path: Path) -> dict[tuple[int, int], list[str]]:
