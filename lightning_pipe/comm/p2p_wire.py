@@ -12,8 +12,7 @@ by reference.
 Over gloo a message of up to `INLINE_BYTES` is one inline frame: one ``isend`` of a packed copy,
 received into a buffer posted before it arrives. Every ``isend`` and ``irecv`` takes the gloo pair's
 lock, which the I/O thread also holds; on a machine whose cores are all busy a sender can wait
-milliseconds for it, so fewer operations per message is what counts (measured on `mlp`: a header and
-a body per message spent 2-7 ms in single ``isend`` calls). Under NCCL, whose receives must match
+milliseconds for it, so fewer operations per message is what counts. Under NCCL, whose receives must match
 their sends' sizes, every part of a frame is its own send, in order.
 
 A broken link (the peer died: gloo fails the pending receive, or a send fails) marks the peer lost;

@@ -2,10 +2,8 @@
 
 With the local transport the stages are threads sharing the module's parameters, so a tied weight (an
 input embedding and an output head in two stages) is one parameter held by two stage threads, each of
-which updates on its own time. Left to both, each stage stepped it with whatever gradient it held at
-its own update and then cleared it: a gradient the other thread added between that step and the
-clearing was lost, one added while the step read it was counted twice. How much depended on the
-threads' timing (1.7e-3 off the unsplit steps on a loaded machine).
+which updates on its own time. Left to both, a gradient one thread added between the other's step and
+its clearing would be lost, and one added while the step read it counted twice.
 
 One asynchronous run gives every stage the same `SharedWeights`. The lowest stage holding a shared
 weight, its *owner*, steps it once per batch with the sum of every holder's gradients of that batch;
@@ -20,7 +18,7 @@ handed over the whole batch by then (the wait is a guard with a timeout). A non-
 made after its update ``i`` of the run takes the shared weight after the owner's update ``i - 1``
 (waited for where ``microbatches < stages - owner``): one update staler than its own weights, and the
 same whatever the threads' timing. In another process (the rpc transport) a stage holds its own copy
-of every weight: there the object is empty and each stage steps its copy, as before.
+of every weight: there the object is empty and each stage steps its copy.
 """
 
 from __future__ import annotations
