@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from launching import ROOT, base_env, free_port, kill
+from processes import session_members
 
 DOCS = ROOT / "docs"
 WITHOUT_EXAMPLE = {"architecture.md", "schedules.md"}  # the lead's page; the generated grids
@@ -82,7 +83,21 @@ class Outcome:
     output: str
 
 
-def run_examples(folder: Path) -> dict[str, Outcome]:
+def sessions_alive(procs: list[subprocess.Popen[bytes]], timeout: float) -> list[int]:
+    """The processes of ``procs``' sessions still alive after ``timeout`` seconds (empty once all ended)."""
+    until = time.monotonic() + timeout
+    while (left := [pid for proc in procs for pid in session_members(proc.pid)]) and time.monotonic() < until:
+        time.sleep(0.2)
+    return left
+
+
+@dataclass
+class Examples:
+    outcomes: dict[str, Outcome]  # by page
+    left_behind: list[int]  # processes of the examples' sessions still alive 10 s after the examples ended
+
+
+def run_examples(folder: Path) -> Examples:
     """Every page's opening example: the one-process ones in one subprocess, the others each in its own."""
     shared, scripts = [], {}
     for name in example_pages():
@@ -97,8 +112,9 @@ def run_examples(folder: Path) -> dict[str, Outcome]:
     for name, path in scripts.items():
         commands[name] = ([sys.executable, str(path)], env | {"MASTER_PORT": str(free_port())})
     logs = {key: folder / f"{key}.log" for key in commands}
-    start, ended = time.monotonic(), {}
-    procs = {}
+    start = time.monotonic()
+    ended: dict[str, float] = {}  # seconds from the start, by command
+    procs: dict[str, subprocess.Popen[bytes]] = {}
     try:
         for key, (command, command_env) in commands.items():
             with open(logs[key], "w") as log:  # a file, not a pipe: no process waits for a reader
@@ -110,6 +126,7 @@ def run_examples(folder: Path) -> dict[str, Outcome]:
                 if key not in ended and proc.poll() is not None:
                     ended[key] = time.monotonic() - start
             time.sleep(0.2)
+        left = sessions_alive(list(procs.values()), timeout=10.0)
     finally:
         for proc in procs.values():
             kill(proc)  # its whole session: Lightning's second process, rpc workers
@@ -129,20 +146,25 @@ def run_examples(folder: Path) -> dict[str, Outcome]:
     for name, _ in shared:
         ending = "did not run; the shared process ended with:\n" + outputs["shared"][-6000:]
         results.setdefault(name, Outcome(False, ended.get("shared", TIMEOUT), ending))
-    return results
+    return Examples(results, left)
 
 
 @pytest.fixture(scope="module")
-def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Outcome]:
+def examples(tmp_path_factory: pytest.TempPathFactory) -> Examples:
     return run_examples(tmp_path_factory.mktemp("doc_examples"))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("page", example_pages())
-def test_page_opens_with_an_example_that_runs(page: str, outcomes: dict[str, Outcome]) -> None:
-    outcome = outcomes[page]
+def test_page_opens_with_an_example_that_runs(page: str, examples: Examples) -> None:
+    outcome = examples.outcomes[page]
     print(f"{page}: {'ran' if outcome.ok else 'FAILED'} in {outcome.seconds:.1f} s")
     assert outcome.ok, f"the opening example of {page} failed:\n{outcome.output}"
+
+
+@pytest.mark.slow
+def test_examples_leave_no_process_behind(examples: Examples) -> None:
+    assert examples.left_behind == [], "processes of the examples (a launched rank, an rpc worker) outlived them"
 
 
 def slug(heading: str) -> str:
