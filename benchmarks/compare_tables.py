@@ -81,7 +81,7 @@ def format_table(results: dict[str, Any]) -> str:
 
 
 def summary_table(paths: list[str]) -> str:
-    """One markdown table of several result files (``--summary``): the columns the README quotes."""
+    """One markdown table of several result files (``--summary``): the columns docs/performance.md quotes."""
     lines = [
         "| workload | stages | contender | samples/s median [min, max] | vs torch (paired) | vs torch (medians) |"
         " eff. vs bound | peak RSS MB/process | engine overhead/mb |",

@@ -1,6 +1,6 @@
 """Peak memory of every process: a plain Trainer, Lightning DDP and PipeStrategy (1 x 4 and 2 x 2), side by side.
 
-    python benchmarks/memory.py                      # the 512 MiB model of the README (32 x Linear(2048, 2048))
+    python benchmarks/memory.py                      # the 512 MiB model of docs/big-models.md (32 x Linear(2048, 2048))
     python benchmarks/memory.py --width 1024 --depth 16 --json out/memory.json
 
 Each configuration is a run of ``examples/big_model.py`` (Lightning's launcher starts its processes), resumed

@@ -5,7 +5,7 @@
     # 2 replicas x 2 stages, each stage sharded over its 2 replicas with FSDP2, resumed from a checkpoint
     python examples/big_model.py --devices 4 --stages 2 --data-parallel fsdp --ckpt-path last.ckpt
 
-The recipe (README, "Big models"): build the model without values, ``with trainer.init_module(empty_init=True)``
+The recipe (docs/big-models.md): build the model without values, ``with trainer.init_module(empty_init=True)``
 or in ``configure_model()``; every process then makes only its own stage real, from ``ckpt_path=`` (a single
 file or a sharded folder), from ``PipeStrategy(weights=...)`` or by the modules' own initialisation under the
 run's seed. Checkpoints are folders each process writes its part of; ``python -m lightning_pipe consolidate``

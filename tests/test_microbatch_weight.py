@@ -27,7 +27,7 @@ VOCAB = 48
 
 
 def labelled_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The README's recipe for a causal LM: the labels are shifted by one inside the loss."""
+    """The recipe for a causal LM (docs/exactness.md): the labels are shifted by one inside the loss."""
     return (batch["labels"][:, 1:] != -100).sum()
 
 
