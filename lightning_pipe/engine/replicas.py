@@ -54,7 +54,7 @@ class StageReplicas:
                 module,
                 device_ids=[device] if device.type == "cuda" else None,
                 process_group=group,
-                broadcast_buffers=False,  # BatchNorm statistics stay per replica (see the README)
+                broadcast_buffers=False,  # BatchNorm statistics stay per replica (docs/exactness.md#batchnorm)
                 find_unused_parameters=False,
             )
 
