@@ -95,6 +95,7 @@ class PipelineBuilder:
         self.partitioner = resolve_partitioner(partition, split_points=split_points)
         self.module_name = module_name
         self.schedule = schedule
+        self.seed: int | None = None  # the run's seed, decided once per fit by the strategy (None: `run_seed`)
         self.checkpoint = checkpoint
         self.runtime = runtime
         self.timeout = timeout
@@ -219,7 +220,7 @@ class PipelineBuilder:
             backend=backend,
             strict=self.strict,
             transport=placement.transport(),
-            seed=run_seed(),  # seed_everything's seed: each stage's generators start from it and the stage index
+            seed=run_seed(self.seed),  # the run's seed: each stage's generators start from it and the stage index
             init=placement.init,
             **self.transport_options,
         ).start()

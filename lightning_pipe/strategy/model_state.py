@@ -93,6 +93,10 @@ class ModelStateStrategy(ProcessStrategy):
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        """Lightning's strict loading in every mode (Lightning calls this before it restores its loops)."""
+        lightning_module = self.lightning_module
+        assert lightning_module is not None
+        self.checkpoints.check_keys(lightning_module, checkpoint, strict)
         if self.checkpoints.resume is None:
             super().load_model_state_dict(checkpoint, strict=strict)
         # else: each stage reads its tensors when it is built, the coordinator the rest at setup

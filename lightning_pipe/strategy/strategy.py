@@ -97,6 +97,10 @@ class PipeStrategy(StepHooksStrategy):
             per step).
         weights: pretrained weights of the pipelined module (safetensors, a file or a sharded folder with its index;
             a ``torch.save``d state dict; a torch.distributed.checkpoint folder): each stage reads its own tensors.
+            Its keys are checked as ``strict_loading`` says (README, "Where your model's state lives").
+        weights_only: how a ``weights`` file written by ``torch.save`` is opened: None (torch's default, True)
+            refuses pickled objects other than tensors, with an error that names this argument; pass False only
+            for a file you trust (its pickled code runs). ``ckpt_path=`` takes ``trainer.fit(weights_only=...)``.
         save_distributed_checkpoint: launched mode writes a checkpoint as a folder, every process its own stage
             (True), or as one file, written a tensor at a time (False); see `lightning_pipe.weights`.
 
@@ -136,6 +140,7 @@ class PipeStrategy(StepHooksStrategy):
         data_parallel: str = "ddp",
         weights: str | os.PathLike[str] | None = None,
         save_distributed_checkpoint: bool = True,
+        weights_only: bool | None = None,
     ) -> None:
         stages, device_names, asynchronous, options = check_arguments(
             stages, microbatches, schedule, devices, checkpoint, runtime, timeout, backend, strict, transport,
@@ -151,7 +156,9 @@ class PipeStrategy(StepHooksStrategy):
         self.optimization = StageOptimization(self.asynchronous)
         self.random = RandomStreams(self.asynchronous)
         weights_path = str(weights) if weights is not None else None
-        checkpoints = Checkpoints(builder, self.optimization, self.random, self.asynchronous, weights_path)
+        checkpoints = Checkpoints(
+            builder, self.optimization, self.random, self.asynchronous, weights_path, weights_only
+        )  # fmt: skip
         stage = ProcessStage(data_parallel, lambda: mixed_precision_policy(self.precision_plugin.precision))
         steps = StepDriver(
             microbatches, microbatch_weight, timeout, builder, self.optimization, self.random, self.asynchronous
@@ -222,8 +229,10 @@ class PipeStrategy(StepHooksStrategy):
             self.resolve_devices(), self.root_device, autocast_of(self.precision_plugin), self._transport, self._built
         )
         pipelined = self.builder.setup(lightning_module, placement)
-        seed = run_seed()
-        placement.init = self.checkpoints.stage_init(self.builder.prefix(lightning_module), seed)
+        # one seed per run (seed_everything's, else torch's initial seed), the first coordinator's for every replica
+        seed = self.builder.seed = self.random.seed = int(self.broadcast(run_seed()))
+        prefix, strict = self.builder.prefix(lightning_module), lightning_module.strict_loading
+        placement.init = self.checkpoints.stage_init(prefix, seed, pipelined, strict)
         self.stage.bind(lightning_module, pipelined)
         self.checkpoints.load_outside(lightning_module, pipelined, self.root_device, seed)  # before they move
         self.accelerator.setup(trainer)
