@@ -14,6 +14,7 @@ import faulthandler
 import json
 import os
 import sys
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -73,10 +74,15 @@ class Net(L.LightningModule):
 
 
 class Losses(L.Callback):
-    """Each step's loss as the coordinator's step returned it."""
+    """Each step's loss as the coordinator's step returned it; the model's tensors as the fit starts (local mode)."""
 
     def __init__(self) -> None:
         self.values: list[float] = []
+        self.start: dict[str, torch.Tensor] = {}
+
+    def on_train_start(self, trainer: Any, module: Any) -> None:
+        if trainer.strategy.layout is None:
+            self.start = {k: v.detach().clone() for k, v in module.state_dict().items()}
 
     def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         self.values.append(float(outputs["loss"]))
@@ -175,22 +181,24 @@ def launched_cases(mode: str, files: dict[str, str], out: Path) -> None:
         options["data_parallel"] = "fsdp"
 
     def run(case: str, steps: int, **kwargs: Any) -> None:
-        weights, single = kwargs.pop("weights", None), kwargs.pop("single", None)
-        strategy = PipeStrategy(**options, weights=weights, save_distributed_checkpoint=single is None)
+        weights, save = kwargs.pop("weights", None), kwargs.pop("save", None)
+        strategy = PipeStrategy(**options, weights=weights)
         result: dict[str, Any] = {}
+        began = time.monotonic()
         try:
             t, _, losses = fit(strategy, build, steps, replicas=replicas, devices=2, **kwargs)
             result = {"losses": losses.values, "said": t.said}  # type: ignore[attr-defined]
-            if single is not None:
-                t.save_checkpoint(single)
+            if save is not None:  # a sharded folder: every process writes its own part
+                t.save_checkpoint(save)
         except Exception as error:  # noqa: BLE001 - what each process raised is the result
             result = {"error": f"{type(error).__name__}: {error}"}
+        result["seconds"] = time.monotonic() - began
         rank = dist.get_rank() if dist.is_initialized() else 0
         (out / f"{case}-rank{rank}.json").write_text(json.dumps(result))
 
-    run("ref", STEPS, single=str(out / "ref.ckpt"))
+    run("ref", STEPS, save=str(out / "ref"))
     for fmt in ("file", "folder"):
-        run(f"resume-{fmt}", STEPS, ckpt=files[f"{fmt}-good"], single=str(out / f"resume-{fmt}.ckpt"))
+        run(f"resume-{fmt}", STEPS, ckpt=files[f"{fmt}-good"], save=str(out / f"resume-{fmt}"))
     run("resume-weights", 1, weights=files["weights-good"])
     for fmt in ("file", "folder", "weights"):
         for kind in ("renamed", "extra"):
@@ -203,7 +211,7 @@ def launched_cases(mode: str, files: dict[str, str], out: Path) -> None:
     if mode == "fsdp":  # no seed_everything: each process's torch seed differs; the run's seed is rank 0's
         os.environ.pop("PL_GLOBAL_SEED", None)
         torch.manual_seed(100 + (dist.get_rank() if dist.is_initialized() else 0))
-        run("unseeded", 1, seed=None, single=str(out / "unseeded.ckpt"))
+        run("unseeded", 1, seed=None, save=str(out / "unseeded"))
 
 
 def main() -> None:

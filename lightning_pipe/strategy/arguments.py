@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -17,6 +16,7 @@ from lightning_pipe.microbatch_weights import check_weight_function
 from lightning_pipe.pipeline import TRANSPORTS
 from lightning_pipe.runtime import BaseRuntime, runtime_registry
 from lightning_pipe.schedule import resolve_schedule
+from lightning_pipe.weights.keys import visible
 
 
 def check_arguments(
@@ -122,5 +122,5 @@ def check_memory_arguments(data_parallel: str, weights: Any, save_distributed_ch
             "input and a weight half, and FSDP frees a block's gathered parameters after its backward; use "
             "schedule='1f1b', 'gpipe' or 'interleaved-1f1b' with FSDP, or data_parallel='ddp' with zero-bubble"
         )
-    if weights is not None and not os.path.exists(weights):
-        raise ConfigurationError(f"PipeStrategy(weights={str(weights)!r}): no such file or folder")
+    if weights is not None:
+        visible(weights, "PipeStrategy(weights=...):")

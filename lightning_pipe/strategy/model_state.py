@@ -28,6 +28,7 @@ from lightning_pipe.strategy.checkpoint_writer import write_sharded, write_singl
 from lightning_pipe.strategy.checkpoints import Checkpoints
 from lightning_pipe.strategy.patch import patch
 from lightning_pipe.strategy.processes import ProcessStrategy
+from lightning_pipe.weights.keys import visible
 
 
 class ModelStateStrategy(ProcessStrategy):
@@ -85,6 +86,7 @@ class ModelStateStrategy(ProcessStrategy):
     # reading
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        visible(checkpoint_path, "ckpt_path")  # every process reads it itself: here, or it names this host
         if self.checkpoints.opens_itself(checkpoint_path, self.world is not None, self.lightning_module):
             return self.checkpoints.open(checkpoint_path, weights_only, len(self.optimizers) or 1)
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)

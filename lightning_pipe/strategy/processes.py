@@ -115,6 +115,7 @@ class ProcessStrategy(ParallelStrategy):
         super().setup_environment()
         if self.world is not None:
             self.world.connect(self.cluster_environment)
+            self.world.hold()  # the serving ranks serve this fit from now on, whatever fails before setup
         if not self._mode_logged:
             self._mode_logged = True
             where = "threads of this process" if self.mode == LOCAL else "rpc worker processes"
