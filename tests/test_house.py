@@ -27,9 +27,7 @@ PIPELINE = (  # the pipeline and the modules it is made of
 )
 # DESIGN.md: data flows strategy -> pipeline -> engine -> comm, and the parts a stage runs (its schedule,
 # partition, executor modules, runtime, backend and where its tensors come from) never reach up into any of them
-BOTTOM = tuple(
-    f"lightning_pipe.{p}" for p in ("schedule", "partition", "executors", "runtime", "backends", "weights")
-)
+BOTTOM = tuple(f"lightning_pipe.{p}" for p in ("schedule", "partition", "executors", "runtime", "backends", "weights"))
 NEVER: dict[str, tuple[str, ...]] = {
     **{p: (STRATEGY,) for p in PIPELINE},
     "lightning_pipe.engine": (STRATEGY, *PIPELINE),

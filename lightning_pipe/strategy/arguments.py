@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -19,6 +18,7 @@ from lightning_pipe.pipeline import TRANSPORTS
 from lightning_pipe.recompute import checkpoint_flags
 from lightning_pipe.runtime import BaseRuntime, runtime_registry
 from lightning_pipe.schedule import resolve_schedule
+from lightning_pipe.weights.keys import visible
 
 
 def check_arguments(
@@ -133,8 +133,8 @@ def check_memory_arguments(data_parallel: str, weights: Any, save_distributed_ch
             "schedule='1f1b', 'gpipe', 'interleaved-1f1b' or 'looped-bfs' with FSDP, or data_parallel='ddp' with "
             f"{schedule!r}"
         )
-    if weights is not None and not os.path.exists(weights):
-        raise ConfigurationError(f"PipeStrategy(weights={str(weights)!r}): no such file or folder")
+    if weights is not None:
+        visible(weights, "PipeStrategy(weights=...):")
 
 
 def fsdp_without_replicas(data_parallel: str, mode: str, replicas: int) -> str | None:

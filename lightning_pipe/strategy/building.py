@@ -85,6 +85,7 @@ class PipelineBuilder:
         self.config = config  # the strategy's arguments: what the pipeline is built with
         self.partitioner = resolve_partitioner(config.partition, split_points=config.split_points)
         self.schedule = config.schedule
+        self.seed: int | None = None  # the run's seed, decided once per fit by the strategy (None: `run_seed`)
         self.checkpoint = config.checkpoint
         self.pipeline: Pipeline | None = None
         self.pipelined: nn.Module | None = None  # the LightningModule's submodule that is pipelined
@@ -218,7 +219,7 @@ class PipelineBuilder:
             backend=backend,
             strict=self.config.strict,
             transport=placement.transport(),
-            seed=run_seed(),  # seed_everything's seed: each stage's generators start from it and the stage index
+            seed=run_seed(self.seed),  # the run's seed: each stage's generators start from it and the stage index
             init=placement.init,
             **self.config.transport_options,
         ).start()

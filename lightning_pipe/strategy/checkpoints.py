@@ -26,7 +26,8 @@ from lightning_pipe.strategy.building import PipelineBuilder
 from lightning_pipe.strategy.optimization import StageOptimization
 from lightning_pipe.strategy.random_state import RandomStreams
 from lightning_pipe.strategy.resume import Resume, optimizer_layouts
-from lightning_pipe.weights import StageInit, aliases_of, is_distributed_checkpoint, on_meta
+from lightning_pipe.weights import StageInit, aliases_of, is_distributed_checkpoint, on_meta, open_source
+from lightning_pipe.weights.keys import WEIGHTS_FIX, compare_keys
 
 CHECKPOINT_KEY = "lightning_pipe"
 
@@ -46,12 +47,14 @@ class Checkpoints:
         random: RandomStreams,
         asynchronous: AsyncTraining | None,
         weights: str | None = None,
+        weights_only: bool | None = None,
     ) -> None:
         self.builder = builder  # the pipeline whose stages hold the state
         self.optimization = optimization
         self.random = random
         self.asynchronous = asynchronous
         self.weights = weights  # pretrained weights of the pipelined module (PipeStrategy(weights=...))
+        self.weights_only = weights_only  # how ``weights``, a torch.save file, is opened (None: torch's default)
         self.resume: Resume | None = None  # the checkpoint this fit starts from, opened (memory follows the stage)
 
     # reading
@@ -68,13 +71,39 @@ class Checkpoints:
         self.loaded(checkpoint)
         return checkpoint
 
-    def stage_init(self, prefix: str, seed: int) -> StageInit:
-        """How the stages make their tensors: from the opened checkpoint, the pretrained weights, or the seed."""
+    def check_keys(self, lightning_module: nn.Module, checkpoint: dict[str, Any], strict: bool) -> None:
+        """Lightning's strict loading for every way a checkpoint is read (Lightning loads it, or it is opened): the
+        checkpoint's keys against the LightningModule's, before any tensor is read; raises naming them
+        (``strict``), else says once how many tensors start from their initial values."""
         if self.resume is not None:
-            return self.resume.stage_init(prefix, seed)
+            stored, where = self.resume.reader.model().keys(), f"the checkpoint {self.resume.path}"
+        else:
+            stored, where = checkpoint.get("state_dict", {}).keys(), "the checkpoint"
+        report = compare_keys(lightning_module.state_dict(keep_vars=True), stored)
+        report.check(strict, where)
+        _say_once(report.lenient(where))
+
+    def stage_init(self, prefix: str, seed: int, pipelined: nn.Module, strict: bool) -> StageInit:
+        """How the stages make their tensors: from the opened checkpoint, the pretrained weights, or the seed
+        (``strict``: the LightningModule's ``strict_loading``; the weights' keys are checked here first)."""
+        if self.resume is not None:
+            return self.resume.stage_init(prefix, seed, strict)
         if self.weights is not None:
-            return StageInit(path=self.weights, seed=seed)
+            self._check_weights(pipelined, strict)
+            return StageInit(path=self.weights, seed=seed, strict=strict, weights_only=self.weights_only)
         return StageInit(seed=seed, overwrite=False)
+
+    def _check_weights(self, pipelined: nn.Module, strict: bool) -> None:
+        """``weights=``'s keys (from its metadata) against the pipelined module's, as `check_keys` does."""
+        assert self.weights is not None
+        source = open_source(self.weights, self.weights_only)
+        try:
+            report = compare_keys(pipelined.state_dict(keep_vars=True), source.keys(), aliases_of(pipelined))
+            where = source.describe()
+        finally:
+            source.close()
+        report.check(strict, where, WEIGHTS_FIX)
+        _say_once(report.lenient(where))
 
     def load_outside(self, lightning_module: nn.Module, pipelined: nn.Module, device: torch.device, seed: int) -> None:
         """The LightningModule's tensors outside the pipeline: the checkpoint's, or made real by the seed."""
@@ -96,6 +125,7 @@ class Checkpoints:
             return
         layouts = self.optimization.layouts or optimizer_layouts(lightning_module, optimizers)
         resume.set_layouts(layouts)
+        resume.check_groups(layouts)
         if not launched:  # one process: the optimizers' whole states, assembled from the checkpoint
             self.load_optimizer_states(optimizers, resume.optimizer_states(layouts))
             return
@@ -177,3 +207,9 @@ class Checkpoints:
             return asynchronous.state_dict()
         stage_params = self.optimization.stage_params
         return stage_params.state(optimizer) if stage_params is not None else None
+
+
+def _say_once(said: str | None) -> None:
+    """A warning of the run's first process (rank zero), once: what strict_loading=False did not read."""
+    if said is not None:
+        rank_zero_warn(said)

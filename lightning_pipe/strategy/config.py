@@ -51,6 +51,7 @@ class PipeConfig:
     weights: str | os.PathLike[str] | None = None
     save_distributed_checkpoint: bool = True
     memory_budget: int | None = None
+    weights_only: bool | None = None
     # what the arguments imply (set by `of`)
     stage_devices: list[str] | None = field(default=None, init=False)  # ``devices`` as names
     asynchronous: bool = field(default=False, init=False)  # the schedule streams batches (``"async"``)

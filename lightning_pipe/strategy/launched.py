@@ -189,13 +189,16 @@ class LaunchedMode(Mode):
         if self._released or not self.layout.coordinates:
             return
         self._released = True
-        if self._p2p is None:
+        if self._p2p is None and self.layout.ranks_per_pipeline == 1:
             return
+        # the serving ranks serve from the fit's start: a fit that failed before its pipeline was built (a
+        # checkpoint that does not match) releases them too, or they would take the next fit's for this one
+        p2p = self._p2p if self._p2p is not None else self.communicator()
         text = None
         if error is not None:
             who = self.layout.describe(self.layout.global_rank)
             text = f"its coordinator, {who}, failed: {type(error).__name__}: {error}"
-        self._p2p.release(text)
+        p2p.release(text)
 
     # Lightning's collectives: among the coordinators (the processes that run Lightning's loop)
     def _coordinator_group(self) -> Any:

@@ -28,6 +28,7 @@ from lightning_pipe.strategy.checkpoint_writer import write_sharded, write_singl
 from lightning_pipe.strategy.checkpoints import Checkpoints
 from lightning_pipe.strategy.patch import patch
 from lightning_pipe.strategy.processes import ProcessStrategy
+from lightning_pipe.weights.keys import visible
 
 
 class ModelStateStrategy(ProcessStrategy):
@@ -82,6 +83,7 @@ class ModelStateStrategy(ProcessStrategy):
     # reading
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        visible(checkpoint_path, "ckpt_path")  # every process reads it itself: here, or it names this host
         if self.checkpoints.opens_itself(checkpoint_path, self.world is not None, self.lightning_module):
             return self.checkpoints.open(checkpoint_path, weights_only, len(self.optimizers) or 1)
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
@@ -90,6 +92,10 @@ class ModelStateStrategy(ProcessStrategy):
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        """Lightning's strict loading in every mode (Lightning calls this before it restores its loops)."""
+        lightning_module = self.lightning_module
+        assert lightning_module is not None
+        self.checkpoints.check_keys(lightning_module, checkpoint, strict)
         if self.checkpoints.resume is None:
             super().load_model_state_dict(checkpoint, strict=strict)
         # else: each stage reads its tensors when it is built, the coordinator the rest at setup

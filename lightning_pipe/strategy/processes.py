@@ -112,6 +112,7 @@ class ProcessStrategy(ParallelStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         self.mode.connect(self.cluster_environment)
+        self.mode.hold()  # launched mode: the serving ranks serve this fit from now on, whatever fails before setup
         if not self._mode_logged:
             self._mode_logged = True
             rank_zero_info(self.mode.describe())

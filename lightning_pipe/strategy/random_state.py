@@ -36,6 +36,7 @@ class RandomStreams:
         self.asynchronous = asynchronous  # an open stream owns the stages: their states are not read then
         #: generator states for the next pipeline built: from a loaded checkpoint or the last fit
         self.saved: dict[str, Any] | None = None
+        self.seed: int | None = None  # the run's seed, decided once per fit by the strategy (None: `run_seed`)
 
     def state(self, pipeline: Pipeline | None) -> dict[str, Any] | None:
         """The stages' generator states now; before the stages are built, the ones they will get.
@@ -79,7 +80,7 @@ class RandomStreams:
         (and dataloader) index of ``args``.
         """
         where = [name, trainer.current_epoch, trainer.global_step, *(a for a in args[1:] if isinstance(a, int))]
-        generators = StageGenerators(derive_seed(run_seed(), "step", *where), index, device)
+        generators = StageGenerators(derive_seed(run_seed(self.seed), "step", *where), index, device)
 
         @contextmanager
         def drawing() -> Iterator[None]:

@@ -27,6 +27,7 @@ class Resume:
     def __init__(self, path: PathLike, weights_only: bool | None = None) -> None:
         self.path = str(path)
         self.sharded = is_distributed_checkpoint(path)
+        self.weights_only = weights_only  # every process opens the file as the coordinator did
         self.reader: CheckpointReader = open_checkpoint(path, weights_only=weights_only)
 
     def for_lightning(self, optimizers: int) -> dict[str, Any]:
@@ -40,13 +41,18 @@ class Resume:
             checkpoint["state_dict"] = self.reader.content.get("state_dict", {})
         else:
             checkpoint.setdefault("state_dict", {})
-        saved = self.reader.content.get("optimizer_states") if isinstance(self.reader, FileCheckpoint) else None
-        checkpoint["optimizer_states"] = saved if saved is not None else [{} for _ in range(optimizers)]
+        count = self.reader.optimizer_count()
+        if count:  # none (a weights-only checkpoint): Lightning's own restore says so when a fit needs them
+            saved = self.reader.content.get("optimizer_states") if isinstance(self.reader, FileCheckpoint) else None
+            checkpoint["optimizer_states"] = saved if saved is not None else [{} for _ in range(count)]
         return checkpoint
 
-    def stage_init(self, prefix: str, seed: int) -> StageInit:
+    def stage_init(self, prefix: str, seed: int, strict: bool) -> StageInit:
         """How each stage reads its tensors from this checkpoint (``prefix``: the pipelined module's path)."""
-        return StageInit(path=self.path, checkpoint=True, prefix=prefix, seed=seed, overwrite=True)
+        return StageInit(
+            path=self.path, checkpoint=True, prefix=prefix, seed=seed, overwrite=True, strict=strict,
+            weights_only=self.weights_only,
+        )  # fmt: skip
 
     def load_outside(self, lightning_module: nn.Module, pipelined: nn.Module, device: torch.device, seed: int) -> None:
         """The LightningModule's tensors outside the pipelined module, read (or made real) on ``device``."""
@@ -57,6 +63,26 @@ class Resume:
         """The optimizers' parameter orders: what a single file's positions stand for (a folder names them)."""
         if isinstance(self.reader, FileCheckpoint):
             self.reader.layouts = list(layouts)
+
+    def check_groups(self, layouts: list[OptimizerLayout]) -> None:
+        """Each saved optimizer's parameter groups against the optimizer's (``layouts``), as torch's
+        ``Optimizer.load_state_dict`` checks them: raises before any state is read."""
+        for index, layout in enumerate(layouts[: self.reader.optimizer_count()]):
+            saved = self.reader.group_sizes(index)
+            if saved is None:
+                continue
+            what = f"{self.path}: optimizer {index}'s loaded state dict"
+            if len(saved) != len(layout):
+                raise ValueError(
+                    f"{what} has a different number of parameter groups ({len(saved)}, the optimizer has "
+                    f"{len(layout)}): configure_optimizers must build the optimizer the checkpoint was saved with"
+                )
+            for group, (size, keys) in enumerate(zip(saved, layout, strict=True)):
+                if size != len(keys):
+                    raise ValueError(
+                        f"{what} contains a parameter group that doesn't match the size of optimizer's group "
+                        f"(group {group}: {size} saved, {len(keys)} in the optimizer)"
+                    )
 
     def optimizer_states(self, layouts: list[OptimizerLayout]) -> list[dict[str, Any]]:
         """Each optimizer's whole state as torch's ``state_dict`` holds it (state by position in ``layouts``)."""

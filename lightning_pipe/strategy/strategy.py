@@ -101,6 +101,10 @@ class PipeStrategy(StepHooksStrategy):
             per step).
         weights: pretrained weights of the pipelined module (safetensors, a file or a sharded folder with its index;
             a ``torch.save``d state dict; a torch.distributed.checkpoint folder): each stage reads its own tensors.
+            Its keys are checked as ``strict_loading`` says (docs/big-models.md, "Where your model's state lives").
+        weights_only: how a ``weights`` file written by ``torch.save`` is opened: None (torch's default, True)
+            refuses pickled objects other than tensors, with an error that names this argument; pass False only
+            for a file you trust (its pickled code runs). ``ckpt_path=`` takes ``trainer.fit(weights_only=...)``.
         memory_budget: ``schedule="auto"``: most bytes of stashed activations a rank may hold; default 90% of the
             device's free memory (no limit on cpu).
         save_distributed_checkpoint: launched mode writes a checkpoint as a folder, every process its own stage
@@ -143,6 +147,7 @@ class PipeStrategy(StepHooksStrategy):
         weights: str | os.PathLike[str] | None = None,
         save_distributed_checkpoint: bool = True,
         memory_budget: int | None = None,
+        weights_only: bool | None = None,
     ) -> None:
         config = PipeConfig.of(locals())  # every argument above but Lightning's own three, checked
         self.asynchronous = AsyncTraining() if config.asynchronous else None
@@ -153,7 +158,9 @@ class PipeStrategy(StepHooksStrategy):
         )
         self.optimization = StageOptimization(self.asynchronous)
         self.random = RandomStreams(self.asynchronous)
-        checkpoints = Checkpoints(builder, self.optimization, self.random, self.asynchronous, config.weights_path)
+        checkpoints = Checkpoints(
+            builder, self.optimization, self.random, self.asynchronous, config.weights_path, config.weights_only
+        )  # fmt: skip
         stage = ProcessStage(config.data_parallel, lambda: mixed_precision_policy(self.precision_plugin.precision))
         steps = StepDriver(config, builder, self.optimization, self.random, self.asynchronous)
         super().__init__(
@@ -231,8 +238,10 @@ class PipeStrategy(StepHooksStrategy):
             self._stage_devices(), self.root_device, autocast_of(self.precision_plugin), self._transport, self._built
         )
         pipelined = self.builder.setup(lightning_module, placement)
-        seed = run_seed()
-        placement.init = self.checkpoints.stage_init(self.builder.prefix(lightning_module), seed)
+        # one seed per run (seed_everything's, else torch's initial seed), the first coordinator's for every replica
+        seed = self.builder.seed = self.random.seed = int(self.broadcast(run_seed()))
+        prefix, strict = self.builder.prefix(lightning_module), lightning_module.strict_loading
+        placement.init = self.checkpoints.stage_init(prefix, seed, pipelined, strict)
         self.stage.bind(lightning_module, pipelined)
         self.checkpoints.load_outside(lightning_module, pipelined, self.root_device, seed)  # before they move
         self.accelerator.setup(trainer)

@@ -13,13 +13,22 @@ state by the same names; nothing else is read. Two layouts on disk:
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from lightning_pipe.weights.sources import DcpSource, PathLike, Prefixed, TorchFileSource, WeightSource
+from lightning_pipe.errors import ConfigurationError
+from lightning_pipe.weights.sources import (
+    DcpSource,
+    PathLike,
+    Prefixed,
+    TorchFileSource,
+    WeightSource,
+    unsafe_file_message,
+)
 
 MODEL = "state_dict"
 META_FILE = "meta.pt"  # Lightning's name for the non-tensor part of a sharded checkpoint (ModelParallelStrategy)
@@ -49,6 +58,14 @@ class CheckpointReader:
 
     def lightning_state(self) -> dict[str, Any]:
         """Everything Lightning restores besides the tensors: loops, callbacks, epoch, hyperparameters, ..."""
+        raise NotImplementedError
+
+    def optimizer_count(self) -> int:
+        """How many optimizers' states the checkpoint holds (0: it holds the model only)."""
+        raise NotImplementedError
+
+    def group_sizes(self, index: int) -> list[int] | None:
+        """How many parameters each of optimizer ``index``'s saved groups had (None: not recorded)."""
         raise NotImplementedError
 
     def release(self, value: Any) -> None:
@@ -88,6 +105,12 @@ class FileCheckpoint(CheckpointReader):
 
     def lightning_state(self) -> dict[str, Any]:
         return {k: v for k, v in self.content.items() if k not in (MODEL, "optimizer_states")}
+
+    def optimizer_count(self) -> int:
+        return len(self.content.get("optimizer_states") or ())
+
+    def group_sizes(self, index: int) -> list[int] | None:
+        return [len(group["params"]) for group in self.content["optimizer_states"][index]["param_groups"]]
 
     def release(self, value: Any) -> None:
         if isinstance(value, torch.Tensor):
@@ -146,6 +169,17 @@ class ShardedCheckpoint(CheckpointReader):
         got = self.folder.objects(key)
         return list(got.get(key, ()))
 
+    def optimizer_count(self) -> int:
+        prefixes = {key.split(".", 1)[0] for key in self.folder.metadata}
+        count = 0
+        while optimizer_key(count) in prefixes:
+            count += 1
+        return count
+
+    def group_sizes(self, index: int) -> list[int] | None:
+        layout = self.layout(index)
+        return [len(keys) for keys in layout] if layout else None
+
     def layout(self, index: int) -> OptimizerLayout:
         key = f"{optimizer_key(index)}.layout"
         return list(self.folder.objects(key).get(key, []))
@@ -154,9 +188,13 @@ class ShardedCheckpoint(CheckpointReader):
         meta = self.path / META_FILE
         if not meta.is_file():
             return {}
-        if self._weights_only is None:
-            return torch.load(meta, map_location="cpu", weights_only=False)
-        return torch.load(meta, map_location="cpu", weights_only=self._weights_only)
+        load: dict[str, Any] = {} if self._weights_only is None else {"weights_only": self._weights_only}
+        try:
+            return torch.load(meta, map_location="cpu", **load)  # type: ignore[no-any-return]
+        except pickle.UnpicklingError as error:  # never retried unsafely (`unsafe_file_message`)
+            if self._weights_only is False:
+                raise
+            raise ConfigurationError(unsafe_file_message(meta, error)) from error
 
     def state_names(self, index: int, key: str) -> list[str]:
         """The names of the states optimizer ``index`` saved for ``key`` (tensors and other values)."""
@@ -179,8 +217,10 @@ def open_checkpoint(
     path: PathLike, layouts: Sequence[OptimizerLayout] = (), weights_only: bool | None = None
 ) -> CheckpointReader:
     """The reader for ``path``: a sharded folder or a single file (``layouts``: each optimizer's parameter order)."""
+    from lightning_pipe.weights.keys import visible
     from lightning_pipe.weights.sources import is_distributed_checkpoint
 
+    visible(path, "the checkpoint")
     if is_distributed_checkpoint(path):
         return ShardedCheckpoint(path, weights_only)
     return FileCheckpoint(path, layouts, weights_only)

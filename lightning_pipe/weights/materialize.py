@@ -96,7 +96,13 @@ def materialize(
         for _, slot, old in slots:
             _set(slot, made[id(old)])
         if needs_init:
+            unset = {tid: key for tid, (key, _) in fresh.items() if found[key] is None}
+            for tid in unset:
+                _poison(made[tid])
             _initialize(owner, qualified, seed, init_owner, needs_init)
+            for _, slot, old in slots:  # an initialisation that assigned a new tensor: that one is the value
+                made[id(old)] = _get(slot)
+            _check_set(owner, qualified, [key for tid, key in unset.items() if _poisoned(made[tid])])
             done.initialized.append(qualified or "<root>")
             for tid, (_, old) in fresh.items():
                 made[tid] = _moved(made[tid], device, old, done.wholes)
@@ -281,6 +287,35 @@ def _initialize(owner: nn.Module, qualified: str, seed: int, init_owner: nn.Modu
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         torch.manual_seed(derive_seed(seed, "init", qualified) % (2**63))
         init()
+
+
+def _poison(tensor: torch.Tensor) -> None:
+    """Fill a tensor about to be initialised with what no initialisation writes (NaN; an integer's minimum)."""
+    with torch.no_grad():
+        if tensor.is_floating_point() or tensor.is_complex():
+            tensor.fill_(float("nan"))
+        elif tensor.dtype != torch.bool:
+            tensor.fill_(torch.iinfo(tensor.dtype).min)
+
+
+def _poisoned(tensor: torch.Tensor) -> bool:
+    """Whether an initialisation left (part of) ``tensor`` as `_poison` filled it: memory nothing wrote."""
+    if tensor.numel() == 0 or tensor.is_meta or tensor.dtype == torch.bool:
+        return tensor.is_meta
+    if tensor.is_floating_point() or tensor.is_complex():
+        return bool(torch.isnan(tensor).any())
+    return bool((tensor == torch.iinfo(tensor.dtype).min).all())
+
+
+def _check_set(owner: nn.Module, qualified: str, unset: list[str]) -> None:
+    if unset:
+        raise ConfigurationError(
+            f"{', '.join(unset[:5])} of {type(owner).__name__} ({qualified or 'the root module'}) still hold "
+            "uninitialised memory after its initialisation (reset_parameters() / _init_weights): the model was "
+            "built without values (init_module(empty_init=True) / configure_model) and the checkpoint or weights "
+            "do not hold them. Make the module's reset_parameters() set every parameter and buffer (non-persistent "
+            "buffers too), or give their values in ckpt_path= / weights="
+        )
 
 
 def _init_function(owner: nn.Module, init_owner: nn.Module | None) -> Callable[[], object] | None:

@@ -20,6 +20,7 @@ import ctypes
 import json
 import mmap
 import os
+import pickle
 import sys
 import warnings
 from collections.abc import Collection, Mapping, Sequence
@@ -29,6 +30,7 @@ from typing import Any
 import torch
 
 from lightning_pipe.errors import ConfigurationError
+from lightning_pipe.weights.keys import visible
 
 PathLike = str | os.PathLike[str]
 DCP_METADATA = ".metadata"  # the file torch.distributed.checkpoint writes into every checkpoint folder
@@ -77,13 +79,10 @@ class TorchFileSource(WeightSource):
             load["weights_only"] = weights_only
         try:
             self.content: Any = torch.load(self.path, **load)
-        except Exception as error:  # noqa: BLE001 - retried without weights_only, as Lightning does for its own files
-            if weights_only is not None:
+        except pickle.UnpicklingError as error:  # never retried unsafely: the caller allows it, by an argument
+            if weights_only is False:
                 raise
-            try:
-                self.content = torch.load(self.path, weights_only=False, map_location="cpu", mmap=True)
-            except Exception:
-                raise error from None
+            raise ConfigurationError(unsafe_file_message(self.path, error)) from error
         state = self.content.get(section) if section is not None and isinstance(self.content, dict) else None
         self.tensors: Mapping[str, Any] = state if isinstance(state, Mapping) else self.content
         self._mapped = mapped_ranges(self.path)  # where the file lies in this process's memory
@@ -258,14 +257,24 @@ def is_distributed_checkpoint(path: PathLike) -> bool:
 
 def open_source(path: PathLike, weights_only: bool | None = None) -> WeightSource:
     """The source for ``path``: a DCP folder, safetensors (a file or a folder), or a ``torch.save`` file."""
-    where = Path(path)
-    if not where.exists():
-        raise ConfigurationError(f"no weights at {where}: the path does not exist")
+    where = visible(path, "the checkpoint or weights")
     if is_distributed_checkpoint(where):
         return DcpSource(where)
     if where.is_dir() or where.suffix == ".safetensors":
         return SafetensorsSource(where)
     return TorchFileSource(where, weights_only=weights_only)
+
+
+def unsafe_file_message(path: Path, error: BaseException) -> str:
+    """Why ``path`` was not opened with ``weights_only=True``, and the explicit argument that allows it."""
+    reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return (
+        f"torch.load(weights_only=True) cannot open {path}: it holds pickled objects that are not tensors ({reason}). "
+        "Opening it with weights_only=False runs the code pickled in it: do so only for a file you trust, and "
+        "say so explicitly: trainer.fit(..., ckpt_path=..., weights_only=False) for a checkpoint, "
+        "PipeStrategy(weights=..., weights_only=False) for weights (or torch.serialization.add_safe_globals "
+        "for the classes it names)"
+    )
 
 
 _PAGE = mmap.PAGESIZE

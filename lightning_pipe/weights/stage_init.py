@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from lightning_pipe.weights.checkpoint import MODEL
+from lightning_pipe.weights.keys import STRICT_FIX, WEIGHTS_FIX, compare_keys
 from lightning_pipe.weights.materialize import Materialized, aliases_of, materialize, on_meta
 from lightning_pipe.weights.sources import Prefixed, WeightSource, is_distributed_checkpoint, open_source
 
@@ -32,6 +33,9 @@ class StageInit:
     (built on meta) that it does not hold are initialised by their modules under ``seed`` and their names.
     ``aliases`` are the other names of tied tensors; ``init_owner`` a model of the pipelined module's class and
     configuration, on meta, that initialises modules without ``reset_parameters`` (HuggingFace's ``_init_weights``).
+    ``strict`` (the LightningModule's ``strict_loading``): a tensor of the stage the path does not hold raises
+    before anything is read, in every process (`lightning_pipe.weights.keys`); ``weights_only`` is how a
+    ``torch.save`` file is opened (None: torch's default, never retried unsafely).
     """
 
     path: str | None = None
@@ -41,6 +45,8 @@ class StageInit:
     overwrite: bool = True
     aliases: dict[str, list[str]] = field(default_factory=dict)
     init_owner: nn.Module | None = None
+    strict: bool = False
+    weights_only: bool | None = None
 
     def for_module(self, module: nn.Module) -> StageInit:
         """This description for the pipelined ``module``: with the names its tied tensors share, and (for a model
@@ -54,7 +60,7 @@ class StageInit:
         """The opened source, its keys those of the pipelined module (None: nothing to read)."""
         if self.path is None:
             return None
-        opened = open_source(self.path)
+        opened = open_source(self.path, self.weights_only)
         if self.checkpoint:
             section = f"{MODEL}." if is_distributed_checkpoint(self.path) else ""
             return Prefixed(opened, section + self.prefix)
@@ -66,6 +72,8 @@ class StageInit:
         if self.path is None and not any(on_meta(module) for module, _ in modules):
             return Materialized()  # nothing to read, nothing without values
         source = self.source()
+        if source is not None and self.strict:
+            self._check(source, [module for module, _ in modules])
         done = Materialized()
         made: dict[int, torch.Tensor] = {}
         try:
@@ -79,6 +87,18 @@ class StageInit:
             if source is not None:
                 source.close()
         return done
+
+    def _check(self, source: WeightSource, modules: list[nn.Module]) -> None:
+        """Every tensor of ``modules`` is in ``source`` (by a name of it): else raise before reading, naming them.
+        Keys of the source no module here has are other stages' (the coordinator checks those)."""
+        expected = [key for module in modules for key in module.state_dict(keep_vars=True)]
+        report = compare_keys(expected, source.keys(), self.aliases)
+        report.unexpected = []
+        try:
+            report.check(True, source.describe(), STRICT_FIX if self.checkpoint else WEIGHTS_FIX)
+        finally:
+            if report.missing:
+                source.close()
 
 
 def _model_like(module: nn.Module) -> nn.Module | None:
