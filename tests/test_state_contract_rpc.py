@@ -116,7 +116,8 @@ def test_meta_model_checkpoints_during_and_after_fit_hold_the_trained_values_and
     for step in (EVERY, STEPS):
         name = f"epoch={step // EVERY - 1}-step={step}.ckpt"
         assert (tmp_path / "rpc" / name / ".metadata").is_file()
-        got, want = one_file(tmp_path / "rpc" / name, tmp_path), torch.load(tmp_path / "local" / name, weights_only=False)
+        got = one_file(tmp_path / "rpc" / name, tmp_path)
+        want = torch.load(tmp_path / "local" / name, weights_only=False)
         assert got["global_step"] == want["global_step"] == step
         for key, value in want["state_dict"].items():
             torch.testing.assert_close(got["state_dict"][key], value, atol=1e-5, rtol=0, msg=f"step {step}: {key}")
