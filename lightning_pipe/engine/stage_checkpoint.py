@@ -3,8 +3,10 @@
 In launched mode every process writes its own part of a checkpoint folder (torch.distributed.checkpoint,
 a collective over the whole world) and reads only its own part of one, so no process ever holds a
 whole model or a whole optimizer state. The coordinator starts both with a control call that every
-rank serves at once (`lightning_pipe.weights.sharded`, `lightning_pipe.weights.checkpoint`). Keys are
-the LightningModule's: ``prefix`` (the pipelined module's path, ``"model."``) before a shard's own names.
+rank serves at once (`lightning_pipe.weights.sharded`, `lightning_pipe.weights.checkpoint`). Under
+``transport="rpc"`` the ranks share no process group with the coordinator: it carries DCP's plans over two
+control calls, ``plan_part`` and ``write_part`` (`lightning_pipe.weights.sharded_steps`); the folder is the
+same. Keys are the LightningModule's: ``prefix`` (the pipelined module's path, ``"model."``) before a shard's own names.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from torch.distributed.tensor import DTensor
 
 from lightning_pipe.engine.stage_state import StageStateCalls
 from lightning_pipe.weights.checkpoint import OptimizerLayout, open_checkpoint
-from lightning_pipe.weights.sharded import OptimizerPart, save_sharded
+from lightning_pipe.weights.sharded import OptimizerPart, save_sharded, sharded_state
+from lightning_pipe.weights.sharded_steps import FolderPart
 
 
 @dataclass
@@ -34,11 +37,13 @@ class CoordinatorPart:
 
 
 class StageCheckpoint:
-    """Serves ``save_sharded`` and ``load_optimizer_from`` over the worker's shards and its optimizer."""
+    """Serves ``save_sharded``, ``plan_part``, ``write_part`` and ``load_optimizer_from`` over the worker's shards
+    and its optimizer."""
 
     def __init__(self, shards: dict[int, Any], state: StageStateCalls) -> None:
         self.shards = shards
         self.state = state
+        self.part: FolderPart | None = None  # a folder being written step by step (between plan_part and write_part)
 
 
     def _model(self, prefix: str) -> dict[str, torch.Tensor]:
@@ -60,6 +65,19 @@ class StageCheckpoint:
             state = {**self._optimizer_state(prefix), **part.optimizer_state}
             optimizers.append(OptimizerPart(state, part.groups, part.layout))
         save_sharded(path, model, optimizers, part.meta)
+
+    def call_plan_part(self, path: str, prefix: str, index: int) -> Any:
+        """Plan this rank's part of the folder ``path`` as participant ``index`` (DCP's local plan, returned)."""
+        optimizers = [OptimizerPart(self._optimizer_state(prefix))] if self.state.has_optimizer() else []
+        self.part = FolderPart(path, sharded_state(self._model(prefix), optimizers), index)
+        return self.part.plan()
+
+    def call_write_part(self, plan: Any) -> list[Any]:
+        """Write the part `call_plan_part` planned, as the global ``plan`` says; DCP's write results."""
+        part, self.part = self.part, None
+        if part is None:
+            raise RuntimeError("write_part without plan_part: the coordinator plans a folder before writing it")
+        return part.write(plan)
 
     def call_load_optimizer_from(
         self,

@@ -179,6 +179,14 @@ class StageProtocol:
         """Write this process's part of the folder ``path`` (every process of the world at once)."""
         self._checkpoint.call_save_sharded(path, prefix, coordinator)
 
+    def plan_part(self, path: str, prefix: str, index: int) -> Any:
+        """Plan this rank's part of the folder ``path`` as participant ``index`` (rpc: DCP's local plan, returned)."""
+        return self._checkpoint.call_plan_part(path, prefix, index)
+
+    def write_part(self, plan: Any) -> list[Any]:
+        """Write the part `plan_part` planned, as the global ``plan`` says; DCP's write results."""
+        return self._checkpoint.call_write_part(plan)
+
     def load_optimizer_from(
         self,
         path: str,

@@ -4,12 +4,11 @@ The module's state keeps the unsplit keys (a plain Trainer loads it). The stages
 the top-level key ``"lightning_pipe"`` (``{"random_state": Pipeline.random_state()}``), which a plain Trainer
 ignores. Two ways, by where the state lives:
 
-- one process holds the model (local and rpc mode, a model with values): Lightning reads and writes the whole
-  checkpoint; where the stages own their parameters (rpc) their values are copied into the LightningModule first
-  and each optimizer's state comes from its stages (`StageOptimization`);
-- memory follows the stage (launched mode, a sharded folder, a model built on meta): a checkpoint is opened
+- one process holds the model (local mode, a model with values): Lightning reads and writes the whole checkpoint;
+- memory follows the stage (launched and rpc mode, a sharded folder, a model built on meta): a checkpoint is opened
   rather than loaded (`Resume`): each stage reads its own tensors when it is built and its own optimizer state;
-  launched mode writes a sharded folder, every process its own part (`lightning_pipe.strategy.checkpoint_writer`).
+  launched mode writes a sharded folder, every process its own part (`lightning_pipe.strategy.checkpoint_writer`),
+  rpc mode the same folder, each worker its stage (`lightning_pipe.strategy.rpc_checkpoints`).
 """
 
 from __future__ import annotations
@@ -59,7 +58,8 @@ class Checkpoints:
 
     # reading
     def opens_itself(self, path: Any, launched: bool, lightning_module: nn.Module | None) -> bool:
-        """Whether ``path`` is opened and read part by part (else Lightning loads it whole)."""
+        """Whether ``path`` is opened and read part by part (else Lightning loads it whole); ``launched``: the stages
+        own their parameters (launched and rpc mode), so each reads its own."""
         on_meta_now = lightning_module is not None and on_meta(lightning_module)
         return launched or is_distributed_checkpoint(path) or on_meta_now
 
@@ -118,7 +118,8 @@ class Checkpoints:
     def load_optimizers(
         self, optimizers: list[torch.optim.Optimizer], states: list[Any], lightning_module: nn.Module, launched: bool
     ) -> None:
-        """A checkpoint's optimizer states, each where its parameters live (the stages' once they exist)."""
+        """A checkpoint's optimizer states, each where its parameters live (the stages' once they exist); ``launched``:
+        the stages own their parameters (launched and rpc mode), so each reads its own state, nothing is gathered."""
         resume = self.resume
         if resume is None:
             self.load_optimizer_states(optimizers, states)
@@ -130,7 +131,7 @@ class Checkpoints:
             self.load_optimizer_states(optimizers, resume.optimizer_states(layouts))
             return
         stage_params = self.optimization.stage_params
-        assert stage_params is not None, "launched mode: the stages own their parameters"
+        assert stage_params is not None, "launched and rpc mode: the stages own their parameters"
         pipelined = self.builder.pipelined
         assert pipelined is not None
         prefix, aliases = self.builder.prefix(lightning_module), aliases_of(pipelined)

@@ -23,11 +23,15 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_pipe.engine.stage_checkpoint import CoordinatorPart
+from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.strategy.building import PipelineBuilder, prefix_of
 from lightning_pipe.strategy.checkpoint_writer import write_sharded, write_single_file
 from lightning_pipe.strategy.checkpoints import Checkpoints
+from lightning_pipe.strategy.layout import LOCAL, RPC
 from lightning_pipe.strategy.patch import patch
 from lightning_pipe.strategy.processes import ProcessStrategy
+from lightning_pipe.strategy.rpc_checkpoints import RpcCheckpoints
+from lightning_pipe.weights import on_meta
 from lightning_pipe.weights.keys import visible
 
 
@@ -48,6 +52,7 @@ class ModelStateStrategy(ProcessStrategy):
         super().__init__(*args, **kwargs)
         self.checkpoints = checkpoints
         self.builder = builder
+        self.rpc_checkpoints = RpcCheckpoints()  # rpc mode: checkpoints the workers write
 
     # where a model's tensors are made
     @contextmanager
@@ -84,7 +89,7 @@ class ModelStateStrategy(ProcessStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         visible(checkpoint_path, "ckpt_path")  # every process reads it itself: here, or it names this host
-        if self.checkpoints.opens_itself(checkpoint_path, self.world is not None, self.lightning_module):
+        if self.checkpoints.opens_itself(checkpoint_path, self.mode.stages_own_parameters, self.lightning_module):
             return self.checkpoints.open(checkpoint_path, weights_only, len(self.optimizers) or 1)
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         self.checkpoints.loaded(checkpoint)
@@ -105,19 +110,19 @@ class ModelStateStrategy(ProcessStrategy):
         lightning_module = self.lightning_module
         assert lightning_module is not None
         states = checkpoint["optimizer_states"]
-        self.checkpoints.load_optimizers(self.optimizers, states, lightning_module, self.world is not None)
+        self.checkpoints.load_optimizers(self.optimizers, states, lightning_module, self.mode.name != LOCAL)
 
     # writing
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        if self.world is not None:
+        if self.world is not None or self._workers_write():
             return {}  # each process writes its own stage (`save_checkpoint`); nothing is gathered here
         self.checkpoints.before_module_state()
         return super().lightning_module_state_dict()
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        if self.world is not None:
+        if self.world is not None or self._workers_write():
             return {}  # as above: the stages write their own
         state = self.checkpoints.optimizer_state(optimizer)
         return state if state is not None else super().optimizer_state(optimizer)
@@ -126,6 +131,12 @@ class ModelStateStrategy(ProcessStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any = None) -> None:
         checkpoint = self.checkpoints.saving(checkpoint)
         world, lightning_module = self.world, self.lightning_module
+        if self.mode.name == RPC and lightning_module is not None and self._workers_write(lightning_module):
+            prefix = prefix_of(lightning_module, self.builder.find(lightning_module))
+            part = self._coordinator_part(lightning_module, prefix)
+            single_file = not self.config.save_distributed_checkpoint
+            self.rpc_checkpoints.save(checkpoint, Path(filepath), prefix, part, self.builder.pipeline, single_file)
+            return
         if world is None or lightning_module is None:
             super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
             return
@@ -144,6 +155,33 @@ class ModelStateStrategy(ProcessStrategy):
         else:
             write_single_file(save, path, first)
         self.barrier("PipeStrategy.save_checkpoint")
+
+    def _workers_write(self, lightning_module: nn.Module | None = None) -> bool:
+        """rpc mode: whether the stage workers write this checkpoint (`RpcCheckpoints`); a model built on meta
+        has nothing to write before its stages exist."""
+        if self.mode.name != RPC:
+            return False
+        if self.rpc_checkpoints.writes(self.builder.pipeline):
+            return True
+        if lightning_module is not None and on_meta(lightning_module):
+            raise ConfigurationError(
+                "PipeStrategy(transport='rpc'): the model was built on the meta device and no stage made its "
+                "tensors yet; save a checkpoint during or after a fit"
+            )
+        return False
+
+    def keep_stages(self) -> None:
+        """rpc mode, at the end of a fit of a model built on meta: the workers write their trained stages for the
+        checkpoints written after it (before they stop; `RpcCheckpoints.keep`)."""
+        if self.mode.name != RPC:
+            return
+        self.rpc_checkpoints.forget()  # the last fit's
+        pipeline, lightning_module = self.builder.pipeline, self.lightning_module
+        stage_params = self.checkpoints.optimization.stage_params
+        trained = stage_params is not None and bool(stage_params.views)
+        if trained and pipeline is not None and lightning_module is not None and on_meta(lightning_module):
+            prefix = prefix_of(lightning_module, self.builder.find(lightning_module))
+            self.rpc_checkpoints.keep(pipeline, prefix, self._coordinator_part(lightning_module, prefix))
 
     def _coordinator_part(self, lightning_module: nn.Module, prefix: str) -> CoordinatorPart:
         """What this coordinator's process adds to a checkpoint: the tensors outside the pipelined module, their

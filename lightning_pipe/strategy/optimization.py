@@ -14,7 +14,6 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
 from lightning_pipe.grads import GradStash
@@ -139,12 +138,7 @@ class StageOptimization:
         module has values to take them (``has_values``: one built on meta keeps none, this process holds no stage)."""
         if self.stage_params is None or not self.stage_params.views or pipeline is None:
             return
-        if not has_values:
-            rank_zero_warn(
-                "PipeStrategy(transport='rpc'): the model was built on the meta device, so this process holds no "
-                "stage; the trained values lived in the worker processes, which stop now. Save a checkpoint during "
-                "the fit (a ModelCheckpoint callback) to keep them"
-            )
+        if not has_values:  # a model built on meta: the workers wrote their stages for checkpoints after the fit
             self.forget_stages()
             return
         pipeline.sync_module()

@@ -309,6 +309,7 @@ class PipeStrategy(StepHooksStrategy):
             self.builder.keep_trace()  # execution_trace() after this fit/validate/test/predict
             self.steps.end_stream()
             self.random.keep(self.builder.pipeline)
+            self.keep_stages()  # rpc mode, a model built on meta: its trained stages, for a checkpoint after fit
         finally:
             self._shutdown()
         super().teardown()

@@ -42,6 +42,13 @@ def save_sharded(
     import torch.distributed.checkpoint as dcp
 
     folder = Path(path)
+    dcp.save(sharded_state(model, optimizers), checkpoint_id=folder, process_group=group)
+    if extra is not None:
+        torch.save(extra, folder / META_FILE)
+
+
+def sharded_state(model: dict[str, Any], optimizers: list[OptimizerPart]) -> dict[str, Any]:
+    """What a process gives DCP of its part: its tensors under `MODEL`, each optimizer's part under its key."""
     state: dict[str, Any] = {MODEL: model}
     for index, part in enumerate(optimizers):
         entry: dict[str, Any] = {"state": part.state}
@@ -50,9 +57,7 @@ def save_sharded(
         if part.layout is not None:
             entry["layout"] = [list(keys) for keys in part.layout]
         state[optimizer_key(index)] = entry
-    dcp.save(state, checkpoint_id=folder, process_group=group)
-    if extra is not None:
-        torch.save(extra, folder / META_FILE)
+    return state
 
 
 def prepare_folder(path: PathLike) -> Path:

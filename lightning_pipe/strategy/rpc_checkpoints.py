@@ -1,0 +1,119 @@
+"""`RpcCheckpoints`: checkpoints under ``transport="rpc"``, written by the stage workers, never gathered.
+
+rpc mode keeps launched mode's memory contract: the script's process holds the LightningModule's tensors
+outside the pipeline (and, with the coordinator's rank, the last stage), each worker process its own stage
+and that stage's optimizer state. A checkpoint is therefore written where the state lives: every worker its
+stage, the script's process the tensors outside the pipeline, the optimizers' groups and parameter order and
+Lightning's loop and callback state, all into one torch.distributed.checkpoint folder (the format launched
+mode writes; the workers share no process group with the script's process, so the coordinator carries DCP's
+plans over its control calls: `lightning_pipe.weights.sharded_steps`). As in launched mode,
+``PipeStrategy(save_distributed_checkpoint=False)`` makes one ``torch.save`` file of that folder a tensor at a
+time (`lightning_pipe.strategy.checkpoint_writer.write_single_file`); the default writes the folder at the path
+(``ModelCheckpoint``'s ``epoch=0-step=2.ckpt`` is a folder then).
+
+After ``fit`` the workers are gone. A model built eagerly holds its trained values in the script's process
+again (`StageOptimization.fold`), and Lightning writes it as usual. A model built on meta does not: at the end
+of its fit the workers write their trained stages into a private folder (`keep`), and a checkpoint written
+after the fit is made from that folder with Lightning's state of that moment (`write_kept`).
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import weakref
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_pipe.engine import StageProtocol
+from lightning_pipe.engine.stage_checkpoint import CoordinatorPart
+from lightning_pipe.pipeline import Pipeline
+from lightning_pipe.strategy.checkpoint_writer import write_single_file
+from lightning_pipe.weights.checkpoint import META_FILE
+from lightning_pipe.weights.consolidate import consolidate
+from lightning_pipe.weights.sharded import OptimizerPart, prepare_folder, sharded_state
+from lightning_pipe.weights.sharded_steps import FolderPart
+
+
+def lightning_state(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """What a folder keeps in ``meta.pt``: Lightning's checkpoint without the tensors the stages write."""
+    return {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+
+
+def write_folder(folder: Path, prefix: str, meta: dict[str, Any] | None, part: CoordinatorPart,
+                 pipeline: Pipeline) -> None:  # fmt: skip
+    """The sharded folder ``folder``: each rank of ``pipeline`` writes its stage (keys after ``prefix``), this
+    process ``part`` and ``meta`` (Lightning's state; None: none)."""
+    prepare_folder(folder)
+    optimizers = [OptimizerPart(part.optimizer_state, part.groups, part.layout)] if part.layout is not None else []
+    own = FolderPart(folder, sharded_state(part.model, optimizers), 0)
+    mine = own.plan()
+    coordinator = pipeline.coordinator
+    theirs = coordinator.stages.call_each(
+        StageProtocol.plan_part, [(r + 1,) for r in range(coordinator.num_ranks)], str(folder), prefix
+    )
+    plans, metadata = own.global_plan([mine, *theirs])
+    written = coordinator.stages.call_each(StageProtocol.write_part, [(plan,) for plan in plans[1:]])
+    own.finish(metadata, [own.write(plans[0]), *written])
+    if meta is not None:
+        torch.save(meta, folder / META_FILE)
+
+
+class RpcCheckpoints:
+    """Writes rpc mode's checkpoints (see the module's docstring); holds the folder a meta-built model's fit left."""
+
+    def __init__(self) -> None:
+        self.kept: Path | None = None  # the trained stages of the last fit of a model built on meta
+        self._cleanup: weakref.finalize | None = None
+
+    def writes(self, pipeline: Pipeline | None) -> bool:
+        """Whether a checkpoint now comes from the workers (a fit runs) or the folder they left (it ended)."""
+        return pipeline is not None or self.kept is not None
+
+    def save(self, checkpoint: dict[str, Any], path: Path, prefix: str, part: CoordinatorPart,
+             pipeline: Pipeline | None, single_file: bool) -> None:  # fmt: skip
+        """``checkpoint`` (Lightning's state; its tensors are the stages') at ``path``: a folder, or one file."""
+        meta = lightning_state(checkpoint)
+        if pipeline is None:
+            self.write_kept(path, meta, single_file)
+            return
+
+        def save(folder: Path) -> None:
+            write_folder(folder, prefix, meta, part, pipeline)
+
+        if single_file:
+            write_single_file(save, path, first=True)
+        else:
+            save(path)
+
+    def keep(self, pipeline: Pipeline, prefix: str, part: CoordinatorPart) -> None:
+        """At the end of a fit of a model built on meta: the workers write their trained stages (before they stop)
+        into a private folder, removed at the next fit or when this process exits."""
+        self.forget()
+        root = Path(tempfile.mkdtemp(prefix="lightning_pipe-rpc-"))
+        self._cleanup = weakref.finalize(self, shutil.rmtree, root, True)
+        self.kept = root / "trained"
+        write_folder(self.kept, prefix, None, part, pipeline)
+
+    def write_kept(self, path: Path, meta: dict[str, Any], single_file: bool) -> None:
+        """A checkpoint after the fit: the kept folder with Lightning's state ``meta``, copied or made one file."""
+        assert self.kept is not None
+        torch.save(meta, self.kept / META_FILE)
+        if single_file:
+            if path.is_dir():
+                shutil.rmtree(path)
+            elif path.exists():
+                path.unlink()
+            path.parent.mkdir(parents=True, exist_ok=True)
+            consolidate(self.kept, path)
+        else:
+            prepare_folder(path)
+            shutil.copytree(self.kept, path, dirs_exist_ok=True)
+
+    def forget(self) -> None:
+        """A new fit: the last fit's folder goes."""
+        if self._cleanup is not None:
+            self._cleanup()
+        self.kept, self._cleanup = None, None
