@@ -49,13 +49,17 @@ def make_data(batches: int) -> TensorDataset:
 
 
 def parse_case(case: str) -> dict:
-    """``s2-adam-1f1b-acc2-clip``: stages, optimizer, schedule, accumulation 2, clipping; ``save`` writes a
-    checkpoint after the fit, ``resume`` resumes from the case's ``--resume`` checkpoint for one more step."""
+    """``s2-adam-1f1b-acc2-clip``: pipeline ranks, optimizer, schedule, accumulation 2, clipping; ``save`` writes a
+    checkpoint after the fit, ``resume`` resumes from the case's ``--resume`` checkpoint for one more step.
+    ``s2-sgd-looped_bfs-v2-m8``: schedule ``looped-bfs`` (``_`` for ``-``), two stages per rank, 8 microbatches."""
     parts = case.split("-")
+    option = {p[0]: int(p[1:]) for p in parts[3:] if p[:1] in ("v", "m") and p[1:].isdigit()}
     return {
         "stages": int(parts[0][1:]),
         "optimizer": parts[1],
-        "schedule": parts[2],
+        "schedule": parts[2].replace("_", "-"),
+        "virtual": option.get("v", 1),
+        "microbatches": option.get("m", 2),
         "accumulate": 2 if "acc2" in parts else 1,
         "clip": 0.05 if "clip" in parts else None,
         "save": "save" in parts,
@@ -120,7 +124,13 @@ def main() -> None:
             accelerator=args.accelerator,
             devices=args.devices,
             num_nodes=args.num_nodes,
-            strategy=PipeStrategy(stages=case["stages"], microbatches=2, schedule=case["schedule"], timeout=60),
+            strategy=PipeStrategy(
+                stages=case["stages"] * case["virtual"],
+                virtual_stages=case["virtual"],
+                microbatches=case["microbatches"],
+                schedule=case["schedule"],
+                timeout=60,
+            ),  # fmt: skip
             max_steps=steps,
             accumulate_grad_batches=case["accumulate"],
             gradient_clip_val=case["clip"],

@@ -134,6 +134,17 @@ def test_torchrun_trains_1x4_and_2x2(tmp_path: Path) -> None:
         check_trained(tmp_path, name, coordinators(name))
 
 
+def test_two_processes_run_the_v_shaped_interleaved_and_breadth_first_schedules(tmp_path: Path) -> None:
+    """One pipeline of 2 processes, 2 stages each: zbv and dualpipev in a V (stages 0 and 3 in rank 0),
+    interleaved-zero-bubble and looped-bfs looped; microbatches 2p and 4p; SGD and Adam."""
+    cases = ["s2-sgd-zbv-v2-m4", "s2-adam-dualpipev-v2-m8", "s2-adam-interleaved_zero_bubble-v2-m8",
+             "s2-sgd-looped_bfs-v2-m4"]  # fmt: skip
+    run = lightning_launch(SCRIPT, ["--devices", "2", "--cases", ",".join(cases), "--out", str(tmp_path)])
+    assert_ok(run)
+    for name in cases:
+        check_trained(tmp_path, name, coordinators(name, processes=2))
+
+
 def test_two_slurm_nodes_simulated_on_one_machine(tmp_path: Path) -> None:
     """num_nodes=2, devices=2 under SLURM's variables: a pipeline per node (2 x 2), then plain DDP (4 x 1)."""
     cases = ["s2-adam-1f1b", "s1-sgd-gpipe"]

@@ -96,7 +96,10 @@ class ProcessStrategy(ParallelStrategy):
         assert self.parallel_devices is not None and environment is not None
         devices = self.parallel_devices
         global_rank = self.node_rank * len(devices) + self.local_rank
-        layout = Layout.of(self.processes, global_rank, self.stages or len(devices), self.virtual_stages, len(devices))
+        stages = self.stages or len(devices)
+        layout = Layout.of(
+            self.processes, global_rank, stages, self.virtual_stages, len(devices), self.rank_placement()
+        )
         if self.world is None or (self.world.layout, self.world.devices) != (layout, devices):
             self.world = LaunchedWorld(layout, devices, self.timeout, self.runner, self.virtual_stages, self.stage)
         environment.set_global_rank(global_rank)
@@ -128,12 +131,16 @@ class ProcessStrategy(ParallelStrategy):
         self.setup_environment()
         self.world.serve()
 
-    def resolve_devices(self, placement: str = LOOP) -> list[str]:
-        """One device per stage, from ``devices``, the Trainer's devices or cpu (``placement``: the schedule's)."""
+    def rank_placement(self) -> str:
+        """Which rank holds each stage (`lightning_pipe.schedule.placement`); `PipeStrategy` answers its schedule's."""
+        return LOOP
+
+    def resolve_devices(self) -> list[str]:
+        """One device per stage, from ``devices``, the Trainer's devices or cpu."""
         if self.stage_devices is not None:
             return self.stage_devices
         if self.world is not None:  # launched mode: a stage per process of this replica's pipeline
-            return self.world.stage_devices(placement)
+            return self.world.stage_devices(self.rank_placement())
         trainer_devices = [str(d) for d in (self.parallel_devices or [torch.device("cpu")])]
         if all(d == "cpu" for d in trainer_devices):
             return ["cpu"] * (self.stages or len(trainer_devices))

@@ -201,11 +201,12 @@ class PipeStrategy(StepHooksStrategy):
         """The coordinator's device: where the last stage's output and the loss live (launched: this process's)."""
         if self.world is not None:
             return self.world.root_device
-        return self.builder.coordinator_device(self._stage_devices())
+        return self.builder.coordinator_device(self.resolve_devices())
 
-    def _stage_devices(self) -> list[str]:
-        """One device per stage, the stages placed on the ranks as the schedule says."""
-        return self.resolve_devices(self.builder.rank_placement)
+    @override
+    def rank_placement(self) -> str:
+        """Which rank holds each stage: the schedule's placement (``v`` for ``zbv`` and ``dualpipev``)."""
+        return self.builder.rank_placement
 
     # setup and teardown
     @override
@@ -223,7 +224,7 @@ class PipeStrategy(StepHooksStrategy):
                 "set self.automatic_optimization = True"
             )
         placement = Placement(
-            self._stage_devices(), self.root_device, autocast_of(self.precision_plugin), self._transport, self._built
+            self.resolve_devices(), self.root_device, autocast_of(self.precision_plugin), self._transport, self._built
         )
         pipelined = self.builder.setup(lightning_module, placement)
         seed = run_seed()
@@ -346,7 +347,7 @@ class PipeStrategy(StepHooksStrategy):
         `lightning_pipe.memory.MemoryPlan`. ``checkpoint="auto"`` is planned without recomputation: the
         plan it starts from (it recomputes where a device's free memory is short of it).
         """
-        return self.builder.plan(model, sample_batch, len(self._stage_devices()), self.microbatches, verbose)
+        return self.builder.plan(model, sample_batch, len(self.resolve_devices()), self.microbatches, verbose)
 
     def runtime_hook(self, name: str, *args: Any) -> None:
         """Call ``runtime.<name>`` on every stage (skipped when no stage's runtime overrides it)."""
