@@ -127,7 +127,8 @@ def test_lightning_launcher_trains_like_the_unsplit_model_on_the_global_batch(tm
 
 
 def test_torchrun_trains_1x4_and_2x2(tmp_path: Path) -> None:
-    cases = ["s4-adam-gpipe", "s2-sgd-1f1b"]
+    """2 x 2 also with zbv: each process holds two stages of a V, each replicated with DDP."""
+    cases = ["s4-adam-gpipe", "s2-sgd-1f1b", "s2-adam-zbv-v2-m4"]
     run = torchrun(SCRIPT, ["--devices", "4", "--cases", ",".join(cases), "--out", str(tmp_path)])
     assert_ok(run)
     for name in cases:
