@@ -214,7 +214,8 @@ def test_pretrained_safetensors_weights_are_read_per_stage(tmp_path: Path) -> No
 
 def test_fsdp_refuses_split_backwards_and_one_file_before_any_work() -> None:
     for schedule in ("zero-bubble", "interleaved-zero-bubble", "zbv", "dualpipev"):
-        with pytest.raises(ConfigurationError, match=f"schedule='{schedule}'.*splits backwards.*'looped-bfs' with FSDP"):
+        refused = f"schedule='{schedule}'.*splits backwards.*'looped-bfs' with FSDP"
+        with pytest.raises(ConfigurationError, match=refused):
             PipeStrategy(data_parallel="fsdp", schedule=schedule)
     PipeStrategy(data_parallel="fsdp", schedule="looped-bfs")  # a full backward: FSDP runs it
     with pytest.raises(ConfigurationError, match="consolidate"):

@@ -45,9 +45,10 @@ class PipeStrategy(StepHooksStrategy):
         stages: number of stages; default: one per device.
         microbatches: how many pieces each batch is cut into (along dimension 0).
         schedule: ``"gpipe"`` (all forwards, then losses, then backwards), ``"1f1b"``,
-            ``"interleaved-1f1b"``, ``"zero-bubble"``, ``"async"`` (no flush between batches, each stage
-            steps its own copy of the ``configure_optimizers`` optimizer with weight stashing; transport
-            ``"local"``; `staleness` reports what it measured), a `Schedule` subclass or a function
+            ``"interleaved-1f1b"``, ``"zero-bubble"``, ``"looped-bfs"``, ``"interleaved-zero-bubble"``,
+            ``"zbv"``, ``"dualpipev"`` (the last two with ``virtual_stages=2``), ``"async"`` (no flush between
+            batches, each stage steps its own copy of the ``configure_optimizers`` optimizer with weight stashing;
+            transport ``"local"``; `staleness` reports what it measured), a `Schedule` subclass or a function
             returning per-rank action lists (see docs/schedules.md).
         partition: ``"uniform"``, ``"params"``, ``"memory"``, ``"time"``, layer counts such as
             ``[3, 5]``, or a `Partitioner`.
@@ -81,8 +82,9 @@ class PipeStrategy(StepHooksStrategy):
         compress: with ``transport="rpc"``, how activations and gradients cross between processes:
             ``None``, ``"bf16"`` / ``"fp16"`` (lossy casts), ``"zstd"`` (lossless, extra ``compress``),
             ``"bf16+zstd"``, ``"fp16+zstd"`` or a codec object (`lightning_pipe.comm.compress.Codec`).
-        virtual_stages: stages per worker (``interleaved-1f1b``): stage ``s`` runs on worker
-            ``s % (stages // virtual_stages)``.
+        virtual_stages: stages per worker (``interleaved-1f1b`` and the other chunked schedules): stage ``s``
+            runs on worker ``s % (stages // virtual_stages)``, or in a V (``zbv``, ``dualpipev``: stages ``r`` and
+            ``2P - 1 - r`` on worker ``r``).
         runner: ``"parallel"`` (a thread per worker, fixed order), ``"dataflow"`` (each worker runs
             whichever action is ready) or ``"linear"`` (one thread walks one global order).
         trace: a path for the Chrome trace (pipeline timeline) of training steps 1-3, or a `PipeTrace`
