@@ -51,7 +51,9 @@ def make_data(batches: int) -> TensorDataset:
 def parse_case(case: str) -> dict:
     """``s2-adam-1f1b-acc2-clip``: pipeline ranks, optimizer, schedule, accumulation 2, clipping; ``save`` writes a
     checkpoint after the fit, ``resume`` resumes from the case's ``--resume`` checkpoint for one more step.
-    ``s2-sgd-looped_bfs-v2-m8``: schedule ``looped-bfs`` (``_`` for ``-``), two stages per rank, 8 microbatches."""
+    ``s2-sgd-looped_bfs-v2-m8``: schedule ``looped-bfs`` (``_`` for ``-``), two stages per rank, 8 microbatches;
+    ``tok``: a masked loss, the mean over the rows whose target is labelled (`masked_mse`), microbatches weighted
+    by their labelled rows."""
     parts = case.split("-")
     option = {p[0]: int(p[1:]) for p in parts[3:] if p[:1] in ("v", "m") and p[1:].isdigit()}
     return {
@@ -61,6 +63,7 @@ def parse_case(case: str) -> dict:
         "virtual": option.get("v", 1),
         "microbatches": option.get("m", 2),
         "accumulate": 2 if "acc2" in parts else 1,
+        "masked": "tok" in parts,
         "clip": 0.05 if "clip" in parts else None,
         "save": "save" in parts,
         "resume": "resume" in parts,
@@ -82,16 +85,32 @@ class Killer(nn.Module):
         return x
 
 
+def labelled(y: torch.Tensor) -> torch.Tensor:
+    """The rows of a target that count (a token-weighted loss's labelled tokens): about half, some microbatches none."""
+    return y[:, 0] > 0
+
+
+def masked_mse(output: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The mean squared error over the labelled rows only."""
+    valid = labelled(y).float()
+    return (((output - y) ** 2).mean(dim=1) * valid).sum() / valid.sum()
+
+
+def labelled_rows(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return labelled(batch[1]).sum()
+
+
 class Net(L.LightningModule):
-    def __init__(self, optimizer: str = "sgd", killer: nn.Module | None = None) -> None:
+    def __init__(self, optimizer: str = "sgd", killer: nn.Module | None = None, masked: bool = False) -> None:
         super().__init__()
         model = make_model()
         self.model = nn.Sequential(killer, *model) if killer is not None else model
         self.optimizer = optimizer
+        self.loss = masked_mse if masked else F.mse_loss
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        loss = F.mse_loss(self.model(x), y)
+        loss = self.loss(self.model(x), y)
         self.log("train_loss", loss, sync_dist=True)
         return loss
 
@@ -118,7 +137,7 @@ def main() -> None:
         replicas = args.devices * args.num_nodes // case["stages"]
         L.seed_everything(0, verbose=False)
         killer = Killer(args.kill_rank, args.kill_call, str(out / "killed-at")) if args.kill_rank is not None else None
-        model = Net(case["optimizer"], killer)
+        model = Net(case["optimizer"], killer, case["masked"])
         steps = STEPS + 1 if case["resume"] else STEPS
         trainer = L.Trainer(
             accelerator=args.accelerator,
@@ -130,6 +149,7 @@ def main() -> None:
                 microbatches=case["microbatches"],
                 schedule=case["schedule"],
                 timeout=60,
+                microbatch_weight=labelled_rows if case["masked"] else None,
             ),  # fmt: skip
             max_steps=steps,
             accumulate_grad_batches=case["accumulate"],
