@@ -106,6 +106,7 @@ def test_interleaved_zero_bubble_beats_interleaved_1f1b() -> None:
             zb = get_schedule("interleaved-zero-bubble")(ranks, microbatches, 2)
             plain = get_schedule("interleaved-1f1b")(ranks, microbatches, 2)
             assert zb.bubble() < plain.bubble()
+            assert zb.peak_activations() == [2 * ranks] * ranks  # ranks whole stages: ZB-H1's (1F1B's rank 0)
             assert {a.stage for a in zb.actions()[0]} == {0, ranks}
     with pytest.raises(ScheduleError, match="microbatches=5 is not a multiple of 2"):
         get_schedule("interleaved-zero-bubble")(2, 5, 2)
