@@ -1,6 +1,7 @@
 """A HuggingFace GPT-2 trained from pretrained weights in safetensors, built on meta, 1 x 4 in launched mode.
 
-``python hf_weights_train.py --weights FOLDER --report OUT [--plain]``: the model of ``examples/causal_lm.py``
+``python hf_weights_train.py --weights FOLDER --report OUT [--plain] [--schedule zbv --devices 2 --virtual-stages 2
+--microbatches 4]``: the model of ``examples/causal_lm.py``
 from ``save_pretrained`` weights; every process writes its losses (the coordinator's), the keys its stage
 read from the weights and the keys its stage holds. ``--plain`` trains the same model loaded with
 ``from_pretrained`` in a plain Trainer, on the rows in the order Lightning's distributed sampler gives them.
@@ -41,6 +42,10 @@ def main() -> None:
     parser.add_argument("--report", required=True)
     parser.add_argument("--plain", action="store_true")
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--schedule", default="1f1b")
+    parser.add_argument("--devices", type=int, default=4, help="processes: one pipeline rank each")
+    parser.add_argument("--virtual-stages", type=int, default=1, help="stages per process")
+    parser.add_argument("--microbatches", type=int, default=2)
     args = parser.parse_args()
     transformers.logging.set_verbosity_error()
     L.seed_everything(0, verbose=False)
@@ -57,9 +62,10 @@ def main() -> None:
         loader = DataLoader(rows, batch_size=8, collate_fn=collate, sampler=DistributedSampler(rows, 1, 0, seed=0))
     else:
         strategy = PipeStrategy(
-            stages=4, microbatches=2, weights=args.weights, microbatch_weight=labelled_tokens, module="model"
-        )
-        trainer = L.Trainer(devices=4, strategy=strategy, **common)
+            stages=args.devices * args.virtual_stages, virtual_stages=args.virtual_stages, schedule=args.schedule,
+            microbatches=args.microbatches, weights=args.weights, microbatch_weight=labelled_tokens, module="model",
+        )  # fmt: skip
+        trainer = L.Trainer(devices=args.devices, strategy=strategy, **common)
         with trainer.init_module(empty_init=True):
             model = CausalLM()
         loader = DataLoader(rows, batch_size=8, collate_fn=collate)

@@ -31,11 +31,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lightning_pipe import PipeStrategy  # noqa: E402
 
 GLOBAL_BATCH = 16
+DROPOUT = 0.3
 STEPS = 3
 FEATURES, OUTPUTS = 8, 4
 
 
-def make_model() -> nn.Sequential:
+def make_model(dropout: float = 0.0) -> nn.Sequential:
+    if dropout:  # a dropout in every one of 4 stages of 2 layers each
+        return nn.Sequential(
+            nn.Linear(FEATURES, 16), nn.Dropout(dropout), nn.Linear(16, 16), nn.Dropout(dropout),
+            nn.Linear(16, 16), nn.Dropout(dropout), nn.Dropout(dropout), nn.Linear(16, OUTPUTS),
+        )  # fmt: skip
     return nn.Sequential(
         nn.Linear(FEATURES, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
         nn.Linear(16, OUTPUTS),
@@ -49,14 +55,22 @@ def make_data(batches: int) -> TensorDataset:
 
 
 def parse_case(case: str) -> dict:
-    """``s2-adam-1f1b-acc2-clip``: stages, optimizer, schedule, accumulation 2, clipping; ``save`` writes a
-    checkpoint after the fit, ``resume`` resumes from the case's ``--resume`` checkpoint for one more step."""
+    """``s2-adam-1f1b-acc2-clip``: pipeline ranks, optimizer, schedule, accumulation 2, clipping; ``save`` writes a
+    checkpoint after the fit, ``resume`` resumes from the case's ``--resume`` checkpoint for one more step.
+    ``s2-sgd-looped_bfs-v2-m8``: schedule ``looped-bfs`` (``_`` for ``-``), two stages per rank, 8 microbatches;
+    ``tok``: a masked loss, the mean over the rows whose target is labelled (`masked_mse`), microbatches weighted
+    by their labelled rows; ``drop``: dropout in every stage, each stage recomputing its forward."""
     parts = case.split("-")
+    option = {p[0]: int(p[1:]) for p in parts[3:] if p[:1] in ("v", "m") and p[1:].isdigit()}
     return {
         "stages": int(parts[0][1:]),
         "optimizer": parts[1],
-        "schedule": parts[2],
+        "schedule": parts[2].replace("_", "-"),
+        "virtual": option.get("v", 1),
+        "microbatches": option.get("m", 2),
         "accumulate": 2 if "acc2" in parts else 1,
+        "masked": "tok" in parts,
+        "dropout": "drop" in parts,
         "clip": 0.05 if "clip" in parts else None,
         "save": "save" in parts,
         "resume": "resume" in parts,
@@ -78,16 +92,34 @@ class Killer(nn.Module):
         return x
 
 
+def labelled(y: torch.Tensor) -> torch.Tensor:
+    """The rows of a target that count (a token-weighted loss's labelled tokens): about half, some microbatches none."""
+    return y[:, 0] > 0
+
+
+def masked_mse(output: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The mean squared error over the labelled rows only."""
+    valid = labelled(y).float()
+    return (((output - y) ** 2).mean(dim=1) * valid).sum() / valid.sum()
+
+
+def labelled_rows(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return labelled(batch[1]).sum()
+
+
 class Net(L.LightningModule):
-    def __init__(self, optimizer: str = "sgd", killer: nn.Module | None = None) -> None:
+    def __init__(
+        self, optimizer: str = "sgd", killer: nn.Module | None = None, masked: bool = False, dropout: float = 0.0
+    ) -> None:
         super().__init__()
-        model = make_model()
+        model = make_model(dropout)
         self.model = nn.Sequential(killer, *model) if killer is not None else model
         self.optimizer = optimizer
+        self.loss = masked_mse if masked else F.mse_loss
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        loss = F.mse_loss(self.model(x), y)
+        loss = self.loss(self.model(x), y)
         self.log("train_loss", loss, sync_dist=True)
         return loss
 
@@ -114,13 +146,21 @@ def main() -> None:
         replicas = args.devices * args.num_nodes // case["stages"]
         L.seed_everything(0, verbose=False)
         killer = Killer(args.kill_rank, args.kill_call, str(out / "killed-at")) if args.kill_rank is not None else None
-        model = Net(case["optimizer"], killer)
+        model = Net(case["optimizer"], killer, case["masked"], DROPOUT if case["dropout"] else 0.0)
         steps = STEPS + 1 if case["resume"] else STEPS
         trainer = L.Trainer(
             accelerator=args.accelerator,
             devices=args.devices,
             num_nodes=args.num_nodes,
-            strategy=PipeStrategy(stages=case["stages"], microbatches=2, schedule=case["schedule"], timeout=60),
+            strategy=PipeStrategy(
+                stages=case["stages"] * case["virtual"],
+                virtual_stages=case["virtual"],
+                microbatches=case["microbatches"],
+                schedule=case["schedule"],
+                timeout=60,
+                microbatch_weight=labelled_rows if case["masked"] else None,
+                checkpoint="always" if case["dropout"] else "auto",
+            ),  # fmt: skip
             max_steps=steps,
             accumulate_grad_batches=case["accumulate"],
             gradient_clip_val=case["clip"],

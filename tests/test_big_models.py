@@ -210,6 +210,15 @@ def test_pretrained_safetensors_weights_are_read_per_stage(tmp_path: Path) -> No
         assert report["read"] == report["holds"], "a process read tensors that are not its stage's"
         held += report["holds"]
     assert "lm_head.weight" in held and len(set(held)) == len(held)  # every stage its own keys, once
+    # the V of zbv in 2 processes: the embedding (stage 0) and its tied head (stage 3) both in process 0
+    for schedule in ("zbv",):
+        folder = tmp_path / schedule
+        more = ["--schedule", schedule, "--devices", "2", "--virtual-stages", "2", "--microbatches", "4"]
+        run = lightning_launch(script, ["--weights", str(tmp_path / "weights"), "--report", str(folder), *more])
+        assert run.ok, run.output[-6000:]
+        got = reports(folder)
+        assert close(got[0]["losses"], want), f"{schedule}: {got[0]['losses']} != {want}"
+        assert all(set(report["read"]) <= set(report["holds"]) for report in got), schedule  # its own tensors only
 
 
 def test_fsdp_refuses_split_backwards_and_one_file_before_any_work() -> None:

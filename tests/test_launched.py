@@ -16,7 +16,7 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
-from launched_train import GLOBAL_BATCH, STEPS, Net, make_data, make_model, parse_case
+from launched_train import DROPOUT, GLOBAL_BATCH, STEPS, Net, make_data, make_model, masked_mse, parse_case
 from launching import ROOT, Run, lightning_launch, slurm, torchrun
 from torch.utils.data import DataLoader, DistributedSampler
 
@@ -44,7 +44,7 @@ def reference(name: str, steps: int = STEPS, orders: tuple[Any, ...] = (shuffled
     ``orders[e]`` gives the rows of epoch ``e`` in the order they are read."""
     case = parse_case(name)
     torch.manual_seed(0)
-    model = make_model()
+    model = make_model(DROPOUT if case["dropout"] else 0.0).eval()  # a dropout case: without its masks
     if case["optimizer"] == "adam":
         optimizer: torch.optim.Optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     else:
@@ -57,7 +57,8 @@ def reference(name: str, steps: int = STEPS, orders: tuple[Any, ...] = (shuffled
         for _ in range(case["accumulate"]):
             epoch, index = divmod(batch, batches)
             rows = orders[epoch](len(x), epoch)[index * GLOBAL_BATCH : (index + 1) * GLOBAL_BATCH]
-            (F.mse_loss(model(x[rows]), y[rows]) / case["accumulate"]).backward()
+            loss = masked_mse if case["masked"] else F.mse_loss
+            (loss(model(x[rows]), y[rows]) / case["accumulate"]).backward()
             batch += 1
         if case["clip"] is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), case["clip"])
@@ -65,10 +66,12 @@ def reference(name: str, steps: int = STEPS, orders: tuple[Any, ...] = (shuffled
     return model.state_dict()
 
 
-def check_trained(out: Path, name: str, coordinators: list[int], steps: int = STEPS) -> None:
+def check_trained(
+    out: Path, name: str, coordinators: list[int], steps: int = STEPS, expected: dict[str, torch.Tensor] | None = None
+) -> None:
     """Each replica's processes (its coordinator's block of ranks) together hold the trained model, each its
-    own stage; put together, it equals the unsplit model."""
-    expected = reference(name, steps)
+    own stage; put together, it equals the unsplit model (or ``expected``)."""
+    expected = reference(name, steps) if expected is None else expected
     stages = parse_case(name)["stages"]
     for rank in coordinators:
         got: dict[str, torch.Tensor] = {}
@@ -80,6 +83,25 @@ def check_trained(out: Path, name: str, coordinators: list[int], steps: int = ST
         for key in expected:
             diff = (got[key] - expected[key]).abs().max().item()
             assert diff < 1e-5, f"{name}: {key} of rank {rank} differs from the unsplit model by {diff:.2e}"
+
+
+def local_run(name: str) -> dict[str, torch.Tensor]:
+    """A one-replica case trained in local mode on the rows in the launched run's order. With dropout the oracle is
+    the pipeline itself: each stage draws from generators seeded by the run's seed and its index, wherever it runs."""
+    case = parse_case(name)
+    L.seed_everything(0, verbose=False)
+    model = Net(case["optimizer"], dropout=DROPOUT if case["dropout"] else 0.0)
+    strategy = PipeStrategy(
+        stages=case["stages"] * case["virtual"], virtual_stages=case["virtual"], microbatches=case["microbatches"],
+        schedule=case["schedule"], checkpoint="always" if case["dropout"] else "auto", transport="local",
+    )  # fmt: skip
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, strategy=strategy, max_steps=STEPS, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    data = make_data(STEPS)
+    trainer.fit(model, DataLoader(data, batch_size=GLOBAL_BATCH, sampler=shuffled(len(data), 0)))
+    return {k: v.detach().clone() for k, v in model.model.state_dict().items()}
 
 
 def coordinators(name: str, processes: int = 4) -> list[int]:
@@ -127,13 +149,32 @@ def test_lightning_launcher_trains_like_the_unsplit_model_on_the_global_batch(tm
 
 
 def test_torchrun_trains_1x4_and_2x2(tmp_path: Path) -> None:
-    """Also schedule="auto" on 2 x 2: both replicas run the first coordinator's choice, the same exact step."""
-    cases = ["s4-adam-gpipe", "s2-sgd-1f1b", "s2-sgd-auto"]
+    """Also schedule="auto" on 2 x 2 (both replicas run the first coordinator's choice, the same exact step), and
+    zbv: each process holds two stages of a V, each replicated with DDP."""
+    cases = ["s4-adam-gpipe", "s2-sgd-1f1b", "s2-sgd-auto", "s2-adam-zbv-v2-m4"]
     run = torchrun(SCRIPT, ["--devices", "4", "--cases", ",".join(cases), "--out", str(tmp_path)])
     assert_ok(run)
     for name in cases:
         check_trained(tmp_path, name, coordinators(name))
     assert run.output.count("schedule='auto' chose") == 1  # logged once, by global rank 0
+
+
+def test_two_processes_run_the_v_shaped_interleaved_and_breadth_first_schedules(tmp_path: Path) -> None:
+    """One pipeline of 2 processes, 2 stages each: zbv and dualpipev in a V (stages 0 and 3 in rank 0),
+    interleaved-zero-bubble and looped-bfs looped; microbatches 2p and 4p; SGD and Adam; a loss averaged over
+    the labelled rows only (microbatches weighted by them, some with none); dropout under recomputation draws
+    in the processes what the same pipeline draws in local mode."""
+    cases = ["s2-sgd-zbv-v2-m4-tok", "s2-adam-dualpipev-v2-m8", "s2-adam-interleaved_zero_bubble-v2-m8-tok",
+             "s2-sgd-looped_bfs-v2-m4"]  # fmt: skip
+    dropout = "s2-sgd-dualpipev-v2-m4-drop"
+    run = lightning_launch(SCRIPT, ["--devices", "2", "--cases", ",".join([*cases, dropout]), "--out", str(tmp_path)])
+    assert_ok(run)
+    for name in cases:
+        check_trained(tmp_path, name, coordinators(name, processes=2))
+    local = local_run(dropout)
+    check_trained(tmp_path, dropout, [0], expected=local)
+    unsplit = reference(dropout)  # the oracle is not vacuous: the masks changed the training
+    assert max((local[k] - unsplit[k]).abs().max().item() for k in unsplit) > 1e-3
 
 
 def test_two_slurm_nodes_simulated_on_one_machine(tmp_path: Path) -> None:

@@ -64,6 +64,18 @@ def test_a_pipeline_stays_in_a_node_and_replicas_span_nodes() -> None:
     assert (interleaved.replicas, interleaved.ranks_per_pipeline) == (2, 2)
 
 
+def test_a_v_placed_pipeline_is_coordinated_by_the_rank_of_stages_0_and_last() -> None:
+    """zbv and dualpipev put the last stage on pipeline rank 0: the first process of a block holds it."""
+    layout = Layout.of(world_size=8, global_rank=5, stages=8, virtual_stages=2, devices_per_node=4, placement="v")
+    assert (layout.coordinator, layout.pipeline_rank, layout.coordinates) == (0, 3, False)
+    assert layout.pipeline_ranks() == [4, 7, 6, 5] and layout.coordinator_ranks == [0, 4]
+    assert layout.replica_ranks() == [1, 5]  # pipeline rank 3's data-parallel group
+    assert "replica 1: rank 4 -> pipeline rank 0 (coordinator), rank 5 -> pipeline rank 3" in layout.picture()
+    assert Layout.of(
+        world_size=2, global_rank=0, stages=4, virtual_stages=2, devices_per_node=2, placement="v"
+    ).coordinates
+
+
 @pytest.mark.parametrize(
     ("options", "names"),
     [

@@ -123,3 +123,22 @@ def test_colocate_false_keeps_every_rank_in_a_worker_process(pool: RpcCommunicat
     assert_grads_equal(got, want)
     # the coordinator computed the losses: the last stage's outputs and their gradients crossed
     assert sent[1].messages[MessageKind.OUTPUT] == 4 and sent[COORDINATOR].messages[MessageKind.GRAD] == 4
+
+
+def test_a_v_placed_schedule_keeps_every_rank_in_a_worker_process(
+    pool: RpcCommunicator, caplog: pytest.LogCaptureFixture
+) -> None:
+    """zbv puts the last stage on rank 0 (with stage 0): served by worker process 0, the coordinator computes the
+    losses; the gradients are the unsplit model's."""
+    model = mlp(depth=4)
+    x, y = data()
+    want = unsplit_grads(model, x, y)
+    with caplog.at_level(logging.INFO, logger="lightning_pipe"):
+        with Pipeline(
+            model, stages=4, virtual_stages=2, schedule="zbv", transport=pool, partition="uniform", timeout=60
+        ) as pipe:  # fmt: skip
+            assert pool.placement.home is None and pool.placement.remote == [0, 1]
+            pipe.train_step(x, y, F.cross_entropy, microbatches=4)
+            got = pipe.grads()
+    assert_grads_equal(got, want)
+    assert "the last stage is on rank 0, not the last rank" in caplog.text

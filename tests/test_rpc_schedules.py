@@ -31,6 +31,10 @@ def pool() -> Iterator[RpcCommunicator]:
         ("interleaved-1f1b", 2, "dataflow", "always"),
         ("zero-bubble", 1, "parallel", "always"),
         ("zero-bubble", 1, "dataflow", "never"),
+        ("zbv", 2, "parallel", "always"),  # a V: stages 0 and 3 in worker 0, 1 and 2 in worker 1
+        ("dualpipev", 2, "dataflow", "never"),
+        ("interleaved-zero-bubble", 2, "parallel", "never"),
+        ("looped-bfs", 2, "parallel", "always"),
     ],
 )
 def test_gradients_equal_unsplit(
@@ -45,7 +49,9 @@ def test_gradients_equal_unsplit(
         model, stages=2 * virtual, schedule=schedule, virtual_stages=virtual, runner=runner,
         checkpoint=checkpoint, transport=pool, partition="uniform", timeout=60,
     ) as pipe:  # fmt: skip
-        for microbatches in (2, 4):
+        v_shaped = schedule in ("zbv", "dualpipev")
+        assert pipe.coordinator.rank_of_stage == ([0, 1, 1, 0] if v_shaped else [0, 1] * virtual)
+        for microbatches in (2, 4) if schedule != "dualpipev" else (4, 8):  # dualpipev: a microbatch per stage
             pipe.coordinator.stages.call(StageProtocol.zero_grad, True)
             pipe.train_step(x, y, F.cross_entropy, microbatches=microbatches)
             got = pipe.grads()

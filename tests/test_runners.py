@@ -19,7 +19,7 @@ from lightning_pipe.schedule import Action, get_schedule, simulate
 
 RUNNERS = ["parallel", "dataflow", "linear"]
 #: (schedule, virtual_stages); 4 stages, so virtual_stages=2 means 2 ranks
-SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zero-bubble", 1), ("gpipe", 2)]
+SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zero-bubble", 1), ("gpipe", 2), ("zbv", 2)]
 
 
 def batches(steps: int, rows: int = 14) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -106,6 +106,7 @@ def test_interleaved_zero_bubble_beats_interleaved_1f1b() -> None:
             zb = get_schedule("interleaved-zero-bubble")(ranks, microbatches, 2)
             plain = get_schedule("interleaved-1f1b")(ranks, microbatches, 2)
             assert zb.bubble() < plain.bubble()
+            assert zb.peak_activations() == [2 * ranks] * ranks  # ranks whole stages: ZB-H1's (1F1B's rank 0)
             assert {a.stage for a in zb.actions()[0]} == {0, ranks}
     with pytest.raises(ScheduleError, match="microbatches=5 is not a multiple of 2"):
         get_schedule("interleaved-zero-bubble")(2, 5, 2)
@@ -119,3 +120,18 @@ def test_grids_of_the_v_shaped_schedules() -> None:
     assert lines[0].startswith("rank 0 | 0F0 0F1 0F2 3F0 3I0 3W0")
     assert lines[1].startswith("rank 1 |     1F0 2F0 1F1 2F1 2I0 2W0")
     assert Action.parse("3F0") in schedule.actions()[0]  # the last stage sits on rank 0
+
+
+def test_bubbles_follow_their_formulas() -> None:
+    """With F = 1, B = 2, I = W = 1 (a chunk of v costs 1/v): interleaved-1f1b and looped-bfs (p-1)/(vm+p-1),
+    interleaved-zero-bubble ZB-H1's over v, (p-1)/(3vm+p-1); zbv and dualpipev (p-1)/(6m+p-1)."""
+    for ranks, microbatches in ((2, 4), (2, 8), (4, 8), (4, 16)):
+        p, m = ranks, microbatches
+        for virtual in (1, 2, 3):
+            for name in ("interleaved-1f1b", "looped-bfs"):
+                schedule = get_schedule(name)(p, m, virtual)
+                assert schedule.bubble() == pytest.approx((p - 1) / (virtual * m + p - 1)), (name, p, m, virtual)
+            zb1p = get_schedule("interleaved-zero-bubble")(p, m, virtual).bubble()
+            assert zb1p == pytest.approx((p - 1) / (3 * virtual * m + p - 1)), (p, m, virtual)
+        for name in V_SHAPED:
+            assert get_schedule(name)(p, m, 2).bubble() == pytest.approx((p - 1) / (6 * m + p - 1)), (name, p, m)

@@ -14,12 +14,19 @@ import torch.distributed as dist
 
 
 def retarget(spec: Any, device: str) -> None:
-    """Place a spec's shards (and its runtime) on ``device``."""
+    """Place a spec's shards (and its runtime, or the runtime of each of its stages) on ``device``."""
     for shard in spec.shards:
         shard.device = device
     runtime = spec.runtime
-    if runtime is not None and runtime.device_spec != device:
-        spec.runtime = type(runtime)(device, runtime.config)
+    if isinstance(runtime, dict):  # several stages in one worker (virtual stages), a runtime each
+        spec.runtime = {index: _on(each, device) for index, each in runtime.items()}
+    elif runtime is not None:
+        spec.runtime = _on(runtime, device)
+
+
+def _on(runtime: Any, device: str) -> Any:
+    """``runtime``, or one of its class and config on ``device``."""
+    return runtime if runtime.device_spec == device else type(runtime)(device, runtime.config)
 
 
 def process_device(backend: str, device: str | None = None) -> torch.device:

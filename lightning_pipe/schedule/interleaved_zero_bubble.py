@@ -21,8 +21,10 @@ class InterleavedZeroBubble(Schedule):
         rank 0 | 0F0 0F1 2F0 2F1     2I0 2W0 0F2 2I1 2W1 0F3 0I0 0W0 2F2 0I1 0W1 2F3 2I2 2W2 2I3 2W3 0I2 0W2 0I3 0W3
         rank 1 |     1F0 1F1 3F0 3I0 3F1 3I1 3W0 1F2 1I0 3W1 1F3 1I1 1W0 3F2 3I2 1W1 3F3 3I3 3W2 1I2 3W3 1I3 1W2 1W3
 
+    With F = 1 and I = W = 1 (a chunk costing ``1 / V``) the bubble is ZB-H1's divided by the chunks,
+    ``(R - 1) / (3 V M + R - 1)``, and a rank holds at most ``R`` whole-stage activations (``V R`` chunks).
     Needs ``num_microbatches`` to be a multiple of its round count ``max(1, M // R)``; with one chunk per
-    rank it is a zero-bubble 1F1B (ZB-H1's memory, a bubble close to it).
+    rank it has ZB-H1's bubble and memory.
     """
 
     name = "interleaved-zero-bubble"

@@ -126,7 +126,8 @@ def check_memory_arguments(data_parallel: str, weights: Any, save_distributed_ch
             "its replicas, and one file would gather it; keep the sharded checkpoints (save_distributed_checkpoint="
             "True) and make one file of a folder with `python -m lightning_pipe consolidate FOLDER OUT.ckpt`"
         )
-    if data_parallel == "fsdp" and getattr(resolve_schedule(schedule), "splits_backward", False):
+    splits = not is_auto(schedule) and getattr(resolve_schedule(schedule), "splits_backward", False)
+    if data_parallel == "fsdp" and splits:
         raise ConfigurationError(
             f"PipeStrategy(data_parallel='fsdp', schedule={schedule!r}): this schedule splits backwards into an "
             "input and a weight half, and FSDP frees a block's gathered parameters after its backward; use "

@@ -11,14 +11,19 @@ The mode rule, the Lightning way (as DDP decides by the number of processes):
 In launched mode the ``W = devices x num_nodes`` processes form R pipeline replicas of P ranks each
 (P = stages / virtual_stages), the ranks of one pipeline consecutive, so that a pipeline stays inside
 one node when P <= devices. The first process of each replica's block is its coordinator: it runs
-Lightning's loop and the user's step, and holds the pipeline's LAST rank, where the loss is computed,
-so that a microbatch's output and its loss gradient never cross between processes (the inputs go to
-stage 0 once per microbatch, one way). Global rank 0 is the coordinator of replica 0::
+Lightning's loop and the user's step, and holds the pipeline rank of the LAST stage, where the loss is
+computed, so that a microbatch's output and its loss gradient never cross between processes (the inputs
+go to stage 0 once per microbatch, one way). Global rank 0 is the coordinator of replica 0::
 
     global rank    0   1   2   3          (devices=4, stages=2)
     replica        0   0   1   1
     pipeline rank  1   0   1   0          (stage 0 on pipeline rank 0)
                    ^coordinator ^coordinator
+
+The other processes of a block take the pipeline ranks counting down from the coordinator's. A schedule
+placed in a V (``zbv``, ``dualpipev``) puts the last stage on pipeline rank 0, next to stage 0: there the
+coordinator holds pipeline rank 0 (global ranks 0 1 2 3 -> pipeline ranks 0 3 2 1 with P = 4), and
+neither the inputs nor the outputs cross between processes.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lightning_pipe.errors import ConfigurationError
+from lightning_pipe.schedule.placement import LOOP, stage_rank
 
 LOCAL, RPC, LAUNCHED = "local", "rpc", "launched"
 
@@ -47,10 +53,25 @@ class Layout:
     global_rank: int
     ranks_per_pipeline: int
     devices_per_node: int
+    #: the pipeline rank that holds the last stage, the coordinator's (the last rank unless placed in a V)
+    coordinator: int = -1
+
+    def __post_init__(self) -> None:
+        if self.coordinator < 0:
+            object.__setattr__(self, "coordinator", self.ranks_per_pipeline - 1)
 
     @classmethod
-    def of(cls, world_size: int, global_rank: int, stages: int, virtual_stages: int, devices_per_node: int) -> Layout:
-        """The layout of ``stages`` stages in ``world_size`` processes; raises naming the numbers and the fix."""
+    def of(
+        cls,
+        world_size: int,
+        global_rank: int,
+        stages: int,
+        virtual_stages: int,
+        devices_per_node: int,
+        placement: str = LOOP,
+    ) -> Layout:
+        """The layout of ``stages`` stages in ``world_size`` processes, placed on the pipeline ranks by the
+        schedule's ``placement``; raises naming the numbers and the fix."""
         per_pipeline = stages // virtual_stages
         if world_size % per_pipeline:
             fits = [p * virtual_stages for p in range(1, world_size + 1) if world_size % p == 0]
@@ -60,7 +81,8 @@ class Layout:
                 f"{world_size} is not a multiple of {per_pipeline}; pick stages from "
                 f"{', '.join(map(str, fits))}, or a Trainer with devices x num_nodes a multiple of {per_pipeline}"
             )
-        return cls(world_size, global_rank, per_pipeline, devices_per_node)
+        last = stage_rank(placement, stages - 1, per_pipeline)
+        return cls(world_size, global_rank, per_pipeline, devices_per_node, last)
 
     @property
     def replicas(self) -> int:
@@ -75,13 +97,13 @@ class Layout:
         return self.pipeline_rank_of(self.global_rank)
 
     def pipeline_rank_of(self, global_rank: int) -> int:
-        """The pipeline rank a process holds: the first of a replica's block holds the last pipeline rank."""
-        return self.ranks_per_pipeline - 1 - global_rank % self.ranks_per_pipeline
+        """The pipeline rank a process holds: the first of a replica's block holds the coordinator's (the last
+        stage's), the next ones count down from it."""
+        return (self.coordinator - global_rank % self.ranks_per_pipeline) % self.ranks_per_pipeline
 
-    @property
-    def coordinator(self) -> int:
-        """The pipeline rank of the coordinator's process: the last (it holds the last stage)."""
-        return self.ranks_per_pipeline - 1
+    def _offset(self, pipeline_rank: int) -> int:
+        """Where in its replica's block the process holding ``pipeline_rank`` is."""
+        return (self.coordinator - pipeline_rank) % self.ranks_per_pipeline
 
     @property
     def coordinates(self) -> bool:
@@ -91,12 +113,12 @@ class Layout:
     def pipeline_ranks(self, replica: int | None = None) -> list[int]:
         """Global ranks of a replica's pipeline (default: this process's), in pipeline order (stage 0 first)."""
         first = (self.replica if replica is None else replica) * self.ranks_per_pipeline
-        return list(reversed(range(first, first + self.ranks_per_pipeline)))
+        return [first + self._offset(rank) for rank in range(self.ranks_per_pipeline)]
 
     def replica_ranks(self, pipeline_rank: int | None = None) -> list[int]:
         """Global ranks holding the same pipeline rank in every replica (its data-parallel group)."""
         rank = self.pipeline_rank if pipeline_rank is None else pipeline_rank
-        return [r * self.ranks_per_pipeline + self.ranks_per_pipeline - 1 - rank for r in range(self.replicas)]
+        return [r * self.ranks_per_pipeline + self._offset(rank) for r in range(self.replicas)]
 
     @property
     def coordinator_ranks(self) -> list[int]:

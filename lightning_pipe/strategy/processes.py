@@ -90,7 +90,9 @@ class ProcessStrategy(ParallelStrategy):
         devices = self.parallel_devices
         global_rank = self.node_rank * len(devices) + self.local_rank
         stages = config.stages or len(devices)
-        layout = Layout.of(self.processes, global_rank, stages, config.virtual_stages, len(devices))
+        layout = Layout.of(
+            self.processes, global_rank, stages, config.virtual_stages, len(devices), self.rank_placement()
+        )
         held = self._mode
         if isinstance(held, LaunchedMode) and (held.layout, held.devices) == (layout, devices):
             return held
@@ -127,10 +129,14 @@ class ProcessStrategy(ParallelStrategy):
         self.setup_environment()
         self.world.serve()
 
-    def resolve_devices(self, placement: str = LOOP) -> list[str]:
-        """One device per stage: launched mode's processes (``placement``: the schedule's), or from ``devices``,
+    def rank_placement(self) -> str:
+        """Which rank holds each stage (`lightning_pipe.schedule.placement`); `PipeStrategy` answers its schedule's."""
+        return LOOP
+
+    def resolve_devices(self) -> list[str]:
+        """One device per stage: launched mode's processes (placed as the schedule says), or from ``devices``,
         the Trainer's devices or cpu."""
-        return self.mode.stage_devices(self._given_devices, placement)
+        return self.mode.stage_devices(self._given_devices, self.rank_placement())
 
     def _given_devices(self) -> list[str]:
         if self.config.stage_devices is not None:

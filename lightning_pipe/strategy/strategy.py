@@ -47,9 +47,10 @@ class PipeStrategy(StepHooksStrategy):
         microbatches: how many pieces each batch is cut into (along dimension 0); ``"auto"`` with
             ``schedule="auto"``: chosen with the schedule.
         schedule: ``"gpipe"`` (all forwards, then losses, then backwards), ``"1f1b"``,
-            ``"interleaved-1f1b"``, ``"zero-bubble"``, ``"async"`` (no flush between batches, each stage
-            steps its own copy of the ``configure_optimizers`` optimizer with weight stashing; transport
-            ``"local"``; `staleness` reports what it measured), a `Schedule` subclass or a function
+            ``"interleaved-1f1b"``, ``"zero-bubble"``, ``"looped-bfs"``, ``"interleaved-zero-bubble"``,
+            ``"zbv"``, ``"dualpipev"`` (the last two with ``virtual_stages=2``), ``"async"`` (no flush between
+            batches, each stage steps its own copy of the ``configure_optimizers`` optimizer with weight stashing;
+            transport ``"local"``; `staleness` reports what it measured), a `Schedule` subclass or a function
             returning per-rank action lists (see docs/schedules.md). ``"auto"``: the first training step
             measures every stage, the second runs the registered schedule `simulate` predicts fastest
             (`lightning_pipe.auto_schedule`; the choice is logged as a table and kept in `schedule_choice`).
@@ -85,8 +86,9 @@ class PipeStrategy(StepHooksStrategy):
         compress: with ``transport="rpc"``, how activations and gradients cross between processes:
             ``None``, ``"bf16"`` / ``"fp16"`` (lossy casts), ``"zstd"`` (lossless, extra ``compress``),
             ``"bf16+zstd"``, ``"fp16+zstd"`` or a codec object (`lightning_pipe.comm.compress.Codec`).
-        virtual_stages: stages per worker (``interleaved-1f1b``): stage ``s`` runs on worker
-            ``s % (stages // virtual_stages)``.
+        virtual_stages: stages per worker (``interleaved-1f1b`` and the other chunked schedules): stage ``s``
+            runs on worker ``s % (stages // virtual_stages)``, or in a V (``zbv``, ``dualpipev``: stages ``r`` and
+            ``2P - 1 - r`` on worker ``r``).
         runner: ``"parallel"`` (a thread per worker, fixed order), ``"dataflow"`` (each worker runs
             whichever action is ready) or ``"linear"`` (one thread walks one global order).
         trace: a path for the Chrome trace (pipeline timeline) of training steps 1-3, or a `PipeTrace`
@@ -214,11 +216,12 @@ class PipeStrategy(StepHooksStrategy):
     @override
     def root_device(self) -> torch.device:
         """The coordinator's device: where the last stage's output and the loss live (launched: this process's)."""
-        return self.mode.root_device(lambda: self.builder.coordinator_device(self._stage_devices()))
+        return self.mode.root_device(lambda: self.builder.coordinator_device(self.resolve_devices()))
 
-    def _stage_devices(self) -> list[str]:
-        """One device per stage, the stages placed on the ranks as the schedule says."""
-        return self.resolve_devices(self.builder.rank_placement)
+    @override
+    def rank_placement(self) -> str:
+        """Which rank holds each stage: the schedule's placement (``v`` for ``zbv`` and ``dualpipev``)."""
+        return self.builder.rank_placement
 
     # setup and teardown
     @override
@@ -235,7 +238,7 @@ class PipeStrategy(StepHooksStrategy):
                 "set self.automatic_optimization = True"
             )
         placement = Placement(
-            self._stage_devices(), self.root_device, autocast_of(self.precision_plugin), self._transport, self._built
+            self.resolve_devices(), self.root_device, autocast_of(self.precision_plugin), self._transport, self._built
         )
         pipelined = self.builder.setup(lightning_module, placement)
         # one seed per run (seed_everything's, else torch's initial seed), the first coordinator's for every replica
@@ -360,7 +363,7 @@ class PipeStrategy(StepHooksStrategy):
         `lightning_pipe.memory.MemoryPlan`. ``checkpoint="auto"`` is planned without recomputation: the
         plan it starts from (it recomputes where a device's free memory is short of it).
         """
-        return self.builder.plan(model, sample_batch, len(self._stage_devices()), self.microbatches, verbose)
+        return self.builder.plan(model, sample_batch, len(self.resolve_devices()), self.microbatches, verbose)
 
     def runtime_hook(self, name: str, *args: Any) -> None:
         """Call ``runtime.<name>`` on every stage (skipped when no stage's runtime overrides it)."""
