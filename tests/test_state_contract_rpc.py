@@ -45,12 +45,25 @@ class Momentum(Classifier):
         self.losses[self.trainer.global_step] = float(outputs["loss"])
 
 
+class WeightsOnly(L.Callback):
+    """``trainer.save_checkpoint(path, weights_only=True)`` after the last step, in the fit."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step == STEPS:
+            trainer.save_checkpoint(self.path, weights_only=True)
+
+
 def fit(transport: str, ckpt: Path | str | None = None, meta: bool = True, saves: Path | None = None,
-        folders: bool = True, strict: bool = True, devices: Any = None) -> tuple[L.Trainer, Momentum]:  # fmt: skip
+        folders: bool = True, strict: bool = True, more: tuple[L.Callback, ...] = ()
+        ) -> tuple[L.Trainer, Momentum]:  # fmt: skip
     """A fit of `STEPS` steps; ``saves``: a folder for ``ModelCheckpoint(every_n_train_steps=EVERY)``."""
-    strategy = PipeStrategy(stages=2, microbatches=2, transport=transport, timeout=120, devices=devices,
+    strategy = PipeStrategy(stages=2, microbatches=2, transport=transport, timeout=120,
                             save_distributed_checkpoint=folders)  # fmt: skip
     callbacks = [ModelCheckpoint(dirpath=saves, every_n_train_steps=EVERY, save_top_k=-1)] if saves else []
+    callbacks += list(more)
     trainer = L.Trainer(**(QUIET | {"enable_checkpointing": saves is not None}), max_steps=STEPS, strategy=strategy,
                         callbacks=callbacks)  # fmt: skip
     if meta:
@@ -107,7 +120,7 @@ def test_meta_model_checkpoints_during_and_after_fit_hold_the_trained_values_and
     """One uninterrupted rpc fit saving a folder every 2 steps and after the fit; local mode with the same seed;
     a resume of the rpc run from its step-2 folder writing single files: all the same values."""
     local_trainer, local = fit("local", saves=tmp_path / "local")
-    trainer, piped = fit("rpc", saves=tmp_path / "rpc")
+    trainer, piped = fit("rpc", saves=tmp_path / "rpc", more=(WeightsOnly(tmp_path / "weights"),))
     trainer.save_checkpoint(tmp_path / "after.ckpt")
     assert all(p.is_meta for p in piped.parameters()), "the script's process took no stage's values"
     assert piped.losses == pytest.approx(local.losses, abs=1e-5) and len(piped.losses) == STEPS
@@ -124,6 +137,10 @@ def test_meta_model_checkpoints_during_and_after_fit_hold_the_trained_values_and
         for index, state in want["optimizer_states"][0]["state"].items():
             torch.testing.assert_close(got["optimizer_states"][0]["state"][index]["momentum_buffer"],
                                        state["momentum_buffer"], atol=1e-5, rtol=0)  # fmt: skip
+    weights = one_file(tmp_path / "weights", tmp_path)  # weights_only=True: no optimizer state written
+    assert weights["optimizer_states"] == [] and weights["global_step"] == STEPS
+    for key, value in local.state_dict().items():
+        torch.testing.assert_close(weights["state_dict"][key], value, atol=1e-5, rtol=0, msg=key)
     # after the fit: the trained values (the workers left them before they stopped)
     assert_trained(one_file(tmp_path / "after.ckpt", tmp_path), local, local_trainer.optimizers[0])
 
@@ -206,6 +223,7 @@ class StageDevices(L.Callback):
 
 
 def check_stage_devices(devices: list[str]) -> None:
+    """A local fit of 2 steps on ``devices`` (a model built on meta), checked after each step."""
     strategy = PipeStrategy(stages=2, microbatches=2, devices=devices)
     checks = StageDevices()
     trainer = L.Trainer(**QUIET, max_steps=2, strategy=strategy, callbacks=[checks])

@@ -203,7 +203,8 @@ class ModelStateStrategy(ProcessStrategy):
     def remove_checkpoint(self, filepath: _PATH) -> None:
         import shutil
 
-        if self.world is not None and self.world.layout.global_rank == 0 and Path(filepath).is_dir():
+        first = self.mode == RPC or (self.world is not None and self.world.layout.global_rank == 0)
+        if first and Path(filepath).is_dir():
             shutil.rmtree(filepath)
             return
         super().remove_checkpoint(filepath)

@@ -42,15 +42,18 @@ def lightning_state(checkpoint: dict[str, Any]) -> dict[str, Any]:
 
 
 def write_folder(folder: Path, prefix: str, meta: dict[str, Any] | None, part: CoordinatorPart,
-                 pipeline: Pipeline) -> None:  # fmt: skip
+                 pipeline: Pipeline, optimizer: bool = True) -> None:  # fmt: skip
     """The sharded folder ``folder``: each rank of ``pipeline`` writes its stage (keys after ``prefix``), this
-    process ``part`` and ``meta`` (Lightning's state; None: none)."""
+    process ``part`` and ``meta`` (Lightning's state; None: none); the optimizers' state too unless ``optimizer``
+    is False (``trainer.save_checkpoint(weights_only=True)``)."""
     prepare_folder(folder)
-    optimizers = [OptimizerPart(part.optimizer_state, part.groups, part.layout)] if part.layout is not None else []
+    with_state = optimizer and part.layout is not None
+    optimizers = [OptimizerPart(part.optimizer_state, part.groups, part.layout)] if with_state else []
     own = FolderPart(folder, sharded_state(part.model, optimizers), 0)
     mine = own.plan()
     coordinator = pipeline.coordinator
-    theirs = coordinator.call("plan_part", str(folder), prefix, each=[(r + 1,) for r in range(coordinator.num_ranks)])
+    each = [(r + 1,) for r in range(coordinator.num_ranks)]
+    theirs = coordinator.call("plan_part", str(folder), prefix, optimizer, each=each)
     plans, metadata = own.global_plan([mine, *theirs])
     written = coordinator.call("write_part", each=[(plan,) for plan in plans[1:]])
     own.finish(metadata, [own.write(plans[0]), *written])
@@ -73,12 +76,13 @@ class RpcCheckpoints:
              pipeline: Pipeline | None, single_file: bool) -> None:  # fmt: skip
         """``checkpoint`` (Lightning's state; its tensors are the stages') at ``path``: a folder, or one file."""
         meta = lightning_state(checkpoint)
+        optimizer = "optimizer_states" in checkpoint  # Lightning leaves them out for weights_only=True
         if pipeline is None:
             self.write_kept(path, meta, single_file)
             return
 
         def save(folder: Path) -> None:
-            write_folder(folder, prefix, meta, part, pipeline)
+            write_folder(folder, prefix, meta, part, pipeline, optimizer)
 
         if single_file:
             write_single_file(save, path, first=True)
