@@ -82,7 +82,7 @@ def child(args: argparse.Namespace) -> None:
     strategy = PipeStrategy(stages=4, microbatches=4, transport="rpc", timeout=600)
     trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_epochs=3, callbacks=[record, workers],
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False)  # fmt: skip
+                        enable_model_summary=False, default_root_dir=args.out)  # fmt: skip
     with trainer.init_module(empty_init=True):
         model = Big(args.width, args.depth, "meta")
     trainer.fit(model, loader, ckpt_path=args.ckpt_path)

@@ -56,16 +56,17 @@ class WeightsOnly(L.Callback):
             trainer.save_checkpoint(self.path, weights_only=True)
 
 
-def fit(transport: str, ckpt: Path | str | None = None, meta: bool = True, saves: Path | None = None,
+def fit(transport: str, root: Path, ckpt: Path | str | None = None, meta: bool = True, saves: Path | None = None,
         folders: bool = True, strict: bool = True, more: tuple[L.Callback, ...] = ()
         ) -> tuple[L.Trainer, Momentum]:  # fmt: skip
-    """A fit of `STEPS` steps; ``saves``: a folder for ``ModelCheckpoint(every_n_train_steps=EVERY)``."""
+    """A fit of `STEPS` steps in ``root`` (its ``default_root_dir``); ``saves``: a folder for
+    ``ModelCheckpoint(every_n_train_steps=EVERY)``."""
     strategy = PipeStrategy(stages=2, microbatches=2, transport=transport, timeout=120,
                             save_distributed_checkpoint=folders)  # fmt: skip
     callbacks = [ModelCheckpoint(dirpath=saves, every_n_train_steps=EVERY, save_top_k=-1)] if saves else []
     callbacks += list(more)
     trainer = L.Trainer(**(QUIET | {"enable_checkpointing": saves is not None}), max_steps=STEPS, strategy=strategy,
-                        callbacks=callbacks)  # fmt: skip
+                        callbacks=callbacks, default_root_dir=root)  # fmt: skip
     if meta:
         with trainer.init_module(empty_init=True):
             module = Momentum()
@@ -119,8 +120,8 @@ def test_meta_model_checkpoints_during_and_after_fit_hold_the_trained_values_and
 ) -> None:
     """One uninterrupted rpc fit saving a folder every 2 steps and after the fit; local mode with the same seed;
     a resume of the rpc run from its step-2 folder writing single files: all the same values."""
-    local_trainer, local = fit("local", saves=tmp_path / "local")
-    trainer, piped = fit("rpc", saves=tmp_path / "rpc", more=(WeightsOnly(tmp_path / "weights"),))
+    local_trainer, local = fit("local", tmp_path, saves=tmp_path / "local")
+    trainer, piped = fit("rpc", tmp_path, saves=tmp_path / "rpc", more=(WeightsOnly(tmp_path / "weights"),))
     trainer.save_checkpoint(tmp_path / "after.ckpt")
     assert all(p.is_meta for p in piped.parameters()), "the script's process took no stage's values"
     assert piped.losses == pytest.approx(local.losses, abs=1e-5) and len(piped.losses) == STEPS
@@ -145,8 +146,8 @@ def test_meta_model_checkpoints_during_and_after_fit_hold_the_trained_values_and
     assert_trained(one_file(tmp_path / "after.ckpt", tmp_path), local, local_trainer.optimizers[0])
 
     # resume from the step-2 folder, each worker reading its own part; single files written this time
-    resumed_trainer, resumed = fit("rpc", tmp_path / "rpc" / f"epoch=0-step={EVERY}.ckpt", saves=tmp_path / "again",
-                                   folders=False)  # fmt: skip
+    step_two = tmp_path / "rpc" / f"epoch=0-step={EVERY}.ckpt"
+    resumed_trainer, resumed = fit("rpc", tmp_path, step_two, saves=tmp_path / "again", folders=False)
     resumed_trainer.save_checkpoint(tmp_path / "resumed.ckpt")
     assert sorted(resumed.losses) == list(range(EVERY + 1, STEPS + 1))
     assert resumed.losses == pytest.approx({s: piped.losses[s] for s in resumed.losses}, abs=1e-5)
@@ -173,7 +174,7 @@ def test_single_file_resume_and_strict_loading(tmp_path: Path, monkeypatch: pyte
     plain.fit(whole, loader(dataset(rows=32), 16))
     saved = tmp_path / f"epoch=0-step={EVERY}.ckpt"
 
-    _, resumed = fit("rpc", saved, meta=False)
+    _, resumed = fit("rpc", tmp_path, saved, meta=False)
     assert resumed.losses == pytest.approx({s: whole.losses[s] for s in range(EVERY + 1, STEPS + 1)}, abs=1e-5)
     for (name, p), q in zip(resumed.named_parameters(), whole.parameters(), strict=True):
         torch.testing.assert_close(p, q, atol=1e-5, rtol=0, msg=name)
@@ -186,12 +187,12 @@ def test_single_file_resume_and_strict_loading(tmp_path: Path, monkeypatch: pyte
     torch.save(checkpoint, renamed)
     with pytest.raises(RuntimeError, match=r"missing key\(s\) in the checkpoint: 'model.2.weight'.*unexpected key"
                        r"\(s\) in the checkpoint: 'model.renamed.weight'.*strict_loading = False"):  # fmt: skip
-        fit("rpc", renamed)
+        fit("rpc", tmp_path, renamed)
     with pytest.raises(RuntimeError, match=r"unexpected key\(s\) in the checkpoint: 'model.extra.weight'"):
-        fit("rpc", added, meta=False)
+        fit("rpc", tmp_path, added, meta=False)
     with pytest.warns(UserWarning, match=r"1 tensor\(s\) of the model were initialised instead of read .*"
                       r"'model.2.weight'"):  # fmt: skip
-        _, lenient = fit("rpc", renamed, strict=False)
+        _, lenient = fit("rpc", tmp_path, renamed, strict=False)
     assert sorted(lenient.losses) == [3, 4] and all(torch.isfinite(torch.tensor(list(lenient.losses.values()))))
 
 

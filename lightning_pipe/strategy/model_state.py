@@ -182,7 +182,8 @@ class ModelStateStrategy(ProcessStrategy):
         self.rpc_checkpoints.forget()  # the last fit's
         if on_meta(lightning_module):
             prefix = prefix_of(lightning_module, self.builder.find(lightning_module))
-            self.rpc_checkpoints.keep(pipeline, prefix, self._coordinator_part(lightning_module, prefix))
+            under = Path(lightning_module.trainer.default_root_dir)
+            self.rpc_checkpoints.keep(pipeline, prefix, self._coordinator_part(lightning_module, prefix), under)
 
     def _coordinator_part(self, lightning_module: nn.Module, prefix: str) -> CoordinatorPart:
         """What this coordinator's process adds to a checkpoint: the tensors outside the pipelined module, their

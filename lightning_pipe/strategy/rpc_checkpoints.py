@@ -14,7 +14,9 @@ time (`lightning_pipe.strategy.checkpoint_writer.write_single_file`); the defaul
 After ``fit`` the workers are gone. A model built eagerly holds its trained values in the script's process
 again (`StageOptimization.fold`), and Lightning writes it as usual. A model built on meta does not: at the end
 of its fit the workers write their trained stages into a private folder (`keep`), and a checkpoint written
-after the fit is made from that folder with Lightning's state of that moment (`write_kept`).
+after the fit is made from that folder with Lightning's state of that moment (`write_kept`). Every path the
+workers write (a checkpoint's, that folder) must be one they reach: with workers on other machines, a shared
+filesystem.
 """
 
 from __future__ import annotations
@@ -89,11 +91,13 @@ class RpcCheckpoints:
         else:
             save(path)
 
-    def keep(self, pipeline: Pipeline, prefix: str, part: CoordinatorPart) -> None:
+    def keep(self, pipeline: Pipeline, prefix: str, part: CoordinatorPart, under: Path) -> None:
         """At the end of a fit of a model built on meta: the workers write their trained stages (before they stop)
-        into a private folder, removed at the next fit or when this process exits."""
+        into a private folder under ``under`` (the Trainer's ``default_root_dir``, where its checkpoints go: a
+        folder that workers on other machines share), removed at the next fit or when this process exits."""
         self.forget()
-        root = Path(tempfile.mkdtemp(prefix="lightning_pipe-rpc-"))
+        under.mkdir(parents=True, exist_ok=True)
+        root = Path(tempfile.mkdtemp(prefix=".lightning_pipe-trained-", dir=under))
         self._cleanup = weakref.finalize(self, shutil.rmtree, root, True)
         self.kept = root / "trained"
         write_folder(self.kept, prefix, None, part, pipeline)
