@@ -4,7 +4,8 @@ A plain Trainer loads the module's state dict with ``strict`` and so raises on a
 checkpoint lacks, or the other way round. When the workers read their own tensors, nothing would: a missing
 tensor would keep its initial value and Lightning would still restore the epoch and step. So the keys are
 compared here, before any stage is built: ``strict`` raises with the names, else the run says once how many
-tensors start from their initial values instead.
+tensors start from their initial values instead. (The same check as the local and launched modes' key check,
+written for rpc mode; the messages read alike.)
 """
 
 from __future__ import annotations
@@ -14,7 +15,14 @@ from typing import Any
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from lightning_pipe.errors import ConfigurationError
+
 SHOWN = 5  # names listed in a message; the rest are counted
+FIX = (
+    "to start from it anyway, with the missing tensors initialised as the model builds them and the other keys "
+    "ignored, set `strict_loading = False` on the LightningModule (Lightning's flag); to read them, give the "
+    "checkpoint the model's keys (load it with torch.load, rename the keys under 'state_dict', save it again)"
+)
 
 
 def check_keys(expected: Mapping[str, Any], stored: Collection[str], strict: bool, where: str) -> None:
@@ -22,25 +30,27 @@ def check_keys(expected: Mapping[str, Any], stored: Collection[str], strict: boo
     stored = set(stored)
     missing = [k for k in expected if k not in stored]
     unexpected = sorted(k for k in stored if k not in expected)
-    if strict and (missing or unexpected):
-        parts = []
-        if missing:
-            parts.append(f"missing key(s) in the checkpoint: {_names(missing)}")
+    if not missing and not unexpected:
+        return
+    if strict:
+        parts = [f"{_count(missing, 'tensor')} of the model missing ({_names(missing)})"] if missing else []
         if unexpected:
-            parts.append(f"unexpected key(s) in the checkpoint: {_names(unexpected)}")
-        raise RuntimeError(
-            f"Error(s) in loading state_dict from {where}: {'; '.join(parts)}. Map the keys to the model's (a "
-            "LightningModule.on_load_checkpoint that renames them), or set LightningModule.strict_loading = False "
-            "to start the missing tensors from their initial values and ignore the unexpected ones"
+            parts.append(f"{_count(unexpected, 'key')} the model does not have ({_names(unexpected)})")
+        raise ConfigurationError(
+            f"the checkpoint {where} does not match the model: {'; '.join(parts)}. Nothing was read; {FIX}"
         )
-    if missing or unexpected:
-        said = f"strict_loading=False: {len(missing)} tensor(s) of the model were initialised instead of read from "
-        said += where + (f" ({_names(missing)})" if missing else "")
-        if unexpected:
-            said += f"; {len(unexpected)} key(s) of the checkpoint were ignored ({_names(unexpected)})"
-        rank_zero_warn(said)
+    said = [f"strict_loading=False: the checkpoint {where} does not match the model"]
+    if missing:
+        said.append(f"{_count(missing, 'tensor')} initialised instead of read ({_names(missing)})")
+    if unexpected:
+        said.append(f"{_count(unexpected, 'key')} of it ignored ({_names(unexpected)})")
+    rank_zero_warn("; ".join(said))
 
 
 def _names(keys: list[str]) -> str:
     shown = ", ".join(repr(k) for k in keys[:SHOWN])
-    return shown + (f" and {len(keys) - SHOWN} more ({len(keys)} in all)" if len(keys) > SHOWN else "")
+    return shown + (f" and {len(keys) - SHOWN} more" if len(keys) > SHOWN else "")
+
+
+def _count(keys: list[str], noun: str) -> str:
+    return f"{len(keys)} {noun}{'' if len(keys) == 1 else 's'}"
