@@ -8,8 +8,10 @@ built under ``trainer.init_module(empty_init=True)``, resumed from the plain Tra
 2 more steps, with a checkpoint written during the fit (a sharded folder, every worker its stage) and one after
 it (one file, made of the folder the workers left a tensor at a time). The script's process holds the last
 stage (1/4 of the model) and the tensors outside the pipeline; it should never hold more: no gathered model, no
-optimizer state assembled on resume, none gathered to save. Peaks are ``VmHWM`` minus an empty process's, as a
-share of the training state (parameters, gradients, SGD momentum); the losses are checked against the plain run's.
+optimizer state assembled on resume, none gathered to save. Its peak is ``VmHWM`` minus an empty process's (torch,
+Lightning and lightning_pipe imported), as a share of the training state (parameters, gradients, SGD momentum);
+the workers' ``VmHWM`` is given whole (they do not import Lightning: an empty process's is not theirs to
+subtract). The losses are checked against the plain run's.
 ``rows()`` gives the table's row for `benchmarks/memory.py`.
 """
 
@@ -80,7 +82,7 @@ def child(args: argparse.Namespace) -> None:
     strategy = PipeStrategy(stages=4, microbatches=4, transport="rpc", timeout=600)
     trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_epochs=3, callbacks=[record, workers],
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False)  # fmt: skip
+                        enable_model_summary=False, default_root_dir=args.out)  # fmt: skip
     with trainer.init_module(empty_init=True):
         model = Big(args.width, args.depth, "meta")
     trainer.fit(model, loader, ckpt_path=args.ckpt_path)
@@ -104,10 +106,11 @@ def rows(width: int, depth: int, timeout: float, tmp: Path) -> dict[str, Any]:
                "--ckpt-path", str(checkpoint), "--out", str(tmp)]  # fmt: skip
     subprocess.run(command, check=True, timeout=timeout, cwd=ROOT)
     got = json.loads((tmp / "rpc.json").read_text())
-    peaks = [got["peak_mib"] - empty, *(p - empty for p in got["worker_peaks_mib"])]
+    script = got["peak_mib"] - empty
     return {
         "config": NAME, "state_mib": round(state), "empty_mib": round(empty),
-        "peak_mib": [round(p) for p in peaks], "share": [round(p / state, 3) for p in peaks],
+        "peak_mib": [round(script)], "share": [round(script / state, 3)],
+        "worker_peaks_mib": [round(p) for p in got["worker_peaks_mib"]],
         "ideal_mib": round(state / 4), "losses": [got["losses"]], "plain_losses": plain,
         "losses_equal": len(got["losses"]) == len(plain)
         and all(abs(a - b) <= 1e-4 * max(1.0, abs(b)) for a, b in zip(got["losses"], plain, strict=True)),
@@ -131,10 +134,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         row = rows(args.width, args.depth, args.timeout, Path(tmp))
     print(f"training state {row['state_mib']} MiB; an empty process {row['empty_mib']} MiB (subtracted)\n")
-    print("| configuration | peak per process (script first), MiB | the script's share of the state | ideal, MiB |")
-    print("| --- | --- | --- | --- |")
-    peaks = " / ".join(map(str, row["peak_mib"]))
-    print(f"| {row['config']} | {peaks} | {row['share'][0]:.2f} | {row['ideal_mib']} |")
+    print("| configuration | the script's peak, MiB | its share of the training state | ideal, MiB | workers' VmHWM |")
+    print("| --- | --- | --- | --- | --- |")
+    workers = " / ".join(map(str, row["worker_peaks_mib"]))
+    print(f"| {row['config']} | {row['peak_mib'][0]} | {row['share'][0]:.2f} | {row['ideal_mib']} | {workers} |")
     print(f"\nlosses {row['losses'][0]} (plain {row['plain_losses']}): equal {row['losses_equal']}")
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(row, indent=1))

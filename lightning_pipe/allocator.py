@@ -4,10 +4,11 @@ glibc serves a block of 128 KiB or more with its own ``mmap`` and gives it back 
 first such free it raises that threshold to the freed size (up to 32 MiB) and serves later blocks from its
 heap, whose freed space it keeps. A stage's weight gradients are made and freed every microbatch, so a process
 training a big stage would hold freed space beside its stage (`benchmarks/memory.py` shows the difference).
-Launched mode therefore fixes the threshold (`give_back_large_blocks`): blocks from 8 MiB up are always mapped
-and always given back. Small tensors (activations of small models) keep glibc's default. Not glibc (another
-libc, macOS, Windows): nothing changes. ``LIGHTNING_PIPE_MMAP_THRESHOLD`` (bytes, 0: glibc's default)
-overrides it. There is no torch setting for this: torch allocates CPU tensors with the C library's allocator.
+Launched mode's processes, rpc mode's workers and the process that starts an rpc world (it holds the last
+stage) therefore fix the threshold (`give_back_large_blocks`): blocks from 8 MiB up are always mapped and
+always given back. Small tensors (activations of small models) keep glibc's default. Not glibc (another libc,
+macOS, Windows): nothing changes. ``LIGHTNING_PIPE_MMAP_THRESHOLD`` (bytes, 0: glibc's default) overrides it.
+There is no torch setting for this: torch allocates CPU tensors with the C library's allocator.
 """
 
 from __future__ import annotations

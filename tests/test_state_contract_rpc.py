@@ -26,6 +26,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from processes import leftover_processes
 
 from lightning_pipe import PipeStrategy
+from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.weights.consolidate import consolidate
 
 STEPS, EVERY = 4, 2  # an epoch is 2 batches: the checkpoint at step 2 ends epoch 0
@@ -45,14 +46,28 @@ class Momentum(Classifier):
         self.losses[self.trainer.global_step] = float(outputs["loss"])
 
 
-def fit(transport: str, ckpt: Path | str | None = None, meta: bool = True, saves: Path | None = None,
-        folders: bool = True, strict: bool = True, devices: Any = None) -> tuple[L.Trainer, Momentum]:  # fmt: skip
-    """A fit of `STEPS` steps; ``saves``: a folder for ``ModelCheckpoint(every_n_train_steps=EVERY)``."""
-    strategy = PipeStrategy(stages=2, microbatches=2, transport=transport, timeout=120, devices=devices,
+class WeightsOnly(L.Callback):
+    """``trainer.save_checkpoint(path, weights_only=True)`` after the last step, in the fit."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step == STEPS:
+            trainer.save_checkpoint(self.path, weights_only=True)
+
+
+def fit(transport: str, root: Path, ckpt: Path | str | None = None, meta: bool = True, saves: Path | None = None,
+        folders: bool = True, strict: bool = True, more: tuple[L.Callback, ...] = ()
+        ) -> tuple[L.Trainer, Momentum]:  # fmt: skip
+    """A fit of `STEPS` steps in ``root`` (its ``default_root_dir``); ``saves``: a folder for
+    ``ModelCheckpoint(every_n_train_steps=EVERY)``."""
+    strategy = PipeStrategy(stages=2, microbatches=2, transport=transport, timeout=120,
                             save_distributed_checkpoint=folders)  # fmt: skip
     callbacks = [ModelCheckpoint(dirpath=saves, every_n_train_steps=EVERY, save_top_k=-1)] if saves else []
+    callbacks += list(more)
     trainer = L.Trainer(**(QUIET | {"enable_checkpointing": saves is not None}), max_steps=STEPS, strategy=strategy,
-                        callbacks=callbacks)  # fmt: skip
+                        callbacks=callbacks, default_root_dir=root)  # fmt: skip
     if meta:
         with trainer.init_module(empty_init=True):
             module = Momentum()
@@ -106,8 +121,8 @@ def test_meta_model_checkpoints_during_and_after_fit_hold_the_trained_values_and
 ) -> None:
     """One uninterrupted rpc fit saving a folder every 2 steps and after the fit; local mode with the same seed;
     a resume of the rpc run from its step-2 folder writing single files: all the same values."""
-    local_trainer, local = fit("local", saves=tmp_path / "local")
-    trainer, piped = fit("rpc", saves=tmp_path / "rpc")
+    local_trainer, local = fit("local", tmp_path, saves=tmp_path / "local")
+    trainer, piped = fit("rpc", tmp_path, saves=tmp_path / "rpc", more=(WeightsOnly(tmp_path / "weights"),))
     trainer.save_checkpoint(tmp_path / "after.ckpt")
     assert all(p.is_meta for p in piped.parameters()), "the script's process took no stage's values"
     assert piped.losses == pytest.approx(local.losses, abs=1e-5) and len(piped.losses) == STEPS
@@ -124,12 +139,16 @@ def test_meta_model_checkpoints_during_and_after_fit_hold_the_trained_values_and
         for index, state in want["optimizer_states"][0]["state"].items():
             torch.testing.assert_close(got["optimizer_states"][0]["state"][index]["momentum_buffer"],
                                        state["momentum_buffer"], atol=1e-5, rtol=0)  # fmt: skip
+    weights = one_file(tmp_path / "weights", tmp_path)  # weights_only=True: no optimizer state written
+    assert weights["optimizer_states"] == [] and weights["global_step"] == STEPS
+    for key, value in local.state_dict().items():
+        torch.testing.assert_close(weights["state_dict"][key], value, atol=1e-5, rtol=0, msg=key)
     # after the fit: the trained values (the workers left them before they stopped)
     assert_trained(one_file(tmp_path / "after.ckpt", tmp_path), local, local_trainer.optimizers[0])
 
     # resume from the step-2 folder, each worker reading its own part; single files written this time
-    resumed_trainer, resumed = fit("rpc", tmp_path / "rpc" / f"epoch=0-step={EVERY}.ckpt", saves=tmp_path / "again",
-                                   folders=False)  # fmt: skip
+    step_two = tmp_path / "rpc" / f"epoch=0-step={EVERY}.ckpt"
+    resumed_trainer, resumed = fit("rpc", tmp_path, step_two, saves=tmp_path / "again", folders=False)
     resumed_trainer.save_checkpoint(tmp_path / "resumed.ckpt")
     assert sorted(resumed.losses) == list(range(EVERY + 1, STEPS + 1))
     assert resumed.losses == pytest.approx({s: piped.losses[s] for s in resumed.losses}, abs=1e-5)
@@ -156,7 +175,7 @@ def test_single_file_resume_and_strict_loading(tmp_path: Path, monkeypatch: pyte
     plain.fit(whole, loader(dataset(rows=32), 16))
     saved = tmp_path / f"epoch=0-step={EVERY}.ckpt"
 
-    _, resumed = fit("rpc", saved, meta=False)
+    _, resumed = fit("rpc", tmp_path, saved, meta=False)
     assert resumed.losses == pytest.approx({s: whole.losses[s] for s in range(EVERY + 1, STEPS + 1)}, abs=1e-5)
     for (name, p), q in zip(resumed.named_parameters(), whole.parameters(), strict=True):
         torch.testing.assert_close(p, q, atol=1e-5, rtol=0, msg=name)
@@ -167,14 +186,14 @@ def test_single_file_resume_and_strict_loading(tmp_path: Path, monkeypatch: pyte
     torch.save({**checkpoint, "state_dict": {**state, "model.extra.weight": torch.zeros(2)}}, added)
     state["model.renamed.weight"] = state.pop("model.2.weight")
     torch.save(checkpoint, renamed)
-    with pytest.raises(RuntimeError, match=r"1 tensor of the model missing \('model.2.weight'\); 1 key the model "
-                       r"does not have \('model.renamed.weight'\).*strict_loading = False"):  # fmt: skip
-        fit("rpc", renamed)
-    with pytest.raises(RuntimeError, match=r"1 key the model does not have \('model.extra.weight'\)"):
-        fit("rpc", added, meta=False)
-    with pytest.warns(UserWarning, match=r"strict_loading=False: .* 1 tensor initialised instead of read "
-                      r"\('model.2.weight'\)"):  # fmt: skip
-        _, lenient = fit("rpc", renamed, strict=False)
+    both = r"'model\.2\.weight'.*'model\.renamed\.weight'.*strict_loading = False"
+    with pytest.raises(ConfigurationError, match=both):
+        fit("rpc", tmp_path, renamed)
+    with pytest.raises(ConfigurationError, match=r"'model\.extra\.weight'"):
+        fit("rpc", tmp_path, added, meta=False)
+    said = r"strict_loading=False.*1 tensor initialised instead of read.*'model\.2\.weight'"
+    with pytest.warns(UserWarning, match=said):
+        _, lenient = fit("rpc", tmp_path, renamed, strict=False)
     assert sorted(lenient.losses) == [3, 4] and all(torch.isfinite(torch.tensor(list(lenient.losses.values()))))
 
 
@@ -206,6 +225,7 @@ class StageDevices(L.Callback):
 
 
 def check_stage_devices(devices: list[str]) -> None:
+    """A local fit of 2 steps on ``devices`` (a model built on meta), checked after each step."""
     strategy = PipeStrategy(stages=2, microbatches=2, devices=devices)
     checks = StageDevices()
     trainer = L.Trainer(**QUIET, max_steps=2, strategy=strategy, callbacks=[checks])

@@ -38,6 +38,7 @@ from typing import Any
 
 import torch.distributed.rpc as rpc
 
+from lightning_pipe.allocator import give_back_large_blocks
 from lightning_pipe.comm.base import COORDINATOR, Communicator, Endpoint, deadline, remaining
 from lightning_pipe.comm.compress import resolve_codec
 from lightning_pipe.comm.control import ControlServer, Slot, parse_address
@@ -262,6 +263,7 @@ class RpcCommunicator(Communicator):
         """Open a world of ``count`` slots (local: spawned on ``devices``); ``home``: the device of the stage this
         process holds, if it holds one (its data plane takes the GPU to GPU path where it can)."""
         global _ACTIVE
+        give_back_large_blocks()  # this process holds the last stage, not the freed space of its gradients
         if _ACTIVE is not None and _ACTIVE is not self:
             raise TransportError(
                 "another RpcCommunicator's world is running in this process (torch.distributed.rpc allows one "

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_pipe.allocator import give_back_large_blocks
 from lightning_pipe.comm.control import parse_address
 from lightning_pipe.comm.control_link import WorkerLink, WorkerRefused
 from lightning_pipe.comm.rpc_plane import PlaneLayout, describe_process, is_cuda, open_plane, world_rank
@@ -53,6 +54,7 @@ def run_slot(
         _exit_with_parent(parent)
     if threads:
         torch.set_num_threads(threads)
+    give_back_large_blocks()  # a worker holds its stage, not the freed space of its gradients (as launched mode)
     try:
         link = WorkerLink(coordinator, wait)
         link.hello(token, device, group, index)

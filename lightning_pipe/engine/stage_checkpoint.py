@@ -66,9 +66,11 @@ class StageCheckpoint:
             optimizers.append(OptimizerPart(state, part.groups, part.layout))
         save_sharded(path, model, optimizers, part.meta)
 
-    def call_plan_part(self, path: str, prefix: str, index: int) -> Any:
-        """Plan this rank's part of the folder ``path`` as participant ``index`` (DCP's local plan, returned)."""
-        optimizers = [OptimizerPart(self._optimizer_state(prefix))] if self.state.has_optimizer() else []
+    def call_plan_part(self, path: str, prefix: str, optimizer: bool, index: int) -> Any:
+        """Plan this rank's part of the folder ``path`` as participant ``index`` (DCP's local plan, returned), with
+        its optimizer state unless ``optimizer`` is False (``trainer.save_checkpoint(weights_only=True)``)."""
+        with_state = optimizer and self.state.has_optimizer()
+        optimizers = [OptimizerPart(self._optimizer_state(prefix))] if with_state else []
         self.part = FolderPart(path, sharded_state(self._model(prefix), optimizers), index)
         return self.part.plan()
 

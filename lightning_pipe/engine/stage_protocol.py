@@ -179,9 +179,10 @@ class StageProtocol:
         """Write this process's part of the folder ``path`` (every process of the world at once)."""
         self._checkpoint.call_save_sharded(path, prefix, coordinator)
 
-    def plan_part(self, path: str, prefix: str, index: int) -> Any:
-        """Plan this rank's part of the folder ``path`` as participant ``index`` (rpc: DCP's local plan, returned)."""
-        return self._checkpoint.call_plan_part(path, prefix, index)
+    def plan_part(self, path: str, prefix: str, optimizer: bool, index: int) -> Any:
+        """Plan this rank's part of the folder ``path`` as participant ``index`` (rpc: DCP's local plan, returned),
+        with its optimizer state unless ``optimizer`` is False."""
+        return self._checkpoint.call_plan_part(path, prefix, optimizer, index)
 
     def write_part(self, plan: Any) -> list[Any]:
         """Write the part `plan_part` planned, as the global ``plan`` says; DCP's write results."""

@@ -173,15 +173,16 @@ class ModelStateStrategy(ProcessStrategy):
     def keep_stages(self) -> None:
         """rpc mode, at the end of a fit of a model built on meta: the workers write their trained stages for the
         checkpoints written after it (before they stop; `RpcCheckpoints.keep`)."""
-        if self.mode.name != RPC:
-            return
-        self.rpc_checkpoints.forget()  # the last fit's
         pipeline, lightning_module = self.builder.pipeline, self.lightning_module
         stage_params = self.checkpoints.optimization.stage_params
-        trained = stage_params is not None and bool(stage_params.views)
-        if trained and pipeline is not None and lightning_module is not None and on_meta(lightning_module):
+        trained = stage_params is not None and bool(stage_params.views)  # a fit (validate etc. keep the last fit's)
+        if self.mode.name != RPC or not trained or pipeline is None or lightning_module is None:
+            return
+        self.rpc_checkpoints.forget()  # the last fit's
+        if on_meta(lightning_module):
             prefix = prefix_of(lightning_module, self.builder.find(lightning_module))
-            self.rpc_checkpoints.keep(pipeline, prefix, self._coordinator_part(lightning_module, prefix))
+            under = Path(lightning_module.trainer.default_root_dir)
+            self.rpc_checkpoints.keep(pipeline, prefix, self._coordinator_part(lightning_module, prefix), under)
 
     def _coordinator_part(self, lightning_module: nn.Module, prefix: str) -> CoordinatorPart:
         """What this coordinator's process adds to a checkpoint: the tensors outside the pipelined module, their
@@ -202,7 +203,8 @@ class ModelStateStrategy(ProcessStrategy):
     def remove_checkpoint(self, filepath: _PATH) -> None:
         import shutil
 
-        if self.world is not None and self.world.layout.global_rank == 0 and Path(filepath).is_dir():
+        first = self.mode.name == RPC or (self.world is not None and self.world.layout.global_rank == 0)
+        if first and Path(filepath).is_dir():
             shutil.rmtree(filepath)
             return
         super().remove_checkpoint(filepath)

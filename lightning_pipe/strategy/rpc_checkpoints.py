@@ -14,7 +14,9 @@ time (`lightning_pipe.strategy.checkpoint_writer.write_single_file`); the defaul
 After ``fit`` the workers are gone. A model built eagerly holds its trained values in the script's process
 again (`StageOptimization.fold`), and Lightning writes it as usual. A model built on meta does not: at the end
 of its fit the workers write their trained stages into a private folder (`keep`), and a checkpoint written
-after the fit is made from that folder with Lightning's state of that moment (`write_kept`).
+after the fit is made from that folder with Lightning's state of that moment (`write_kept`). Every path the
+workers write (a checkpoint's, that folder) must be one they reach: with workers on other machines, a shared
+filesystem.
 """
 
 from __future__ import annotations
@@ -43,17 +45,18 @@ def lightning_state(checkpoint: dict[str, Any]) -> dict[str, Any]:
 
 
 def write_folder(folder: Path, prefix: str, meta: dict[str, Any] | None, part: CoordinatorPart,
-                 pipeline: Pipeline) -> None:  # fmt: skip
+                 pipeline: Pipeline, optimizer: bool = True) -> None:  # fmt: skip
     """The sharded folder ``folder``: each rank of ``pipeline`` writes its stage (keys after ``prefix``), this
-    process ``part`` and ``meta`` (Lightning's state; None: none)."""
+    process ``part`` and ``meta`` (Lightning's state; None: none); the optimizers' state too unless ``optimizer``
+    is False (``trainer.save_checkpoint(weights_only=True)``)."""
     prepare_folder(folder)
-    optimizers = [OptimizerPart(part.optimizer_state, part.groups, part.layout)] if part.layout is not None else []
+    with_state = optimizer and part.layout is not None
+    optimizers = [OptimizerPart(part.optimizer_state, part.groups, part.layout)] if with_state else []
     own = FolderPart(folder, sharded_state(part.model, optimizers), 0)
     mine = own.plan()
     coordinator = pipeline.coordinator
-    theirs = coordinator.stages.call_each(
-        StageProtocol.plan_part, [(r + 1,) for r in range(coordinator.num_ranks)], str(folder), prefix
-    )
+    each = [(r + 1,) for r in range(coordinator.num_ranks)]
+    theirs = coordinator.stages.call_each(StageProtocol.plan_part, each, str(folder), prefix, optimizer)
     plans, metadata = own.global_plan([mine, *theirs])
     written = coordinator.stages.call_each(StageProtocol.write_part, [(plan,) for plan in plans[1:]])
     own.finish(metadata, [own.write(plans[0]), *written])
@@ -76,23 +79,26 @@ class RpcCheckpoints:
              pipeline: Pipeline | None, single_file: bool) -> None:  # fmt: skip
         """``checkpoint`` (Lightning's state; its tensors are the stages') at ``path``: a folder, or one file."""
         meta = lightning_state(checkpoint)
+        optimizer = "optimizer_states" in checkpoint  # Lightning leaves them out for weights_only=True
         if pipeline is None:
             self.write_kept(path, meta, single_file)
             return
 
         def save(folder: Path) -> None:
-            write_folder(folder, prefix, meta, part, pipeline)
+            write_folder(folder, prefix, meta, part, pipeline, optimizer)
 
         if single_file:
             write_single_file(save, path, first=True)
         else:
             save(path)
 
-    def keep(self, pipeline: Pipeline, prefix: str, part: CoordinatorPart) -> None:
+    def keep(self, pipeline: Pipeline, prefix: str, part: CoordinatorPart, under: Path) -> None:
         """At the end of a fit of a model built on meta: the workers write their trained stages (before they stop)
-        into a private folder, removed at the next fit or when this process exits."""
+        into a private folder under ``under`` (the Trainer's ``default_root_dir``, where its checkpoints go: a
+        folder that workers on other machines share), removed at the next fit or when this process exits."""
         self.forget()
-        root = Path(tempfile.mkdtemp(prefix="lightning_pipe-rpc-"))
+        under.mkdir(parents=True, exist_ok=True)
+        root = Path(tempfile.mkdtemp(prefix=".lightning_pipe-trained-", dir=under))
         self._cleanup = weakref.finalize(self, shutil.rmtree, root, True)
         self.kept = root / "trained"
         write_folder(self.kept, prefix, None, part, pipeline)
