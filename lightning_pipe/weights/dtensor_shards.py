@@ -18,7 +18,7 @@ cuts it locally, without communication, exactly as FSDP laid out the meta shard.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -87,7 +87,7 @@ class Wholes:
 
     peak: int = 0
     count: int = 0
-    _now: int = 0
+    _now: int = field(default=0, init=False, repr=False)  # bytes held now
 
     def hold(self, tensor: torch.Tensor) -> None:
         self._now += tensor.numel() * tensor.element_size()
