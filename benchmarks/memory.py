@@ -1,14 +1,21 @@
-"""Peak memory of every process: a plain Trainer, Lightning DDP and PipeStrategy (1 x 4 and 2 x 2), side by side.
+"""Peak memory of every process: a plain Trainer, Lightning DDP and PipeStrategy in several layouts, side by side.
 
     python benchmarks/memory.py                      # the 512 MiB model of docs/big-models.md (32 x Linear(2048, 2048))
     python benchmarks/memory.py --width 1024 --depth 16 --json out/memory.json
+    python benchmarks/memory.py --only "FSDP"        # the rows whose name holds FSDP (and their references)
 
-Each configuration is a run of ``examples/big_model.py`` (Lightning's launcher starts its processes), resumed
-from the plain Trainer's checkpoint and trained 2 more steps; each process reports its peak resident memory
-(``VmHWM``; on CUDA ``torch.cuda.max_memory_allocated``). The table gives it minus an empty process's (torch,
-Lightning and lightning_pipe imported), in MiB and as a share of the model's training state (parameters,
-gradients and SGD momentum), beside the ideal: the training state / (replicas x stages). The losses column
-checks that every run trains as the plain one does.
+Each configuration is a run of ``examples/big_model.py`` (Lightning's launcher starts its processes), most of them
+resumed from the plain Trainer's checkpoint and trained 2 more steps; each process reports its peak resident
+memory (``VmHWM``; on CUDA ``torch.cuda.max_memory_allocated``). The table gives it minus an empty process's
+(torch, Lightning and lightning_pipe imported), in MiB and as a share of what the row measures against: the
+model's training state (parameters, gradients and SGD momentum), or, for a build without a step, its
+parameters; beside the ideal: that / (replicas x stages). The losses column checks that every run trains as
+its reference does (the plain run, or a plain run from the same weights).
+
+Rows take their start from an input (`Row.start`): ``plain`` (the plain Trainer's checkpoint, one file),
+``sharded`` (the same state as a sharded folder, written by a 1 x 4 run that resumes it and trains nothing),
+``weights`` (the plain checkpoint's module state as safetensors, ``PipeStrategy(weights=...)``) or ``seed``
+(nothing: each stage initialised from the run's seed). Another mode's row (rpc's meta build) is one more `Row`.
 """
 
 from __future__ import annotations
@@ -16,26 +23,50 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "big_model.py"
+META_2X2 = ["--build", "meta", "--stages", "2", "--batch", "8"]  # 2 replicas of 8 rows: the plain run's 16 a step
 
-CONFIGS: list[tuple[str, list[str], int]] = [  # name, arguments, processes
-    ("plain Trainer", ["--plain"], 1),
-    ("Lightning DDP, 2 processes", ["--ddp", "--devices", "2"], 2),
-    ("PipeStrategy 1 x 4, built in __init__", ["--build", "eager"], 4),
-    ("PipeStrategy 1 x 4, init_module(empty_init=True)", ["--build", "meta"], 4),
-    ("PipeStrategy 1 x 4, configure_model", ["--build", "configure_model"], 4),
-    ("PipeStrategy 2 x 2, DDP per stage", ["--build", "meta", "--stages", "2", "--batch", "8"], 4),
-    ("PipeStrategy 2 x 2, FSDP per stage", ["--build", "meta", "--stages", "2", "--batch", "8",
-                                            "--data-parallel", "fsdp"], 4),
+
+@dataclass(frozen=True)
+class Row:
+    """One configuration: ``args`` of big_model.py, its ``processes``, its input (``start``), what its peak is a
+    share of (``of``: ``"state"`` or ``"parameters"``) and the run whose losses it must take (``reference``:
+    ``"plain"``, ``"plain from weights"``, or None for a run without a step)."""
+
+    name: str
+    args: list[str]
+    processes: int
+    start: str = "plain"
+    of: str = "state"
+    reference: str | None = "plain"
+    piped: bool = True
+
+
+ROWS: list[Row] = [
+    Row("plain Trainer", ["--plain"], 1, piped=False),
+    Row("Lightning DDP, 2 processes", ["--ddp", "--devices", "2", "--batch", "8"], 2, piped=False),
+    Row("PipeStrategy 1 x 4, built in __init__", ["--build", "eager"], 4),
+    Row("PipeStrategy 1 x 4, init_module(empty_init=True)", ["--build", "meta"], 4),
+    Row("PipeStrategy 1 x 4, configure_model", ["--build", "configure_model"], 4),
+    Row("PipeStrategy 1 x 4, meta, resumed from a sharded folder", ["--build", "meta"], 4, start="sharded"),
+    Row("PipeStrategy 1 x 4, meta, weights= (safetensors)", ["--build", "meta"], 4, start="weights",
+        reference="plain from weights"),
+    Row("PipeStrategy local mode, 4 stages in 1 process, meta", ["--build", "meta", "--devices", "1"], 1),
+    Row("PipeStrategy 2 x 2, DDP per stage", META_2X2, 4),
+    Row("PipeStrategy 2 x 2, FSDP per stage", [*META_2X2, "--data-parallel", "fsdp"], 4),
+    Row("PipeStrategy 2 x 2 FSDP from seeded init, peak before step 1",
+        [*META_2X2, "--data-parallel", "fsdp", "--epochs", "0"], 4, start="seed", of="parameters", reference=None),
 ]  # fmt: skip
 
 
@@ -73,45 +104,147 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=32)
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--accelerator", default="cpu", help="gpu: one process per GPU, CUDA memory reported too")
+    parser.add_argument("--only", default=None, help="a regular expression: run only the rows whose name matches")
     parser.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "memory.json"))
     args = parser.parse_args()
     model = ["--width", str(args.width), "--depth", str(args.depth), "--accelerator", args.accelerator]
-    state = 3 * args.depth * (args.width * args.width + args.width) * 4 / 2**20  # params + grads + momentum, MiB
+    parameters = args.depth * (args.width * args.width + args.width) * 4 / 2**20  # MiB
+    sizes = {"state": 3 * parameters, "parameters": parameters}  # training state: params + grads + momentum
+    chosen = [row for row in ROWS if args.only is None or re.search(args.only, row.name)]
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp)
-        run(["--empty", "--report", str(out / "empty")], args.timeout)
-        empty = reports(out / "empty")[0]["peak_mib"]
-        checkpoint = out / "plain.ckpt"
-        run([*model, "--plain", "--epochs", "1", "--save", str(checkpoint)], args.timeout)
-        for name, config, processes in CONFIGS:
-            folder = out / f"run{len(rows)}"
-            run([*model, *config, "--ckpt-path", str(checkpoint), "--report", str(folder)], args.timeout)
+        inputs = Inputs(Path(tmp), model, args.timeout)
+        empty = inputs.empty()
+        for row in chosen:
+            folder = inputs.out / f"run{len(rows)}"
+            config = [*row.args, *inputs.start(row.start)]
+            run([*model, *config, "--report", str(folder)], args.timeout)
             got = reports(folder)
-            piped = not ({"--plain", "--ddp"} & set(config))
+            of = sizes[row.of]
+            losses = [r["losses"] for r in got if r["losses"]]
+            inputs.ran[tuple(config)] = losses  # a row that is a reference run (the plain one) is not run twice
+            reference = inputs.reference(row.reference) if row.reference is not None else None
             rows.append({
-                "config": name,
+                "config": row.name,
+                "start": row.start,
+                "of": row.of,
                 "peak_mib": [round(r["peak_mib"] - empty) for r in got],
-                "share": [round((r["peak_mib"] - empty) / state, 3) for r in got],
-                "ideal_mib": round(state / processes if piped else state),  # the training state / (R x S)
+                "share": [round((r["peak_mib"] - empty) / of, 3) for r in got],
+                "ideal_mib": round(of / row.processes if row.piped else of),  # / (R x S)
                 "cuda_peak_mib": [r.get("cuda_peak_mib") for r in got],
-                "losses": [r["losses"] for r in got if r["losses"]],
+                "losses": losses,
+                "reference_losses": reference,
+                "losses_equal": None if reference is None else same_losses(losses, reference),
             })  # fmt: skip
-    print(f"training state {state:.0f} MiB; an empty process {empty:.0f} MiB (subtracted)\n")
+    print_table(rows, sizes, empty)
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    document = {"state_mib": sizes["state"], "parameters_mib": parameters, "empty_mib": empty, "rows": rows}
+    Path(args.json).write_text(json.dumps(document, indent=1))
+
+
+class Inputs:
+    """What the rows start from, made once when a row first needs it, in ``out``; and the references' losses."""
+
+    def __init__(self, out: Path, model: list[str], timeout: float) -> None:
+        self.out, self.model, self.timeout = out, model, timeout
+        self._made: dict[str, Any] = {}
+        self.ran: dict[tuple[str, ...], list[list[float]]] = {}  # each row's losses, by its arguments
+
+    def _once(self, name: str, make: Any) -> Any:
+        if name not in self._made:
+            self._made[name] = make()
+        return self._made[name]
+
+    def empty(self) -> float:
+        run(["--empty", "--report", str(self.out / "empty")], self.timeout)
+        return float(reports(self.out / "empty")[0]["peak_mib"])
+
+    def plain(self) -> Path:
+        """The plain Trainer's checkpoint after one step (one file)."""
+
+        def make() -> Path:
+            path = self.out / "plain.ckpt"
+            run([*self.model, "--plain", "--epochs", "1", "--save", str(path)], self.timeout)
+            return path
+
+        return self._once("plain", make)  # type: ignore[no-any-return]
+
+    def start(self, start: str) -> list[str]:
+        """big_model.py's arguments for a row that starts from ``start``."""
+        if start == "seed":
+            return []
+        if start == "plain":
+            return ["--ckpt-path", str(self.plain())]
+        if start == "sharded":
+            return ["--ckpt-path", str(self._once("sharded", self._sharded))]
+        if start == "weights":
+            return ["--weights", str(self._once("weights", self._weights)), "--epochs", "2"]
+        raise ValueError(f"unknown start {start!r}: seed, plain, sharded or weights")
+
+    def reference(self, name: str) -> list[float]:
+        """The losses a row must take: the plain run resumed from its checkpoint, or a plain run from the weights."""
+        if name == "plain":
+            args = ["--ckpt-path", str(self.plain())]
+        elif name == "plain from weights":
+            args = ["--weights", str(self._once("weights", self._weights)), "--epochs", "2"]
+        else:
+            raise ValueError(f"unknown reference {name!r}: plain or plain from weights")
+
+        if ("--plain", *args) in self.ran:
+            return self.ran[("--plain", *args)][0]
+
+        def make() -> list[float]:
+            folder = self.out / f"reference-{len(self._made)}"
+            run([*self.model, "--plain", *args, "--report", str(folder)], self.timeout)
+            return [float(x) for x in reports(folder)[0]["losses"]]
+
+        return self._once(f"reference {name}", make)  # type: ignore[no-any-return]
+
+    def _sharded(self) -> Path:
+        """The plain checkpoint's state as a sharded folder: a 1 x 4 run resumes it, trains nothing and saves."""
+        path = self.out / "sharded"
+        run([*self.model, "--build", "meta", "--epochs", "1", "--ckpt-path", str(self.plain()),
+             "--save-at-end", str(path)], self.timeout)  # fmt: skip
+        return path
+
+    def _weights(self) -> Path:
+        """The plain checkpoint's pipelined module as safetensors (what ``save_pretrained`` writes)."""
+        import torch
+        from safetensors.torch import save_file
+
+        state = torch.load(self.plain(), map_location="cpu", mmap=True, weights_only=True)["state_dict"]
+        path = self.out / "weights.safetensors"
+        save_file({k[len("model.") :]: v.contiguous() for k, v in state.items() if k.startswith("model.")}, path)
+        return path
+
+
+def same_losses(losses: list[list[float]], reference: list[float]) -> bool:
+    """Whether the replicas' mean loss of each step (each replica's is over its share of the rows) is the
+    reference's, to 1e-5."""
+    if not losses:
+        return False
+    mean = [sum(step) / len(step) for step in zip(*losses, strict=True)]
+    pairs = zip(mean, reference, strict=True) if len(mean) == len(reference) else None
+    return pairs is not None and all(abs(a - b) <= 1e-5 * abs(b) for a, b in pairs)
+
+
+def print_table(rows: list[dict[str, Any]], sizes: dict[str, float], empty: float) -> None:
+    print(f"training state {sizes['state']:.0f} MiB, parameters {sizes['parameters']:.0f} MiB; "
+          f"an empty process {empty:.0f} MiB (subtracted)\n")  # fmt: skip
     cuda = any(v is not None for row in rows for v in row["cuda_peak_mib"])
     print(
-        "| configuration | peak per process, MiB | share of the training state | ideal, MiB |"
+        "| configuration | peak per process, MiB | share | of | ideal, MiB | losses = reference |"
         + (" CUDA, MiB |" if cuda else "")
     )
-    print("| --- | --- | --- | --- |" + (" --- |" if cuda else ""))
+    print("| --- | --- | --- | --- | --- | --- |" + (" --- |" if cuda else ""))
     for row in rows:
         peaks = " / ".join(map(str, row["peak_mib"]))
-        line = f"| {row['config']} | {peaks} | {max(row['share']):.2f} | {row['ideal_mib']} |"
+        equal = {None: "no step", True: "yes", False: "**no**"}[row["losses_equal"]]
+        of = "training state" if row["of"] == "state" else "parameters"
+        line = f"| {row['config']} | {peaks} | {max(row['share']):.2f} | {of} | {row['ideal_mib']} | {equal} |"
         if cuda:
             line += " " + " / ".join(f"{v:.0f}" for v in row["cuda_peak_mib"] if v is not None) + " |"
         print(line)
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps({"state_mib": state, "empty_mib": empty, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -106,7 +106,7 @@ def main() -> None:
     parser.add_argument("--save-epoch", type=int, default=0)
     parser.add_argument("--save-at-end", default=None, help="checkpoint written after the fit, by every process")
     parser.add_argument("--single-file", action="store_true", help="save one file instead of a sharded folder")
-    parser.add_argument("--weights", default=None, help="pretrained weights of the pipelined module")
+    parser.add_argument("--weights", default=None, help="pretrained weights of the pipelined module (--plain too)")
     parser.add_argument("--plain", action="store_true", help="no pipeline: one process, the whole model")
     parser.add_argument("--ddp", action="store_true", help="Lightning's DDP over --devices processes")
     parser.add_argument("--report", default=None, help="write losses and peak memory here (one file per process)")
@@ -117,7 +117,7 @@ def main() -> None:
         return
 
     L.seed_everything(0, verbose=False)
-    replicas = 1 if args.plain else args.devices if args.ddp else args.devices // args.stages
+    replicas = 1 if args.plain else args.devices if args.ddp else max(1, args.devices // args.stages)
     torch.manual_seed(1)
     rows = args.batch * replicas * args.accumulate
     data = TensorDataset(torch.randn(rows, args.width), torch.randn(rows, args.width))
@@ -160,10 +160,21 @@ def main() -> None:
             model = Big(args.width, args.depth, build, args.optimizer)
     else:
         model = Big(args.width, args.depth, build, args.optimizer)
+    if args.weights and (args.plain or args.ddp):  # Lightning's own strategies: the user loads the weights
+        model.model.load_state_dict(read_weights(args.weights))
     trainer.fit(model, loader, ckpt_path=args.ckpt_path)
     if args.save_at_end:
         trainer.save_checkpoint(args.save_at_end)  # every process: each writes its own stage
     write_report(args.report, record.losses)
+
+
+def read_weights(path: str) -> dict[str, torch.Tensor]:
+    """A state dict of the pipelined module: safetensors, or a ``torch.save``d dict."""
+    if path.endswith(".safetensors"):
+        from safetensors.torch import load_file
+
+        return load_file(path)
+    return torch.load(path, weights_only=True)  # type: ignore[no-any-return]
 
 
 def write_report(folder: str | None, losses: list[float]) -> None:

@@ -35,7 +35,7 @@ from lightning_pipe import PipeStrategy  # noqa: E402
 from lightning_pipe.engine.fsdp_internals import check  # noqa: E402
 from lightning_pipe.weights.consolidate import consolidate  # noqa: E402
 
-WIDTH, DEPTH, ROWS = 32, 6, 16  # 6 x Linear(32, 32): 3 blocks per stage
+WIDTH, DEPTH, ROWS = 100, 6, 16  # 6 x Linear(100, 100): 3 blocks per stage; a shard ends mid-page
 
 
 def data() -> TensorDataset:

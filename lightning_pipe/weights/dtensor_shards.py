@@ -9,7 +9,8 @@ replicas. `lightning_pipe.weights.materialize` makes each of them real here, hol
   and only this process's shard of it is kept;
 - initialised by its module (``reset_parameters()``) under the run's seed, the module's tensors are made whole
   on the CPU (`whole_like`), initialised exactly as an unsharded stage's are, and only the shard is kept
-  (`shard_of`): the same seed gives the same model with FSDP as without. One module is whole at a time.
+  (`shard_of`): the same seed gives the same model with FSDP as without. One module is whole at a time, and
+  the rows of a whole tensor that are not this process's are given back before its shard is copied out.
 
 `Wholes` counts the most bytes of whole tensors held at once while a stage was made (the check that a stage
 is never built whole). The shard of a whole tensor is torch's own: ``distribute_tensor(..., src_data_rank=None)``
@@ -18,7 +19,10 @@ cuts it locally, without communication, exactly as FSDP laid out the meta shard.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import ctypes
+import mmap
+import sys
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -50,9 +54,11 @@ def whole_like(like: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 def shard_of(whole: torch.Tensor, like: Any, device: torch.device) -> torch.Tensor:
     """This process's shard of ``whole`` laid out as ``like`` (a DTensor), on ``device``; it holds no part of
-    ``whole`` (a copy), which can go."""
+    ``whole`` (a copy), which the caller frees right after: its other rows are given back first (`_drop_rest`),
+    so while the shard is copied out a process holds the whole tensor's size, not that plus the shard."""
     from torch.distributed.tensor import distribute_tensor
 
+    _drop_rest(whole, like)
     value = whole.detach()
     if value.device != device:
         value = value.to(device)
@@ -80,6 +86,35 @@ def copy_shard(target: Any, whole: torch.Tensor) -> None:
         target.to_local().copy_(cut.to_local())
 
 
+def _drop_rest(whole: torch.Tensor, like: Any) -> None:
+    """Give back to the system the memory pages of ``whole`` (a CPU tensor nothing else reads, about to be freed)
+    that lie wholly outside this process's rows (``Shard(0)`` over a 1-D mesh, FSDP's layout; else nothing):
+    they read as zeros after, and only this process's rows are read before ``whole`` goes. Linux (madvise)."""
+    from torch.distributed.tensor import Shard
+
+    if _libc is None or whole.device.type != "cpu" or whole.dim() == 0 or not whole.is_contiguous():
+        return
+    if len(like.placements) != 1 or like.placements[0] != Shard(0) or like.device_mesh.ndim != 1:
+        return
+    chunks = torch.arange(whole.shape[0]).chunk(like.device_mesh.size())  # DTensor's Shard(0): torch.chunk's rows
+    rank = like.device_mesh.get_local_rank()
+    count = len(chunks[rank]) if rank < len(chunks) else 0
+    if count != like.to_local().shape[0]:
+        return  # not the layout assumed here: keep every page
+    row = whole[0].numel() * whole.element_size()
+    start = whole.data_ptr()
+    keep = start + (int(chunks[rank][0]) * row if count else 0)
+    _dont_need(start, keep)
+    _dont_need(keep + count * row, start + whole.numel() * whole.element_size())
+
+
+def _dont_need(start: int, end: int) -> None:
+    """madvise(MADV_DONTNEED) on the pages wholly inside [start, end) (none that holds a byte outside it)."""
+    first, last = start + (-start) % _PAGE, end - end % _PAGE
+    if last > first:
+        _libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED)
+
+
 @dataclass
 class Wholes:
     """The whole (unsharded) tensors of sharded parameters a process held while making its stage: how many bytes
@@ -87,7 +122,7 @@ class Wholes:
 
     peak: int = 0
     count: int = 0
-    _now: int = 0
+    _now: int = field(default=0, init=False, repr=False)  # bytes held now
 
     def hold(self, tensor: torch.Tensor) -> None:
         self._now += tensor.numel() * tensor.element_size()
@@ -103,3 +138,21 @@ def _as(like: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     if isinstance(like, nn.Parameter):
         return nn.Parameter(value, requires_grad=like.requires_grad)
     return value
+
+
+_PAGE = mmap.PAGESIZE
+_MADV_DONTNEED = 4  # <sys/mman.h>; Linux
+
+
+def _load_libc() -> Any:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        return libc
+    except (OSError, AttributeError):
+        return None
+
+
+_libc = _load_libc()
