@@ -84,3 +84,23 @@ def gpt2_config(transformers: Any, dropout: float = 0.0) -> Any:
         vocab_size=48, n_positions=16, n_embd=16, n_layer=4, n_head=2, use_cache=False,
         resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout, bos_token_id=0, eos_token_id=0,
     )  # fmt: skip
+
+
+class RunsOn(nn.Module):
+    """The identity, raising unless its input is on a ``device_type`` device: put at the start of each stage, a
+    stage that silently ran elsewhere (a CPU fallback, in a worker process too) fails the step."""
+
+    def __init__(self, device_type: str) -> None:
+        super().__init__()
+        self.device_type = device_type
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type != self.device_type:
+            raise RuntimeError(f"this stage ran on {x.device}, not on {self.device_type}")
+        return x
+
+
+def checked_mlp(device_type: str) -> tuple[nn.Sequential, list[int]]:
+    """`mlp()` with a `RunsOn` check at the start of each of 2 stages, and the partition that puts them there."""
+    layers = list(mlp())
+    return nn.Sequential(RunsOn(device_type), *layers[:4], RunsOn(device_type), *layers[4:]), [5, len(layers) - 3]

@@ -27,15 +27,24 @@ def owned_env(env: dict[str, str]) -> dict[str, str]:
 def started_by(pid: int | None = None) -> list[int]:
     """Live (not zombie) processes started by ``pid`` (default: this process), directly or by lightning_pipe."""
     pid = os.getpid() if pid is None else pid
-    marks = (f"{OWNER_ENV}={pid}".encode(), f"{SPAWNED_ENV}=local-{pid}-".encode())
     found = []
     for entry in _pids():
         if entry == os.getpid() or _state(entry) in (None, "Z"):
             continue
-        variables = _read(f"/proc/{entry}/environ").split(b"\0")
-        if any(variable.startswith(mark) for variable in variables for mark in marks):
+        if marked_by(_read(f"/proc/{entry}/environ").split(b"\0"), pid):
             found.append(entry)
     return found
+
+
+def marked_by(variables: list[bytes], pid: int) -> bool:
+    """Whether an environment (``NAME=value`` entries) marks its process as started by ``pid``.
+
+    The owner's value must be exactly ``pid`` (``...OWNER=123`` is not owned by 1234); lightning_pipe's
+    own mark is ``local-<pid>-<tag>``, so its prefix up to the dash after the pid is exact too.
+    """
+    owner = f"{OWNER_ENV}={pid}".encode()
+    spawned = f"{SPAWNED_ENV}=local-{pid}-".encode()
+    return any(variable == owner or variable.startswith(spawned) for variable in variables)
 
 
 def leftover_processes(timeout: float = 15.0) -> list[int]:

@@ -16,7 +16,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from helpers import QUIET, Classifier, dataset, gpt2_config, loader, max_param_diff, mlp
+from helpers import QUIET, Classifier, checked_mlp, dataset, gpt2_config, loader, max_param_diff, mlp
 from torch import nn
 from torch.utils.data import TensorDataset
 
@@ -195,9 +195,11 @@ def test_recompute_auto_reads_the_gpus_free_memory(monkeypatch: pytest.MonkeyPat
 
 
 def test_rpc_stages_on_the_gpu_equal_a_plain_trainer() -> None:
-    """``transport="rpc"``: stage 0 in a worker process, the last stage in this process, both on cuda:0."""
-    piped, plain = Classifier(mlp()), Classifier(mlp())
-    fit(piped, pipe(transport="rpc", timeout=120))
+    """``transport="rpc"``: stage 0 in a worker process, the last stage in this process, both on cuda:0; each
+    stage checks that its input is on the GPU (`RunsOn`: a silent CPU fallback fails the step)."""
+    (model, partition), (reference, _) = checked_mlp("cuda"), checked_mlp("cuda")
+    piped, plain = Classifier(model), Classifier(reference)
+    fit(piped, pipe(transport="rpc", timeout=120, partition=partition))
     fit(plain)
     assert max_param_diff(piped, plain) < 1e-5
 

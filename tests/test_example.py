@@ -15,8 +15,9 @@ def test_digits_with_and_without_pipe() -> None:
     pytest.importorskip("sklearn", reason="the digits example needs scikit-learn (lightning_pipe[examples])")
     from digits import train
 
-    piped = train(pipe=True, stages=2, microbatches=4, schedule="1f1b", accelerator="cpu")
-    plain = train(pipe=False, accelerator="cpu")
+    # 6 epochs, not the example's 15: both reach 0.958 (15 cost 2.5x the time; local mode equals the plain run)
+    piped = train(pipe=True, stages=2, microbatches=4, schedule="1f1b", epochs=6, accelerator="cpu")
+    plain = train(pipe=False, epochs=6, accelerator="cpu")
     print(f"digits validation accuracy: PipeStrategy {piped:.4f}, plain {plain:.4f}")
     assert piped >= 0.95
     assert abs(piped - plain) <= 0.01

@@ -16,10 +16,11 @@ from collections.abc import Iterator
 import pytest
 import torch
 import torch.nn.functional as F
-from processes import leftover_processes, owned_env, started_by
+from processes import OWNER_ENV, leftover_processes, marked_by, owned_env, started_by
 from torch import nn
 
 from lightning_pipe import Pipeline
+from lightning_pipe.comm.local_workers import SPAWNED_ENV
 
 
 def children() -> list[int]:
@@ -73,3 +74,25 @@ def test_a_process_the_test_started_is_found_until_it_ends() -> None:
         sleeper.kill()
         sleeper.wait(30)
     assert leftover_processes(timeout=0) == []
+
+
+def test_the_owner_mark_names_one_pid_exactly() -> None:
+    """``...OWNER=123`` is not owned by 1234 (nor by 12), and the spawn mark ``local-123-`` not by 1234."""
+    assert marked_by([b"PATH=/bin", f"{OWNER_ENV}=123".encode()], 123)
+    assert not marked_by([f"{OWNER_ENV}=123".encode()], 12)
+    assert not marked_by([f"{OWNER_ENV}=1234".encode()], 123)
+    assert marked_by([f"{SPAWNED_ENV}=local-123-rpc0".encode()], 123)
+    assert not marked_by([f"{SPAWNED_ENV}=local-1234-rpc0".encode()], 123)
+    assert not marked_by([f"{SPAWNED_ENV}=local-123-rpc0".encode()], 12)
+
+
+def test_a_process_of_a_longer_pid_is_not_counted() -> None:
+    """A process marked with this pid followed by more digits is someone else's: `started_by` skips it."""
+    other = dict(os.environ) | {OWNER_ENV: f"{os.getpid()}1"}
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env=other)
+    try:
+        assert sleeper.pid not in started_by()
+        assert sleeper.pid in started_by(int(f"{os.getpid()}1"))
+    finally:
+        sleeper.kill()
+        sleeper.wait(30)

@@ -17,7 +17,7 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import QUIET, Classifier, loader, max_param_diff, mlp, twins
+from helpers import QUIET, Classifier, checked_mlp, loader, max_param_diff, mlp, twins
 from processes import leftover_processes
 
 from lightning_pipe import Pipeline, PipeStrategy
@@ -31,8 +31,12 @@ pytestmark = [
 
 
 def test_rpc_stages_on_one_gpu_train_like_a_plain_trainer(caplog: pytest.LogCaptureFixture) -> None:
-    piped, plain = twins(Classifier())
-    strategy = PipeStrategy(stages=2, microbatches=2, transport="rpc", devices=["cuda:0", "cuda:0"], timeout=120)
+    """Each stage checks that its input is on the GPU (`RunsOn`): a silent CPU fallback fails the step."""
+    model, partition = checked_mlp("cuda")
+    piped, plain = twins(Classifier(model))
+    strategy = PipeStrategy(
+        stages=2, microbatches=2, transport="rpc", devices=["cuda:0", "cuda:0"], partition=partition, timeout=120
+    )
     with caplog.at_level(logging.INFO, logger="lightning_pipe"):
         L.Trainer(**(QUIET | {"accelerator": "gpu", "devices": 1}), max_steps=3, strategy=strategy).fit(piped, loader())
     L.Trainer(**(QUIET | {"accelerator": "gpu", "devices": 1}), max_steps=3).fit(plain, loader())

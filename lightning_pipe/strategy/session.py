@@ -22,6 +22,7 @@ import contextlib
 import queue
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
@@ -34,6 +35,7 @@ from lightning_pipe.strategy.patch import Patches
 
 _current = threading.local()
 TAKE_WAIT = 2.0  # seconds a driver handed to a thread may wait for it (a new thread: while it starts)
+JOIN_WAIT = 10.0  # seconds `DriverThreads.close` waits for the idle threads it ends
 
 
 class _Abandon(BaseException):
@@ -48,32 +50,39 @@ class DriverThreads:
     """Threads that run drivers, one driver at a time each, kept for the next step until `close`.
 
     A thread whose driver never ends (abandoned while the user's code blocks) is simply not reused.
+    `close` joins every thread it ends: a daemon thread still alive when the interpreter exits is stopped
+    where it next takes the GIL, and inside torch's C++ that aborts the process ("terminate called
+    without an active exception").
     """
 
     def __init__(self, keep: bool = True) -> None:
         self.keep = keep  # False: each thread ends with its driver
-        self._idle: list[queue.SimpleQueue[Driver | None]] = []
+        self._idle: list[tuple[queue.SimpleQueue[Driver | None], threading.Thread]] = []
         self._lock = threading.Lock()
         self._generation = 0  # counts closes: a thread started before the last close ends after its driver
 
     def run(self, driver: Driver) -> None:
         with self._lock:
-            jobs = self._idle.pop() if self._idle else None
-        if jobs is not None:
-            jobs.put(driver)
+            idle = self._idle.pop() if self._idle else None
+        if idle is not None:
+            idle[0].put(driver)
             return
-        jobs = queue.SimpleQueue()
+        jobs: queue.SimpleQueue[Driver | None] = queue.SimpleQueue()
         jobs.put(driver)  # before the thread starts: a Ctrl-C in `Thread.start`'s wait leaves the driver to it
         args = (jobs, self._generation)
         threading.Thread(target=self._serve, args=args, name="lightning_pipe-microbatch", daemon=True).start()
 
-    def close(self) -> None:
-        """End the idle threads (a later `run` starts new ones)."""
+    def close(self, timeout: float = JOIN_WAIT) -> None:
+        """End the idle threads and join them (a later `run` starts new ones); a thread still running a
+        driver ends after it (not waited for: its user code may block)."""
         with self._lock:
             idle, self._idle = self._idle, []
             self._generation += 1
-        for jobs in idle:
+        for jobs, _ in idle:
             jobs.put(None)
+        until = time.monotonic() + timeout
+        for _, thread in idle:
+            thread.join(max(0.0, until - time.monotonic()))
 
     def _serve(self, jobs: queue.SimpleQueue[Driver | None], generation: int) -> None:
         thread = threading.current_thread()
@@ -86,7 +95,7 @@ class DriverThreads:
                 with self._lock:
                     kept = self.keep and generation == self._generation
                     if kept:  # idle again before the driver counts as ended: the next step reuses this thread
-                        self._idle.append(jobs)
+                        self._idle.append((jobs, thread))
                 driver.ended.set()
             if not kept:
                 return
