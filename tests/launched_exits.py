@@ -10,6 +10,11 @@ strategy's own exit hook, each writes ``exit-rank<r>``: ``destroyed`` once the p
 
 ``--ctrl-c``: in the last fit, stage 0 writes ``waiting-rank<r>`` at its first training forward and
 waits there (at most 60 s) for the test's Ctrl-C to the process group of the run.
+
+``--ports P0,P1,...``: one run per port, each in a child forked from this process (which imported torch and
+Lightning once, and never joins torch.distributed itself): run ``i`` writes into ``DIR/i`` and meets its peers
+on port ``Pi``. Each child ends through the interpreter's own shutdown, as a process started for the run would;
+this process writes ``children-rank<r>``: each child's exit status, one a line (0, or ``-SIGNAL``).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import faulthandler
+import gc
 import os
 import sys
 import threading
@@ -76,8 +82,33 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--fits", type=int, default=1)
     parser.add_argument("--ctrl-c", action="store_true", help="the last fit waits mid-step for a Ctrl-C")
+    parser.add_argument("--ports", default="", help="one forked run per port (see the module's docstring)")
     args = parser.parse_args()
-    out = Path(args.out)
+    if args.ports:
+        fork_runs(args, [int(port) for port in args.ports.split(",")])
+    else:
+        run(args, Path(args.out))
+
+
+def fork_runs(args: argparse.Namespace, ports: list[int]) -> None:
+    """One run per port, each in a child of this process; the children's exit statuses in ``children-rank<r>``."""
+    rank = next(os.environ[k] for k in ("RANK", "SLURM_PROCID", "LOCAL_RANK") if k in os.environ)
+    statuses = []
+    for index, port in enumerate(ports):
+        out = Path(args.out) / str(index)
+        out.mkdir(parents=True, exist_ok=True)
+        gc.freeze()  # the child's exit does not walk (and copy) the parent's objects
+        child = os.fork()
+        if child == 0:
+            os.environ["MASTER_PORT"] = str(port)
+            run(args, out)
+            sys.exit(0)  # the interpreter's shutdown: atexit hooks, thread joins, module teardown
+        _, status = os.waitpid(child, 0)
+        statuses.append(os.waitstatus_to_exitcode(status))
+    (Path(args.out) / f"children-rank{rank}").write_text("".join(f"{code}\n" for code in statuses))
+
+
+def run(args: argparse.Namespace, out: Path) -> None:
     waits = WaitsForCtrlC(out / "waiting")
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(8, 4, generator=g), torch.randn(8, 2, generator=g))
