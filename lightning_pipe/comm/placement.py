@@ -14,12 +14,18 @@ import torch.distributed as dist
 
 
 def retarget(spec: Any, device: str) -> None:
-    """Place a spec's shards (and its runtime) on ``device``."""
+    """Place a spec's shards (and its runtime, or each of its stages' runtimes) on ``device``."""
     for shard in spec.shards:
         shard.device = device
     runtime = spec.runtime
-    if runtime is not None and runtime.device_spec != device:
-        spec.runtime = type(runtime)(device, runtime.config)
+    if isinstance(runtime, dict):  # several stages on the worker (virtual stages), a runtime each
+        spec.runtime = {stage: _moved(r, device) for stage, r in runtime.items()}
+    elif runtime is not None:
+        spec.runtime = _moved(runtime, device)
+
+
+def _moved(runtime: Any, device: str) -> Any:
+    return runtime if runtime.device_spec == device else type(runtime)(device, runtime.config)
 
 
 def process_device(backend: str, device: str | None = None) -> torch.device:
