@@ -41,10 +41,16 @@ class Config:
     port: int = 0
     trace_dir: str | None = None
     compress: str | None = None  # the rpc contenders' message compression (``compress=``)
+    virtual_stages: int = 1  # stages per process (``stages`` counts the model's pieces)
 
     @property
     def batch(self) -> int:
         return WORKLOADS[self.workload].batch
+
+    @property
+    def ranks(self) -> int:
+        """Processes of one pipeline: the stages over the stages each holds."""
+        return self.stages // self.virtual_stages
 
 
 def serve(conn: Connection, factory: Callable[..., Any], args: tuple[Any, ...]) -> None:

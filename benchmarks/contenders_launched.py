@@ -59,9 +59,9 @@ def torchrun_env(rank: int, world_size: int, port: int, run_id: str, threads: in
 def start_launched(ctx: Any, contender: Contender, cfg: Config) -> None:
     """Rank 0 as the contender's driven worker, ranks 1..S-1 as its silent processes."""
     port, run_id = free_port(), f"compare-{uuid.uuid4().hex[:8]}"
-    spawn(ctx, contender, serve_coordinator, (cfg,), env=torchrun_env(0, cfg.stages, port, run_id, cfg.threads))
-    for rank in range(1, cfg.stages):
-        env = torchrun_env(rank, cfg.stages, port, run_id, cfg.threads)
+    spawn(ctx, contender, serve_coordinator, (cfg,), env=torchrun_env(0, cfg.ranks, port, run_id, cfg.threads))
+    for rank in range(1, cfg.ranks):
+        env = torchrun_env(rank, cfg.ranks, port, run_id, cfg.threads)
         spawn_silent(ctx, contender, serve_rank, (cfg,), env=env)
 
 
@@ -72,7 +72,7 @@ def serve_coordinator(conn: Connection, cfg: Config) -> None:
         batches = make_batches(cfg.workload)
         net = make_net(cfg)
         conn.send(("ready", os.getpid()))
-        serve_one_fit(conn, cfg, net, strategy_arguments(cfg, "p2p"), batches, devices=cfg.stages, wire=True)
+        serve_one_fit(conn, cfg, net, strategy_arguments(cfg, "p2p"), batches, devices=cfg.ranks, wire=True)
     except Exception:
         conn.send(("error", traceback.format_exc()))
 
@@ -80,5 +80,5 @@ def serve_coordinator(conn: Connection, cfg: Config) -> None:
 def serve_rank(cfg: Config) -> None:
     """Any other rank: the same script; its ``fit`` serves its stage until rank 0's fit ends."""
     quiet_lightning(cfg)
-    trainer = quiet_trainer(strategy_arguments(cfg, "p2p"), None, devices=cfg.stages, max_epochs=1)
+    trainer = quiet_trainer(strategy_arguments(cfg, "p2p"), None, devices=cfg.ranks, max_epochs=1)
     trainer.fit(make_net(cfg), endless_loader(make_batches(cfg.workload)))

@@ -1,4 +1,4 @@
-"""The reference contender: torch.distributed.pipelining, one process per stage, gloo on 127.0.0.1."""
+"""The reference contender: torch.distributed.pipelining, one process per rank, gloo on 127.0.0.1."""
 
 from __future__ import annotations
 
@@ -11,41 +11,65 @@ from benchmarks.bench_procs import Config
 from benchmarks.contenders_local import Runner
 from benchmarks.workloads import build_model, stage_module
 
+#: lightning_pipe's schedule name -> torch.distributed.pipelining's class of the same schedule
+TORCH_SCHEDULES = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved-1f1b": "ScheduleInterleaved1F1B",
+    "looped-bfs": "ScheduleLoopedBFS",
+    "interleaved-zero-bubble": "ScheduleInterleavedZeroBubble",
+    "zbv": "ScheduleZBVZeroBubble",
+    "dualpipev": "ScheduleDualPipeV",
+}
+V_SHAPED = ("zbv", "dualpipev")  # rank r holds stages r and 2R-1-r; the others r, r+R, r+2R, ...
+
+
+def stages_of_rank(schedule: str, rank: int, ranks: int, virtual_stages: int) -> list[int]:
+    """The stages torch's ``schedule`` places on ``rank`` (as lightning_pipe places them)."""
+    if schedule in V_SHAPED:
+        return [rank, 2 * ranks - 1 - rank]
+    return [rank + k * ranks for k in range(virtual_stages)]
+
 
 class TorchPipeRunner(Runner):
-    """One stage of torch.distributed.pipelining (this process is rank ``rank`` of a gloo world)."""
+    """One process of torch.distributed.pipelining (rank ``rank`` of a gloo world): one stage, or several for
+    the multi-stage schedules (``cfg.virtual_stages``)."""
 
     def __init__(self, cfg: Config, rank: int) -> None:
         super().__init__(cfg)
         import torch.distributed as dist
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+        from torch.distributed import pipelining
 
         torch.set_num_threads(cfg.threads)
         self.rank = rank
         self.dist = dist
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{cfg.port}", rank=rank, world_size=cfg.stages)
-        self.module = stage_module(build_model(cfg.workload), cfg.balance, rank)
-        stage = PipelineStage(self.module, rank, cfg.stages, torch.device("cpu"))
-        schedule_cls = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[cfg.schedule]
-        self.schedule = schedule_cls(stage, n_microbatches=cfg.microbatches, loss_fn=self.loss)
-        self.optimizer = torch.optim.SGD(self.module.parameters(), lr=cfg.lr)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{cfg.port}", rank=rank, world_size=cfg.ranks)
+        model = build_model(cfg.workload)
+        self.indices = stages_of_rank(cfg.schedule, rank, cfg.ranks, cfg.virtual_stages)
+        self.modules = [stage_module(model, cfg.balance, s) for s in self.indices]
+        pairs = zip(self.modules, self.indices, strict=True)
+        stages = [pipelining.PipelineStage(m, s, cfg.stages, torch.device("cpu")) for m, s in pairs]
+        schedule_cls = getattr(pipelining.schedules, TORCH_SCHEDULES[cfg.schedule])
+        single = cfg.schedule in ("gpipe", "1f1b")
+        first = stages[0] if single else stages
+        self.schedule = schedule_cls(first, n_microbatches=cfg.microbatches, loss_fn=self.loss)
+        self.optimizer = torch.optim.SGD([p for m in self.modules for p in m.parameters()], lr=cfg.lr)
 
     def step(self) -> float:
         x, y = self.batch()
         self.dist.barrier()
         start = time.perf_counter()
         self.optimizer.zero_grad()
-        if self.rank == 0:
-            self.schedule.step(x)
-        elif self.rank == self.cfg.stages - 1:
-            self.schedule.step(target=y, return_outputs=False)
+        args = (x,) if 0 in self.indices else ()
+        if self.cfg.stages - 1 in self.indices:
+            self.schedule.step(*args, target=y, return_outputs=False)
         else:
-            self.schedule.step()
+            self.schedule.step(*args)
         self.optimizer.step()
         return time.perf_counter() - start
 
     def params(self) -> dict[str, torch.Tensor]:
-        return dict(self.module.state_dict())
+        return {k: v for m in self.modules for k, v in m.state_dict().items()}
 
     def stop(self) -> dict[str, Any]:
         self.dist.barrier()

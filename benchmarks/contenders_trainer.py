@@ -57,6 +57,8 @@ def strategy_arguments(cfg: Config, transport: str) -> dict[str, Any]:
     ``"p2p"`` passes no transport: launched mode is the default when the Trainer has several processes.
     """
     kwargs: dict[str, Any] = dict(stages=cfg.stages, microbatches=cfg.microbatches, schedule=cfg.schedule)
+    if cfg.virtual_stages > 1:  # several stages per process: cut where torch's are cut
+        kwargs.update(virtual_stages=cfg.virtual_stages, partition=list(cfg.balance))
     if transport == "rpc":
         kwargs["transport"] = transport
         if cfg.compress:
@@ -219,7 +221,10 @@ def serve_one_fit(
             cpu = (now[0] - self.cpu_start[0], now[1] - self.cpu_start[1])
             per_step = {k: v / len(self.times) for k, v in self.wire_totals().items()}
             info = [i | per_step for i in self.info]
-            conn.send(("ok", {"times": self.times, "info": info, "cpu": cpu}))
+            last = _last_result(trainer)  # which schedule ran (schedule="auto": the chosen one) and its prediction
+            ran = {"schedule": getattr(getattr(last, "schedule", None), "name", None)}
+            ran |= {"microbatches": len(last.losses), "predicted_s": last.predicted} if last is not None else {}
+            conn.send(("ok", {"times": self.times, "info": info, "cpu": cpu, "ran": ran}))
 
     driven = Driven()
 

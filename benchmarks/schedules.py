@@ -1,125 +1,217 @@
-"""Schedules and runners side by side: step time, samples/s and the measured bubble of each.
+"""Every schedule in launched mode beside torch.distributed.pipelining's same schedule, and ``schedule="auto"``.
 
-    python benchmarks/schedules.py --rounds 3 --steps 5 --out schedules.json
+    python benchmarks/schedules.py --workloads mlp,gpt --rounds 4 --steps 2
 
-Every configuration trains the same model on the same batches; rounds alternate the order of the
-configurations so that a noisy machine hurts them alike. The bubble is measured from the workers'
-action timelines: ``1 - busy / (workers x span)`` over one step. Stages run in threads
-(``transport="local"``), so on a CPU with fewer cores than stages the numbers say more about the
-schedule's order than about parallel speed-up.
+Two pipeline ranks = two processes on this machine (launched mode as torchrun starts it; torch's processes in a
+gloo world), M=8 microbatches, the `workloads` models. The schedules are the registry's (every registered
+synchronous schedule, so schedules registered later are measured too): one stage per rank where the schedule
+takes one, else two per rank (4 stages, cut as torch's stages are cut). Each schedule runs in its own race:
+
+- ``<schedule>``: lightning_pipe against torch's same schedule (`contenders_torch.TORCH_SCHEDULES`) where torch
+  has it, rounds alternating, after one checked step (both must make the same first update); the paired ratio
+  is torch's median step time over ours in the same round, the median over rounds (> 1: lightning_pipe faster);
+- ``auto``: ``schedule="auto"`` (same stages per rank) against the fastest fixed schedule of the races above,
+  alternating again; reported with what auto chose and its predicted step time.
+
+Prints a table and writes ``benchmarks/results/schedules.json``. The machine's speed drifts: only ratios measured
+in one race mean much.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import multiprocessing as mp
+import os
 import statistics
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
-import torch
-import torch.nn.functional as F
-from torch import nn
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
 
-from lightning_pipe import Pipeline
+from benchmarks.bench_procs import Config, Contender, free_port, reply, serve, spawn  # noqa: E402
+from benchmarks.compare import compare_params  # noqa: E402
+from benchmarks.contenders_launched import start_launched  # noqa: E402
+from benchmarks.contenders_torch import TORCH_SCHEDULES, TorchPipeRunner  # noqa: E402
+from benchmarks.workloads import WORKLOADS, build_model  # noqa: E402
+from lightning_pipe.schedule import registered_schedules  # noqa: E402
 
-CONFIGS: list[tuple[str, int, str]] = [  # (schedule, virtual_stages, runner)
-    ("gpipe", 1, "parallel"),
-    ("1f1b", 1, "parallel"),
-    ("interleaved-1f1b", 2, "parallel"),
-    ("zero-bubble", 1, "parallel"),
-    ("1f1b", 1, "dataflow"),
-    ("zero-bubble", 1, "dataflow"),
-    ("1f1b", 1, "linear"),
-    ("async", 1, "parallel"),  # no flush: one stream of all the batches, per-stage SGD
-]
+Entry = tuple[str, str, Config]  # (label, "torch" or "lightning_pipe", configuration)
 
 
-def model(width: int, depth: int) -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(
-        *[nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(depth)], nn.Linear(width, 10)
+def schedules(ranks: int, microbatches: int) -> list[tuple[str, int]]:
+    """(name, stages per rank) of every registered synchronous schedule that runs ``ranks`` x ``microbatches``."""
+    found = []
+    for name, factory in sorted(registered_schedules().items()):
+        preferred = ([1] if name in ("gpipe", "1f1b") else [2]) if name in TORCH_SCHEDULES else [1, 2]
+        for virtual in preferred:
+            try:
+                built = factory(ranks, microbatches, virtual)
+                built.actions()
+            except Exception:  # noqa: BLE001, S112 - a schedule that does not run this configuration is skipped
+                continue
+            if not built.asynchronous:
+                found.append((name, virtual))
+            break
+    return found
+
+
+def config(args: argparse.Namespace, workload: str, schedule: str, virtual: int) -> Config:
+    stages = args.ranks * virtual
+    threads = args.threads or max(1, (os.cpu_count() or 1) // args.ranks)
+    return Config(
+        workload=workload,
+        stages=stages,
+        microbatches=args.microbatches,
+        schedule=schedule,
+        threads=threads,
+        unsplit_threads=threads * args.ranks,
+        lr=0.01,
+        balance=WORKLOADS[workload].balance(stages),
+        virtual_stages=virtual,
     )
 
 
-def bubble(records: list[list[tuple[str, float, float]]]) -> float:
-    busy = sum(end - start for rank in records for _, start, end in rank)
-    span = max(e for rank in records for _, _, e in rank) - min(s for rank in records for _, s, _ in rank)
-    return 1.0 - busy / (len(records) * span)
+def race(entries: list[Entry], args: argparse.Namespace) -> dict[str, Any]:
+    """The entries' contenders started together, one checked step, warm-up, then alternating rounds."""
+    ctx = mp.get_context("spawn")
+    contenders: list[Contender] = []
+    ran: dict[str, Any] = {}
+    try:
+        for label, kind, cfg in entries:
+            contender = Contender(label, transport="p2p" if kind == "lightning_pipe" else "local")
+            contenders.append(contender)
+            if kind == "torch":
+                cfg.port = free_port()
+                for rank in range(cfg.ranks):
+                    spawn(ctx, contender, serve, (TorchPipeRunner, (cfg, rank)))
+            else:
+                start_launched(ctx, contender, cfg)
+            for _, conn in contender.workers:
+                reply(conn, label, "start")
+        for contender in contenders:
+            for answer in contender.ask("check"):
+                contender.params.update(answer["params"])
+        initial = build_model(entries[0][2].workload).state_dict()
+        checks = {c.name: compare_params(initial, contenders[0].params, c.params)["same"] for c in contenders}
+        for contender in contenders:
+            contender.ask("run", args.warmup)
+        for r in range(args.rounds):
+            for contender in contenders[r % 2 :] + contenders[: r % 2]:
+                answers = contender.ask("run", args.steps)
+                contender.rounds.append([max(ts) for ts in zip(*(a["times"] for a in answers), strict=True)])
+                if "ran" in answers[0]:  # lightning_pipe: which schedule ran (auto: its choice) and its prediction
+                    ran[contender.name] = answers[0]["ran"]
+        for contender in contenders:
+            contender.ask("stop")
+    finally:
+        for contender in contenders:
+            for failure in contender.end():
+                print(f"warning: {failure}", file=sys.stderr)
+    return {"rounds": {c.name: c.rounds for c in contenders}, "same_first_update": checks, "ran": ran}
 
 
-def run(config: tuple[str, int, str], args: argparse.Namespace, data: list[Any]) -> dict[str, float]:
-    schedule, virtual, runner = config
-    net = model(args.width, args.depth)
-    opt = torch.optim.SGD(net.parameters(), lr=0.01)
-    times, bubbles = [], []
-    if schedule == "async":
-        with Pipeline(
-            net, stages=args.stages, schedule="async", checkpoint=args.checkpoint, partition="uniform"
-        ) as pipe:
-            sgd = lambda params: torch.optim.SGD(params, lr=0.01)  # noqa: E731
-            pipe.train_async(data[:1], F.cross_entropy, sgd, args.microbatches)  # build and warm up
-            start = time.perf_counter()
-            run = pipe.train_async(data[1:], F.cross_entropy, sgd, args.microbatches)
-            step = (time.perf_counter() - start) / (len(data) - 1)
-        return {"step_s": step, "samples_per_s": args.batch / step, "bubble": bubble(run.step.records)}
-    with Pipeline(
-        net,
-        stages=args.stages,
-        schedule=schedule,
-        virtual_stages=virtual,
-        runner=runner,
-        checkpoint=args.checkpoint,
-        partition="uniform",
-    ) as pipe:
-        for i, (x, y) in enumerate(data):
-            start = time.perf_counter()
-            result = pipe.train_step(x, y, F.cross_entropy, microbatches=args.microbatches)
-            opt.step()
-            opt.zero_grad()
-            if i > 0:  # the first step builds and warms up
-                times.append(time.perf_counter() - start)
-                bubbles.append(bubble(result.records))
-    step = statistics.median(times)
-    return {"step_s": step, "samples_per_s": args.batch / step, "bubble": statistics.median(bubbles)}
+def paired(ours: list[list[float]], theirs: list[list[float]]) -> float:
+    """Median over rounds of (their median step time / ours) in the same round."""
+    return statistics.median(statistics.median(t) / statistics.median(o) for o, t in zip(ours, theirs, strict=True))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--stages", type=int, default=4)
-    parser.add_argument("--microbatches", type=int, default=8)
-    parser.add_argument("--batch", type=int, default=256)
-    parser.add_argument("--width", type=int, default=512)
-    parser.add_argument("--depth", type=int, default=16)
-    parser.add_argument("--checkpoint", default="never")
-    parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
-    parser.add_argument("--out", default=None)
-    args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    g = torch.Generator().manual_seed(0)
-    data = [
-        (torch.randn(args.batch, args.width, generator=g), torch.randint(0, 10, (args.batch,), generator=g))
-        for _ in range(args.steps + 1)
+def median_ms(rounds: list[list[float]]) -> float:
+    return statistics.median(t for r in rounds for t in r) * 1e3
+
+
+def workload_rows(args: argparse.Namespace, workload: str) -> dict[str, Any]:
+    rows: dict[str, Any] = {}
+    for name, virtual in schedules(args.ranks, args.microbatches):
+        ours = config(args, workload, name, virtual)
+        entries: list[Entry] = [(name, "lightning_pipe", ours)]
+        if name in TORCH_SCHEDULES:
+            entries.append((f"torch {name}", "torch", dataclasses.replace(ours)))
+        print(f"{workload}: {name} ({virtual} stage(s) per rank)", file=sys.stderr, flush=True)
+        result = race(entries, args)
+        row: dict[str, Any] = {"virtual_stages": virtual, "step_ms": median_ms(result["rounds"][name])}
+        row["torch"] = TORCH_SCHEDULES.get(name)
+        if name in TORCH_SCHEDULES:
+            theirs = result["rounds"][f"torch {name}"]
+            row |= {"torch_step_ms": median_ms(theirs), "ratio_vs_torch": paired(result["rounds"][name], theirs)}
+        row["same_first_update"] = all(result["same_first_update"].values())
+        rows[name] = row
+    for virtual in sorted({r["virtual_stages"] for r in rows.values()}):
+        fixed = {n: r for n, r in rows.items() if r["virtual_stages"] == virtual}
+        best = min(fixed, key=lambda n: fixed[n]["step_ms"])
+        label = "auto" if virtual == 1 else f"auto (V={virtual})"
+        print(f"{workload}: {label} against {best}", file=sys.stderr, flush=True)
+        entries = [
+            (label, "lightning_pipe", config(args, workload, "auto", virtual)),
+            (f"fixed {best}", "lightning_pipe", config(args, workload, best, virtual)),
+        ]
+        result = race(entries, args)
+        auto_rounds, best_rounds = result["rounds"][label], result["rounds"][f"fixed {best}"]
+        chose = result["ran"].get(label) or {}
+        rows[label] = {
+            "virtual_stages": virtual,
+            "step_ms": median_ms(auto_rounds),
+            "best_fixed": best,
+            "best_fixed_step_ms": median_ms(best_rounds),
+            "ratio_vs_best_fixed": paired(auto_rounds, best_rounds),
+            "chose": chose.get("schedule"),
+            "predicted_ms": (chose.get("predicted_s") or 0.0) * 1e3 or None,
+            "same_first_update": all(result["same_first_update"].values()),
+        }
+    return rows
+
+
+def table(results: dict[str, dict[str, Any]]) -> str:
+    lines = [
+        "| workload | schedule | V | lightning_pipe ms/step | torch ms/step | ratio vs torch | note |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
-    results: dict[str, list[dict[str, float]]] = {}
-    for r in range(args.rounds):
-        order = CONFIGS if r % 2 == 0 else list(reversed(CONFIGS))
-        for config in order:
-            results.setdefault("/".join(map(str, config)), []).append(run(config, args, data))
-    base = statistics.median(x["step_s"] for x in results["1f1b/1/parallel"])
-    print(f"{'schedule/virtual/runner':<28} {'step ms':>8} {'samples/s':>10} {'vs 1f1b':>8} {'bubble':>7}")
-    summary = {}
-    for name, runs in results.items():
-        step = statistics.median(x["step_s"] for x in runs)
-        bub = statistics.median(x["bubble"] for x in runs)
-        summary[name] = {"step_s": step, "samples_per_s": args.batch / step, "vs_1f1b": base / step, "bubble": bub}
-        print(f"{name:<28} {step * 1e3:>8.1f} {args.batch / step:>10.0f} {base / step:>8.2f} {bub:>7.1%}")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"args": vars(args), "torch_threads": torch.get_num_threads(), "results": summary}, f, indent=2)
+    for workload, rows in results.items():
+        for name, r in rows.items():
+            torch_ms = f"{r['torch_step_ms']:.1f}" if "torch_step_ms" in r else "-"
+            ratio = f"{r['ratio_vs_torch']:.2f}" if "ratio_vs_torch" in r else "-"
+            note = "" if name.startswith("auto") or r["torch"] else "torch has no such schedule"
+            if name.startswith("auto"):
+                predicted = f", predicted {r['predicted_ms']:.1f} ms" if r.get("predicted_ms") else ""
+                note = (
+                    f"chose {r['chose']}{predicted}; {r['ratio_vs_best_fixed']:.2f}x the best fixed "
+                    f"({r['best_fixed']}, {r['best_fixed_step_ms']:.1f} ms in the same race)"
+                )
+            if not r["same_first_update"]:
+                note += " (first update DIFFERS)"
+            lines.append(
+                f"| {workload} | {name} | {r['virtual_stages']} | {r['step_ms']:.1f} | {torch_ms} | {ratio} | {note} |"
+            )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--workloads", default="mlp,gpt")
+    parser.add_argument("--ranks", type=int, default=2, help="processes of the pipeline")
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=None, help="intra-op threads per process (default: cores/ranks)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per contender before the rounds")
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=2, help="timed steps per contender per round")
+    parser.add_argument("--json", default=str(REPO / "benchmarks" / "results" / "schedules.json"))
+    args = parser.parse_args(argv)
+    workloads = [w.strip() for w in args.workloads.split(",")]
+    started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    results = {w: workload_rows(args, w) for w in workloads}
+    text = table(results)
+    print(text)
+    out = {"date": started, "args": vars(args), "cpus": os.cpu_count(), "results": results, "table": text}
+    path = Path(args.json)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=2))
+    print(f"wrote {path}", file=sys.stderr)
+    return out
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
     python examples/digits.py                 # 2 stages, 4 microbatches, 1F1B (both stages on the one GPU)
     python examples/digits.py --accelerator cpu   # on CPU whatever the machine has
     python examples/digits.py --stages 4 --schedule gpipe
+    python examples/digits.py --schedule auto --microbatches auto   # measured in the first step, logged
     python examples/digits.py --no-pipe       # the same LightningModule without the strategy
     python examples/digits.py --transport rpc --compress bf16   # stages in processes, activations as bfloat16
     python examples/digits.py --devices 4     # launched mode: 4 processes = 2 replicas x 2 stages (a GPU each)
@@ -69,7 +70,7 @@ def digits_loaders(batch_size: int = 64, seed: int = 0) -> tuple[DataLoader, Dat
 def train(
     pipe: bool = True,
     stages: int = 2,
-    microbatches: int = 4,
+    microbatches: int | str = 4,
     schedule: str = "1f1b",
     epochs: int = 15,
     transport: str | None = None,
@@ -118,10 +119,14 @@ def resolve_accelerator(accelerator: str) -> str:
     return accelerator
 
 
+def _count(value: str) -> int | str:
+    return value if value == "auto" else int(value)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--stages", type=int, default=2)
-    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--microbatches", type=_count, default=4, help="a number, or auto (with --schedule auto)")
     parser.add_argument("--schedule", default="1f1b")
     parser.add_argument("--epochs", type=int, default=15)
     parser.add_argument("--no-pipe", action="store_true", help="train without PipeStrategy")

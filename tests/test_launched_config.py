@@ -93,3 +93,19 @@ def test_what_launched_mode_cannot_do_fails_when_the_trainer_is_built(options: d
 def test_an_unknown_transport_names_the_choices() -> None:
     with pytest.raises(ConfigurationError, match="p2p"):
         PipeStrategy(transport="tcp")
+
+
+def test_a_worker_of_several_stages_is_placed_on_its_process_device() -> None:
+    """Virtual stages in launched mode: the spec holds a runtime per stage; each moves to the process's device."""
+    from types import SimpleNamespace
+
+    from lightning_pipe.comm.placement import retarget
+    from lightning_pipe.runtime import runtime_registry
+
+    runtimes = {0: runtime_registry.create("cpu"), 2: runtime_registry.create("cpu")}
+    spec = SimpleNamespace(shards=[SimpleNamespace(device="cuda:0")], runtime=runtimes)
+    retarget(spec, "cpu")
+    assert spec.shards[0].device == "cpu"
+    assert spec.runtime == runtimes and all(spec.runtime[s] is runtimes[s] for s in runtimes)  # already there
+    retarget(spec, "meta")
+    assert sorted(spec.runtime) == [0, 2] and {r.device_spec for r in spec.runtime.values()} == {"meta"}

@@ -6,15 +6,28 @@ import pytest
 
 from lightning_pipe.errors import ScheduleError
 from lightning_pipe.schedule import (
+    AsyncOneFOneB,
+    GPipe,
+    Interleaved1F1B,
     OneFOneB,
     StageCost,
     StepCosts,
+    ZeroBubbleH1,
     choose,
     makespan,
     register_schedule,
     registered_schedules,
 )
 from lightning_pipe.schedule.action import Action
+
+# today's schedules by hand: what these tests decide must not move when more schedules are registered
+TODAYS = {
+    "gpipe": GPipe,
+    "1f1b": OneFOneB,
+    "interleaved-1f1b": Interleaved1F1B,
+    "zero-bubble": ZeroBubbleH1,
+    "async": AsyncOneFOneB,
+}
 
 
 def even(ranks: int, f: float = 1.0, i: float = 1.0, w: float = 1.0, act: int = 100, split: int = 0) -> StepCosts:
@@ -32,10 +45,8 @@ def test_prediction_is_the_simulated_step_with_the_measured_times() -> None:
 
 
 def test_zero_bubble_wins_where_the_weight_gradient_fills_the_bubble() -> None:
-    choice = choose(even(4), registered_schedules(), ranks=4, virtual_stages=1, microbatches=[8])
-    # a split-backward schedule (zero-bubble; interleaved-zero-bubble with one stage per rank is the same step)
-    assert choice.chosen.name in ("zero-bubble", "interleaved-zero-bubble")
-    assert choice.predicted("zero-bubble", 8) == choice.chosen.predicted
+    choice = choose(even(4), TODAYS, ranks=4, virtual_stages=1, microbatches=[8])
+    assert choice.chosen.name == "zero-bubble"
     one = choice.predicted("1f1b", 8)
     assert one is not None and choice.chosen.predicted is not None and choice.chosen.predicted < one
     table = choice.table()
@@ -45,13 +56,13 @@ def test_zero_bubble_wins_where_the_weight_gradient_fills_the_bubble() -> None:
 
 def test_fsdp_leaves_out_split_backward_and_the_budget_leaves_out_gpipe() -> None:
     costs = even(2, act=1000, split=500)
-    choice = choose(costs, registered_schedules(), 2, 1, [4], budget=2500, split_backward=False)
+    choice = choose(costs, TODAYS, 2, 1, [4], budget=2500, split_backward=False)
     reasons = {c.name: c.reason for c in choice.candidates}
     assert reasons["zero-bubble"] == "splits the backward, which FSDP refuses"
     assert "exceeds the budget" in reasons["gpipe"]  # 4 x 1000 bytes held at once
     assert choice.chosen.name in ("1f1b", "interleaved-1f1b") and choice.chosen.peak_bytes == 2000
     with pytest.raises(ScheduleError, match="the smallest peak is 2.0 KiB"):
-        choose(costs, registered_schedules(), 2, 1, [4], budget=1000)
+        choose(costs, TODAYS, 2, 1, [4], budget=1000)
 
 
 def test_microbatches_within_the_budget() -> None:
@@ -78,7 +89,7 @@ def test_candidates_are_the_registry_including_schedules_registered_later() -> N
 
         schedule._SCHEDULES.pop("late-test")
     # a schedule whose check() refuses the configuration is left out with its own words
-    choice = choose(even(4), registered_schedules(), 2, 2, [3])
+    choice = choose(even(4), TODAYS, 2, 2, [3])
     reasons = {c.name: c.reason for c in choice.candidates}
     assert "not a multiple of 2 ranks" in reasons["interleaved-1f1b"]
     assert "virtual_stages=2" in reasons["1f1b"]
