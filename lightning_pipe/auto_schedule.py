@@ -13,8 +13,10 @@
   own exact step. Later steps carry the prediction (`StepResult.predicted`), which the timeline shows beside the
   measurement.
 
-Where the probe does not split the backward (FSDP, or no split schedule fits the stages), ``I`` and ``W`` are
-estimated as half of the measured ``B`` each; the table says so.
+Each action's overhead is its stage's measured time outside compute plus the median hand-off between ranks (from
+an input computed on its rank to the action that waited for it starting), so that more microbatches cost what more
+messages cost. Where the probe does not split the backward (FSDP, or no split schedule fits the stages), ``I`` and
+``W`` are estimated as half of the measured ``B`` each; the table says so.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from lightning_pipe.errors import ConfigurationError, ScheduleError
 from lightning_pipe.recompute import HEADROOM
 from lightning_pipe.runtime import DeviceMemory
 from lightning_pipe.schedule import AutoChoice, Kind, Schedule, StageCost, StepCosts, choose, registered_schedules
+from lightning_pipe.schedule.base import dependencies
 from lightning_pipe.timeline import StepTimeline
 
 if TYPE_CHECKING:
@@ -183,6 +186,7 @@ def measured_costs(
             key = (t.action.stage, t.action.kind)
             compute.setdefault(key, []).append(t.part("compute") + t.part("loss"))
             overhead.setdefault(t.action.stage, []).append(max(0.0, t.overhead))
+    latency = handoff_latency(timeline, num_stages)
     stages, estimated = [], []
     for s in range(num_stages):
         forward = compute.get((s, Kind.FORWARD))
@@ -198,16 +202,32 @@ def measured_costs(
             back_i = back_w = statistics.median(whole) / 2
             estimated.append(s)
         nbytes, split = held[s]
-        stages.append(
-            StageCost(statistics.median(forward), back_i, back_w, statistics.median(overhead[s]), nbytes, split)
-        )
-    notes = []
+        other = statistics.median(overhead[s]) + latency  # each action's own overhead and its input's hand-off
+        stages.append(StageCost(statistics.median(forward), back_i, back_w, other, nbytes, split))
+    notes = [f"(other: each action's overhead plus the median hand-off between ranks, {latency * 1e3:.3f} ms)"]
     if estimated:
         notes.append(
             f"(stages {', '.join(map(str, estimated))}: I and W estimated as half of the measured backward each; "
             "the measured step did not split it)"
         )
     return StepCosts(stages, timeline.num_microbatches()), notes
+
+
+def handoff_latency(timeline: StepTimeline, num_stages: int) -> float:
+    """Median seconds from an input computed on another rank to the action that waited for it starting: the hand-off
+    (sending it, the queue, pipe or wire). 0 without such waits."""
+    where = {t.action: (r, t) for r, rank in enumerate(timeline.ranks) for t in rank}
+    waits = []
+    for r, rank in enumerate(timeline.ranks):
+        previous = None
+        for t in rank:
+            inputs = [where[d][1] for d in dependencies(t.action, num_stages, where) if d in where and where[d][0] != r]
+            if inputs:
+                ready = max(d.compute_span[1] for d in inputs)  # the input made; sending it is part of the hand-off
+                if previous is None or ready >= previous.end:  # the rank waited for it
+                    waits.append(max(0.0, t.start - ready))
+            previous = t
+    return statistics.median(waits) if waits else 0.0
 
 
 def _free_budget(per_rank: Sequence[dict[int, DeviceMemory | None]]) -> int | None:

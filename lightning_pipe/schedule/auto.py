@@ -9,10 +9,9 @@ Pure: measured costs in, a choice out, no model and no devices. The pipeline mea
 
 The model: an action of stage ``s`` takes its measured compute time (scaled by ``measured microbatches / M``
 for ``M`` microbatches: compute follows the rows of a microbatch) plus the stage's measured overhead per
-action (receive, send, bookkeeping: fixed per action). Each candidate's step is `simulate`d with those times;
-its memory is the memory plan's walk of every rank's list with the measured bytes per microbatch (scaled the
-same way). Not modelled: transfer latency between ranks beyond the sending rank's own time, and a CPU's loss of
-efficiency on smaller microbatches.
+action (receive, send, bookkeeping and the hand-off between ranks: fixed per action). Each candidate's step is
+`simulate`d with those times; its memory is the memory plan's walk of every rank's list with the measured bytes
+per microbatch (scaled the same way). Not modelled: a CPU's loss of efficiency on smaller microbatches.
 """
 
 from __future__ import annotations
@@ -35,7 +34,7 @@ class StageCost:
     forward: float  # compute seconds of F (with the loss, on the stage that computes it)
     backward_input: float  # I: the input gradient
     backward_weight: float  # W: the weight gradient (a whole backward B costs I + W)
-    overhead: float = 0.0  # seconds per action outside compute: receiving, sending, the engine's bookkeeping
+    overhead: float = 0.0  # seconds per action outside compute: receiving, sending, bookkeeping, the hand-off
     activation_bytes: int = 0  # stashed from F until B (or W)
     split_bytes: int = 0  # more, from I until W
 
