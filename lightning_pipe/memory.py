@@ -25,8 +25,9 @@ from lightning_pipe.executors import Activation, call_module
 from lightning_pipe.microbatch import split
 from lightning_pipe.partition import Partitioner, ShardedTask
 from lightning_pipe.partition.selection import resolve_partitioner
-from lightning_pipe.recompute import checkpoint_flags, size_text, walk
+from lightning_pipe.recompute import checkpoint_flags, walk
 from lightning_pipe.schedule import Action, Kind, placement_of, resolve_schedule
+from lightning_pipe.units import size_text
 
 
 @dataclass

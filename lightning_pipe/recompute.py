@@ -31,6 +31,7 @@ from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.runtime import DeviceMemory
 from lightning_pipe.schedule import Action, Kind
 from lightning_pipe.schedule.memory_walk import walk as walk  # re-exported: memory.py
+from lightning_pipe.units import size_text
 
 if TYPE_CHECKING:
     from lightning_pipe.engine import Coordinator
@@ -193,12 +194,3 @@ class AutoCheckpoint:
 def _merged(per_rank: Iterable[Mapping[int, Any]]) -> dict[int, Any]:
     return {stage: value for rank in per_rank for stage, value in rank.items()}
 
-
-def size_text(nbytes: int) -> str:
-    """``1536`` -> ``"1.5 KiB"``."""
-    value = float(nbytes)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(value) < 1024 or unit == "GiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{nbytes} B"

@@ -23,6 +23,7 @@ from lightning_pipe.errors import ScheduleError
 from lightning_pipe.schedule.action import Action, Kind
 from lightning_pipe.schedule.base import Schedule, makespan
 from lightning_pipe.schedule.memory_walk import walk
+from lightning_pipe.units import size_text
 
 ScheduleFactory = Callable[..., Schedule]
 
@@ -231,11 +232,4 @@ def _ms(seconds: float | None) -> str:
 
 
 def _size(nbytes: int | None) -> str:
-    if nbytes is None:
-        return "-"
-    value = float(nbytes)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(value) < 1024 or unit == "GiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{nbytes} B"
+    return "-" if nbytes is None else size_text(nbytes)

@@ -19,14 +19,13 @@ cuts it locally, without communication, exactly as FSDP laid out the meta shard.
 
 from __future__ import annotations
 
-import ctypes
-import mmap
-import sys
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+
+from lightning_pipe.weights.pages import PAGE, can_give_back, give_back
 
 
 def is_sharded(tensor: torch.Tensor) -> bool:
@@ -92,7 +91,7 @@ def _drop_rest(whole: torch.Tensor, like: Any) -> None:
     they read as zeros after, and only this process's rows are read before ``whole`` goes. Linux (madvise)."""
     from torch.distributed.tensor import Shard
 
-    if _libc is None or whole.device.type != "cpu" or whole.dim() == 0 or not whole.is_contiguous():
+    if not can_give_back() or whole.device.type != "cpu" or whole.dim() == 0 or not whole.is_contiguous():
         return
     if len(like.placements) != 1 or like.placements[0] != Shard(0) or like.device_mesh.ndim != 1:
         return
@@ -110,9 +109,9 @@ def _drop_rest(whole: torch.Tensor, like: Any) -> None:
 
 def _dont_need(start: int, end: int) -> None:
     """madvise(MADV_DONTNEED) on the pages wholly inside [start, end) (none that holds a byte outside it)."""
-    first, last = start + (-start) % _PAGE, end - end % _PAGE
+    first, last = start + (-start) % PAGE, end - end % PAGE
     if last > first:
-        _libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED)
+        give_back(first, last)
 
 
 @dataclass
@@ -140,19 +139,4 @@ def _as(like: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     return value
 
 
-_PAGE = mmap.PAGESIZE
-_MADV_DONTNEED = 4  # <sys/mman.h>; Linux
 
-
-def _load_libc() -> Any:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        return libc
-    except (OSError, AttributeError):
-        return None
-
-
-_libc = _load_libc()

@@ -16,12 +16,9 @@ reads another namespace (a Lightning checkpoint's ``"model.3.weight"`` for a sta
 
 from __future__ import annotations
 
-import ctypes
 import json
-import mmap
 import os
 import pickle
-import sys
 import warnings
 from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
@@ -31,6 +28,7 @@ import torch
 
 from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.weights.keys import visible
+from lightning_pipe.weights.pages import PAGE, can_give_back, give_back
 
 PathLike = str | os.PathLike[str]
 DCP_METADATA = ".metadata"  # the file torch.distributed.checkpoint writes into every checkpoint folder
@@ -277,8 +275,6 @@ def unsafe_file_message(path: Path, error: BaseException) -> str:
     )
 
 
-_PAGE = mmap.PAGESIZE
-_MADV_DONTNEED = 4  # <sys/mman.h>; Linux
 
 
 def mapped_ranges(path: Path) -> list[tuple[int, int]]:
@@ -302,24 +298,11 @@ def forget_pages(tensor: torch.Tensor, mapped: list[tuple[int, int]]) -> None:
     """Drop the resident pages of a tensor that lies in one of the ``mapped`` ranges of a file (Linux; a no-op
     for anything else): the next read, if any, reads the file again. Pages shared with neighbouring tensors
     are dropped too, and read again when those are read."""
-    if _libc is None or tensor.device.type != "cpu" or tensor.numel() == 0:
+    if not can_give_back() or tensor.device.type != "cpu" or tensor.numel() == 0:
         return
     start = tensor.untyped_storage().data_ptr()
     end = start + tensor.untyped_storage().nbytes()
-    first, last = start - start % _PAGE, end + (-end) % _PAGE
+    first, last = start - start % PAGE, end + (-end) % PAGE
     if any(low <= first and last <= high for low, high in mapped):
-        _libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED)
+        give_back(first, last)
 
-
-def _load_libc() -> Any:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        return libc
-    except (OSError, AttributeError):
-        return None
-
-
-_libc = _load_libc()
