@@ -229,7 +229,6 @@ class PipeStrategy(StepHooksStrategy):
         assert self.accelerator is not None and self.model is not None
         self._ctrl_c.remember()
         self._trainer = trainer
-        self.mode.hold()
         lightning_module = self.lightning_module
         assert lightning_module is not None
         if not lightning_module.automatic_optimization:
