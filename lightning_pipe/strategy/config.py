@@ -21,6 +21,7 @@ from lightning_pipe.microbatch_weights import MicrobatchWeight
 from lightning_pipe.partition import Partitioner
 from lightning_pipe.runtime import BaseRuntime
 from lightning_pipe.strategy.arguments import check_arguments, check_memory_arguments
+from lightning_pipe.strategy.tensor_parallel import check_tensor_parallel_arguments
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,7 @@ class PipeConfig:
     save_distributed_checkpoint: bool = True
     memory_budget: int | None = None
     weights_only: bool | None = None
+    tensor_parallel: int = 1
     # what the arguments imply (set by `of`)
     stage_devices: list[str] | None = field(default=None, init=False)  # ``devices`` as names
     asynchronous: bool = field(default=False, init=False)  # the schedule streams batches (``"async"``)
@@ -70,6 +72,9 @@ class PipeConfig:
         check_memory_arguments(
             config.data_parallel, config.weights, config.save_distributed_checkpoint, config.schedule
         )  # fmt: skip
+        check_tensor_parallel_arguments(
+            config.tensor_parallel, config.transport, config.schedule, config.virtual_stages, config.data_parallel
+        )
         config = dataclasses.replace(config, stages=stages, timeout=float(config.timeout))
         for name, value in (("stage_devices", devices), ("asynchronous", asynchronous), ("transport_options", options)):
             object.__setattr__(config, name, value)  # derived once here; frozen for everyone after

@@ -137,13 +137,21 @@ class LaunchedMode(Mode):
             ProcessGroups.made_default_group()
         self._groups = ProcessGroups.of(self.layout, device.type)
 
+    @property
+    def device_mesh(self) -> Any:
+        """The DeviceMesh of the launched world (`ProcessGroups`), after `connect`."""
+        groups = self._groups
+        assert groups is not None, "LaunchedMode.connect makes the process groups first"
+        return groups.mesh
+
     @override
     def describe(self) -> str:
         """The line logged once at the start: the processes and which pipeline rank each holds."""
         layout = self.layout
+        tensor = f" x {layout.tensor_parallel} tensor rank(s)" if layout.tensor_parallel > 1 else ""
         return (
             f"PipeStrategy: launched mode, {layout.world_size} processes = {layout.replicas} replica(s) x "
-            f"{layout.ranks_per_pipeline} pipeline rank(s); {layout.picture()}"
+            f"{layout.ranks_per_pipeline} pipeline rank(s){tensor}; {layout.picture()}"
         )
 
     def communicator(self) -> P2PCommunicator:
@@ -167,7 +175,7 @@ class LaunchedMode(Mode):
         groups = self._groups
         assert groups is not None, "LaunchedMode.connect makes the process groups first"
         if self.layout.replicas > 1:
-            self.stage.replicate_over(groups.replicas, groups.mesh["replica"])
+            self.stage.replicate_over(groups.replicas, groups.mesh["data_parallel"])
         return {
             "group": groups.pipeline,
             "ranks": self.layout.pipeline_ranks(),
@@ -204,7 +212,7 @@ class LaunchedMode(Mode):
     def _coordinator_group(self) -> Any:
         """The coordinators' group; None where there is nothing to agree on (one replica, or a serving rank)."""
         layout = self.layout
-        if layout.replicas == 1 or self._groups is None or not layout.coordinates:
+        if len(layout.coordinator_ranks) == 1 or self._groups is None or not layout.coordinates:
             return None
         return self._groups.coordinators
 
@@ -213,7 +221,7 @@ class LaunchedMode(Mode):
         if self._coordinator_group() is None:
             return decision
         votes = self.reduce(torch.tensor(int(decision), device=self.device), reduce_op="sum")
-        return bool(votes == self.layout.replicas) if all else bool(votes)
+        return bool(votes == len(self.layout.coordinator_ranks)) if all else bool(votes)
 
     @override
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:

@@ -9,7 +9,9 @@ The mode rule, the Lightning way (as DDP decides by the number of processes):
 - ``transport="p2p"``: launched mode, whatever the number of processes.
 
 In launched mode the ``W = devices x num_nodes`` processes form R pipeline replicas of P ranks each
-(P = stages / virtual_stages), the ranks of one pipeline consecutive, so that a pipeline stays inside
+(P = stages / virtual_stages) of T tensor ranks each (``tensor_parallel=T``, default 1; tensor innermost:
+the T processes of one stage of one replica are consecutive, on one node), the ranks of one pipeline
+consecutive (T apart with tensor parallel), so that a pipeline stays inside
 one node when P <= devices. The first process of each replica's block is its coordinator: it runs
 Lightning's loop and the user's step, and holds the pipeline rank of the LAST stage, where the loss is
 computed, so that a microbatch's output and its loss gradient never cross between processes (the inputs
@@ -24,6 +26,16 @@ The other processes of a block take the pipeline ranks counting down from the co
 placed in a V (``zbv``, ``dualpipev``) puts the last stage on pipeline rank 0, next to stage 0: there the
 coordinator holds pipeline rank 0 (global ranks 0 1 2 3 -> pipeline ranks 0 3 2 1 with P = 4), and
 neither the inputs nor the outputs cross between processes.
+
+With tensor parallel each tensor rank t of a replica is a pipeline of its own (the P processes of that replica
+holding tensor rank t), with its own coordinator, all T reading the replica's batch; a stage's T processes run
+its forwards and backwards together (the collectives of its DTensors, over the ``tensor`` group)::
+
+    global rank    0   1   2   3          (devices=4, stages=2, tensor_parallel=2)
+    replica        0   0   0   0
+    pipeline rank  1   1   0   0
+    tensor rank    0   1   0   1
+                   ^coordinators (one per tensor rank)
 """
 
 from __future__ import annotations
@@ -55,6 +67,8 @@ class Layout:
     devices_per_node: int
     #: the pipeline rank that holds the last stage, the coordinator's (the last rank unless placed in a V)
     coordinator: int = -1
+    #: processes per stage of a replica (``tensor_parallel``): a stage's tensor group, consecutive global ranks
+    tensor_parallel: int = 1
 
     def __post_init__(self) -> None:
         if self.coordinator < 0:
@@ -69,10 +83,13 @@ class Layout:
         virtual_stages: int,
         devices_per_node: int,
         placement: str = LOOP,
+        tensor_parallel: int = 1,
     ) -> Layout:
         """The layout of ``stages`` stages in ``world_size`` processes, placed on the pipeline ranks by the
         schedule's ``placement``; raises naming the numbers and the fix."""
         per_pipeline = stages // virtual_stages
+        if tensor_parallel > 1:
+            check_tensor_parallel(world_size, stages, per_pipeline, tensor_parallel, devices_per_node)
         if world_size % per_pipeline:
             fits = [p * virtual_stages for p in range(1, world_size + 1) if world_size % p == 0]
             raise ConfigurationError(
@@ -82,15 +99,26 @@ class Layout:
                 f"{', '.join(map(str, fits))}, or a Trainer with devices x num_nodes a multiple of {per_pipeline}"
             )
         last = stage_rank(placement, stages - 1, per_pipeline)
-        return cls(world_size, global_rank, per_pipeline, devices_per_node, last)
+        return cls(world_size, global_rank, per_pipeline, devices_per_node, last, tensor_parallel)
 
     @property
     def replicas(self) -> int:
-        return self.world_size // self.ranks_per_pipeline
+        """R: the data-parallel replicas (each reads its own shard of the data)."""
+        return self.world_size // (self.ranks_per_pipeline * self.tensor_parallel)
 
     @property
     def replica(self) -> int:
-        return self.global_rank // self.ranks_per_pipeline
+        return self.global_rank // (self.ranks_per_pipeline * self.tensor_parallel)
+
+    @property
+    def tensor_rank(self) -> int:
+        """This process's rank in its stage's tensor group (0 without tensor parallel)."""
+        return self.global_rank % self.tensor_parallel
+
+    @property
+    def pipelines(self) -> int:
+        """How many pipelines run (R x T): each is the P processes of one replica and one tensor rank."""
+        return self.replicas * self.tensor_parallel
 
     @property
     def pipeline_rank(self) -> int:
@@ -99,40 +127,51 @@ class Layout:
     def pipeline_rank_of(self, global_rank: int) -> int:
         """The pipeline rank a process holds: the first of a replica's block holds the coordinator's (the last
         stage's), the next ones count down from it."""
-        return (self.coordinator - global_rank % self.ranks_per_pipeline) % self.ranks_per_pipeline
+        block = global_rank // self.tensor_parallel  # the processes of one stage of one replica count as one
+        return (self.coordinator - block % self.ranks_per_pipeline) % self.ranks_per_pipeline
 
     def _offset(self, pipeline_rank: int) -> int:
-        """Where in its replica's block the process holding ``pipeline_rank`` is."""
+        """Where in its replica's block the processes holding ``pipeline_rank`` are (in units of T processes)."""
         return (self.coordinator - pipeline_rank) % self.ranks_per_pipeline
+
+    def _rank(self, replica: int, pipeline_rank: int, tensor_rank: int) -> int:
+        return (replica * self.ranks_per_pipeline + self._offset(pipeline_rank)) * self.tensor_parallel + tensor_rank
 
     @property
     def coordinates(self) -> bool:
         """Whether this process runs Lightning's loop (the first of its replica's block)."""
         return self.pipeline_rank == self.coordinator
 
-    def pipeline_ranks(self, replica: int | None = None) -> list[int]:
-        """Global ranks of a replica's pipeline (default: this process's), in pipeline order (stage 0 first)."""
-        first = (self.replica if replica is None else replica) * self.ranks_per_pipeline
-        return [first + self._offset(rank) for rank in range(self.ranks_per_pipeline)]
+    def pipeline_ranks(self, replica: int | None = None, tensor_rank: int | None = None) -> list[int]:
+        """Global ranks of a pipeline (default: this process's), in pipeline order (stage 0 first)."""
+        replica = self.replica if replica is None else replica
+        tensor_rank = self.tensor_rank if tensor_rank is None else tensor_rank
+        return [self._rank(replica, rank, tensor_rank) for rank in range(self.ranks_per_pipeline)]
 
     def replica_ranks(self, pipeline_rank: int | None = None) -> list[int]:
-        """Global ranks holding the same pipeline rank in every replica (its data-parallel group)."""
+        """Global ranks holding the same pipeline rank and tensor rank in every replica (its data-parallel group)."""
         rank = self.pipeline_rank if pipeline_rank is None else pipeline_rank
-        return [r * self.ranks_per_pipeline + self._offset(rank) for r in range(self.replicas)]
+        return [self._rank(r, rank, self.tensor_rank) for r in range(self.replicas)]
+
+    def tensor_ranks(self) -> list[int]:
+        """Global ranks of this process's stage in its replica: its tensor group (consecutive)."""
+        return [self._rank(self.replica, self.pipeline_rank, t) for t in range(self.tensor_parallel)]
 
     @property
     def coordinator_ranks(self) -> list[int]:
-        """The processes that run Lightning's loop: Lightning's collectives (logging, checkpoints) span these."""
-        return self.replica_ranks(self.coordinator)
+        """The processes that run Lightning's loop (one per replica and tensor rank): Lightning's collectives
+        (logging, checkpoints) span these."""
+        return [self._rank(r, self.coordinator, t) for r in range(self.replicas) for t in range(self.tensor_parallel)]
 
     def local_index(self, global_rank: int) -> int:
         """The device index of ``global_rank`` on its node (ranks fill the nodes in order)."""
         return global_rank % self.devices_per_node
 
     def describe(self, global_rank: int) -> str:
+        tensor = f", tensor rank {global_rank % self.tensor_parallel}" if self.tensor_parallel > 1 else ""
         return (
-            f"global rank {global_rank} (pipeline rank {self.pipeline_rank_of(global_rank)} "
-            f"of replica {global_rank // self.ranks_per_pipeline})"
+            f"global rank {global_rank} (pipeline rank {self.pipeline_rank_of(global_rank)}{tensor} "
+            f"of replica {global_rank // (self.ranks_per_pipeline * self.tensor_parallel)})"
         )
 
     def picture(self) -> str:
@@ -141,8 +180,29 @@ class Layout:
             f"replica {r}: "
             + ", ".join(
                 f"rank {g} -> pipeline rank {self.pipeline_rank_of(g)}"
+                + (f" tensor rank {g % self.tensor_parallel}" if self.tensor_parallel > 1 else "")
                 + (" (coordinator)" if self.pipeline_rank_of(g) == self.coordinator else "")
-                for g in sorted(self.pipeline_ranks(r))
+                for g in sorted(g for t in range(self.tensor_parallel) for g in self.pipeline_ranks(r, t))
             )
             for r in range(self.replicas)
+        )
+
+
+def check_tensor_parallel(world_size: int, stages: int, per_pipeline: int, tensor: int, devices_per_node: int) -> None:
+    """``tensor_parallel`` fits the launched world: a stage's tensor group on one node, S x T dividing the world."""
+    if tensor > devices_per_node or devices_per_node % tensor:
+        raise ConfigurationError(
+            f"PipeStrategy(tensor_parallel={tensor}) with {devices_per_node} devices per node: a stage's {tensor} "
+            f"tensor ranks must share one node (their collectives run in every layer); pick tensor_parallel from "
+            f"{', '.join(str(t) for t in range(1, devices_per_node + 1) if devices_per_node % t == 0)}, or give the "
+            f"Trainer more devices per node"
+        )
+    if world_size % (per_pipeline * tensor):
+        virtual = stages // per_pipeline
+        fits = [str(p * virtual) for p in range(1, world_size + 1) if world_size % (p * tensor) == 0]
+        raise ConfigurationError(
+            f"PipeStrategy(stages={stages}, tensor_parallel={tensor}) in {world_size} processes (devices x num_nodes):"
+            f" each replica takes {per_pipeline} x {tensor} = {per_pipeline * tensor} processes, and {world_size} is "
+            f"not a multiple of it; pick stages from {', '.join(fits)}, a smaller tensor_parallel, or "
+            f"devices x num_nodes a multiple of {per_pipeline * tensor}"
         )

@@ -78,6 +78,7 @@ class ModelStateStrategy(ProcessStrategy):
         """A serving process's model as its coordinator's: built by ``configure_model`` (on meta) where the
         LightningModule builds it there, and bound to the stages this process serves."""
         lightning_module = self.lightning_module
+        self.setup_environment()  # the device mesh exists when configure_model runs, as in the coordinator's fit
         if trainer is not None and lightning_module is not None:
             from lightning.pytorch.trainer import call
 

@@ -1,9 +1,12 @@
-"""`ProcessGroups`: launched mode's process groups (a DeviceMesh ``replica`` x ``pipeline`` and the coordinators').
+"""`ProcessGroups`: launched mode's process groups (a DeviceMesh ``data_parallel`` x ``pipeline``, with tensor
+parallel x ``tensor_parallel``, and the coordinators').
 
 A pipeline's P ranks carry its activations and gradients point to point (`lightning_pipe.comm.p2p`); the R
 ranks of one stage average its gradients (`lightning_pipe.engine.replicas`, DDP; or shard it, FSDP); the
 coordinators get a group of their own, so that Lightning's collectives never interleave with a stage's on
-one group.
+one group. With tensor parallel the T processes of a stage form the ``tensor_parallel`` dimension, innermost
+(`lightning_pipe.strategy.tensor_parallel`); the mesh's dimensions carry Lightning's names (the replicas are
+``data_parallel``), so that a LightningModule written for ``ModelParallelStrategy`` finds them.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from lightning_pipe.comm.p2p_wire import close_open_wires
 from lightning_pipe.strategy.layout import Layout
+from lightning_pipe.strategy.tensor_parallel import MESH_DIMS
 
 PROCESS_GROUP_TIMEOUT = timedelta(minutes=30)  # Lightning's default: serving ranks wait this long between fits
 
@@ -30,21 +34,23 @@ class ProcessGroups:
     interpreter's own teardown, gloo's threads and pending waits end in whatever order it finalizes.
     """
 
-    _made: dict[tuple[int, int], ProcessGroups] = {}
+    _made: dict[tuple[int, int, int], ProcessGroups] = {}
     _default_made = False  # whether the strategy initialised the default group (then it destroys it)
 
     def __init__(self, layout: Layout, device_type: str) -> None:
-        mesh = init_device_mesh(
-            device_type, (layout.replicas, layout.ranks_per_pipeline), mesh_dim_names=("replica", "pipeline")
-        )
+        shape: tuple[int, ...] = (layout.replicas, layout.ranks_per_pipeline)
+        if layout.tensor_parallel > 1:
+            shape = (*shape, layout.tensor_parallel)
+        mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS[: len(shape)])
         self.mesh = mesh
         self.pipeline = mesh.get_group("pipeline")
-        self.replicas = mesh.get_group("replica")
+        self.replicas = mesh.get_group("data_parallel")
+        self.tensor = mesh.get_group("tensor_parallel") if layout.tensor_parallel > 1 else None  # a stage's T ranks
         self.coordinators = dist.new_group(layout.coordinator_ranks)
 
     @classmethod
     def of(cls, layout: Layout, device_type: str) -> ProcessGroups:
-        key = (layout.world_size, layout.ranks_per_pipeline)
+        key = (layout.world_size, layout.ranks_per_pipeline, layout.tensor_parallel)
         if key not in cls._made:
             if not cls._made:
                 atexit.register(cls.destroy_all)
@@ -60,7 +66,7 @@ class ProcessGroups:
         """Destroy this layout's groups (a dimension that spans the world is the default group: kept; a process
         outside the coordinators' group holds no such group)."""
         default = dist.distributed_c10d._get_default_group()
-        for group in {id(g): g for g in (self.pipeline, self.replicas, self.coordinators)}.values():
+        for group in {id(g): g for g in (self.pipeline, self.replicas, self.tensor, self.coordinators)}.values():
             if isinstance(group, dist.ProcessGroup) and group is not default:
                 dist.destroy_process_group(group)
 

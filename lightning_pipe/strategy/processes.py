@@ -91,8 +91,9 @@ class ProcessStrategy(ParallelStrategy):
         global_rank = self.node_rank * len(devices) + self.local_rank
         stages = config.stages or len(devices)
         layout = Layout.of(
-            self.processes, global_rank, stages, config.virtual_stages, len(devices), self.rank_placement()
-        )
+            self.processes, global_rank, stages, config.virtual_stages, len(devices), self.rank_placement(),
+            config.tensor_parallel,
+        )  # fmt: skip
         held = self._mode
         if isinstance(held, LaunchedMode) and (held.layout, held.devices) == (layout, devices):
             return held
@@ -114,6 +115,8 @@ class ProcessStrategy(ParallelStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         self.mode.connect(self.cluster_environment)
+        if self.world is not None and self.lightning_module is not None:  # for configure_model, as Lightning's
+            self.lightning_module._device_mesh = self.world.device_mesh  # ModelParallelStrategy gives it
         self.mode.hold()  # launched mode: the serving ranks serve this fit from now on, whatever fails before setup
         if not self._mode_logged:
             self._mode_logged = True
@@ -124,10 +127,20 @@ class ProcessStrategy(ParallelStrategy):
                 rank_zero_warn(alone)
 
     def serve_stages(self, trainer: Any = None) -> None:
-        """What a process that does not coordinate runs instead of the Trainer's loop."""
+        """What a process that does not coordinate runs instead of the Trainer's loop (after `setup_environment`)."""
         assert self.world is not None
-        self.setup_environment()
         self.world.serve()
+
+    @property
+    def device_mesh(self) -> Any:
+        """Launched mode's DeviceMesh (as ``ModelParallelStrategy.device_mesh``; the LightningModule's
+        ``self.device_mesh``): dims ``data_parallel`` x ``pipeline`` (x ``tensor_parallel`` with tensor parallel)."""
+        if self.world is None:
+            raise ConfigurationError(
+                "PipeStrategy.device_mesh exists in launched mode (devices x num_nodes > 1), after the processes "
+                "joined (from configure_model on)"
+            )
+        return self.world.device_mesh
 
     def rank_placement(self) -> str:
         """Which rank holds each stage (`lightning_pipe.schedule.placement`); `PipeStrategy` answers its schedule's."""

@@ -111,6 +111,10 @@ class PipeStrategy(StepHooksStrategy):
             device's free memory (no limit on cpu).
         save_distributed_checkpoint: launched mode writes a checkpoint as a folder, every process its own stage
             (True), or as one file, written a tensor at a time (False); see `lightning_pipe.weights`.
+        tensor_parallel: launched mode: processes per stage of a replica (T). ``devices x num_nodes`` processes run
+            R replicas x ``stages`` x T; the LightningModule's ``configure_model`` parallelises its blocks over
+            ``self.device_mesh["tensor_parallel"]`` as under Lightning's ``ModelParallelStrategy``
+            (`lightning_pipe.strategy.tensor_parallel`; schedules ``"gpipe"`` and ``"1f1b"``, ``data_parallel="ddp"``).
 
     Lightning's hooks hand the work to the parts the strategy holds: ``builder`` (the pipeline), ``steps``
     (each step, microbatch by microbatch), ``optimization`` (gradients and optimizer steps), ``random``
@@ -150,6 +154,7 @@ class PipeStrategy(StepHooksStrategy):
         save_distributed_checkpoint: bool = True,
         memory_budget: int | None = None,
         weights_only: bool | None = None,
+        tensor_parallel: int = 1,
     ) -> None:
         config = PipeConfig.of(locals())  # every argument above but Lightning's own three, checked
         self.asynchronous = AsyncTraining() if config.asynchronous else None

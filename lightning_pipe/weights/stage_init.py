@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from lightning_pipe.weights.checkpoint import MODEL
+from lightning_pipe.weights.dtensor_shards import is_sharded
 from lightning_pipe.weights.keys import STRICT_FIX, WEIGHTS_FIX, compare_keys
 from lightning_pipe.weights.materialize import Materialized, aliases_of, materialize, on_meta
 from lightning_pipe.weights.sources import Prefixed, WeightSource, is_distributed_checkpoint, open_source
@@ -119,8 +120,16 @@ def meta_copy(obj: T, modules: Iterable[nn.Module] | None = None) -> T:
     for module in held:
         for tensor in [*module.parameters(), *module.buffers()]:
             if id(tensor) not in memo:
-                empty = torch.empty_like(tensor, device="meta")
+                empty = torch.empty_like(tensor, device="meta") if not is_sharded(tensor) else _whole_meta(tensor, memo)
                 memo[id(tensor)] = (
                     nn.Parameter(empty, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else empty
                 )
     return copy.deepcopy(obj, memo)
+
+
+def _whole_meta(tensor: Any, memo: dict[int, Any]) -> torch.Tensor:
+    """A DTensor (tensor parallel, FSDP) as a plain meta tensor of its whole shape; its device mesh, which holds
+    this process's groups, copied as None (also where the module's tensor parallel hooks hold it): the process
+    that receives the copy binds it to its own modules, meshes and hooks (`adopt`)."""
+    memo[id(tensor.device_mesh)] = None
+    return torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")

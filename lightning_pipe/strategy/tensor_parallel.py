@@ -1,0 +1,60 @@
+"""Tensor parallel inside a stage (``PipeStrategy(tensor_parallel=T)``): what it accepts, and its device mesh.
+
+Launched mode with ``tensor_parallel=T`` runs R replicas x P pipeline ranks x T tensor ranks (tensor innermost:
+`lightning_pipe.strategy.layout`). Every tensor rank t of a replica is a pipeline of its own (the P processes
+of that replica holding tensor rank t) whose coordinator runs Lightning's loop on the replica's batch; the T
+processes of one stage run that stage's forwards and backwards in the same order, and the stage's modules, as
+the LightningModule's ``configure_model`` parallelised them over ``self.device_mesh["tensor_parallel"]``
+(``parallelize_module`` with Lightning's ``ColwiseParallel`` / ``RowwiseParallel`` plans), run their DTensor
+collectives over the stage's tensor group. What crosses from stage p to p + 1 goes from each tensor rank to the
+same tensor rank of the next stage: a plain (replicated) tensor as it is, a DTensor as its local part with its
+placements in the frame's header (`lightning_pipe.comm.dtensor_frames`), rebuilt on the receiving side.
+
+The device mesh has the dimensions Lightning's ``ModelParallelStrategy`` gives a LightningModule
+(``"data_parallel"``, ``"tensor_parallel"``) with ``"pipeline"`` between them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning_pipe.errors import ConfigurationError
+
+#: the dimensions of launched mode's device mesh with tensor parallel, outermost first (Lightning's names)
+MESH_DIMS = ("data_parallel", "pipeline", "tensor_parallel")
+#: the schedules tested with tensor parallel (the others are refused until they are)
+TENSOR_PARALLEL_SCHEDULES = ("gpipe", "1f1b")
+
+
+def check_tensor_parallel_arguments(
+    tensor_parallel: int, transport: str | None, schedule: Any, virtual_stages: int, data_parallel: str
+) -> None:
+    """What ``tensor_parallel`` runs with (checked when the strategy is made); raises naming the fix."""
+    if not isinstance(tensor_parallel, int) or isinstance(tensor_parallel, bool) or tensor_parallel < 1:
+        raise ConfigurationError(
+            f"PipeStrategy(tensor_parallel={tensor_parallel!r}): pass the number of processes each stage is split "
+            "over (an int >= 1; 1: no tensor parallel)"
+        )
+    if tensor_parallel == 1:
+        return
+    if transport in ("local", "rpc"):
+        raise ConfigurationError(
+            f"PipeStrategy(tensor_parallel={tensor_parallel}, transport={transport!r}): tensor parallel runs in "
+            "launched mode, one process per stage and tensor rank; leave transport out (or pass 'p2p') and start "
+            "devices x num_nodes = replicas x stages x tensor_parallel processes"
+        )
+    if not isinstance(schedule, str) or schedule not in TENSOR_PARALLEL_SCHEDULES:
+        raise ConfigurationError(
+            f"PipeStrategy(tensor_parallel={tensor_parallel}, schedule={schedule!r}): tensor parallel is tested with "
+            f"the schedules {', '.join(map(repr, TENSOR_PARALLEL_SCHEDULES))} only; pass one of them"
+        )
+    if virtual_stages != 1:
+        raise ConfigurationError(
+            f"PipeStrategy(tensor_parallel={tensor_parallel}, virtual_stages={virtual_stages}): tensor parallel "
+            "runs one stage per process; pass virtual_stages=1"
+        )
+    if data_parallel != "ddp":
+        raise ConfigurationError(
+            f"PipeStrategy(tensor_parallel={tensor_parallel}, data_parallel={data_parallel!r}): a stage sharded "
+            "with FSDP over its replicas on top of tensor parallel is not supported yet; pass data_parallel='ddp'"
+        )

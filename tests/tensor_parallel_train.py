@@ -1,0 +1,202 @@
+"""A training script for tensor parallel in a stage (3-D: replicas x pipeline x tensor), started by torchrun.
+
+A small transformer (attention and MLP blocks) whose ``configure_model`` applies Lightning's documented tensor
+parallel plan (``ColwiseParallel`` for the attention's q, k, v and the MLP's w1, w3; ``RowwiseParallel`` for
+the attention's output and w2) over ``self.device_mesh["tensor_parallel"]``, and ``fully_shard`` over
+``self.device_mesh["data_parallel"]`` where it has more than one rank: the same LightningModule runs under
+Lightning's ``ModelParallelStrategy`` and under ``PipeStrategy(stages=S, tensor_parallel=T)``. Each case is one
+``fit`` of 3 SGD steps; after it every process saves the whole values of the parameters it holds
+(``<out>/<case>-rank<g>.pt``) for the test to compare.
+
+    torchrun --nproc-per-node 4 tests/tensor_parallel_train.py --cases mps-d2-t2,pipe-s2-t2-gpipe --out /tmp/x
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import json
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from lightning_pipe import PipeStrategy  # noqa: E402
+
+GLOBAL_BATCH, SEQUENCE, FEATURES, DIM, HEADS = 8, 4, 6, 16, 4
+STEPS = 3
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.head_dim = dim // heads
+        self.wq, self.wk, self.wv = nn.Linear(dim, dim), nn.Linear(dim, dim), nn.Linear(dim, dim)
+        self.wo = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape  # under tensor parallel q, k, v hold this rank's heads only: -1 counts them
+        q, k, v = (w(x).view(b, s, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1, self.w2, self.w3 = nn.Linear(dim, hidden), nn.Linear(hidden, dim), nn.Linear(dim, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int = DIM, heads: int = HEADS) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.attention, self.feed_forward = Attention(dim, heads), FeedForward(dim, 2 * dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.norm1(x))
+        return h + self.feed_forward(self.norm2(h))
+
+
+def make_model() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(FEATURES, DIM), Block(), Block(), Block(), Block(), nn.Linear(DIM, 1))
+
+
+def tensor_parallel_plan() -> dict[str, object]:
+    """Lightning's documented plan for an attention and an MLP block (no sequence parallel)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return {
+        "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(),
+        "feed_forward.w1": ColwiseParallel(), "feed_forward.w2": RowwiseParallel(),
+        "feed_forward.w3": ColwiseParallel(),
+    }  # fmt: skip
+
+
+def make_data() -> TensorDataset:
+    g = torch.Generator().manual_seed(1)
+    rows = STEPS * GLOBAL_BATCH
+    x = torch.randn(rows, SEQUENCE, FEATURES, generator=g)
+    return TensorDataset(x, torch.randn(rows, SEQUENCE, 1, generator=g))
+
+
+class Net(L.LightningModule):
+    """Written for ModelParallelStrategy: its configure_model parallelises the blocks over the device mesh."""
+
+    def __init__(self, clip: bool = False) -> None:
+        super().__init__()
+        self.model = make_model()
+
+    def configure_model(self) -> None:
+        from torch.distributed._composable.fsdp import fully_shard
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        if self.device_mesh is None:  # a plain Trainer: the model as it is
+            return
+        tensor, data = self.device_mesh["tensor_parallel"], self.device_mesh["data_parallel"]
+        for block in self.model:
+            if isinstance(block, Block):
+                parallelize_module(block, tensor, tensor_parallel_plan())
+        if data.size() > 1:  # Lightning's TP x FSDP recipe: each block its own FSDP unit, then the root
+            for block in self.model:
+                fully_shard(block, mesh=data)
+            fully_shard(self.model, mesh=data)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.mse_loss(self.model(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def whole_values(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The whole value of every real tensor this process holds (DTensors gathered over their mesh, in key order:
+    the processes of one mesh hold the same keys)."""
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for key, value in module.state_dict().items():
+        if isinstance(value, DTensor):
+            if value.to_local().is_meta:
+                continue
+            value = value.full_tensor()
+        elif value.is_meta:
+            continue
+        out[key] = value.detach().cpu().clone()
+    return out
+
+
+def sharded(module: nn.Module) -> list[str]:
+    """The parameters this process holds a part of only (DTensors whose local part is smaller than the whole)."""
+    from torch.distributed.tensor import DTensor
+
+    return [
+        key for key, p in module.named_parameters()
+        if isinstance(p, DTensor) and not p.to_local().is_meta and p.to_local().numel() < p.numel()
+    ]  # fmt: skip
+
+
+def on_meta(module: nn.Module) -> list[str]:
+    """The parameters this process holds no values of (the other stages')."""
+    from torch.distributed.tensor import DTensor
+
+    return [key for key, p in module.named_parameters() if (p.to_local() if isinstance(p, DTensor) else p).is_meta]
+
+
+def strategy_of(case: str, processes: int) -> tuple[object, int]:
+    """``mps-d2-t2``: ModelParallelStrategy(2, 2); ``pipe-s2-t2-gpipe``: PipeStrategy(stages=2, tensor_parallel=2);
+    with the number of replicas (each reads GLOBAL_BATCH / replicas rows a step)."""
+    parts = case.split("-")
+    numbers = {p[0]: int(p[1:]) for p in parts[1:] if p[1:].isdigit()}
+    if parts[0] == "mps":
+        return ModelParallelStrategy(data_parallel_size=numbers["d"], tensor_parallel_size=numbers["t"]), numbers["d"]
+    stages, tensor = numbers["s"], numbers["t"]
+    strategy = PipeStrategy(stages=stages, tensor_parallel=tensor, schedule=parts[3], microbatches=2,
+                            partition="uniform", timeout=60)  # fmt: skip
+    return strategy, processes // (stages * tensor)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--devices", type=int, default=4)
+    parser.add_argument("--cases", default="pipe-s2-t2-1f1b")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    out = Path(args.out)
+    for case in args.cases.split(","):
+        strategy, replicas = strategy_of(case, args.devices)
+        L.seed_everything(0, verbose=False)
+        model = Net()
+        trainer = L.Trainer(
+            accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=STEPS, logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        )  # fmt: skip
+        trainer.fit(model, DataLoader(make_data(), batch_size=GLOBAL_BATCH // replicas))
+        rank = dist.get_rank()
+        torch.save(whole_values(model.model), out / f"{case}-rank{rank}.pt")
+        if isinstance(strategy, PipeStrategy) and strategy.layout is not None:
+            layout = strategy.layout
+            where = {"replica": layout.replica, "stage": layout.pipeline_rank, "tensor": layout.tensor_rank,
+                     "coordinates": layout.coordinates, "mesh": list(model.device_mesh.mesh_dim_names),
+                     "sharded": sharded(model.model), "meta": on_meta(model.model)}  # fmt: skip
+            (out / f"{case}-rank{rank}.json").write_text(json.dumps(where))
+    (out / f"done-rank{dist.get_rank()}").touch()
+
+
+if __name__ == "__main__":
+    faulthandler.enable()
+    main()

@@ -1,0 +1,110 @@
+"""Tensor parallel in a stage: 3-D launched mode (replicas x pipeline x tensor), its layout, errors, and exactness.
+
+One torchrun launch of 4 processes trains the same LightningModule (written for Lightning's
+``ModelParallelStrategy``: its ``configure_model`` applies the documented ColwiseParallel / RowwiseParallel plan
+over ``self.device_mesh["tensor_parallel"]``) under ``ModelParallelStrategy(data_parallel_size=2,
+tensor_parallel_size=2)`` and under ``PipeStrategy(stages=2, tensor_parallel=2)`` (1 x 2 x 2) with gpipe and
+1f1b; each equals the plain Trainer's model trained on the global batch, to 1e-5 after 3 SGD steps.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from launching import ROOT, torchrun
+from tensor_parallel_train import GLOBAL_BATCH, STEPS, Net, make_data
+from test_launched import assert_ok, shuffled
+from torch.utils.data import DataLoader
+
+from lightning_pipe import PipeStrategy
+from lightning_pipe.errors import ConfigurationError
+from lightning_pipe.strategy.layout import Layout
+
+SCRIPT = str(ROOT / "tests" / "tensor_parallel_train.py")
+
+
+def test_tensor_ranks_are_innermost_and_each_tensor_rank_is_a_pipeline_of_its_own() -> None:
+    """2 x 2 x 2 in 8 processes: a stage's two tensor ranks are consecutive; every tensor rank of a replica is a
+    pipeline with its own coordinator; the replicas of a stage are those of its tensor rank."""
+    layout = Layout.of(world_size=8, global_rank=5, stages=2, virtual_stages=1, devices_per_node=8, tensor_parallel=2)
+    assert (layout.replicas, layout.replica, layout.pipeline_rank, layout.tensor_rank) == (2, 1, 1, 1)
+    assert layout.coordinates and layout.pipelines == 4
+    assert layout.pipeline_ranks() == [7, 5] and layout.tensor_ranks() == [4, 5] and layout.replica_ranks() == [1, 5]
+    assert layout.coordinator_ranks == [0, 1, 4, 5]
+    assert layout.describe(6) == "global rank 6 (pipeline rank 0, tensor rank 0 of replica 1)"
+    assert "rank 1 -> pipeline rank 1 tensor rank 1 (coordinator)" in layout.picture()
+
+
+def trainer(strategy: PipeStrategy, devices: int = 4, num_nodes: int = 1) -> L.Trainer:
+    return L.Trainer(accelerator="cpu", devices=devices, num_nodes=num_nodes, strategy=strategy, logger=False)
+
+
+def test_a_layout_that_does_not_fit_fails_naming_the_fix() -> None:
+    with pytest.raises(ConfigurationError, match=r"each replica takes 4 x 3 = 12 processes.*pick stages from 1, 2,"):
+        trainer(PipeStrategy(stages=4, tensor_parallel=3), devices=6)
+    with pytest.raises(ConfigurationError, match=r"tensor_parallel=4\) with 2 devices per node.*pick tensor_parallel"):
+        trainer(PipeStrategy(stages=1, tensor_parallel=4), devices=2, num_nodes=2)
+    strategy = PipeStrategy(stages=2, tensor_parallel=2)
+    trainer(strategy)
+    assert strategy.layout is not None and strategy.distributed_sampler_kwargs == {"num_replicas": 1, "rank": 0}
+
+
+@pytest.mark.parametrize(
+    ("options", "fix"),
+    [
+        ({"transport": "local"}, "leave transport out"),
+        ({"transport": "rpc"}, "leave transport out"),
+        ({"schedule": "zero-bubble"}, "'gpipe', '1f1b'"),
+        ({"data_parallel": "fsdp"}, "data_parallel='ddp'"),
+        ({"tensor_parallel": 0}, "an int >= 1"),
+    ],
+)
+def test_what_tensor_parallel_does_not_run_with_fails_when_the_strategy_is_made(options: dict, fix: str) -> None:
+    with pytest.raises(ConfigurationError, match=fix):
+        PipeStrategy(stages=2, **{"tensor_parallel": 2, **options})
+
+
+def plain_trainer_model() -> dict[str, torch.Tensor]:
+    """The same LightningModule under a plain Trainer (one process) on the global batches, in the order Lightning's
+    distributed sampler reads them."""
+    L.seed_everything(0, verbose=False)
+    model = Net()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_steps=STEPS, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    data = make_data()
+    trainer.fit(model, DataLoader(data, batch_size=GLOBAL_BATCH, sampler=shuffled(len(data), 0)))
+    return {k: v.detach().clone() for k, v in model.model.state_dict().items()}
+
+
+@pytest.mark.slow
+def test_a_model_parallel_strategy_module_runs_unchanged_as_1x2x2(tmp_path: Path) -> None:
+    cases = ["mps-d2-t2", "pipe-s2-t2-gpipe", "pipe-s2-t2-1f1b"]
+    run = torchrun(SCRIPT, ["--devices", "4", "--cases", ",".join(cases), "--out", str(tmp_path)], timeout=360)
+    assert_ok(run)
+    expected = plain_trainer_model()
+    for case in cases:
+        stages = {}
+        for rank in range(4):
+            got = torch.load(tmp_path / f"{case}-rank{rank}.pt")
+            for key, value in got.items():
+                diff = (value - expected[key]).abs().max().item()
+                assert diff < 1e-5, f"{case}: {key} of rank {rank} differs from the plain Trainer's by {diff:.2e}"
+            if case.startswith("pipe"):
+                where = json.loads((tmp_path / f"{case}-rank{rank}.json").read_text())
+                stages.setdefault(where["stage"], []).append(where["tensor"])
+                assert where["mesh"] == ["data_parallel", "pipeline", "tensor_parallel"]
+                assert where["coordinates"] == (rank < 2) and where["stage"] == (1 if rank < 2 else 0)
+                assert where["sharded"] and all(".attention." in k or ".feed_forward." in k for k in where["sharded"])
+                held = set(got)  # this process's stage, gathered whole; the other stage is on meta here
+                assert held and not held & {key for key in where["meta"]}
+                assert held | set(where["meta"]) == set(expected)
+        if case.startswith("pipe"):
+            assert stages == {0: [0, 1], 1: [0, 1]}
+    assert "4 processes = 1 replica(s) x 2 pipeline rank(s) x 2 tensor rank(s)" in run.output
+    assert sorted(p.name for p in tmp_path.glob("done-*")) == [f"done-rank{r}" for r in range(4)]
