@@ -32,14 +32,16 @@ from lightning_pipe import PipeStrategy  # noqa: E402
 
 GLOBAL_BATCH, SEQUENCE, FEATURES, DIM, HEADS = 8, 4, 6, 16, 4
 STEPS = 3
+CLIP = 0.05  # well below the gradients' norm: every step clips
 
 
 class Attention(nn.Module):
     def __init__(self, dim: int, heads: int) -> None:
         super().__init__()
         self.head_dim = dim // heads
-        self.wq, self.wk, self.wv = nn.Linear(dim, dim), nn.Linear(dim, dim), nn.Linear(dim, dim)
-        self.wo = nn.Linear(dim, dim)
+        # no biases (as Llama): a key's bias has no gradient (softmax ignores it), and AdamW would turn its rounding
+        # noise into steps of the learning rate's size
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(dim, dim, bias=False) for _ in range(4))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape  # under tensor parallel q, k, v hold this rank's heads only: -1 counts them
@@ -84,6 +86,30 @@ def tensor_parallel_plan() -> dict[str, object]:
     }  # fmt: skip
 
 
+def parallelize_sequence_sharded(model: nn.Sequential, tensor: object) -> None:
+    """A plan whose activations between blocks are DTensors sharded along the sequence (``Shard(1)``): what crosses
+    between stages is each tensor rank's half of the sequence (local parts that differ by tensor rank)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        PrepareModuleInput,
+        PrepareModuleInputOutput,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    embed = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False)
+    parallelize_module(model[0], tensor, embed)  # type: ignore[arg-type]
+    for block in model[1:-1]:
+        sharded = PrepareModuleInputOutput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
+            output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=False,
+        )  # fmt: skip
+        parallelize_module(block, tensor, sharded)  # type: ignore[arg-type]
+        parallelize_module(block, tensor, tensor_parallel_plan())  # type: ignore[arg-type]
+    gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True)
+    parallelize_module(model[-1], tensor, gather)  # type: ignore[arg-type]
+
+
 def make_data() -> TensorDataset:
     g = torch.Generator().manual_seed(1)
     rows = STEPS * GLOBAL_BATCH
@@ -94,9 +120,11 @@ def make_data() -> TensorDataset:
 class Net(L.LightningModule):
     """Written for ModelParallelStrategy: its configure_model parallelises the blocks over the device mesh."""
 
-    def __init__(self, clip: bool = False) -> None:
+    def __init__(self, sequence_sharded: bool = False, optimizer: str = "sgd") -> None:
         super().__init__()
         self.model = make_model()
+        self.sequence_sharded = sequence_sharded
+        self.optimizer = optimizer
 
     def configure_model(self) -> None:
         from torch.distributed._composable.fsdp import fully_shard
@@ -105,9 +133,12 @@ class Net(L.LightningModule):
         if self.device_mesh is None:  # a plain Trainer: the model as it is
             return
         tensor, data = self.device_mesh["tensor_parallel"], self.device_mesh["data_parallel"]
-        for block in self.model:
-            if isinstance(block, Block):
-                parallelize_module(block, tensor, tensor_parallel_plan())
+        if self.sequence_sharded:
+            parallelize_sequence_sharded(self.model, tensor)
+        else:
+            for block in self.model:
+                if isinstance(block, Block):
+                    parallelize_module(block, tensor, tensor_parallel_plan())
         if data.size() > 1:  # Lightning's TP x FSDP recipe: each block its own FSDP unit, then the root
             for block in self.model:
                 fully_shard(block, mesh=data)
@@ -120,6 +151,8 @@ class Net(L.LightningModule):
         return loss
 
     def configure_optimizers(self):
+        if self.optimizer == "adamw":
+            return torch.optim.AdamW(self.parameters(), lr=0.01)
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
@@ -159,7 +192,9 @@ def on_meta(module: nn.Module) -> list[str]:
 
 def strategy_of(case: str, processes: int) -> tuple[object, int]:
     """``mps-d2-t2``: ModelParallelStrategy(2, 2); ``pipe-s2-t2-gpipe``: PipeStrategy(stages=2, tensor_parallel=2);
-    with the number of replicas (each reads GLOBAL_BATCH / replicas rows a step)."""
+    with the number of replicas (each reads GLOBAL_BATCH / replicas rows a step). ``-seq``: the sequence-sharded
+    plan (`parallelize_sequence_sharded`); ``-adamw``: AdamW instead of SGD; ``-clip``: gradients clipped to a norm of
+    `CLIP` over the whole model."""
     parts = case.split("-")
     numbers = {p[0]: int(p[1:]) for p in parts[1:] if p[1:].isdigit()}
     if parts[0] == "mps":
@@ -180,9 +215,11 @@ def main() -> None:
     for case in args.cases.split(","):
         strategy, replicas = strategy_of(case, args.devices)
         L.seed_everything(0, verbose=False)
-        model = Net()
+        options = case.split("-")
+        model = Net(sequence_sharded="seq" in options, optimizer="adamw" if "adamw" in options else "sgd")
         trainer = L.Trainer(
             accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=STEPS, logger=False,
+            gradient_clip_val=CLIP if "clip" in options else None,
             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         )  # fmt: skip
         trainer.fit(model, DataLoader(make_data(), batch_size=GLOBAL_BATCH // replicas))

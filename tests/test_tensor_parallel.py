@@ -3,8 +3,9 @@
 One torchrun launch of 4 processes trains the same LightningModule (written for Lightning's
 ``ModelParallelStrategy``: its ``configure_model`` applies the documented ColwiseParallel / RowwiseParallel plan
 over ``self.device_mesh["tensor_parallel"]``) under ``ModelParallelStrategy(data_parallel_size=2,
-tensor_parallel_size=2)`` and under ``PipeStrategy(stages=2, tensor_parallel=2)`` (1 x 2 x 2) with gpipe and
-1f1b; each equals the plain Trainer's model trained on the global batch, to 1e-5 after 3 SGD steps.
+tensor_parallel_size=2)`` and under ``PipeStrategy(stages=2, tensor_parallel=2)`` (1 x 2 x 2) with gpipe (AdamW,
+activations sharded along the sequence) and 1f1b (SGD, clipping); each equals the plain Trainer's model trained
+on the global batch, to 1e-5 after 3 steps.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import lightning as L
 import pytest
 import torch
 from launching import ROOT, torchrun
-from tensor_parallel_train import GLOBAL_BATCH, STEPS, Net, make_data
+from tensor_parallel_train import CLIP, GLOBAL_BATCH, STEPS, Net, make_data
 from test_launched import assert_ok, shuffled
 from torch.utils.data import DataLoader
 
@@ -28,14 +29,14 @@ SCRIPT = str(ROOT / "tests" / "tensor_parallel_train.py")
 
 
 def test_tensor_ranks_are_innermost_and_each_tensor_rank_is_a_pipeline_of_its_own() -> None:
-    """2 x 2 x 2 in 8 processes: a stage's two tensor ranks are consecutive; every tensor rank of a replica is a
-    pipeline with its own coordinator; the replicas of a stage are those of its tensor rank."""
-    layout = Layout.of(world_size=8, global_rank=5, stages=2, virtual_stages=1, devices_per_node=8, tensor_parallel=2)
-    assert (layout.replicas, layout.replica, layout.pipeline_rank, layout.tensor_rank) == (2, 1, 1, 1)
-    assert layout.coordinates and layout.pipelines == 4
-    assert layout.pipeline_ranks() == [7, 5] and layout.tensor_ranks() == [4, 5] and layout.replica_ranks() == [1, 5]
-    assert layout.coordinator_ranks == [0, 1, 4, 5]
-    assert layout.describe(6) == "global rank 6 (pipeline rank 0, tensor rank 0 of replica 1)"
+    """1 x 2 x 2 in 4 processes: a stage's two tensor ranks are consecutive; every tensor rank is a pipeline with its
+    own coordinator."""
+    layout = Layout.of(world_size=4, global_rank=3, stages=2, virtual_stages=1, devices_per_node=4, tensor_parallel=2)
+    assert (layout.replicas, layout.replica, layout.pipeline_rank, layout.tensor_rank) == (1, 0, 0, 1)
+    assert not layout.coordinates and layout.pipelines == 2
+    assert layout.pipeline_ranks() == [3, 1] and layout.tensor_ranks() == [2, 3] and layout.replica_ranks() == [3]
+    assert layout.coordinator_ranks == [0, 1]
+    assert layout.describe(2) == "global rank 2 (pipeline rank 0, tensor rank 0 of replica 0)"
     assert "rank 1 -> pipeline rank 1 tensor rank 1 (coordinator)" in layout.picture()
 
 
@@ -48,6 +49,8 @@ def test_a_layout_that_does_not_fit_fails_naming_the_fix() -> None:
         trainer(PipeStrategy(stages=4, tensor_parallel=3), devices=6)
     with pytest.raises(ConfigurationError, match=r"tensor_parallel=4\) with 2 devices per node.*pick tensor_parallel"):
         trainer(PipeStrategy(stages=1, tensor_parallel=4), devices=2, num_nodes=2)
+    with pytest.raises(ConfigurationError, match=r"makes 2 replicas; tensor parallel runs with one replica for now"):
+        trainer(PipeStrategy(stages=2, tensor_parallel=2), devices=8)
     strategy = PipeStrategy(stages=2, tensor_parallel=2)
     trainer(strategy)
     assert strategy.layout is not None and strategy.distributed_sampler_kwargs == {"num_replicas": 1, "rank": 0}
@@ -68,14 +71,45 @@ def test_what_tensor_parallel_does_not_run_with_fails_when_the_strategy_is_made(
         PipeStrategy(stages=2, **{"tensor_parallel": 2, **options})
 
 
-def plain_trainer_model() -> dict[str, torch.Tensor]:
+def test_a_dtensor_crosses_a_link_as_its_local_part_with_its_placements_in_the_header() -> None:
+    """The frame format alone (a one-process gloo world): a DTensor leaves as its local part, its layout in the
+    `TensorHeader`, and is rebuilt over the receiver's tensor mesh as a new autograd leaf; plain tensors as before."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    from lightning_pipe.comm.base import MessageKind
+    from lightning_pipe.comm.dtensor_frames import use_tensor_mesh
+    from lightning_pipe.comm.p2p_frames import join_payload, split_payload
+
+    store = torch.distributed.HashStore()
+    torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        value = distribute_tensor(torch.randn(2, 4, 3), mesh, [Shard(1)]).requires_grad_()
+        plain = torch.randn(2)
+        signature, tensors = split_payload(MessageKind.ACTIVATION, {"x": value, "y": plain})
+        assert signature is not None and [type(t) for t in tensors] == [torch.Tensor, torch.Tensor]
+        layouts = [meta.layout for meta in signature.metas]
+        assert layouts[0] is not None and layouts[0].placements == (Shard(1),) and layouts[1] is None
+        use_tensor_mesh(mesh)
+        got = join_payload(signature, [t.detach().clone() for t in tensors])
+        assert isinstance(got["x"], DTensor) and got["x"].placements == (Shard(1),) and got["x"].is_leaf
+        assert got["x"].requires_grad and torch.equal(got["x"].full_tensor(), value.full_tensor())
+        assert type(got["y"]) is torch.Tensor and torch.equal(got["y"], plain)
+    finally:
+        use_tensor_mesh(None)
+        torch.distributed.destroy_process_group()
+
+
+def plain_trainer_model(case: str) -> dict[str, torch.Tensor]:
     """The same LightningModule under a plain Trainer (one process) on the global batches, in the order Lightning's
-    distributed sampler reads them."""
+    distributed sampler reads them, with the case's optimizer and clipping."""
     L.seed_everything(0, verbose=False)
-    model = Net()
+    options = case.split("-")
+    model = Net(optimizer="adamw" if "adamw" in options else "sgd")
     trainer = L.Trainer(
         accelerator="cpu", devices=1, max_steps=STEPS, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False,
+        enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=CLIP if "clip" in options else None,
     )  # fmt: skip
     data = make_data()
     trainer.fit(model, DataLoader(data, batch_size=GLOBAL_BATCH, sampler=shuffled(len(data), 0)))
@@ -84,11 +118,19 @@ def plain_trainer_model() -> dict[str, torch.Tensor]:
 
 @pytest.mark.slow
 def test_a_model_parallel_strategy_module_runs_unchanged_as_1x2x2(tmp_path: Path) -> None:
-    cases = ["mps-d2-t2", "pipe-s2-t2-gpipe", "pipe-s2-t2-1f1b"]
+    """gpipe with AdamW and the activations between blocks sharded along the sequence (DTensors, ``Shard(1)``: each
+    tensor rank sends its local half to the same tensor rank of the next stage, which rebuilds the DTensor, forward
+    and back);
+    1f1b with SGD and gradient clipping (the norm over both stages and both tensor ranks: a sharded gradient's parts
+    summed over its tensor ranks, a replicated one counted once)."""
+    cases = ["mps-d2-t2", "pipe-s2-t2-gpipe-seq-adamw", "pipe-s2-t2-1f1b-clip"]
     run = torchrun(SCRIPT, ["--devices", "4", "--cases", ",".join(cases), "--out", str(tmp_path)], timeout=360)
     assert_ok(run)
-    expected = plain_trainer_model()
+    plain = {option: plain_trainer_model(option) for option in ("sgd", "adamw", "clip")}
+    # the oracle is not vacuous: clipping changed the training
+    assert max((plain["clip"][k] - plain["sgd"][k]).abs().max().item() for k in plain["sgd"]) > 1e-3
     for case in cases:
+        expected = plain["clip" if "clip" in case else "adamw" if "adamw" in case else "sgd"]
         stages = {}
         for rank in range(4):
             got = torch.load(tmp_path / f"{case}-rank{rank}.pt")
@@ -100,7 +142,9 @@ def test_a_model_parallel_strategy_module_runs_unchanged_as_1x2x2(tmp_path: Path
                 stages.setdefault(where["stage"], []).append(where["tensor"])
                 assert where["mesh"] == ["data_parallel", "pipeline", "tensor_parallel"]
                 assert where["coordinates"] == (rank < 2) and where["stage"] == (1 if rank < 2 else 0)
-                assert where["sharded"] and all(".attention." in k or ".feed_forward." in k for k in where["sharded"])
+                assert where["sharded"] and all(
+                    ".attention." in k or ".feed_forward." in k or k == "0.weight" for k in where["sharded"]
+                )
                 held = set(got)  # this process's stage, gathered whole; the other stage is on meta here
                 assert held and not held & {key for key in where["meta"]}
                 assert held | set(where["meta"]) == set(expected)

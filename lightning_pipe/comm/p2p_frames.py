@@ -41,6 +41,7 @@ from torch.utils import _pytree as pytree
 from lightning_pipe import tree
 from lightning_pipe.comm import by_value
 from lightning_pipe.comm.base import Message, MessageKind
+from lightning_pipe.comm.dtensor_frames import DTensorLayout, local_part, rebuild
 
 HEADER_FIELDS = 8
 HEADER_BYTES = HEADER_FIELDS * 8
@@ -57,11 +58,13 @@ TENSOR_KINDS = frozenset((MessageKind.ACTIVATION, MessageKind.OUTPUT, MessageKin
 
 @dataclass(frozen=True)
 class TensorHeader:
-    """What a receiver needs to allocate a tensor before its bytes arrive."""
+    """What a receiver needs to allocate a tensor before its bytes arrive (a DTensor's local part: its ``layout``
+    in the DTensor, `lightning_pipe.comm.dtensor_frames`)."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
     requires_grad: bool
+    layout: DTensorLayout | None = None
 
     @staticmethod
     def of(t: torch.Tensor) -> TensorHeader:
@@ -71,6 +74,8 @@ class TensorHeader:
         return torch.empty(self.shape, dtype=self.dtype, device=device)
 
     def finish(self, t: torch.Tensor) -> torch.Tensor:
+        if self.layout is not None:
+            return rebuild(t, self.layout, self.requires_grad)
         return t.requires_grad_() if self.requires_grad and t.is_floating_point() else t
 
 
@@ -114,9 +119,14 @@ def _signature(
 def split_payload(kind: str, payload: Any) -> tuple[FrameSignature | None, list[torch.Tensor]]:
     """The signature of a tensor message and its tensors; None where it cannot be cached (unhashable leaves)."""
     leaves, spec = tree.flatten(payload)
-    tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+    tensors, metas = [], []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            local, layout = local_part(leaf)  # a DTensor: its local part, its layout in the header
+            tensors.append(local)
+            metas.append(TensorHeader(tuple(local.shape), local.dtype, leaf.requires_grad, layout))
     others = tuple((i, leaf) for i, leaf in enumerate(leaves) if not isinstance(leaf, torch.Tensor))
-    signature = FrameSignature(kind, spec, others, tuple(TensorHeader.of(t) for t in tensors))
+    signature = FrameSignature(kind, spec, others, tuple(metas))
     try:
         hash(signature)
     except TypeError:

@@ -133,21 +133,21 @@ class StageStateCalls:
     def call_grad_norm(self, norm_type: float, skip: Sequence[str] = ()) -> float:
         """This rank's share of the global norm: the sum of ``|g|^p`` (or the max of ``|g|`` for inf).
 
-        ``skip`` names copies of a tied weight that another rank already counts. A gradient sharded over the
-        stage's replicas (FSDP) counts whole: its shards' shares are summed over the replicas.
+        ``skip`` names copies of a tied weight that another rank already counts. A gradient sharded over processes
+        (a DTensor with a ``Shard`` placement: FSDP over the stage's replicas, or tensor parallel over its tensor
+        ranks) counts whole: its shards' shares are summed over its mesh. A replicated one (a plain tensor, or a
+        DTensor replicated over its tensor ranks) counts once, as every process of the mesh holds all of it.
         """
         grads = self._param_grads(skip)
         if not grads:
             return 0.0
         infinite = math.isinf(norm_type)
-        shares = [
-            g.detach().abs().max().float()
-            if infinite
-            else torch.linalg.vector_norm(g.detach(), norm_type).float() ** norm_type
-            for g in (_local(g) for g in grads)
-        ]
-        share = torch.stack(shares).max() if infinite else torch.stack(shares).sum()
-        return float(_over_shards(share, grads, "max" if infinite else "sum"))
+        sharded = [g for g in grads if _is_shard(g)]
+        whole = [g for g in grads if not _is_shard(g)]
+        share = _share([_local(g) for g in sharded], norm_type, infinite)
+        reduced = _over_shards(share, sharded, "max" if infinite else "sum") if sharded else share
+        rest = _share([_local(g) for g in whole], norm_type, infinite)
+        return float(torch.maximum(reduced, rest) if infinite else reduced + rest)
 
     def call_scale_grads(self, factor: float) -> None:
         for g in self._param_grads():
@@ -255,6 +255,24 @@ class StageStateCalls:
 def _local(grad: torch.Tensor) -> torch.Tensor:
     """This process's part of a gradient: its shard where FSDP shards it (a DTensor), else all of it."""
     return grad.to_local() if isinstance(grad, DTensor) else grad
+
+
+def _is_shard(grad: torch.Tensor) -> bool:
+    """Whether ``grad`` is split over processes (a DTensor with a ``Shard`` placement), not whole in each."""
+    return isinstance(grad, DTensor) and any(p.is_shard() for p in grad.placements)
+
+
+def _share(grads: Sequence[torch.Tensor], norm_type: float, infinite: bool) -> torch.Tensor:
+    """The sum of ``|g|^p`` over ``grads`` (the max of ``|g|`` for inf), on the CPU; 0 for none."""
+    if not grads:
+        return torch.zeros(())
+    shares = [
+        g.detach().abs().max().float()
+        if infinite
+        else torch.linalg.vector_norm(g.detach(), norm_type).float() ** norm_type
+        for g in grads
+    ]
+    return (torch.stack(shares).max() if infinite else torch.stack(shares).sum()).cpu()
 
 
 def _over_shards(value: torch.Tensor, grads: Sequence[torch.Tensor], op: str) -> torch.Tensor:

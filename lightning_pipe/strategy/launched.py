@@ -32,6 +32,7 @@ from typing_extensions import override
 
 from lightning_pipe.allocator import give_back_large_blocks
 from lightning_pipe.comm import P2PCommunicator, serve_stages
+from lightning_pipe.comm.dtensor_frames import use_tensor_mesh
 from lightning_pipe.engine.runners import worker_of_stages
 from lightning_pipe.schedule import LOOP
 from lightning_pipe.strategy.config import PipeConfig
@@ -136,6 +137,8 @@ class LaunchedMode(Mode):
             _init_dist_connection(cluster_environment, backend, timeout=PROCESS_GROUP_TIMEOUT)
             ProcessGroups.made_default_group()
         self._groups = ProcessGroups.of(self.layout, device.type)
+        if self.layout.tensor_parallel > 1:  # DTensors crossing between stages are rebuilt over the stage's ranks
+            use_tensor_mesh(self._groups.mesh["tensor_parallel"])
 
     @property
     def device_mesh(self) -> Any:

@@ -187,7 +187,7 @@ def _adopt(node: nn.Module, local: nn.Module, path: str) -> None:
             continue
         at = f"{path}{name}"
         target = _submodule(local, at)
-        if target is not None and type(target) is type(child):
+        if target is not None and _same_class(target, child):
             node._modules[name] = target
         else:
             _adopt(child, local, at + ".")
@@ -196,6 +196,13 @@ def _adopt(node: nn.Module, local: nn.Module, path: str) -> None:
             value = _attribute(local, f"{path}{name}")
             if isinstance(value, torch.Tensor) and (isinstance(value, nn.Parameter) == is_param):
                 store[name] = value  # type: ignore[assignment]
+
+
+def _same_class(local: nn.Module, sent: nn.Module) -> bool:
+    """Whether ``sent`` (a module another process cut and sent) is ``local``'s class: the same class, or the same
+    name where the class came by value from the training script (``__main__``), a new class object here."""
+    a, b = type(local), type(sent)
+    return a is b or (a.__module__, a.__qualname__) == (b.__module__, b.__qualname__)
 
 
 def aliases_of(module: nn.Module) -> dict[str, list[str]]:
