@@ -6,7 +6,7 @@ and that stage's optimizer state. A checkpoint is therefore written where the st
 stage, the script's process the tensors outside the pipeline, the optimizers' groups and parameter order and
 Lightning's loop and callback state, all into one torch.distributed.checkpoint folder (the format launched
 mode writes; the workers share no process group with the script's process, so the coordinator carries DCP's
-plans over its control calls: `lightning_pipe.weights.sharded_steps`). As in launched mode,
+plans over its control calls: `lightning_pipe.checkpoint.sharded_steps`). As in launched mode,
 ``PipeStrategy(save_distributed_checkpoint=False)`` makes one ``torch.save`` file of that folder a tensor at a
 time (`lightning_pipe.strategy.checkpoint_writer.write_single_file`); the default writes the folder at the path
 (``ModelCheckpoint``'s ``epoch=0-step=2.ckpt`` is a folder then).
@@ -29,14 +29,14 @@ from typing import Any
 
 import torch
 
+from lightning_pipe.checkpoint.consolidate import consolidate
+from lightning_pipe.checkpoint.reader import META_FILE
+from lightning_pipe.checkpoint.sharded import OptimizerPart, prepare_folder, sharded_state
+from lightning_pipe.checkpoint.sharded_steps import FolderPart
+from lightning_pipe.checkpoint.stage_part import CoordinatorPart
 from lightning_pipe.engine import StageProtocol
-from lightning_pipe.engine.stage_checkpoint import CoordinatorPart
 from lightning_pipe.pipeline import Pipeline
 from lightning_pipe.strategy.checkpoint_writer import write_single_file
-from lightning_pipe.weights.checkpoint import META_FILE
-from lightning_pipe.weights.consolidate import consolidate
-from lightning_pipe.weights.sharded import OptimizerPart, prepare_folder, sharded_state
-from lightning_pipe.weights.sharded_steps import FolderPart
 
 
 def lightning_state(checkpoint: dict[str, Any]) -> dict[str, Any]:

@@ -31,6 +31,7 @@ from lightning_pipe.weights.keys import visible
 from lightning_pipe.weights.pages import PAGE, can_give_back, give_back
 
 PathLike = str | os.PathLike[str]
+MODEL = "state_dict"  # the key of the module's tensors in a Lightning checkpoint
 DCP_METADATA = ".metadata"  # the file torch.distributed.checkpoint writes into every checkpoint folder
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 
@@ -70,7 +71,7 @@ class TorchFileSource(WeightSource):
     """A ``torch.save`` file mapped into memory; ``section`` is the key of its state dict (``"state_dict"`` in a
     Lightning checkpoint), ``None`` for a file that is a state dict."""
 
-    def __init__(self, path: PathLike, section: str | None = "state_dict", weights_only: bool | None = None) -> None:
+    def __init__(self, path: PathLike, section: str | None = MODEL, weights_only: bool | None = None) -> None:
         self.path = Path(path)
         load: dict[str, Any] = {"map_location": "cpu", "mmap": True}
         if weights_only is not None:

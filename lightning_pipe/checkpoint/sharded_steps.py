@@ -5,7 +5,7 @@ global plan (which file each writes), every process writes, and that one process
 ``.metadata``. Under ``transport="rpc"`` the stage workers share no default process group with the script's
 process, so the coordinator carries the plans over its control calls instead, with DCP's public planner and
 storage writer doing the same steps (``state_dict_saver._save_state_dict`` in torch). The folder is the one
-`lightning_pipe.weights.sharded.save_sharded` writes: any layout reads it back by key, `consolidate` makes one
+`lightning_pipe.checkpoint.sharded.save_sharded` writes: any layout reads it back by key, `consolidate` makes one
 file of it. The participant numbered 0 leads (its files are ``__0_*.distcp``, it writes ``.metadata``)::
 
     leader (the script's process)         each other participant (a stage worker)
