@@ -8,12 +8,12 @@ rendezvous store the coordinator hosts. Each stage is built remotely from its pi
 and pings back when ready.
 
 Control messages (steps, calls, replies, a stage's end) are ``rpc_async`` calls on the receiving
-process (`rpc_endpoint`), which put them into the stage's inbox and wake its event loop; activations
-and gradients go point to point over the world's data plane (`rpc_plane`: private gloo and NCCL
-groups in launched mode's wire format). The worker side lives in `rpc_stages` (the stages a process
-serves) and `slot` (a worker process); the world itself in `rpc_hosted`. Activations go from stage to
+process (`rpc.endpoint`), which put them into the stage's inbox and wake its event loop; activations
+and gradients go point to point over the world's data plane (`rpc.plane`: private gloo and NCCL
+groups in launched mode's wire format). The worker side lives in `rpc.stages` (the stages a process
+serves) and `slot` (a worker process); the world itself in `rpc.hosted`. Activations go from stage to
 stage directly. As in launched mode, the coordinator's process holds the rank of the last stage itself
-(`rpc_home`), so the last stage's output and its gradient never cross processes and the loss is computed
+(`rpc.home`), so the last stage's output and its gradient never cross processes and the loss is computed
 on the last stage: an S-rank pipeline takes S - 1 worker processes. Parameters never travel: they are
 built into the stage once.
 
@@ -43,12 +43,12 @@ from lightning_pipe.comm.base import COORDINATOR, Communicator, Endpoint, deadli
 from lightning_pipe.comm.compress import resolve_codec
 from lightning_pipe.comm.control import ControlServer, Slot, parse_address
 from lightning_pipe.comm.local_workers import exit_reason
-from lightning_pipe.comm.rpc_build import await_builds, ready_ping, start_builds
-from lightning_pipe.comm.rpc_endpoint import RpcEndpoint, TransportStats, register_inbox
-from lightning_pipe.comm.rpc_home import HomeStage, RankPlacement, home_device, place
-from lightning_pipe.comm.rpc_hosted import HostedWorld, wait_all
-from lightning_pipe.comm.rpc_plane import DataPlane
-from lightning_pipe.comm.rpc_stages import stage_stats, stop_stage
+from lightning_pipe.comm.rpc.build import await_builds, ready_ping, start_builds
+from lightning_pipe.comm.rpc.endpoint import RpcEndpoint, TransportStats, register_inbox
+from lightning_pipe.comm.rpc.home import HomeStage, RankPlacement, home_device, place
+from lightning_pipe.comm.rpc.hosted import HostedWorld, wait_all
+from lightning_pipe.comm.rpc.plane import DataPlane
+from lightning_pipe.comm.rpc.stages import stage_stats, stop_stage
 from lightning_pipe.comm.slot import TOKEN_ENV
 from lightning_pipe.errors import PipeTimeoutError, TransportError
 
@@ -80,7 +80,7 @@ class RpcCommunicator(Communicator):
             ``"bf16"`` / ``"fp16"`` (lossy casts), ``"zstd"`` (lossless), ``"bf16+zstd"``,
             ``"fp16+zstd"``, or a codec object (`lightning_pipe.comm.compress.Codec`).
         colocate: the coordinator's process holds the rank of the last stage itself, on that stage's device
-            (`rpc_home`), as launched mode does; False: every rank in a worker process, the losses computed
+            (`rpc.home`), as launched mode does; False: every rank in a worker process, the losses computed
             by the coordinator from the last stage's outputs (which then cross, and their gradients too).
     """
 
@@ -121,7 +121,7 @@ class RpcCommunicator(Communicator):
 
     @property
     def shares_objects(self) -> bool:  # type: ignore[override]
-        """Whether this process holds the last stage (`rpc_home`): then it computes the losses itself."""
+        """Whether this process holds the last stage (`rpc.home`): then it computes the losses itself."""
         return self._placement.home is not None
 
     @property

@@ -2,7 +2,7 @@
 
 Control stays on RPC (handshake, builds, the ready ping, steps, calls, replies, heartbeats). The
 tensor messages (activations, outputs, gradients) go over private process groups in the p2p wire
-format of launched mode (`p2p_wire`: a signature negotiated once per link, inline frames into
+format of launched mode (`p2p.wire`: a signature negotiated once per link, inline frames into
 receives posted ahead). The groups are made apart from torch.distributed's default group, on the
 RPC world's own rendezvous store under a prefix of theirs, so the user's process keeps its one
 default group (Lightning's) and never calls ``init_process_group`` for this:
@@ -33,8 +33,8 @@ from typing import Any
 import torch.distributed as dist
 
 from lightning_pipe.comm.base import Message, QueueInbox, deadline, remaining
-from lightning_pipe.comm.p2p_send import WireStats
-from lightning_pipe.comm.p2p_wire import Wire
+from lightning_pipe.comm.p2p.send import WireStats
+from lightning_pipe.comm.p2p.wire import Wire
 
 
 def address(launch: str, rank: int) -> int:
@@ -63,7 +63,7 @@ class PlaneLayout:
     @staticmethod
     def of(slots: Sequence[tuple[str, str]], coordinator: tuple[str, str] | None = None) -> PlaneLayout:
         """The layout for stage slots given as (machine, device), in rank order; ``coordinator``: the (machine,
-        device) of the stage the coordinator's process holds itself (`rpc_home`), None if it holds none."""
+        device) of the stage the coordinator's process holds itself (`rpc.home`), None if it holds none."""
         devices = [(host, _normalized(device)) for host, device in [coordinator or ("", "cpu"), *slots]]
         users = Counter(devices)
         cuda = [w for w, (_, device) in enumerate(devices) if is_cuda(device)]

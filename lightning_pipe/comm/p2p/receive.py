@@ -1,6 +1,6 @@
 """The receiving side of a p2p link: one thread per peer turns the peer's frames into messages.
 
-Two ways, by what the backend can match (`p2p_frames` has the layout of a frame and its tags):
+Two ways, by what the backend can match (`p2p.frames` has the layout of a frame and its tags):
 
 - *framed* (gloo, which matches a receive by (source, tag) and lets it be larger than its send):
   the thread keeps two frame buffers of `INLINE_BYTES` posted on tag `FRAME_TAG`, so a frame's bytes
@@ -24,13 +24,13 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from lightning_pipe.comm import p2p_frames as frames
 from lightning_pipe.comm.base import Message
-from lightning_pipe.comm.p2p_frames import FRAME_BUFFERS, FRAME_TAG, SPILL_TAG, ahead_of_time, body_tag
+from lightning_pipe.comm.p2p import frames
+from lightning_pipe.comm.p2p.frames import FRAME_BUFFERS, FRAME_TAG, SPILL_TAG, ahead_of_time, body_tag
 
 
 class ReceivingWire(Protocol):
-    """What a `Receiver` needs of the links it receives for (`p2p_wire.Wire` is this)."""
+    """What a `Receiver` needs of the links it receives for (`p2p.wire.Wire` is this)."""
 
     group: Any  # the process group
     ranks: list[int]  # the pipeline's processes, in pipeline order

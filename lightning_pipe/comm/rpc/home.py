@@ -32,9 +32,9 @@ import torch
 
 from lightning_pipe.comm import by_value
 from lightning_pipe.comm.base import COORDINATOR
-from lightning_pipe.comm.rpc_endpoint import TransportStats
-from lightning_pipe.comm.rpc_plane import DataPlane, world_rank
-from lightning_pipe.comm.rpc_stages import build_stage, stage_ended, stage_stats, stop_stage
+from lightning_pipe.comm.rpc.endpoint import TransportStats
+from lightning_pipe.comm.rpc.plane import DataPlane, world_rank
+from lightning_pipe.comm.rpc.stages import build_stage, stage_ended, stage_stats, stop_stage
 from lightning_pipe.errors import StageError
 
 
@@ -52,7 +52,7 @@ class RankPlacement:
         return [rank for rank in range(self.ranks) if rank != self.home]
 
     def processes(self) -> dict[int, int]:
-        """The world ranks that `rpc_plane.world_rank` does not give: the coordinator's, and its rank's."""
+        """The world ranks that `rpc.plane.world_rank` does not give: the coordinator's, and its rank's."""
         return {COORDINATOR: 0} | ({self.home: 0} if self.home is not None else {})
 
     def process(self, rank: int) -> int:

@@ -1,10 +1,10 @@
 """The links of one process of a pipeline to its peers, over torch.distributed point-to-point sends.
 
-A send posts its frame's ``isend``s (`p2p_send`, frames of `p2p_frames`) from the sending thread itself,
+A send posts its frame's ``isend``s (`p2p.send`, frames of `p2p.frames`) from the sending thread itself,
 under the link's lock, and returns: the transfer runs in the process group's own I/O threads, so a stage's sends
 overlap with its next computation, each link keeps its order, and no thread has to be woken to send
 (on a machine whose cores are all computing, every wake-up is a wait for a core). A frame's tensors
-stay referenced until their sends completed. Each peer gets a receiving thread (`p2p_receive`) that
+stay referenced until their sends completed. Each peer gets a receiving thread (`p2p.receive`) that
 puts the messages into the inbox of their destination endpoint in this process. Messages between
 endpoints of this process (the coordinator and its own pipeline rank) go straight into the inbox,
 by reference.
@@ -44,10 +44,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_pipe.comm import p2p_frames as frames
 from lightning_pipe.comm.base import COORDINATOR, Message, QueueInbox, deadline, remaining
-from lightning_pipe.comm.p2p_receive import Receiver, first_line
-from lightning_pipe.comm.p2p_send import Link, Sender, WireStats
+from lightning_pipe.comm.p2p import frames
+from lightning_pipe.comm.p2p.receive import Receiver, first_line
+from lightning_pipe.comm.p2p.send import Link, Sender, WireStats
 from lightning_pipe.comm.placement import group_ranks_of, process_device
 from lightning_pipe.errors import TransportError
 
@@ -61,7 +61,7 @@ EXIT_CLOSE_TIMEOUT = 10.0  # seconds the exit hook waits for the peers of a wire
 
 class Wire:
     """This process's links to the other processes of one pipeline (``ranks`` in pipeline order), or of an RPC
-    world's data plane (`rpc_plane`, over groups made apart from the default one: ``group_ranks`` and ``backend``)."""
+    world's data plane (`rpc.plane`, over groups made apart from the default one: ``group_ranks`` and ``backend``)."""
 
     def __init__(
         self,
@@ -86,7 +86,7 @@ class Wire:
         #: where its tensors travel: the CPU under gloo; under NCCL ``device``, or the process's current CUDA device
         self.device = process_device(self.backend, device)
         #: gloo matches a receive by (source, tag) and takes a receive larger than its send: messages go as
-        #: inline frames into buffers posted ahead (`p2p_receive`); NCCL gets each part of a frame in order
+        #: inline frames into buffers posted ahead (`p2p.receive`); NCCL gets each part of a frame in order
         self.framed = self.backend == "gloo"
         self.keepalive = max(0.05, min(5.0, timeout / 4))
         self.lost: tuple[int, str] | None = None  # the first peer lost (its index in ranks) and why
@@ -151,7 +151,7 @@ class Wire:
 
     def send_many(self, process: int, destination: int, messages: list[Message]) -> None:
         """Deliver ``messages`` (tensor messages of one kind, step and stage, of consecutive microbatches) in
-        order; to another process as one message (`p2p_frames.bundle`): one frame instead of one each."""
+        order; to another process as one message (`p2p.frames.bundle`): one frame instead of one each."""
         if process == self.me or len(messages) == 1:
             for message in messages:
                 self.send(process, destination, message)

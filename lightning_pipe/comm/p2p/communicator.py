@@ -6,7 +6,7 @@ is the S processes ``ranks`` (global ranks in pipeline order) of one process gro
 the others run `serve_stages`. The strategy puts the coordinator with the last stage: the loss is
 computed where the last stage's output is, and a microbatch's loss costs no round trip between
 processes. Stage specs are pickled by value once and built where they run; activations and gradients
-then go from process to process with ``isend``/``irecv`` (`p2p_wire`, `p2p_frames`).
+then go from process to process with ``isend``/``irecv`` (`p2p.wire`, `p2p.frames`).
 
     (coordinator=0)
     process of ranks[0]                       process of ranks[1]        process of ranks[2]
@@ -32,8 +32,8 @@ import torch.distributed as dist
 
 from lightning_pipe.comm import by_value
 from lightning_pipe.comm.base import COORDINATOR, Communicator, Endpoint, Message, deadline, remaining
-from lightning_pipe.comm.p2p_send import WireStats
-from lightning_pipe.comm.p2p_serve import (
+from lightning_pipe.comm.p2p.send import WireStats
+from lightning_pipe.comm.p2p.serve import (
     BUILD,
     BUILT,
     RELEASE,
@@ -45,7 +45,7 @@ from lightning_pipe.comm.p2p_serve import (
     default_describe,
     stop_message,
 )
-from lightning_pipe.comm.p2p_wire import LOST, STATS, STATS_REPLY, WIRE, Wire
+from lightning_pipe.comm.p2p.wire import LOST, STATS, STATS_REPLY, WIRE, Wire
 from lightning_pipe.errors import ConfigurationError, PipeTimeoutError, StageError, TransportError
 from lightning_pipe.weights import meta_copy
 

@@ -24,8 +24,8 @@ close of the link.
 
 The tags: on a framed link (gloo) headers and inline frames travel on `FRAME_TAG`, what a header-only
 frame leaves out on `SPILL_TAG`, and the tensors of a signature too large to be inline on its own
-`body_tag`; an ordered link (NCCL) sends every part on tag 0, in order. The sender (`p2p_wire`) and the
-receiver (`p2p_receive`) both take the format from here.
+`body_tag`; an ordered link (NCCL) sends every part on tag 0, in order. The sender (`p2p.wire`) and the
+receiver (`p2p.receive`) both take the format from here.
 """
 
 from __future__ import annotations
