@@ -78,8 +78,8 @@ def test_a_dtensor_crosses_a_link_as_its_local_part_with_its_placements_in_the_h
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
     from lightning_pipe.comm.base import MessageKind
-    from lightning_pipe.comm.dtensor_frames import use_tensor_mesh
-    from lightning_pipe.comm.p2p_frames import join_payload, split_payload
+    from lightning_pipe.comm.p2p.dtensor_frames import use_tensor_mesh
+    from lightning_pipe.comm.p2p.frames import join_payload, split_payload
 
     store = torch.distributed.HashStore()
     torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)

@@ -17,7 +17,7 @@ from datetime import timedelta
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from lightning_pipe.comm.p2p_wire import close_open_wires
+from lightning_pipe.comm.p2p.wire import close_open_wires
 from lightning_pipe.strategy.layout import Layout
 from lightning_pipe.strategy.tensor_parallel import MESH_DIMS
 

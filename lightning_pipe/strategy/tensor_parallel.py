@@ -1,17 +1,12 @@
-"""Tensor parallel inside a stage (``PipeStrategy(tensor_parallel=T)``): what it accepts, and its device mesh.
+"""Tensor parallel inside a stage (``PipeStrategy(tensor_parallel=T)``): what it accepts, and its mesh's names.
 
-Launched mode with ``tensor_parallel=T`` runs R replicas x P pipeline ranks x T tensor ranks (tensor innermost:
-`lightning_pipe.strategy.layout`). Every tensor rank t of a replica is a pipeline of its own (the P processes
-of that replica holding tensor rank t) whose coordinator runs Lightning's loop on the replica's batch; the T
-processes of one stage run that stage's forwards and backwards in the same order, and the stage's modules, as
-the LightningModule's ``configure_model`` parallelised them over ``self.device_mesh["tensor_parallel"]``
-(``parallelize_module`` with Lightning's ``ColwiseParallel`` / ``RowwiseParallel`` plans), run their DTensor
-collectives over the stage's tensor group. What crosses from stage p to p + 1 goes from each tensor rank to the
-same tensor rank of the next stage: a plain (replicated) tensor as it is, a DTensor as its local part with its
-placements in the frame's header (`lightning_pipe.comm.dtensor_frames`), rebuilt on the receiving side.
-
-The device mesh has the dimensions Lightning's ``ModelParallelStrategy`` gives a LightningModule
-(``"data_parallel"``, ``"tensor_parallel"``) with ``"pipeline"`` between them.
+Launched mode with ``tensor_parallel=T`` runs R replicas x P pipeline ranks x T tensor ranks (tensor innermost,
+`lightning_pipe.strategy.layout`). Each tensor rank of a replica is a pipeline of its own whose coordinator runs
+Lightning's loop on the replica's batch; a stage's T processes run its forwards and backwards in the same order,
+its modules' DTensor collectives (the LightningModule's ``configure_model`` plan over
+``self.device_mesh["tensor_parallel"]``) over the stage's tensor group. Between stages tensor rank t sends to
+tensor rank t: a plain tensor as it is, a DTensor as its local part (`lightning_pipe.comm.p2p.dtensor_frames`).
+The mesh's dimensions carry Lightning's ``ModelParallelStrategy`` names, with ``"pipeline"`` between them.
 """
 
 from __future__ import annotations
