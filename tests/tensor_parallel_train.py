@@ -194,7 +194,7 @@ def strategy_of(case: str, processes: int) -> tuple[object, int]:
     """``mps-d2-t2``: ModelParallelStrategy(2, 2); ``pipe-s2-t2-gpipe``: PipeStrategy(stages=2, tensor_parallel=2);
     with the number of replicas (each reads GLOBAL_BATCH / replicas rows a step). ``-seq``: the sequence-sharded
     plan (`parallelize_sequence_sharded`); ``-adamw``: AdamW instead of SGD; ``-clip``: gradients clipped to a norm of
-    `CLIP` over the whole model."""
+    `CLIP` over the whole model; ``-save``: a checkpoint after the fit; ``-resume``: one more step from ``--resume``."""
     parts = case.split("-")
     numbers = {p[0]: int(p[1:]) for p in parts[1:] if p[1:].isdigit()}
     if parts[0] == "mps":
@@ -210,6 +210,7 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=4)
     parser.add_argument("--cases", default="pipe-s2-t2-1f1b")
     parser.add_argument("--out", required=True)
+    parser.add_argument("--resume", default=None, help="the checkpoint that cases marked 'resume' continue")
     args = parser.parse_args()
     out = Path(args.out)
     for case in args.cases.split(","):
@@ -218,11 +219,15 @@ def main() -> None:
         options = case.split("-")
         model = Net(sequence_sharded="seq" in options, optimizer="adamw" if "adamw" in options else "sgd")
         trainer = L.Trainer(
-            accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=STEPS, logger=False,
+            accelerator="cpu", devices=args.devices, strategy=strategy, logger=False,
+            max_steps=STEPS + 1 if "resume" in options else STEPS,
             gradient_clip_val=CLIP if "clip" in options else None,
             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         )  # fmt: skip
-        trainer.fit(model, DataLoader(make_data(), batch_size=GLOBAL_BATCH // replicas))
+        resume = args.resume if "resume" in options else None
+        trainer.fit(model, DataLoader(make_data(), batch_size=GLOBAL_BATCH // replicas), ckpt_path=resume)
+        if "save" in options:
+            trainer.save_checkpoint(out / f"{case}.ckpt")  # a sharded folder: every process writes its part
         rank = dist.get_rank()
         torch.save(whole_values(model.model), out / f"{case}-rank{rank}.pt")
         if isinstance(strategy, PipeStrategy) and strategy.layout is not None:

@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import pytest
 import torch
+import torch.nn.functional as F
 from launching import ROOT, torchrun
-from tensor_parallel_train import CLIP, GLOBAL_BATCH, STEPS, Net, make_data
-from test_launched import assert_ok, shuffled
+from tensor_parallel_train import CLIP, GLOBAL_BATCH, STEPS, Net, make_data, make_model
+from test_launched import assert_ok, in_order, shuffled
 from torch.utils.data import DataLoader
 
 from lightning_pipe import PipeStrategy
@@ -116,15 +118,49 @@ def plain_trainer_model(case: str) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.model.state_dict().items()}
 
 
+def four_steps(second_epoch: Any) -> dict[str, torch.Tensor]:
+    """The plain model, SGD with clipping, one step more than the run: the 4th on the second epoch's first batch."""
+    L.seed_everything(0, verbose=False)
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = make_data().tensors
+    for step in range(STEPS + 1):
+        epoch, index = divmod(step, STEPS)
+        rows = (shuffled if epoch == 0 else second_epoch)(len(x), epoch)[
+            index * GLOBAL_BATCH : (index + 1) * GLOBAL_BATCH
+        ]
+        optimizer.zero_grad()
+        F.mse_loss(model(x[rows]), y[rows]).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        optimizer.step()
+    return model.state_dict()
+
+
+def local_resume(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """The 1 x 2 x 2 checkpoint resumed in local mode (one process, two stages, no tensor parallel) for one step."""
+    L.seed_everything(0, verbose=False)
+    model = Net()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, strategy=PipeStrategy(stages=2, microbatches=2, transport="local"),
+        max_steps=STEPS + 1, gradient_clip_val=CLIP, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(model, DataLoader(make_data(), batch_size=GLOBAL_BATCH), ckpt_path=str(checkpoint))
+    return {k: v.detach().clone() for k, v in model.model.state_dict().items()}
+
+
 @pytest.mark.slow
 def test_a_model_parallel_strategy_module_runs_unchanged_as_1x2x2(tmp_path: Path) -> None:
     """gpipe with AdamW and the activations between blocks sharded along the sequence (DTensors, ``Shard(1)``: each
     tensor rank sends its local half to the same tensor rank of the next stage, which rebuilds the DTensor, forward
-    and back);
-    1f1b with SGD and gradient clipping (the norm over both stages and both tensor ranks: a sharded gradient's parts
-    summed over its tensor ranks, a replicated one counted once)."""
-    cases = ["mps-d2-t2", "pipe-s2-t2-gpipe-seq-adamw", "pipe-s2-t2-1f1b-clip"]
-    run = torchrun(SCRIPT, ["--devices", "4", "--cases", ",".join(cases), "--out", str(tmp_path)], timeout=360)
+    and back); 1f1b with SGD and gradient clipping (the norm over both stages and both tensor ranks: a sharded
+    gradient's parts summed over its tensor ranks, a replicated one counted once), its sharded checkpoint resumed
+    under 1 x 2 x 2 (gpipe) and under local mode without tensor parallel."""
+    cases = ["mps-d2-t2", "pipe-s2-t2-gpipe-seq-adamw", "pipe-s2-t2-1f1b-clip-save"]
+    checkpoint = tmp_path / f"{cases[-1]}.ckpt"
+    resumed = "pipe-s2-t2-gpipe-clip-resume"
+    args = ["--devices", "4", "--cases", ",".join([*cases, resumed]), "--resume", str(checkpoint)]
+    run = torchrun(SCRIPT, [*args, "--out", str(tmp_path)], timeout=420)
     assert_ok(run)
     plain = {option: plain_trainer_model(option) for option in ("sgd", "adamw", "clip")}
     # the oracle is not vacuous: clipping changed the training
@@ -151,4 +187,14 @@ def test_a_model_parallel_strategy_module_runs_unchanged_as_1x2x2(tmp_path: Path
         if case.startswith("pipe"):
             assert stages == {0: [0, 1], 1: [0, 1]}
     assert "4 processes = 1 replica(s) x 2 pipeline rank(s) x 2 tensor rank(s)" in run.output
+    # the sharded checkpoint (unsplit keys, whole shapes) resumed under 1 x 2 x 2 and under local mode (no tensor
+    # parallel), equal after the next step to the plain model trained one step more
+    assert checkpoint.is_dir()
+    expected = four_steps(shuffled)
+    for rank in range(4):
+        got = torch.load(tmp_path / f"{resumed}-rank{rank}.pt")
+        assert max((value - expected[key]).abs().max().item() for key, value in got.items()) < 1e-5, resumed
+    local = local_resume(checkpoint)
+    expected = four_steps(in_order)  # one process reads the data in order (no distributed sampler)
+    assert max((value - expected[key]).abs().max().item() for key, value in local.items()) < 1e-5
     assert sorted(p.name for p in tmp_path.glob("done-*")) == [f"done-rank{r}" for r in range(4)]
