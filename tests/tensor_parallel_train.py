@@ -120,11 +120,12 @@ def make_data() -> TensorDataset:
 class Net(L.LightningModule):
     """Written for ModelParallelStrategy: its configure_model parallelises the blocks over the device mesh."""
 
-    def __init__(self, sequence_sharded: bool = False, optimizer: str = "sgd") -> None:
+    def __init__(self, sequence_sharded: bool = False, optimizer: str = "sgd", shard_data: bool = True) -> None:
         super().__init__()
         self.model = make_model()
         self.sequence_sharded = sequence_sharded
         self.optimizer = optimizer
+        self.shard_data = shard_data  # FSDP over the data-parallel dimension (PipeStrategy averages the stages itself)
 
     def configure_model(self) -> None:
         from torch.distributed._composable.fsdp import fully_shard
@@ -139,7 +140,7 @@ class Net(L.LightningModule):
             for block in self.model:
                 if isinstance(block, Block):
                     parallelize_module(block, tensor, tensor_parallel_plan())
-        if data.size() > 1:  # Lightning's TP x FSDP recipe: each block its own FSDP unit, then the root
+        if data.size() > 1 and self.shard_data:  # Lightning's TP x FSDP recipe: each block an FSDP unit, then the root
             for block in self.model:
                 fully_shard(block, mesh=data)
             fully_shard(self.model, mesh=data)
@@ -194,7 +195,8 @@ def strategy_of(case: str, processes: int) -> tuple[object, int]:
     """``mps-d2-t2``: ModelParallelStrategy(2, 2); ``pipe-s2-t2-gpipe``: PipeStrategy(stages=2, tensor_parallel=2);
     with the number of replicas (each reads GLOBAL_BATCH / replicas rows a step). ``-seq``: the sequence-sharded
     plan (`parallelize_sequence_sharded`); ``-adamw``: AdamW instead of SGD; ``-clip``: gradients clipped to a norm of
-    `CLIP` over the whole model; ``-save``: a checkpoint after the fit; ``-resume``: one more step from ``--resume``."""
+    `CLIP` over the whole model; ``-ddp``: the module applies no FSDP (the stages' gradients averaged over the
+    replicas); ``-save``: a checkpoint after the fit; ``-resume``: one more step from ``--resume``."""
     parts = case.split("-")
     numbers = {p[0]: int(p[1:]) for p in parts[1:] if p[1:].isdigit()}
     if parts[0] == "mps":
@@ -217,7 +219,7 @@ def main() -> None:
         strategy, replicas = strategy_of(case, args.devices)
         L.seed_everything(0, verbose=False)
         options = case.split("-")
-        model = Net(sequence_sharded="seq" in options, optimizer="adamw" if "adamw" in options else "sgd")
+        model = Net("seq" in options, "adamw" if "adamw" in options else "sgd", shard_data="ddp" not in options)
         trainer = L.Trainer(
             accelerator="cpu", devices=args.devices, strategy=strategy, logger=False,
             max_steps=STEPS + 1 if "resume" in options else STEPS,

@@ -51,8 +51,6 @@ def test_a_layout_that_does_not_fit_fails_naming_the_fix() -> None:
         trainer(PipeStrategy(stages=4, tensor_parallel=3), devices=6)
     with pytest.raises(ConfigurationError, match=r"tensor_parallel=4\) with 2 devices per node.*pick tensor_parallel"):
         trainer(PipeStrategy(stages=1, tensor_parallel=4), devices=2, num_nodes=2)
-    with pytest.raises(ConfigurationError, match=r"makes 2 replicas; tensor parallel runs with one replica for now"):
-        trainer(PipeStrategy(stages=2, tensor_parallel=2), devices=8)
     strategy = PipeStrategy(stages=2, tensor_parallel=2)
     trainer(strategy)
     assert strategy.layout is not None and strategy.distributed_sampler_kwargs == {"num_replicas": 1, "rank": 0}
@@ -100,6 +98,25 @@ def test_a_dtensor_crosses_a_link_as_its_local_part_with_its_placements_in_the_h
         assert type(got["y"]) is torch.Tensor and torch.equal(got["y"], plain)
     finally:
         use_tensor_mesh(None)
+        torch.distributed.destroy_process_group()
+
+
+def test_a_module_that_shards_itself_with_fsdp_is_refused_naming_the_fix() -> None:
+    """Lightning's TP x FSDP recipe applies fully_shard over the data dimension; PipeStrategy averages the stages
+    over their replicas itself, and says so."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from lightning_pipe.strategy.tensor_parallel import refuse_self_sharded
+
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+        refuse_self_sharded(model)  # not sharded: nothing to say
+        fully_shard(model[0], mesh=init_device_mesh("cpu", (1,)))
+        with pytest.raises(ConfigurationError, match=r"applied fully_shard to 0: .*leave the data-parallel dimension"):
+            refuse_self_sharded(model)
+    finally:
         torch.distributed.destroy_process_group()
 
 
@@ -198,3 +215,20 @@ def test_a_model_parallel_strategy_module_runs_unchanged_as_1x2x2(tmp_path: Path
     expected = four_steps(in_order)  # one process reads the data in order (no distributed sampler)
     assert max((value - expected[key]).abs().max().item() for key, value in local.items()) < 1e-5
     assert sorted(p.name for p in tmp_path.glob("done-*")) == [f"done-rank{r}" for r in range(4)]
+
+
+@pytest.mark.slow
+def test_two_replicas_of_two_stages_of_two_tensor_ranks_train_like_the_plain_model(tmp_path: Path) -> None:
+    """2 x 2 x 2 in 8 processes (1f1b, SGD, clipping): each replica reads half the global batch, a stage's
+    gradients (DTensors) are averaged over its replicas after the step's last backward, clipping sees the whole
+    model's norm; every process's stage equals the plain model trained on the global batch."""
+    case = "pipe-s2-t2-1f1b-clip-ddp"  # the module applies no FSDP of its own (refused above)
+    run = torchrun(SCRIPT, ["--devices", "8", "--cases", case, "--out", str(tmp_path)], nproc=8, timeout=420)
+    assert_ok(run)
+    expected = plain_trainer_model("clip")
+    for rank in range(8):
+        got = torch.load(tmp_path / f"{case}-rank{rank}.pt")
+        where = json.loads((tmp_path / f"{case}-rank{rank}.json").read_text())
+        assert (where["replica"], where["tensor"]) == (rank // 4, rank % 2) and where["sharded"]
+        assert max((value - expected[key]).abs().max().item() for key, value in got.items()) < 1e-5, rank
+    assert "8 processes = 2 replica(s) x 2 pipeline rank(s) x 2 tensor rank(s)" in run.output

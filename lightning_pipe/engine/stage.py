@@ -18,6 +18,7 @@ from lightning_pipe.engine.stage_memory import StageMemory
 from lightning_pipe.engine.stage_protocol import StageProtocol
 from lightning_pipe.engine.stage_shards import StageShards
 from lightning_pipe.engine.stage_state import StageStateCalls
+from lightning_pipe.engine.tensor_replicas import TensorStageReplicas, has_dtensors
 from lightning_pipe.engine.versions import WorkerVersions
 from lightning_pipe.errors import StageError
 from lightning_pipe.rng import StageRandom, run_seed
@@ -74,9 +75,14 @@ class StageWorker:
         self._failed: int | None = None  # a step that failed here, until the coordinator's abort says it knows
 
     def replicate(self, group: Any) -> None:
-        """Average this worker's gradients over ``group`` (its stages' data-parallel group) after each step."""
+        """Average this worker's gradients over ``group`` (its stages' data-parallel group) after each step: with
+        DDP, or where a tensor parallel plan made its parameters DTensors (DDP takes none) by all-reducing them."""
+        modules = {i: s.module for i, s in self.shards.items()}
+        if has_dtensors(modules.values()):
+            self.replicas = TensorStageReplicas(modules, group)
+            return
         devices = {index: runtime.torch_device for index, runtime in self.runtimes.items()}
-        self.replicas = StageReplicas({i: s.module for i, s in self.shards.items()}, group, devices)
+        self.replicas = StageReplicas(modules, group, devices)
 
     def sharded(self, shards: StageShards) -> None:
         """This worker's stages are sharded over their replicas with FSDP2 (``shards``: ``fully_shard`` applied to

@@ -177,10 +177,3 @@ def check_tensor_parallel(world_size: int, stages: int, per_pipeline: int, tenso
             f"not a multiple of it; pick stages from {', '.join(fits)}, a smaller tensor_parallel, or "
             f"devices x num_nodes a multiple of {per_pipeline * tensor}"
         )
-    replicas = world_size // (per_pipeline * tensor)
-    if replicas > 1:
-        raise ConfigurationError(
-            f"PipeStrategy(stages={stages}, tensor_parallel={tensor}) in {world_size} processes makes {replicas} "
-            f"replicas; tensor parallel runs with one replica for now (a stage's data parallel over its replicas is "
-            f"not combined with its DTensors yet): run devices x num_nodes = {per_pipeline * tensor} processes"
-        )

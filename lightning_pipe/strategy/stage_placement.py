@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from lightning_pipe.engine.stage_shards import StageShards
+from lightning_pipe.strategy.tensor_parallel import refuse_self_sharded
 from lightning_pipe.weights import adopt, free_to_meta
 
 DATA_PARALLEL = ("ddp", "fsdp")
@@ -49,6 +50,7 @@ class ProcessStage:
 
     def bind(self, lightning_module: nn.Module, pipelined: nn.Module) -> None:
         """This process's LightningModule and its pipelined module (what a stage sent here binds to)."""
+        refuse_self_sharded(pipelined)
         self.lightning_module, self.pipelined = lightning_module, pipelined
 
     def replicate_over(self, group: Any, mesh: Any) -> None:

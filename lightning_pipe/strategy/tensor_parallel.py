@@ -53,3 +53,19 @@ def check_tensor_parallel_arguments(
             f"PipeStrategy(tensor_parallel={tensor_parallel}, data_parallel={data_parallel!r}): a stage sharded "
             "with FSDP over its replicas on top of tensor parallel is not supported yet; pass data_parallel='ddp'"
         )
+
+
+def refuse_self_sharded(pipelined: Any) -> None:
+    """A pipelined module that its ``configure_model`` sharded with FSDP itself (``fully_shard`` over
+    ``self.device_mesh["data_parallel"]``) is refused, naming what to do instead."""
+    from torch.distributed.fsdp import FSDPModule
+
+    sharded = [name or "(the pipelined module)" for name, m in pipelined.named_modules() if isinstance(m, FSDPModule)]
+    if sharded:
+        raise ConfigurationError(
+            f"configure_model applied fully_shard to {', '.join(sharded[:3])}{' ...' if len(sharded) > 3 else ''}: "
+            "PipeStrategy splits the model into stages first and spreads each stage over its replicas itself; "
+            "apply fully_shard only under ModelParallelStrategy (e.g. `if not isinstance(self.trainer.strategy, "
+            "PipeStrategy)`), and leave the data-parallel dimension to PipeStrategy (each stage's gradients "
+            "averaged over its replicas)"
+        )
