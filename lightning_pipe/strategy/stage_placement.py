@@ -102,3 +102,16 @@ def _stand_in(param: torch.Tensor) -> nn.Parameter:
 
 def _tensors(module: nn.Module) -> list[torch.Tensor]:
     return [*module.parameters(), *module.buffers()]
+
+
+def own_to_cpu(module: nn.Module) -> nn.Module:
+    """``module.cpu()`` for the tensors that have values (meta ones stay; FSDP's shards stay where they are): what
+    Lightning's teardown moves of a LightningModule that holds only this process's stage."""
+    for owner in module.modules():
+        for param in owner._parameters.values():
+            if param is not None and param.device.type not in ("cpu", "meta") and type(param) is nn.Parameter:
+                param.data = param.data.cpu()
+        for name, buffer in owner._buffers.items():
+            if buffer is not None and buffer.device.type not in ("cpu", "meta"):
+                owner._buffers[name] = buffer.cpu()
+    return module
