@@ -21,7 +21,7 @@ import torch
 from lightning.fabric.plugins import CheckpointIO
 from torch import nn
 
-from lightning_pipe.engine.stage_checkpoint import CoordinatorPart
+from lightning_pipe.checkpoint.stage_part import CoordinatorPart
 from lightning_pipe.strategy.building import PipelineBuilder, Placement, prefix_of
 from lightning_pipe.strategy.checkpoints import Checkpoints
 from lightning_pipe.strategy.optimization import StageOptimization
