@@ -23,13 +23,15 @@ from test_house import PACKAGE
 
 MOST = 10
 #: the mode objects, the mode rule (which transport means which mode, what each refuses) and the one place that
-#: chooses among them
+#: chooses among them; the step driver's two variants (a flush after each batch, ``schedule="async"``'s stream)
 MODE_FILES = {
     "strategy/layout.py",
     "strategy/mode.py",
     "strategy/rpc_mode.py",
     "strategy/launched.py",
     "strategy/mode_choice.py",
+    "strategy/training.py",
+    "strategy/asynchronous.py",
 }
 MODE_NAMES = {"LOCAL", "RPC", "LAUNCHED"}
 MODE_STRINGS = {"local", "rpc", "launched"}

@@ -246,6 +246,12 @@ class AsyncTraining(Training):
         return [self.totals[s] for s in sorted(self.totals)]
 
 
+def training_for(streams: bool) -> Training:
+    """The step driver's variant, chosen once: a stream for ``schedule="async"`` (``streams``), else a flush after
+    each batch."""
+    return AsyncTraining() if streams else Training()
+
+
 def segment(trainer: pl.Trainer) -> int:
     """Batches from the current one up to the end of the epoch, the next validation or ``max_steps``."""
     loop = trainer.fit_loop.epoch_loop

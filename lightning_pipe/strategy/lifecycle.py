@@ -14,6 +14,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
+from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.strategy.hooks import RuntimeHooks, install
 from lightning_pipe.strategy.interrupts import CtrlC
 from lightning_pipe.strategy.mode import Mode
@@ -38,6 +39,16 @@ class Lifecycle:
         self.runtime_hooks = RuntimeHooks(steps.runtime_hook)  # the stages' runtime callbacks at Lightning's hooks
         self.patches = Patches()  # attributes set on the user's objects for this fit, restored exactly
         self.ctrl_c = CtrlC()  # Ctrl-C works again after a fit it stopped
+
+    def begin(self, module: pl.LightningModule) -> None:
+        """At the start of the strategy's setup: the fit can run (automatic optimization), and Ctrl-C's handler is
+        remembered."""
+        self.ctrl_c.remember()
+        if not module.automatic_optimization:
+            raise ConfigurationError(
+                "PipeStrategy runs the backward inside the pipeline and supports automatic optimization only; "
+                "set self.automatic_optimization = True"
+            )
 
     def start(self, trainer: pl.Trainer, mode: Mode, precision: Any, device: torch.device) -> None:
         """At the end of the strategy's setup (the optimizers made): the parts learn the fit, the pipelined module's

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Generator, Sequence
 from contextlib import contextmanager
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -19,14 +18,13 @@ from typing_extensions import override
 from lightning_pipe.backends import BackendArg, ExecutionTrace
 from lightning_pipe.engine.stage_shards import mixed_precision_policy
 from lightning_pipe.engine.versions import Staleness
-from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.microbatch_weights import MicrobatchWeight
 from lightning_pipe.partition import Partitioner
 from lightning_pipe.pipeline import Pipeline
 from lightning_pipe.rng import run_seed
 from lightning_pipe.runtime import BaseRuntime
 from lightning_pipe.schedule import AutoChoice
-from lightning_pipe.strategy.asynchronous import AsyncTraining
+from lightning_pipe.strategy.asynchronous import training_for
 from lightning_pipe.strategy.building import PipelineBuilder, Placement, autocast_of
 from lightning_pipe.strategy.checkpoints import Checkpoints
 from lightning_pipe.strategy.config import PipeConfig
@@ -36,12 +34,10 @@ from lightning_pipe.strategy.mode import Mode
 from lightning_pipe.strategy.mode_choice import mode_of, process_count
 from lightning_pipe.strategy.model_state import ModelState
 from lightning_pipe.strategy.optimization import StageOptimization
-from lightning_pipe.strategy.patch import patch
 from lightning_pipe.strategy.random_state import RandomStreams
-from lightning_pipe.strategy.stage_placement import ProcessStage, own_to_cpu
+from lightning_pipe.strategy.stage_placement import ProcessStage, moving_own_to_cpu
 from lightning_pipe.strategy.steps import StepDriver
 from lightning_pipe.strategy.timeline import PipeTrace
-from lightning_pipe.strategy.training import Training
 
 
 class PipeStrategy(ParallelStrategy):
@@ -96,7 +92,7 @@ class PipeStrategy(ParallelStrategy):
         self.num_nodes = 1  # set by Lightning's connector from Trainer(num_nodes=...)
         self.builder = PipelineBuilder(config, self.broadcast)
         self.optimization = StageOptimization()
-        training = AsyncTraining() if config.asynchronous else Training()  # the step driver's variant, chosen once
+        training = training_for(config.asynchronous)  # the step driver's variant: flushed, or a stream
         self.random = RandomStreams(training)
         self.steps = StepDriver(config, self.builder, self.optimization, self.random, training)
         self.stage = ProcessStage(config.data_parallel, lambda: mixed_precision_policy(self.precision_plugin.precision))
@@ -228,13 +224,7 @@ class PipeStrategy(ParallelStrategy):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
-        self.lifecycle.ctrl_c.remember()
-        lightning_module = self.state.module
-        if not lightning_module.automatic_optimization:
-            raise ConfigurationError(
-                "PipeStrategy runs the backward inside the pipeline and supports automatic optimization only; "
-                "set self.automatic_optimization = True"
-            )
+        self.lifecycle.begin(self.state.module)
         # one seed per run (seed_everything's, else torch's initial seed), the first coordinator's for every replica
         seed = self.builder.seed = self.random.seed = int(self.broadcast(run_seed()))
         autocast = autocast_of(self.precision_plugin)
@@ -267,13 +257,8 @@ class PipeStrategy(ParallelStrategy):
         """Lightning's teardown moves the module to the CPU with ``module.cpu()``, which cannot copy the meta
         tensors of the stages this process does not hold: for that call, the module moves what it has."""
         self.lifecycle.end(self.mode)
-        lightning_module = self.lightning_module
-        restore = patch(lightning_module, "cpu", partial(own_to_cpu, lightning_module)) if lightning_module else None
-        try:
+        with moving_own_to_cpu(self.lightning_module):
             super().teardown()
-        finally:
-            if restore is not None:
-                restore()
         self.lifecycle.ctrl_c.restore()
 
     @override
