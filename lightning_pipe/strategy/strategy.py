@@ -43,15 +43,16 @@ from lightning_pipe.strategy.timeline import PipeTrace
 class PipeStrategy(ParallelStrategy):
     """Splits the LightningModule's pipelined module into stages and runs each step as a pipeline.
 
-    The arguments are `PipeConfig`'s fields, each described there (``help(PipeConfig)``), and Lightning's own
-    ``accelerator``, ``checkpoint_io`` and ``precision_plugin``.
+    The arguments are `PipeConfig`'s fields, each described there (``lightning_pipe.strategy.config.PipeConfig``),
+    and Lightning's own ``accelerator``, ``checkpoint_io`` and ``precision_plugin``.
 
     Lightning's hooks hand the work to the parts the strategy holds: ``mode`` (what differs between local, rpc
     and launched mode: the processes, the collectives, where the stages and optimizers live, how the training
     state is written; chosen once, when Lightning sets the ranks), ``builder`` (the pipeline), ``steps`` (each
     step, microbatch by microbatch; ``steps.training``: flushed, or ``schedule="async"``'s stream),
     ``optimization`` (gradients and optimizer steps), ``random`` (generator states), ``state`` (the training state
-    in Lightning's checkpoint hooks), ``stage`` (launched mode: this process's part of the model).
+    in Lightning's checkpoint hooks), ``stage`` (launched mode: this process's part of the model), ``lifecycle``
+    (what a fit sets up around the user's objects, and what its end undoes).
     """
 
     strategy_name = "pipe"
