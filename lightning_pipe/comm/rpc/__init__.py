@@ -19,7 +19,7 @@ __all__ = ["RpcCommunicator"]
 
 def __getattr__(name: str) -> Any:
     if name == "RpcCommunicator":
-        from lightning_pipe.comm.rpc.communicator import RpcCommunicator
+        from lightning_pipe.comm.rpc import communicator
 
-        return RpcCommunicator
+        return communicator.RpcCommunicator
     raise AttributeError(f"module 'lightning_pipe.comm.rpc' has no attribute {name!r}")
