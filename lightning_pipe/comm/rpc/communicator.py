@@ -1,28 +1,11 @@
 """The RPC communicator: stage workers in other processes, on this machine or others.
 
-Built on ``torch.distributed.rpc`` (TensorPipe). The coordinator owns a private RPC world, apart
-from Lightning's: it listens on a control port (`control.ControlServer`), waits for enough stage
-slots (worker processes it spawned itself, or ``lightning-pipe worker`` processes on other
-machines), handshakes, hands out ranks, and then every participant joins an RPC world whose
-rendezvous store the coordinator hosts. Each stage is built remotely from its pickled `StageSpec`
-and pings back when ready.
-
-Control messages (steps, calls, replies, a stage's end) are ``rpc_async`` calls on the receiving
-process (`rpc.endpoint`), which put them into the stage's inbox and wake its event loop; activations
-and gradients go point to point over the world's data plane (`rpc.plane`: private gloo and NCCL
-groups in launched mode's wire format). The worker side lives in `rpc.stages` (the stages a process
-serves) and `slot` (a worker process); the world itself in `rpc.hosted`. Activations go from stage to
-stage directly. As in launched mode, the coordinator's process holds the rank of the last stage itself
-(`rpc.home`), so the last stage's output and its gradient never cross processes and the loss is computed
-on the last stage: an S-rank pipeline takes S - 1 worker processes. Parameters never travel: they are
-built into the stage once.
-
-    coordinator's process                                  worker processes
-    coordinator --------input------------------------------> rank 0 (worker 0)
-        ^ losses, by reference                                  | activation  ^ grad
-        |                                                       v             |
-    rank 2 (the last stage) <--------activation------------ rank 1 (worker 1)
-                            ---------grad------------------>
+Built on ``torch.distributed.rpc`` (TensorPipe). The coordinator owns a private RPC world, apart from
+Lightning's: it waits for enough stage slots on its control port (`control.ControlServer`), hands out ranks,
+and every participant joins a world whose store it hosts; each stage is built remotely from its `StageSpec`
+and pings back when ready. Control messages are ``rpc_async`` calls (`rpc.endpoint`); activations and
+gradients go point to point over the world's data plane (`rpc.plane`). The coordinator's process holds the
+last stage itself (`rpc.home`): an S-rank pipeline takes S - 1 worker processes (docs/internals.md).
 """
 
 from __future__ import annotations

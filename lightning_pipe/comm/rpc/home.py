@@ -1,22 +1,11 @@
 """The rank the coordinator's process holds itself under ``transport="rpc"``: the pipeline's last stage.
 
-As in launched mode (`p2p`), the rank of the last stage runs as a stage worker thread in the
-coordinator's process, on its own device: the last stage's output and that output's gradient never
-cross processes, and the last stage computes each microbatch's loss itself (`Communicator.shares_objects`,
-the engine's `LossPlan`). Its inputs from the rank before it arrive over the world's data plane as any
-rank's do, and its input gradients go back the same way (the codec runs before each send that crosses);
-the coordinator's messages to it and its messages to the coordinator are handed over by reference. The
-worker processes serve the other ranks, rank r in slot r (world rank r + 1); this rank is world rank 0::
-
-    coordinator's process (world rank 0)                   worker process (slot 0, world rank 1)
-    coordinator ----------input (plane)----------------------> rank 0 (stage 0)
-        ^ losses, by reference                                    |
-    rank 1 (the last stage) <--------activation (plane)-----------+
-                            ---------grad (plane)----------------->
-
-A rank that holds several stages (virtual stages) comes along whole. Where it cannot come (one rank holds
-every stage, `runner="linear"`; its device is a GPU this machine does not have; ``colocate=False``) every
-rank runs in a worker process as before, the coordinator computes the losses, and the log says why.
+As in launched mode, the last stage's rank runs as a stage worker thread in the coordinator's process, on its
+own device: its output and that output's gradient never cross processes, and it computes each microbatch's
+loss itself. Its inputs and input gradients cross the world's data plane as any rank's do; the coordinator's
+messages to it are handed over by reference. Where it cannot come (one rank holds every stage, its device is
+not on this machine, ``colocate=False``) every rank runs in a worker process and the log says why
+(docs/internals.md).
 """
 
 from __future__ import annotations

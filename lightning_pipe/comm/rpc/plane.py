@@ -1,24 +1,10 @@
 """The data plane of an RPC world: activations and gradients between its processes, point to point.
 
-Control stays on RPC (handshake, builds, the ready ping, steps, calls, replies, heartbeats). The
-tensor messages (activations, outputs, gradients) go over private process groups in the p2p wire
-format of launched mode (`p2p.wire`: a signature negotiated once per link, inline frames into
-receives posted ahead). The groups are made apart from torch.distributed's default group, on the
-RPC world's own rendezvous store under a prefix of theirs, so the user's process keeps its one
-default group (Lightning's) and never calls ``init_process_group`` for this:
-
-- gloo over every process of the world: the coordinator (world rank 0) and each stage slot (rank
-  r's slot is world rank r + 1); CUDA tensors cross it through host memory;
-- NCCL over the slots on CUDA devices that no other slot of their machine uses, so that tensors
-  between them go GPU to GPU. Two processes cannot share one GPU under NCCL: slots that share a
-  device, and the coordinator, reach the others over gloo (`PlaneLayout.describe` says who goes how).
-  NCCL runs a pair's sends and receives on one stream, so each direction has a group and a wire of
-  its own ("up": to higher world ranks, "down": to lower ones).
-
-An endpoint's inbox is attached under an *address* of its launch and rank (`address`): a message of a
-pipeline that stopped never reaches the next pipeline's stage of the same rank.
-
-    coordinator (0) --gloo--> slot 0 (1) --NCCL or gloo--> slot 1 (2) --gloo--> coordinator (0)
+Control stays on RPC; tensor messages go over private process groups in launched mode's p2p wire format,
+made on the RPC world's own store apart from torch.distributed's default group (Lightning's): gloo over every
+process of the world, NCCL between slots on CUDA devices that no other slot of their machine uses
+(`PlaneLayout.describe` says who goes how). An endpoint's inbox is attached under an *address* of its launch
+and rank, so a message of a pipeline that stopped never reaches the next one's stage (docs/internals.md).
 """
 
 from __future__ import annotations
