@@ -133,13 +133,13 @@ def workload_rows(args: argparse.Namespace, workload: str) -> dict[str, Any]:
             continue
         ours = config(args, workload, name, virtual)
         entries: list[Entry] = [(name, "lightning_pipe", ours)]
-        if name in TORCH_SCHEDULES:
+        if name in TORCH_SCHEDULES and not args.without_torch:
             entries.append((f"torch {name}", "torch", dataclasses.replace(ours)))
         print(f"{workload}: {name} ({virtual} stage(s) per rank)", file=sys.stderr, flush=True)
         result = race(entries, args)
         row: dict[str, Any] = {"virtual_stages": virtual, "step_ms": median_ms(result["rounds"][name])}
         row["torch"] = TORCH_SCHEDULES.get(name)
-        if name in TORCH_SCHEDULES:
+        if f"torch {name}" in result["rounds"]:
             theirs = result["rounds"][f"torch {name}"]
             row |= {"torch_step_ms": median_ms(theirs), "ratio_vs_torch": paired(result["rounds"][name], theirs)}
         row["same_first_update"] = all(result["same_first_update"].values())
@@ -210,6 +210,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--steps", type=int, default=2, help="timed steps per contender per round")
     parser.add_argument("--schedules", default="", help="only these fixed schedules (comma-separated; default all)")
+    parser.add_argument("--without-torch", action="store_true", help="no torch contenders (auto against ours only)")
     parser.add_argument("--json", default=str(REPO / "benchmarks" / "results" / "schedules.json"))
     args = parser.parse_args(argv)
     workloads = [w.strip() for w in args.workloads.split(",")]
