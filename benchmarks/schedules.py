@@ -122,6 +122,11 @@ def paired(ours: list[list[float]], theirs: list[list[float]]) -> float:
     return statistics.median(statistics.median(t) / statistics.median(o) for o, t in zip(ours, theirs, strict=True))
 
 
+def round_ms(rounds: list[list[float]]) -> list[float]:
+    """Each round's median step time in ms (the spread over rounds shows the machine's noise)."""
+    return [round(statistics.median(r) * 1e3, 1) for r in rounds]
+
+
 def median_ms(rounds: list[list[float]]) -> float:
     return statistics.median(t for r in rounds for t in r) * 1e3
 
@@ -138,6 +143,7 @@ def workload_rows(args: argparse.Namespace, workload: str) -> dict[str, Any]:
         print(f"{workload}: {name} ({virtual} stage(s) per rank)", file=sys.stderr, flush=True)
         result = race(entries, args)
         row: dict[str, Any] = {"virtual_stages": virtual, "step_ms": median_ms(result["rounds"][name])}
+        row["rounds_ms"] = round_ms(result["rounds"][name])
         row["torch"] = TORCH_SCHEDULES.get(name)
         if f"torch {name}" in result["rounds"]:
             theirs = result["rounds"][f"torch {name}"]
@@ -162,6 +168,8 @@ def workload_rows(args: argparse.Namespace, workload: str) -> dict[str, Any]:
             "best_fixed": best,
             "best_fixed_step_ms": median_ms(best_rounds),
             "ratio_vs_best_fixed": paired(auto_rounds, best_rounds),
+            "rounds_ms": round_ms(auto_rounds),
+            "best_fixed_rounds_ms": round_ms(best_rounds),
             "chose": chose.get("schedule"),
             "placement": chose.get("placement"),
             "predicted_ms": (chose.get("predicted_s") or 0.0) * 1e3 or None,

@@ -26,7 +26,7 @@ from lightning_pipe.errors import ScheduleError
 from lightning_pipe.schedule.action import Action, Kind
 from lightning_pipe.schedule.base import Schedule, makespan
 from lightning_pipe.schedule.memory_walk import walk
-from lightning_pipe.schedule.placement import placement_of
+from lightning_pipe.schedule.placement import LOOP, placement_of
 from lightning_pipe.units import size_text
 
 ScheduleFactory = Callable[..., Schedule]
@@ -88,7 +88,7 @@ class Candidate:
 
     name: str
     microbatches: int
-    placement: str = "loop"  # which rank holds each stage (`lightning_pipe.schedule.placement`)
+    placement: str = LOOP  # which rank holds each stage (`lightning_pipe.schedule.placement`)
     predicted: float | None = None  # seconds per step
     bubble: float | None = None  # idle share of ranks x predicted step
     peak_bytes: int | None = None  # the most stashed activation bytes of a rank
@@ -216,7 +216,7 @@ def initial_placement(
     try:
         return choose(costs, factories, ranks, virtual_stages, [microbatches], None, split_backward).chosen.placement
     except ScheduleError:
-        return "loop"
+        return LOOP
 
 
 def _candidate(
