@@ -1,28 +1,10 @@
 """``schedule="auto"`` over a pipeline's life: the first training step measures the stages, the second decides.
 
-- The pipeline is built in the placement `schedule.auto.initial_placement` predicts best before anything is
-  measured (with two stages per rank and enough microbatches: the V of ZB-V and DualPipeV).
-- The first training step runs a *probe*: a registered schedule of that placement that fits the pipeline, preferring
-  one that splits the backward (``I`` and ``W`` are then timed apart); with ``microbatches="auto"`` it runs
-  `first_microbatches` microbatches. Every stage worker times each action and its parts (`lightning_pipe.timeline`)
-  and measures what a microbatch stashes (`engine.stash`).
-- Before the second training step the coordinator turns those records into each stage's forward, input-backward
-  and weight-backward seconds (medians over the microbatches, so the first microbatch's warm-up does not count)
-  and its overhead per action, asks the workers for the bytes each stage stashes per microbatch and the devices'
-  free memory, and lets `lightning_pipe.schedule.auto.choose` simulate every registered schedule that fits (with
-  ``microbatches="auto"`` at several microbatch counts) within the memory budget, in every placement. Where the
-  choice is placed otherwise and the pipeline can move its stages (`StageMoves`: stages sharing the module's
-  parameters, in this process, on the same devices), they move before the step (`lightning_pipe.stage_moves`);
-  where it cannot (rpc and launched mode: stages in other processes), only schedules of the built placement are
-  candidates, and the table says so. The choice is logged once, as a table with every candidate's predicted step
-  time and placement, and runs from then on: each step is the chosen schedule's own exact step. Later steps carry
-  the prediction (`StepResult.predicted`), which the timeline shows beside the measurement.
-
-Each action's cost is its stage's measured compute plus its measured time outside compute (receiving, sending,
-bookkeeping); an input made on another rank arrives the median hand-off later (from its compute's end to the action
-that waited for it starting), a delay on that edge of the simulation. Where the probe does not split the backward
-(FSDP, or no split schedule fits the stages), ``I`` and ``W`` are estimated as half of the measured ``B`` each; the
-table says so.
+The pipeline is built where `schedule.auto.initial_placement` predicts best; the first step runs a probe (a
+registered schedule of that placement that fits, splitting the backward where one can); the workers time every
+action and measure what a microbatch stashes. Before the second step those records become each stage's costs and
+`lightning_pipe.schedule.auto.choose` picks the schedule run from then on, in any placement the pipeline can move
+its stages to (`lightning_pipe.stage_moves`), logged once as a table. How the costs are made: docs/internals.md.
 """
 
 from __future__ import annotations

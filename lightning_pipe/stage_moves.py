@@ -1,20 +1,9 @@
 """Moving a built pipeline's stages to another placement: ``schedule="auto"`` choosing a schedule placed otherwise.
 
-The stage costs the first step measures are per stage, wherever a stage runs, so ``schedule="auto"`` simulates
-schedules of every placement (`lightning_pipe.schedule.placement`: the loop, the V of ZB-V and DualPipeV). Where it
-chooses one placed otherwise than the pipeline was built, the stage workers are started again in that placement
-before the next step. Nothing a stage holds is lost or changed:
-
-- with stages that share the module's parameters (``transport="local"``), a stage that moves to another worker is
-  the same module object: its parameters, buffers and gradients, and the optimizer's state keyed by them, stay
-  as they are; a stage moves only where it keeps its device (`moves_of`);
-- what a worker holds apart from the module moves through `StageProtocol`'s control calls: each stage's random
-  generator states (`StageProtocol.random_state`, loaded into the new workers), the first step's stash sizes
-  (kept for ``checkpoint="auto"``'s decision, `AutoCheckpoint.remember`), and the backends' execution trace
-  (returned, for `Pipeline.execution_trace` to add).
-
-Stages that own their parameters in other processes (``transport="rpc"``, launched mode) do not move: there
-``schedule="auto"`` chooses among the schedules of the built placement, and says so.
+In local mode the stages share the module's parameters, so new workers in the new placement hold the same module
+objects (parameters, buffers, optimizer state stay); each stage's generator states, the first step's stash sizes
+and the execution trace are carried over the control calls. Stages that own their parameters in other processes
+(rpc, launched mode) do not move. How and why: docs/internals.md.
 """
 
 from __future__ import annotations

@@ -17,8 +17,8 @@ import torch
 from launching import ROOT, Run, lightning_launch
 
 from lightning_pipe import PipeStrategy
+from lightning_pipe.checkpoint.consolidate import consolidate
 from lightning_pipe.errors import ConfigurationError
-from lightning_pipe.weights.consolidate import consolidate
 
 EXAMPLE = str(ROOT / "examples" / "big_model.py")
 sys.path.insert(0, str(ROOT / "examples"))
@@ -153,7 +153,7 @@ def test_a_sharded_fsdp_checkpoint_resumes_under_any_layout(tmp_path: Path) -> N
 
 
 def open_folder_state(folder: Path) -> dict[str, torch.Tensor]:
-    from lightning_pipe.weights.checkpoint import open_checkpoint
+    from lightning_pipe.checkpoint.reader import open_checkpoint
 
     model = open_checkpoint(folder).model()
     return {key: model.get(key) for key in model.keys()}

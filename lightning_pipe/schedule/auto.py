@@ -1,20 +1,13 @@
 """``schedule="auto"``'s decision: every schedule that fits, simulated with the stages' measured costs.
 
-Pure: measured costs in, a choice out, no model and no devices. The pipeline measures (`lightning_pipe.auto_schedule`)::
+Pure: measured costs in, a choice out, no model and no devices (`lightning_pipe.auto_schedule` measures)::
 
     costs = StepCosts([StageCost(forward=2e-3, backward_input=2e-3, backward_weight=1.5e-3, activation_bytes=...)],
                       microbatches=8)
     choice = choose(costs, registered_schedules(), ranks=2, virtual_stages=1, microbatches=[8])
     print(choice.table())            # every candidate's predicted step time; the chosen one marked
 
-The model: an action of stage ``s`` takes its measured compute time (scaled by ``measured microbatches / M``
-for ``M`` microbatches: compute follows the rows of a microbatch) plus the stage's measured overhead per
-action (receiving, sending, bookkeeping: fixed per action); an input made on another rank arrives the measured
-hand-off ``latency`` after it was made (a delay on that edge, not work of either rank: an input from the same
-rank is ready at once, so placements differ). Each candidate's step is `simulate`d with those times; its memory
-is the memory plan's walk of every rank's list with the measured bytes per microbatch (scaled the same way).
-Candidates of every placement are simulated (the costs are per stage, wherever it runs); ``placements`` says
-which ones the pipeline can run. Not modelled: a CPU's loss of efficiency on smaller microbatches.
+The cost model: docs/internals.md.
 """
 
 from __future__ import annotations
