@@ -136,15 +136,20 @@ def _momentum_steps(schedule: object, steps: int = 3) -> tuple[nn.Module, list[f
     return net, losses, pipe, runs
 
 
-def test_auto_moves_its_stages_to_a_schedule_placed_otherwise_exactly(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
+def _v_wins(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A V schedule wins, whatever this machine measures: the decision sees only the V's schedules."""
     real = auto_schedule.choose
 
     def only_v(costs: object, factories: dict[str, object], *args: object, **kwargs: object) -> object:
         return real(costs, {n: f for n, f in factories.items() if placement_of(f) == "v"}, *args, **kwargs)
 
-    monkeypatch.setattr(auto_schedule, "choose", only_v)  # a V schedule wins, whatever this machine measures
+    monkeypatch.setattr(auto_schedule, "choose", only_v)
+
+
+def test_auto_moves_its_stages_to_a_schedule_placed_otherwise_exactly(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    _v_wins(monkeypatch)
     with caplog.at_level(logging.INFO, logger="lightning_pipe"):
         auto_net, auto_losses, pipe, runs = _momentum_steps(AutoSchedule(placement="loop"))  # built round-robin
     choice = pipe.auto_schedule.choice if pipe.auto_schedule is not None else None
@@ -172,3 +177,25 @@ def test_auto_builds_where_the_unit_costs_say_and_stages_owning_parameters_stay(
     assert moves.placements == [] and moves.why_not == OWN_PARAMETERS
     local = moves_of(LocalCommunicator(), ["cpu", "meta"], ["cpu", "meta", "cpu", "meta"], 2, lambda placement: None)
     assert local.placements == ["loop"] and "another device" in local.why_not  # one device per rank: stages stay
+
+
+class _Momentum(Classifier):
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+
+
+def test_trainer_moves_the_stages_keeping_lightnings_optimizer_state(monkeypatch: pytest.MonkeyPatch) -> None:
+    _v_wins(monkeypatch)
+    common = dict(stages=4, virtual_stages=2, microbatches=4, partition=[2, 2, 3, 2], checkpoint="never")
+    strategy = PipeStrategy(schedule=AutoSchedule(placement="loop"), **common)  # built round-robin
+    moved = _Momentum(_dropout_net())
+    got = fit(moved, strategy)
+    choice = strategy.schedule_choice
+    assert choice is not None and choice.chosen.placement == "v"
+    assert any("moved from placement 'loop' to 'v'" in note for note in choice.notes)
+    fixed = _Momentum(_dropout_net())
+    want = fit(fixed, PipeStrategy(schedule=choice.chosen.name, **common))  # the chosen schedule from the start
+    for step in range(3):
+        for g, w in zip(got.grads[step], want.grads[step], strict=True):
+            torch.testing.assert_close(g, w, atol=1e-5, rtol=0)
+    assert max_param_diff(moved, fixed) < 1e-5
