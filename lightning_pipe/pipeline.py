@@ -45,7 +45,6 @@ from lightning_pipe.schedule import placement_of, resolve_schedule
 from lightning_pipe.stage_layout import resolve_runtime, stage_devices, worker_specs
 from lightning_pipe.stage_moves import move_stages, moves_of
 from lightning_pipe.stage_state import StageState
-from lightning_pipe.transports import TRANSPORTS as TRANSPORTS  # re-exported: strategy/arguments.py
 from lightning_pipe.transports import register_transport as register_transport
 from lightning_pipe.transports import resolve_transport
 from lightning_pipe.weights import StageInit

@@ -31,6 +31,7 @@ from lightning_pipe.pipeline import Pipeline, resolve_partitioner
 from lightning_pipe.rng import run_seed
 from lightning_pipe.runtime import BaseRuntime, runtime_registry
 from lightning_pipe.schedule import AutoChoice, placement_of, resolve_schedule
+from lightning_pipe.strategy.arguments import auto_schedule_of
 from lightning_pipe.strategy.config import PipeConfig
 from lightning_pipe.strategy.session import capture_call
 from lightning_pipe.weights import StageInit
@@ -81,10 +82,13 @@ class PipelineBuilder:
     first input and `pipeline_input` for each call of the pipelined module.
     """
 
-    def __init__(self, config: PipeConfig) -> None:
+    def __init__(self, config: PipeConfig, agree: Callable[[Any], Any] | None = None) -> None:
         self.config = config  # the strategy's arguments: what the pipeline is built with
         self.partitioner = resolve_partitioner(config.partition, split_points=config.split_points)
-        self.schedule = config.schedule
+        # schedule="auto" with its options; ``agree``: launched mode's replicas run the first coordinator's choice
+        self.schedule = auto_schedule_of(
+            config.schedule, config.microbatches, config.memory_budget, config.data_parallel, agree
+        )
         self.seed: int | None = None  # the run's seed, decided once per fit by the strategy (None: `run_seed`)
         self.checkpoint = config.checkpoint
         self.pipeline: Pipeline | None = None
@@ -103,6 +107,14 @@ class PipelineBuilder:
         if is_auto(self.schedule):  # built where schedule="auto" predicts best before measuring (`initial_placement`)
             return self._chooser().placement
         return placement_of(resolve_schedule(self.schedule))
+
+    @property
+    def choice(self) -> AutoChoice | None:
+        """What ``schedule="auto"`` chose in this fit, or in the last fit that chose; None before it chose."""
+        pipeline = self.pipeline
+        if pipeline is not None and pipeline.auto_schedule is not None and pipeline.auto_schedule.choice is not None:
+            return pipeline.auto_schedule.choice
+        return self.schedule_choice
 
     def _chooser(self) -> ScheduleChooser:
         """A ``schedule="auto"`` chooser of this configuration: its probe and the placement it builds in (the loop
