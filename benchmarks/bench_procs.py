@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from benchmarks.workloads import WORKLOADS
-from lightning_pipe.comm.rpc_world import environment  # a spawned child inherits the environment at start
+from lightning_pipe.comm.rpc.world import environment  # a spawned child inherits the environment at start
 
 REPLY_TIMEOUT = 900.0  # seconds any worker may take to answer one command
 # untimed steps after a contender (re)starts its stages at the beginning of a round: the first step of a new

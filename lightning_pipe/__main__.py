@@ -23,7 +23,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     consolidating.add_argument("output", help="the file to write (it must not exist)")
     args = parser.parse_args(argv)
     if args.command == "consolidate":
-        from lightning_pipe.weights.consolidate import consolidate
+        from lightning_pipe.checkpoint.consolidate import consolidate
 
         print(f"wrote {consolidate(args.folder, args.output)}")
         return 0

@@ -1,22 +1,9 @@
 """``schedule="auto"`` over a pipeline's life: the first training step measures the stages, the second decides.
 
-- The first training step runs a *probe*: a registered schedule that fits the pipeline, preferring one that splits
-  the backward (``I`` and ``W`` are then timed apart); with ``microbatches="auto"`` it runs
-  `first_microbatches` microbatches. Every stage worker times each action and its parts (`lightning_pipe.timeline`)
-  and measures what a microbatch stashes (`engine.stash`).
-- Before the second training step the coordinator turns those records into each stage's forward, input-backward
-  and weight-backward seconds (medians over the microbatches, so the first microbatch's warm-up does not count)
-  and its overhead per action, asks the workers for the bytes each stage stashes per microbatch and the devices'
-  free memory, and lets `lightning_pipe.schedule.auto.choose` simulate every registered schedule that fits (with
-  ``microbatches="auto"`` at several microbatch counts) within the memory budget. The choice is logged once, as
-  a table with every candidate's predicted step time, and runs from then on: each step is the chosen schedule's
-  own exact step. Later steps carry the prediction (`StepResult.predicted`), which the timeline shows beside the
-  measurement.
-
-Each action's overhead is its stage's measured time outside compute plus the median hand-off between ranks (from
-an input computed on its rank to the action that waited for it starting), so that more microbatches cost what more
-messages cost. Where the probe does not split the backward (FSDP, or no split schedule fits the stages), ``I`` and
-``W`` are estimated as half of the measured ``B`` each; the table says so.
+The first step runs a probe (a registered schedule that fits, splitting the backward where one can); the
+workers time every action and measure what a microbatch stashes. Before the second step those records become
+each stage's costs and `lightning_pipe.schedule.auto.choose` picks the schedule run from then on, logged once
+as a table. How the costs are made: docs/internals.md.
 """
 
 from __future__ import annotations

@@ -6,11 +6,8 @@ The strategy builds one of these; tests and benchmarks use it directly::
     with pipe:
         losses = pipe.train_step(x, y, F.cross_entropy, microbatches=4)  # grads land on p.grad
 
-Any other module is traced and cut (`TracedPartitioner`), before ``split_points`` or where
-``partition`` balances it; its forward may take several positional and keyword arguments::
-
-    pipe = Pipeline(gpt, stages=2, split_points=["blocks.2"])
-    pipe.train_step((ids,), targets, loss_fn, kwargs={"mask": mask})
+Any other module is traced and cut (`TracedPartitioner`), before ``split_points`` or where ``partition``
+balances it; its forward may take several positional and keyword arguments (docs/internals.md).
 """
 
 from __future__ import annotations

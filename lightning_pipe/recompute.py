@@ -1,21 +1,10 @@
 """Activation recomputation per stage: the ``checkpoint=`` modes, and what ``checkpoint="auto"`` decides.
 
 ``"always"``, ``"except_last"`` and ``"never"`` fix which stages recompute their forward in the backward.
-``"auto"`` (the default) recomputes only where a device's memory needs it:
-
-- a stage whose device reports no memory to plan for (`BaseRuntime.device_memory` is None: cpu) never recomputes;
-- on other devices (cuda) the first training step runs as ``"except_last"`` did, and the workers measure what one
-  microbatch of each stage keeps alive with and without recomputation (the stash meter, `engine.stash`);
-- before the second training step the coordinator walks each worker's action list with those bytes (the memory
-  plan's walk, as `lightning_pipe.memory.plan` does) to each device's planned peak of stashed activations, asks
-  the workers for their device's free memory, and makes stages recompute, largest saving first, until the
-  planned peak fits into `HEADROOM` of the free memory. The decision is logged once, as a table.
-
-Why measure in the first step instead of planning before training (`memory.plan`, nn.Sequential only): the
-workers measure on the real device with the real backend (inductor keeps other tensors than eager), autocast
-dtype, input shapes and transport, the same way for nn.Sequential and traced modules, without a sample batch
-or a second copy of the model, and the free memory is read in the process that owns the device (a worker
-process with ``transport="rpc"``). Its price: stages on limited devices recompute in the first step.
+``"auto"`` (the default) recomputes only where a device's memory needs it: never on a device that reports no
+memory (cpu); elsewhere the first training step runs as ``"except_last"`` and measures each stage's stash with
+and without recomputation, and before the second the coordinator makes stages recompute, largest saving first,
+until the planned peak fits `HEADROOM` of the free memory (docs/internals.md: why measure rather than plan).
 """
 
 from __future__ import annotations

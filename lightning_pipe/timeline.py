@@ -1,18 +1,12 @@
 """Pipeline timelines: a step's per-rank records as a Chrome trace, a PNG Gantt chart and bubble numbers.
 
-Stage workers time every action of a step and its parts (``idle``: waiting for the input to arrive,
-``recv``: moving it onto the device, ``loss``: the criterion, where the last stage computes it,
-``compute``: the executor module, ``send``: handing the result on); the coordinator returns them in
-``StepResult.records``. `StepTimeline` reads them::
+Stage workers time every action of a step and its parts (``idle``, ``recv``, ``loss``, ``compute``,
+``send``); the coordinator returns them in ``StepResult.records``, and `StepTimeline` reads them::
 
-    result = pipe.train_step(x, y, loss_fn, microbatches=8)
-    timeline = StepTimeline.from_result(result, step=0)
+    timeline = StepTimeline.from_result(pipe.train_step(x, y, loss_fn, microbatches=8), step=0)
     print(timeline.summary())          # measured bubble beside the schedule's theoretical one
-    write_chrome_trace("pipeline_trace.json", [timeline])   # open in ui.perfetto.dev or chrome://tracing
+    write_chrome_trace("pipeline_trace.json", [timeline])   # ui.perfetto.dev or chrome://tracing
     render_png("pipeline_trace.png", [timeline])            # needs matplotlib (extra ``plot``)
-
-Times are ``time.perf_counter()`` seconds of each worker; on one host every process shares that
-clock, so the ranks' rows line up.
 """
 
 from __future__ import annotations

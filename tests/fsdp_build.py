@@ -32,8 +32,8 @@ sys.path.insert(0, str(ROOT / "examples"))
 import big_model  # noqa: E402
 
 from lightning_pipe import PipeStrategy  # noqa: E402
+from lightning_pipe.checkpoint.consolidate import consolidate  # noqa: E402
 from lightning_pipe.engine.fsdp_internals import check  # noqa: E402
-from lightning_pipe.weights.consolidate import consolidate  # noqa: E402
 
 WIDTH, DEPTH, ROWS = 100, 6, 16  # 6 x Linear(100, 100): 3 blocks per stage; a shard ends mid-page
 

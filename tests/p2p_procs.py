@@ -27,8 +27,8 @@ from torch import nn
 
 from lightning_pipe import Pipeline
 from lightning_pipe.comm.p2p import P2PCommunicator
-from lightning_pipe.comm.p2p_frames import TENSOR_KINDS
-from lightning_pipe.comm.p2p_serve import serve_stages
+from lightning_pipe.comm.p2p.frames import TENSOR_KINDS
+from lightning_pipe.comm.p2p.serve import serve_stages
 from lightning_pipe.engine import StageProtocol
 from lightning_pipe.errors import StageError, TransportError
 

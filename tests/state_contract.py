@@ -28,8 +28,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lightning_pipe import PipeStrategy  # noqa: E402
-from lightning_pipe.weights.checkpoint import open_checkpoint  # noqa: E402
-from lightning_pipe.weights.sharded import OptimizerPart, save_sharded  # noqa: E402
+from lightning_pipe.checkpoint.reader import open_checkpoint  # noqa: E402
+from lightning_pipe.checkpoint.sharded import OptimizerPart, save_sharded  # noqa: E402
 
 BATCH, STEPS, PART = 16, 4, 2  # the global batch; the uninterrupted run's steps; the steps before the checkpoint
 # One batch per epoch: a plain Trainer resumed from a checkpoint written when max_steps stopped it re-reads the

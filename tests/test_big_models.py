@@ -19,8 +19,8 @@ import torch
 from launching import ROOT, Run, lightning_launch
 
 from lightning_pipe import PipeStrategy
+from lightning_pipe.checkpoint.consolidate import consolidate
 from lightning_pipe.errors import ConfigurationError
-from lightning_pipe.weights.consolidate import consolidate
 
 RUNS = str(ROOT / "tests" / "big_model_runs.py")
 sys.path.insert(0, str(ROOT / "examples"))
@@ -201,7 +201,7 @@ def test_a_sharded_fsdp_checkpoint_resumes_under_any_layout(small_runs: Path, tm
 
 
 def open_folder_state(folder: Path) -> dict[str, torch.Tensor]:
-    from lightning_pipe.weights.checkpoint import open_checkpoint
+    from lightning_pipe.checkpoint.reader import open_checkpoint
 
     model = open_checkpoint(folder).model()
     return {key: model.get(key) for key in model.keys()}

@@ -20,9 +20,9 @@ from launching import ROOT, lightning_launch
 from torch import nn
 
 from lightning_pipe import PipeStrategy
+from lightning_pipe.checkpoint.consolidate import consolidate
 from lightning_pipe.engine import fsdp_internals
 from lightning_pipe.errors import PipeError
-from lightning_pipe.weights.consolidate import consolidate
 
 SCRIPT = str(ROOT / "tests" / "fsdp_build.py")
 sys.path.insert(0, str(ROOT / "examples"))

@@ -28,12 +28,16 @@ PIPELINE = (  # the pipeline and the modules it is made of
 # DESIGN.md: data flows strategy -> pipeline -> engine -> comm, and the parts a stage runs (its schedule,
 # partition, executor modules, runtime, backend and where its tensors come from) never reach up into any of them
 BOTTOM = tuple(f"lightning_pipe.{p}" for p in ("schedule", "partition", "executors", "runtime", "backends", "weights"))
+# checkpoint files (reading, writing, resuming, a stage's part, consolidating): below the engine, which serves a
+# stage's part, and above weights/, through whose sources it reads (weights/ never reads a checkpoint's layout)
+CHECKPOINT = "lightning_pipe.checkpoint"
 NEVER: dict[str, tuple[str, ...]] = {
     **{p: (STRATEGY,) for p in PIPELINE},
     "lightning_pipe.engine": (STRATEGY, *PIPELINE),
     "lightning_pipe.comm": ("lightning_pipe.engine", STRATEGY, *PIPELINE),
-    **{p: ("lightning_pipe.engine", "lightning_pipe.comm", STRATEGY, *PIPELINE) for p in BOTTOM},
+    **{p: ("lightning_pipe.engine", "lightning_pipe.comm", STRATEGY, *PIPELINE) for p in (*BOTTOM, CHECKPOINT)},
 }
+NEVER["lightning_pipe.weights"] += (CHECKPOINT,)
 # ``import lightning_pipe`` registers the strategy name with Lightning's StrategyRegistry (DESIGN.md):
 # the package's own __init__ is the one place outside strategy/ that may name Lightning.
 LIGHTNING_ALLOWED = ("lightning_pipe",)

@@ -21,7 +21,7 @@ from launching import ROOT, Run, lightning_launch, slurm, torchrun
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_pipe import PipeStrategy
-from lightning_pipe.weights.consolidate import consolidate
+from lightning_pipe.checkpoint.consolidate import consolidate
 
 SCRIPT = str(ROOT / "tests" / "launched_train.py")
 pytestmark = pytest.mark.slow

@@ -20,7 +20,7 @@ import torch
 from rpc_models import worker_env
 
 from lightning_pipe.comm.base import Message, MessageKind
-from lightning_pipe.comm.p2p_frames import (
+from lightning_pipe.comm.p2p.frames import (
     INLINE_BYTES,
     TensorHeader,
     bundle,

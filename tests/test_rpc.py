@@ -194,7 +194,7 @@ def test_posted_calls_run_in_order_and_a_failure_is_raised_at_the_next_wait(pool
 def test_no_parameter_crosses_processes_during_a_step(pool: RpcCommunicator) -> None:
     """Per step: one message per activation/gradient hand-off between processes, and exactly their bytes.
 
-    The last stage (rank 3) runs in this process (`rpc_home`): it computes the losses, so its output and the
+    The last stage (rank 3) runs in this process (`rpc.home`): it computes the losses, so its output and the
     output's gradient never cross; what it exchanges with the coordinator is handed over by reference.
     """
     model = mlp(depth=4, width=32)

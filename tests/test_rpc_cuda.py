@@ -1,6 +1,6 @@
 """transport="rpc" on CUDA: stages on GPUs, activations between GPUs of their own over NCCL (skipped without).
 
-The last stage runs in the coordinator's process (`rpc_home`), stage 0 in a worker process. Two stages
+The last stage runs in the coordinator's process (`rpc.home`), stage 0 in a worker process. Two stages
 on one GPU cannot share an NCCL group (one GPU per process): their tensors cross over gloo through host
 memory, and the log says so. On two GPUs the stages' activations and gradients go GPU to GPU (the
 coordinator's process joins the NCCL group with the last stage's device); the transport's counters

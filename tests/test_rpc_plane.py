@@ -17,7 +17,7 @@ from rpc_models import assert_grads_equal, classification_data, unsplit_grads, w
 from lightning_pipe import Pipeline
 from lightning_pipe.comm import COORDINATOR, MessageKind
 from lightning_pipe.comm.rpc import RpcCommunicator
-from lightning_pipe.comm.rpc_plane import PlaneLayout, address
+from lightning_pipe.comm.rpc.plane import PlaneLayout, address
 
 
 @pytest.fixture(scope="module")

@@ -26,8 +26,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from processes import leftover_processes
 
 from lightning_pipe import PipeStrategy
+from lightning_pipe.checkpoint.consolidate import consolidate
 from lightning_pipe.errors import ConfigurationError
-from lightning_pipe.weights.consolidate import consolidate
 
 STEPS, EVERY = 4, 2  # an epoch is 2 batches: the checkpoint at step 2 ends epoch 0
 
@@ -107,7 +107,7 @@ def nothing_gathered(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr("lightning_pipe.optim.StageOptimizers.state_dict", gathers)
     monkeypatch.setattr("lightning_pipe.pipeline.Pipeline.sync_module", gathers)
-    monkeypatch.setattr("lightning_pipe.strategy.resume.Resume.optimizer_states", gathers)
+    monkeypatch.setattr("lightning_pipe.checkpoint.resume.Resume.optimizer_states", gathers)
 
 
 @pytest.fixture(autouse=True)
@@ -168,7 +168,7 @@ def test_single_file_resume_and_strict_loading(tmp_path: Path, monkeypatch: pyte
     def cloned(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("the script's process assembled the optimizers' whole state")
 
-    monkeypatch.setattr("lightning_pipe.strategy.resume.Resume.optimizer_states", cloned)
+    monkeypatch.setattr("lightning_pipe.checkpoint.resume.Resume.optimizer_states", cloned)
     whole = Momentum()
     saver = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=EVERY, save_top_k=-1)
     plain = L.Trainer(**(QUIET | {"enable_checkpointing": True}), max_steps=STEPS, callbacks=[saver])

@@ -17,8 +17,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
+from lightning_pipe.checkpoint.sharded import OptimizerPart, save_sharded
 from lightning_pipe.engine.stage_shards import StageShards
-from lightning_pipe.weights.sharded import OptimizerPart, save_sharded
 
 
 def model() -> nn.Sequential:

@@ -2,8 +2,7 @@
 
 from lightning_pipe.comm.base import COORDINATOR, Communicator, Endpoint, Message, MessageKind
 from lightning_pipe.comm.local import LocalCommunicator
-from lightning_pipe.comm.p2p import P2PCommunicator
-from lightning_pipe.comm.p2p_serve import serve_stages
+from lightning_pipe.comm.p2p import P2PCommunicator, serve_stages
 
 __all__ = [
     "COORDINATOR",

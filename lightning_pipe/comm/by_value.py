@@ -1,16 +1,10 @@
 """Control payloads pickled by value, so that worker processes never import the training script.
 
-A stage worker process does not run the user's ``__main__`` (a script without an
-``if __name__ == "__main__":`` guard would start a second training there). Whatever the script
-defines itself (the model's classes, an optimizer subclass, a loss function, a lambda) therefore
-crosses to the workers by value, pickled by cloudpickle; everything importable still goes by
-reference. Tensors inside a payload stay outside the pickle and travel as RPC tensors (no copy
-into bytes). The worker makes the script's top-level names it received importable as
-``__main__.<name>`` in its own process, so that what it sends back (an output of a class the script
-defines) pickles by reference and is the coordinator's own class again.
-
-Only the build of a stage and the coordinator's control messages (a step's plan, control calls)
-go this way; activations and gradients are plain tensors and do not.
+A stage worker process does not run the user's ``__main__``: whatever the script defines itself (the model's
+classes, a loss function, a lambda) crosses to the workers by value (cloudpickle), everything importable by
+reference, and a payload's tensors travel beside the pickle. The worker makes the names it received
+importable as ``__main__.<name>``, so what it sends back is the coordinator's own class again. Only builds and
+control messages go this way; activations and gradients are plain tensors (docs/internals.md).
 """
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ class Encoded:
     """A tensor's place in a message payload, holding what its codec made of it (a leaf for pytree)."""
 
     __slots__ = ("value",)
-    #: unhashable: a message with encoded tensors is never described by a cached signature (`p2p_frames`), its
+    #: unhashable: a message with encoded tensors is never described by a cached signature (`p2p.frames`), its
     #: encoded form changes with every message; it is pickled whole, its tensors sent raw
     __hash__ = None  # type: ignore[assignment]
 

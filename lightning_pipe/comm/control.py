@@ -1,17 +1,14 @@
 """The control channel: handshake, rank assignment and liveness between the coordinator and workers.
 
-JSON lines over a plain TCP connection, apart from RPC. A worker proves it belongs to this run
-(shared token, matching versions) before any pickled RPC message is exchanged, and the open
-connection doubles as a liveness signal: when a worker process dies, the operating system closes
-its socket and the coordinator knows at once, without waiting for a step to time out.
+JSON lines over a plain TCP connection, apart from RPC: a worker proves it belongs to this run (shared token,
+matching versions) before any pickled message, and the open connection is the liveness signal (a dead
+worker's socket closes at once)::
 
     worker                                coordinator
       | -- hello {token, versions, device} -> |   refused {reason} and closed, or
       | <- welcome --------------------------- |
       | <- assign {rank, world, store} ------- |   once enough slots joined
       | -- heartbeat (every 2 s) ------------> |   ... until the run ends
-
-The coordinator's side is `ControlServer`; the worker's is `lightning_pipe.comm.control_link.WorkerLink`.
 """
 
 from __future__ import annotations

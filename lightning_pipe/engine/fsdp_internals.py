@@ -1,17 +1,9 @@
 """The one place that reads FSDP2's private state: its post-backward, run by hand after a pipeline's last backward.
 
-A pipeline stage runs one backward per microbatch (``torch.autograd.backward`` on a stage's outputs), with
-FSDP's gradient reduction off, and reduce-scatters the step's gradients once after the last of them. FSDP2
-has no public call for "run your post-backward now": torch's own pipelining (``torch.distributed.pipelining
-.stage._PipelineStageBase.perform_reduce_grad``) reaches into the same private attributes, and so does this
-module. Everything else of lightning_pipe uses FSDP's public API (``fully_shard``, ``FSDPModule.set_*``,
-``DTensor``).
-
-`check` verifies that the attributes read here exist with the shapes this code expects, for the torch that
-is installed; `post_backward` calls it before it reads them, so a torch that renamed them fails with this
-module's name, the torch version and what changed (and ``tests/test_fsdp_build.py`` fails on it, loudly),
-instead of an ``AttributeError`` deep in a step. Tested with torch 2.13 (``_fsdp_param_groups``, a list);
-torch before 2.6 held one group (``_fsdp_param_group``), read here too.
+FSDP2 has no public call for "run your post-backward now"; torch's own pipelining reaches into the same
+private attributes. `check` verifies they exist as this code expects for the installed torch and
+`post_backward` calls it first, so a torch that renamed them fails here, naming its version and what changed
+(docs/internals.md).
 """
 
 from __future__ import annotations

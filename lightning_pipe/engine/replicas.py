@@ -1,18 +1,8 @@
-"""`StageReplicas`: a stage's gradients averaged over the R replicas of that stage (data parallel).
+"""`StageReplicas`: a stage's gradients averaged over the R replicas of that stage (data parallel, DDP).
 
-In launched mode every stage runs in R processes, one per pipeline replica, each on its own shard of
-the data. Each shard module is wrapped in torch's `DistributedDataParallel` over the data-parallel
-group of its stage: DDP's reducer buckets the gradients and averages them over the replicas with
-its own collectives. The pipeline runs many backwards per step (one per microbatch, or its I and W
-halves); DDP must reduce once, after the last one, on the sum of all of them. The forwards and
-backwards therefore run on the plain module (DDP arms nothing) and `reduce` arms the reducer
-(``prepare_for_backward``, as torch.distributed.pipelining does before its last backward) and then
-runs one backward of a zero-valued function of every parameter: each parameter's gradient hook fires
-once, the reducer averages the gradient accumulated over the step, and the zero adds nothing. This
-works the same for every schedule, activation recomputation and split backward (``zero-bubble``,
-whose weight half accumulates some gradients outside autograd's hooks).
-
-A parameter that got no gradient in the step is reduced as zero (every replica agrees on the set).
+The forwards and backwards run on the plain module; after the stage's last backward of a step `reduce` arms
+DDP's reducer and runs one backward of a zero-valued function of every parameter, so DDP averages the gradient
+accumulated over the step once, whatever the schedule (docs/internals.md).
 """
 
 from __future__ import annotations

@@ -1,24 +1,10 @@
 """`SharedWeights`: a weight that several stages of one process hold, under ``schedule="async"``.
 
-With the local transport the stages are threads sharing the module's parameters, so a tied weight (an
-input embedding and an output head in two stages) is one parameter held by two stage threads, each of
-which updates on its own time. Left to both, a gradient one thread added between the other's step and
-its clearing would be lost, and one added while the step read it counted twice.
-
-One asynchronous run gives every stage the same `SharedWeights`. The lowest stage holding a shared
-weight, its *owner*, steps it once per batch with the sum of every holder's gradients of that batch;
-the others hand theirs over per microbatch and never step or clear it::
-
-    stage 0 (owner) | ... 0B2              0B3 [collect batch 0's hand-overs, step, stepped()]
-    stage 1         | ... 1B2 1F3 1B3 [hand over 1B0..1B3; step its own weights only]
-
-Nothing waits in practice for a hand-over: the owner's last backward of a batch needs the gradient of
-that microbatch from the stage above, sent after that stage's backward, so every other holder has
-handed over the whole batch by then (the wait is a guard with a timeout). A non-owner's weight version
-made after its update ``i`` of the run takes the shared weight after the owner's update ``i - 1``
-(waited for where ``microbatches < stages - owner``): one update staler than its own weights, and the
-same whatever the threads' timing. In another process (the rpc transport) a stage holds its own copy
-of every weight: there the object is empty and each stage steps its copy.
+With the local transport a tied weight is one parameter held by several stage threads, each updating on its
+own time. The lowest stage holding it, its *owner*, steps it once per batch with the sum of every holder's
+gradients of that batch; the others hand theirs over per microbatch and never step or clear it. In another
+process (rpc) each stage steps its own copy and this is empty. Why nothing is lost or counted twice, and the
+staleness it gives: docs/internals.md.
 """
 
 from __future__ import annotations

@@ -8,11 +8,11 @@ from typing import Any
 import torch
 
 from lightning_pipe.backends import build_executables
+from lightning_pipe.checkpoint.stage_part import StageCheckpoint
 from lightning_pipe.comm.base import COORDINATOR, Endpoint, Message, MessageKind
 from lightning_pipe.engine.plan import ASYNC, TRAIN, StageSpec, StepPlan
 from lightning_pipe.engine.replicas import DataParallel, StageReplicas
 from lightning_pipe.engine.stage_actions import StageActions, StepFailed
-from lightning_pipe.engine.stage_checkpoint import StageCheckpoint
 from lightning_pipe.engine.stage_inbox import StageInbox, StepAborted
 from lightning_pipe.engine.stage_memory import StageMemory
 from lightning_pipe.engine.stage_protocol import StageProtocol

@@ -1,17 +1,8 @@
 """`StageShards`: a stage sharded over its R replicas with FSDP2 (``PipeStrategy(data_parallel="fsdp")``).
 
-Where `StageReplicas` keeps a whole copy of the stage in every replica (DDP), this splits the stage's
-parameters, gradients and optimizer state over the replicas of that stage with torch's ``fully_shard``:
-each repeated block of the stage (an element of an ``nn.ModuleList``, a layer of an ``nn.Sequential``) is
-its own FSDP unit, so a forward or backward gathers one block's parameters at a time, and the stage
-module is the root over what is left.
-
-A pipeline step runs many backwards (one per microbatch, or their I and W halves). FSDP's gradient
-reduction is off during them (``set_requires_gradient_sync(False)``): each block's gradient accumulates
-unsharded, and its parameters are resharded after every backward (memory before speed). After the stage's
-last backward of the step `reduce` turns it on and runs FSDP's post-backward itself, as
-torch.distributed.pipelining does: one reduce-scatter per block, averaging the step's gradient over the
-replicas into each rank's shard.
+Each repeated block of the stage is its own ``fully_shard`` unit, the stage module the root over the rest.
+Gradient reduction is off during a step's many backwards; after the stage's last backward `reduce` runs FSDP's
+post-backward itself, as torch.distributed.pipelining does: one reduce-scatter per block (docs/internals.md).
 """
 
 from __future__ import annotations

@@ -1,22 +1,9 @@
 """Weight stashing for asynchronous training (PipeDream-2BW style): one weight version per microbatch.
 
-Under ``schedule="async"`` a stage updates its own weights after every ``update_every`` backwards
-(one batch), without waiting for the other stages or a flush. A microbatch's forward runs on the
-stage's newest weight *version* and its backward on that same version, so every gradient is the
-exact gradient of the weights it was taken on; it is then added to the live parameters' ``.grad``
-and the stage's optimizer steps the live parameters. A version is a copy of the stage module made after
-each update (its buffers, such as batch-norm statistics, stay shared with the live module) and
-dropped when no microbatch in flight uses it any more.
-
-Staleness of a microbatch of batch ``k`` on a stage: ``k - version``, the number of updates that a
-synchronous schedule would have applied before it but this stage had not yet. With the 1F1B order
-over the stream, stage ``s`` of ``R`` runs ``R - s - 1`` forwards ahead of its backwards, so the
-first ``R - s - 1`` microbatches of a batch see the previous version: the staleness is at most
-``ceil((R - s - 1) / update_every)`` (1 when microbatches >= stages - 1) and 0 on the last stage.
-
-A weight that several stages of the process hold (a tied embedding and output head in two stage
-threads) is stepped once per batch by the lowest of them with every holder's gradients of the batch
-(`lightning_pipe.engine.shared_weights`); a higher holder's versions take it one update later.
+Under ``schedule="async"`` a stage updates its weights after every ``update_every`` backwards, without a flush.
+A microbatch's forward and backward run on the same weight *version* (a copy made after each update, dropped
+when no microbatch in flight uses it), so every gradient is exact for the weights it was taken on; it is then
+added to the live parameters, which the optimizer steps. The staleness this gives: docs/internals.md.
 """
 
 from __future__ import annotations

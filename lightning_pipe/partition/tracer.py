@@ -1,17 +1,9 @@
 """Tracing any ``nn.Module`` into an fx graph of leaf-module calls, driven by one example call.
 
-`trace` runs the model's forward once with `ConcreteProxy` values: each proxy records its operation
-in a ``torch.fx`` graph *and* carries the real value computed on the example. Python control flow
-(``if mask is None``, ``len(x)``, loops over ``x.shape``) therefore follows the example instead of
-failing as in plain symbolic tracing, while shapes and tensor arithmetic stay symbolic. Big layers
-(elements of ``nn.ModuleList``/``nn.Sequential``, ``torch.nn`` layers without such lists) stay
-*leaf* calls: they are where the graph can be cut into stages. A module the forward builds on the
-fly (``CrossEntropyLoss()`` when HF models get ``labels=``) is no submodule a stage could call: its
-forward is traced inline, so the graph holds the functions it calls (``F.cross_entropy``).
-
-The graph is specialised to the example's control flow and non-tensor arguments. It is traced twice,
-in training mode (grad enabled) and in eval mode (``no_grad``), so code that branches on
-``self.training`` behaves as in the unsplit model in validation too.
+`trace` runs the forward once with `ConcreteProxy` values, each recording its operation in a ``torch.fx`` graph
+and carrying the real value computed on the example, so Python control flow follows the example. Big layers
+stay *leaf* calls: where the graph can be cut into stages. The graph is traced in training and in eval mode
+(docs/internals.md).
 """
 
 from __future__ import annotations

@@ -1,18 +1,9 @@
 """Which torch functions draw random numbers, and how a stage's call of each is routed to its own generators.
 
-Three kinds (`kind_of`):
-
-``INJECT``     the function takes a ``generator`` argument (``torch.rand``, ``Tensor.bernoulli_``,
-               ``torch.normal``, ``nn.init.uniform_``, ``torch.ops.aten.*`` ops with a generator):
-               the stage's generator is passed when the caller gave none.
-``COMPOSITE``  the function draws inside without taking a generator (the dropout family,
-               ``F.rrelu``, ``F.gumbel_softmax``, fractional max pooling, ``torch.native_dropout``):
-               it runs under the aten-level mode, which passes the generator to the ops it draws with.
-``SDPA``/``MHA`` attention with dropout: the fused kernels draw from the process-wide generator, so
-               with ``dropout_p > 0`` a stage runs the math version of attention (see `routing`).
-
-Everything else is ``PASS``. The tables are built from the aten schemas of this torch (every op with
-a ``Generator`` argument), so ops added in later torch versions are covered without a change here.
+`kind_of` sorts them: ``INJECT`` (takes a ``generator``: the stage's is passed when the caller gave none),
+``COMPOSITE`` (draws inside without one: runs under the aten-level mode), ``SDPA``/``MHA`` (attention with
+dropout: runs the math version) and ``PASS`` (everything else). The tables are built from this torch's aten
+schemas, so ops of later torch versions are covered (docs/internals.md).
 """
 
 from __future__ import annotations

@@ -1,19 +1,10 @@
 """Routing a thread's random draws to a stage's own generators, with thread-local torch modes.
 
-torch's default generators are process-wide and ``F.dropout`` takes no generator, while several
-stage threads compute at once. torch's mode stacks (TorchFunctionMode, TorchDispatchMode) are per
-thread, so a mode pushed in a stage thread sees only that stage's calls:
-
-- `RandomRouting` (a TorchFunctionMode, about 1.5 us per torch call on CPU) passes the stage's
-  generator to every call that takes one (`catalog.RandomOpKind.INJECT`), and runs the functions that draw
-  inside without one under `AtenRouting`;
-- `AtenRouting` (a TorchDispatchMode, only around those calls) passes the generator to the aten ops
-  they draw with (``bernoulli_``, ``uniform_``, ...) and reimplements ``native_dropout`` (the fused
-  kernel of accelerators, which takes no generator) with ``bernoulli_``.
-
-On CPU the routed draws are exactly what torch draws from a default generator in the same state.
-Attention with dropout runs the math implementation: the fused kernels draw from the process-wide
-generator internally.
+`RandomRouting` (a TorchFunctionMode) passes the stage's generator to every call that takes one and runs the
+functions that draw inside without one under `AtenRouting` (a TorchDispatchMode), which passes it to the aten
+ops they draw with. torch's mode stacks are per thread, so a mode pushed in a stage thread sees only that
+stage's calls. On CPU the routed draws are exactly torch's own from a generator in the same state
+(docs/internals.md; what it costs: docs/exactness.md).
 """
 
 from __future__ import annotations

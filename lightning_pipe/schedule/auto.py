@@ -1,17 +1,13 @@
 """``schedule="auto"``'s decision: every schedule that fits, simulated with the stages' measured costs.
 
-Pure: measured costs in, a choice out, no model and no devices. The pipeline measures (`lightning_pipe.auto_schedule`)::
+Pure: measured costs in, a choice out, no model and no devices (`lightning_pipe.auto_schedule` measures)::
 
     costs = StepCosts([StageCost(forward=2e-3, backward_input=2e-3, backward_weight=1.5e-3, activation_bytes=...)],
                       microbatches=8)
     choice = choose(costs, registered_schedules(), ranks=2, virtual_stages=1, microbatches=[8])
     print(choice.table())            # every candidate's predicted step time; the chosen one marked
 
-The model: an action of stage ``s`` takes its measured compute time (scaled by ``measured microbatches / M``
-for ``M`` microbatches: compute follows the rows of a microbatch) plus the stage's measured overhead per
-action (receive, send, bookkeeping and the hand-off between ranks: fixed per action). Each candidate's step is
-`simulate`d with those times; its memory is the memory plan's walk of every rank's list with the measured bytes
-per microbatch (scaled the same way). Not modelled: a CPU's loss of efficiency on smaller microbatches.
+The cost model: docs/internals.md.
 """
 
 from __future__ import annotations

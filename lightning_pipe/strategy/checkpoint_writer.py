@@ -6,7 +6,7 @@
   global rank 0 Lightning's loop and callback state (``meta.pt``). Each coordinator asks its pipeline's
   processes to write (a control call all of them serve at once: DCP's save is a collective over the world).
 - `write_single_file` (``save_distributed_checkpoint=False``): one ``torch.save``-compatible file: the folder
-  first, then global rank 0 makes one file of it a tensor at a time (`lightning_pipe.weights.consolidate`): no
+  first, then global rank 0 makes one file of it a tensor at a time (`lightning_pipe.checkpoint.consolidate`): no
   process holds the whole model or optimizer state.
 """
 
@@ -17,12 +17,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from lightning_pipe.engine.stage_checkpoint import CoordinatorPart
+from lightning_pipe.checkpoint.consolidate import consolidate
+from lightning_pipe.checkpoint.sharded import prepare_folder
+from lightning_pipe.checkpoint.stage_part import CoordinatorPart
 from lightning_pipe.engine.stage_protocol import StageProtocol
 from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.pipeline import Pipeline
-from lightning_pipe.weights.consolidate import consolidate
-from lightning_pipe.weights.sharded import prepare_folder
 
 
 def write_sharded(

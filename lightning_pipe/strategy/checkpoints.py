@@ -19,12 +19,12 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
+from lightning_pipe.checkpoint.resume import Resume, optimizer_layouts
 from lightning_pipe.engine import StageProtocol
 from lightning_pipe.strategy.asynchronous import AsyncTraining
 from lightning_pipe.strategy.building import PipelineBuilder
 from lightning_pipe.strategy.optimization import StageOptimization
 from lightning_pipe.strategy.random_state import RandomStreams
-from lightning_pipe.strategy.resume import Resume, optimizer_layouts
 from lightning_pipe.weights import StageInit, aliases_of, is_distributed_checkpoint, on_meta, open_source
 from lightning_pipe.weights.keys import WEIGHTS_FIX, compare_keys
 

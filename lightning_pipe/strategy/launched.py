@@ -1,18 +1,9 @@
 """Launched mode: R pipeline replicas x P ranks in the processes that Lightning's launchers start.
 
-Lightning starts the processes as it does for DDP: its own subprocess launcher (``python train.py``
-with ``devices=K``), or none when ``torchrun`` or SLURM started them (the cluster environments it
-detects). `PipeLauncher` is that launcher with one change: the processes that do not coordinate a
-pipeline (all but the first of each replica's block) serve their stage instead of running the
-Trainer's loop, and return from ``fit`` / ``validate`` / ``test`` / ``predict`` when their coordinator
-ends it. The coordinators (the first process of each replica, holding its last stage) run the loop,
-the user's step and that stage; Lightning's collectives (logging with ``sync_dist``, checkpoint
-decisions, barriers) span the coordinators only.
-
-Process groups (torch's `DeviceMesh`, dims ``("replica", "pipeline")``): a pipeline's P ranks carry its
-activations and gradients point to point (`lightning_pipe.comm.p2p`); the R ranks of one stage average
-its gradients (`lightning_pipe.engine.replicas`, DDP); the coordinators get a group of their own, so that
-Lightning's collectives never interleave with a stage's on one group.
+`PipeLauncher` (Lightning's launcher, or none under torchrun and SLURM) makes every process but the first of
+each replica's block serve its stage; the coordinators (the first of each block, holding its last stage) run
+the Trainer's loop, and Lightning's collectives span them only. Process groups: a DeviceMesh ``("replica",
+"pipeline")`` and a coordinators' group (docs/internals.md).
 """
 
 from __future__ import annotations

@@ -1,29 +1,10 @@
 """Which mode a `PipeStrategy` runs in, and in launched mode which process holds what.
 
-The mode rule, the Lightning way (as DDP decides by the number of processes):
-
-- ``transport="local"``: one process; the Trainer's devices are the stage devices (threads).
-- ``transport="rpc"``: one Lightning process; stages in worker processes of a private RPC world.
-- ``transport=None`` (the default): launched mode when the Trainer has more than one process
-  (``devices x num_nodes > 1``, or a launcher's ``WORLD_SIZE > 1``), else ``"local"``.
-- ``transport="p2p"``: launched mode, whatever the number of processes.
-
-In launched mode the ``W = devices x num_nodes`` processes form R pipeline replicas of P ranks each
-(P = stages / virtual_stages), the ranks of one pipeline consecutive, so that a pipeline stays inside
-one node when P <= devices. The first process of each replica's block is its coordinator: it runs
-Lightning's loop and the user's step, and holds the pipeline rank of the LAST stage, where the loss is
-computed, so that a microbatch's output and its loss gradient never cross between processes (the inputs
-go to stage 0 once per microbatch, one way). Global rank 0 is the coordinator of replica 0::
-
-    global rank    0   1   2   3          (devices=4, stages=2)
-    replica        0   0   1   1
-    pipeline rank  1   0   1   0          (stage 0 on pipeline rank 0)
-                   ^coordinator ^coordinator
-
-The other processes of a block take the pipeline ranks counting down from the coordinator's. A schedule
-placed in a V (``zbv``, ``dualpipev``) puts the last stage on pipeline rank 0, next to stage 0: there the
-coordinator holds pipeline rank 0 (global ranks 0 1 2 3 -> pipeline ranks 0 3 2 1 with P = 4), and
-neither the inputs nor the outputs cross between processes.
+The mode rule: ``transport="local"`` one process, stages as threads; ``"rpc"`` one Lightning process, stages in
+worker processes; ``"p2p"`` launched mode; ``None`` (the default) launched mode when the Trainer has more than
+one process, else local. In launched mode the processes form R replicas of P consecutive ranks; each block's
+first process is its coordinator and holds the last stage's pipeline rank (rank 0 for a schedule placed in a
+V), so a microbatch's output and its loss never cross processes. The layout drawn: docs/internals.md.
 """
 
 from __future__ import annotations

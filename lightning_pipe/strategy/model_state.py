@@ -22,7 +22,7 @@ from lightning.fabric.utilities.types import _PATH
 from torch import nn
 from typing_extensions import override
 
-from lightning_pipe.engine.stage_checkpoint import CoordinatorPart
+from lightning_pipe.checkpoint.stage_part import CoordinatorPart
 from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.strategy.building import PipelineBuilder, prefix_of
 from lightning_pipe.strategy.checkpoint_writer import write_sharded, write_single_file

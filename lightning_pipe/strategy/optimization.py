@@ -16,12 +16,12 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 
+from lightning_pipe.checkpoint.resume import optimizer_layouts
 from lightning_pipe.grads import GradStash
 from lightning_pipe.pipeline import Pipeline
 from lightning_pipe.strategy.asynchronous import AsyncTraining
 from lightning_pipe.strategy.layout import LAUNCHED, LOCAL
 from lightning_pipe.strategy.remote import StageGradZeroing, StageParameters
-from lightning_pipe.strategy.resume import optimizer_layouts
 from lightning_pipe.strategy.stage_placement import swap_parameters
 
 

@@ -14,7 +14,7 @@ from datetime import timedelta
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from lightning_pipe.comm.p2p_wire import close_open_wires
+from lightning_pipe.comm.p2p.wire import close_open_wires
 from lightning_pipe.strategy.layout import Layout
 
 PROCESS_GROUP_TIMEOUT = timedelta(minutes=30)  # Lightning's default: serving ranks wait this long between fits

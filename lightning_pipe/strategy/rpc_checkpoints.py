@@ -1,22 +1,10 @@
 """`RpcCheckpoints`: checkpoints under ``transport="rpc"``, written by the stage workers, never gathered.
 
-rpc mode keeps launched mode's memory contract: the script's process holds the LightningModule's tensors
-outside the pipeline (and, with the coordinator's rank, the last stage), each worker process its own stage
-and that stage's optimizer state. A checkpoint is therefore written where the state lives: every worker its
-stage, the script's process the tensors outside the pipeline, the optimizers' groups and parameter order and
-Lightning's loop and callback state, all into one torch.distributed.checkpoint folder (the format launched
-mode writes; the workers share no process group with the script's process, so the coordinator carries DCP's
-plans over its control calls: `lightning_pipe.weights.sharded_steps`). As in launched mode,
-``PipeStrategy(save_distributed_checkpoint=False)`` makes one ``torch.save`` file of that folder a tensor at a
-time (`lightning_pipe.strategy.checkpoint_writer.write_single_file`); the default writes the folder at the path
-(``ModelCheckpoint``'s ``epoch=0-step=2.ckpt`` is a folder then).
-
-After ``fit`` the workers are gone. A model built eagerly holds its trained values in the script's process
-again (`StageOptimization.fold`), and Lightning writes it as usual. A model built on meta does not: at the end
-of its fit the workers write their trained stages into a private folder (`keep`), and a checkpoint written
-after the fit is made from that folder with Lightning's state of that moment (`write_kept`). Every path the
-workers write (a checkpoint's, that folder) must be one they reach: with workers on other machines, a shared
-filesystem.
+As in launched mode, every worker writes its stage and optimizer state and the script's process the rest into
+one torch.distributed.checkpoint folder (the coordinator carries DCP's plans: `checkpoint.sharded_steps`);
+``save_distributed_checkpoint=False`` makes one file of it a tensor at a time. A model built on meta keeps its
+trained stages in a private folder at the end of fit, for a checkpoint written after it (`keep`,
+`write_kept`). Every path the workers write must be one they reach (docs/internals.md).
 """
 
 from __future__ import annotations
@@ -29,14 +17,14 @@ from typing import Any
 
 import torch
 
+from lightning_pipe.checkpoint.consolidate import consolidate
+from lightning_pipe.checkpoint.reader import META_FILE
+from lightning_pipe.checkpoint.sharded import OptimizerPart, prepare_folder, sharded_state
+from lightning_pipe.checkpoint.sharded_steps import FolderPart
+from lightning_pipe.checkpoint.stage_part import CoordinatorPart
 from lightning_pipe.engine import StageProtocol
-from lightning_pipe.engine.stage_checkpoint import CoordinatorPart
 from lightning_pipe.pipeline import Pipeline
 from lightning_pipe.strategy.checkpoint_writer import write_single_file
-from lightning_pipe.weights.checkpoint import META_FILE
-from lightning_pipe.weights.consolidate import consolidate
-from lightning_pipe.weights.sharded import OptimizerPart, prepare_folder, sharded_state
-from lightning_pipe.weights.sharded_steps import FolderPart
 
 
 def lightning_state(checkpoint: dict[str, Any]) -> dict[str, Any]:

@@ -1,19 +1,10 @@
 """Running an unmodified Lightning step once per microbatch around the pipeline.
 
-The user's ``training_step`` calls the pipelined module somewhere in the middle::
-
-    x, y = batch              # before the call: runs per microbatch, collecting the pipeline's inputs
-    out = self.model(x)       # the call: the microbatch's input goes into the pipeline
-    loss = F.mse_loss(out, y) # after the call: runs when that microbatch's output is back
-
-Each microbatch's step runs in a driver thread that stops at the call, so all inputs reach the
-pipeline before the first output is needed. The threads are kept between steps (`DriverThreads`):
-starting a thread costs a hand-off to it, and on a machine whose cores all compute a stage, every
-hand-off waits for a core. The pipeline starts on microbatch 0 as soon as its step
-reaches the call (`StepInputs`), while the later steps still run up to theirs. Only one driver runs
-user code at a time (the others wait: a step's drivers share one lock), the parts before the call in
-microbatch order and the parts after it in microbatch order, so ``self.log`` and other side effects
-happen as in a plain loop.
+Each microbatch's step runs in a driver thread that stops at the pipelined call, so all inputs reach the
+pipeline before the first output is needed; the pipeline starts on microbatch 0 as soon as its step reaches
+the call (`StepInputs`). One driver runs user code at a time, in microbatch order before the call and after
+it, so ``self.log`` and other side effects happen as in a plain loop. The threads are kept between steps
+(`DriverThreads`). An example step: docs/internals.md.
 """
 
 from __future__ import annotations

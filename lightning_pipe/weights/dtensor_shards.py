@@ -1,20 +1,9 @@
 """Sharded tensors (FSDP2's DTensors) made real one shard at a time.
 
-With ``PipeStrategy(data_parallel="fsdp")`` a stage is sharded (``fully_shard``) while it is still on the meta
-device: its parameters are then DTensors without values, each a shard of the whole parameter over the stage's
-replicas. `lightning_pipe.weights.materialize` makes each of them real here, holding only this process's shard:
-
-- read from a source that reads shards (a DCP folder: `WeightSource.read_shard`), only the shard is read;
-- read from one that does not (a single file, mapped; safetensors), the whole tensor is read, one at a time,
-  and only this process's shard of it is kept;
-- initialised by its module (``reset_parameters()``) under the run's seed, the module's tensors are made whole
-  on the CPU (`whole_like`), initialised exactly as an unsharded stage's are, and only the shard is kept
-  (`shard_of`): the same seed gives the same model with FSDP as without. One module is whole at a time, and
-  the rows of a whole tensor that are not this process's are given back before its shard is copied out.
-
-`Wholes` counts the most bytes of whole tensors held at once while a stage was made (the check that a stage
-is never built whole). The shard of a whole tensor is torch's own: ``distribute_tensor(..., src_data_rank=None)``
-cuts it locally, without communication, exactly as FSDP laid out the meta shard.
+A stage sharded on meta (``data_parallel="fsdp"``) has DTensor parameters without values; each is made real
+holding only this process's shard: read as a shard where the source reads shards (DCP), else read or
+initialised whole, one tensor at a time, and cut locally as FSDP laid it out. `Wholes` counts the most bytes
+of whole tensors held at once (docs/internals.md).
 """
 
 from __future__ import annotations

@@ -1,18 +1,9 @@
 """A stage's tensors made real on its device: from a source, or by the modules' own initialisation.
 
-A model built on the meta device (``trainer.init_module(empty_init=True)``, ``configure_model``) has shapes
-and no values. Each stage makes only its own tensors real, where it runs:
-
-- a tensor whose key (a name of the unsplit pipelined module, or another name of the same tied tensor) is in
-  the `WeightSource` is read from it;
-- any other tensor gets its module's own initialisation (``reset_parameters()``; for HuggingFace modules,
-  which have none, their model's ``_init_weights(module)``) under a generator seeded by the run's seed and
-  the module's qualified name. The initial model therefore does not depend on how it is cut, on which
-  device a stage runs, or on how many processes there are: the same seed gives the same values in every
-  layout. Initialisation runs on the CPU (its generator is the same everywhere), then moves to the device.
-
-`free_to_meta` does the opposite for what a process does not hold: the tensors of other stages go back to
-meta, so a model the user built eagerly shrinks to this process's stage.
+Each stage of a model built on meta makes only its own tensors real: a tensor whose key is in the
+`WeightSource` is read from it, any other gets its module's own initialisation under a generator seeded by
+the run's seed and the module's name, so the initial model does not depend on how it is cut or where it runs.
+`free_to_meta` sends what a process does not hold back to meta (docs/internals.md).
 """
 
 from __future__ import annotations

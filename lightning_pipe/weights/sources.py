@@ -1,16 +1,8 @@
 """Where a stage's initial tensors come from: a checkpoint or pretrained weights, read one tensor at a time.
 
-A stage reads only its own tensors, so no process ever holds a whole model it did not build:
-
-- `TorchFileSource`: a file written by ``torch.save`` (a Lightning checkpoint, a plain state dict), opened
-  with ``torch.load(mmap=True)``: unpickling maps the file, and only the pages of the tensors a stage
-  copies are ever read.
-- `DcpSource`: a folder written by ``torch.distributed.checkpoint`` (DCP), read with ``no_dist=True``:
-  a process reads only the keys (and, for a sharded target, the chunks) it asks for.
-- `SafetensorsSource`: HuggingFace's safetensors, one file or a folder with its
-  ``model.safetensors.index.json`` (a sharded ``save_pretrained``), read with ``safetensors.safe_open``.
-
-`open_source` picks one by what ``path`` is. Every source names tensors by its own keys; `Prefixed`
+`TorchFileSource` (a ``torch.save`` file, mapped), `DcpSource` (a torch.distributed.checkpoint folder) and
+`SafetensorsSource` (one file, or a sharded ``save_pretrained`` folder) each read only the keys, and for a
+sharded target the chunks, that a stage asks for. `open_source` picks one by what ``path`` is; `Prefixed`
 reads another namespace (a Lightning checkpoint's ``"model.3.weight"`` for a stage's ``"3.weight"``).
 """
 
@@ -31,6 +23,7 @@ from lightning_pipe.weights.keys import visible
 from lightning_pipe.weights.pages import PAGE, can_give_back, give_back
 
 PathLike = str | os.PathLike[str]
+MODEL = "state_dict"  # the key of the module's tensors in a Lightning checkpoint
 DCP_METADATA = ".metadata"  # the file torch.distributed.checkpoint writes into every checkpoint folder
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 
@@ -70,7 +63,7 @@ class TorchFileSource(WeightSource):
     """A ``torch.save`` file mapped into memory; ``section`` is the key of its state dict (``"state_dict"`` in a
     Lightning checkpoint), ``None`` for a file that is a state dict."""
 
-    def __init__(self, path: PathLike, section: str | None = "state_dict", weights_only: bool | None = None) -> None:
+    def __init__(self, path: PathLike, section: str | None = MODEL, weights_only: bool | None = None) -> None:
         self.path = Path(path)
         load: dict[str, Any] = {"map_location": "cpu", "mmap": True}
         if weights_only is not None:

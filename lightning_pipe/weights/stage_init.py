@@ -14,10 +14,9 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from lightning_pipe.weights.checkpoint import MODEL
 from lightning_pipe.weights.keys import STRICT_FIX, WEIGHTS_FIX, compare_keys
 from lightning_pipe.weights.materialize import Materialized, aliases_of, materialize, on_meta
-from lightning_pipe.weights.sources import Prefixed, WeightSource, is_distributed_checkpoint, open_source
+from lightning_pipe.weights.sources import MODEL, Prefixed, WeightSource, is_distributed_checkpoint, open_source
 
 T = TypeVar("T")
 

@@ -1,31 +1,13 @@
 """The frames of the p2p communicator: what a message looks like on a point-to-point link.
 
-A frame is a small int64 header, then (if the header counts any) pickled bytes, then the
-message's tensors::
+A frame is a small int64 header, then (if the header counts any) pickled bytes, then the message's tensors::
 
     header  [marker, destination, source, step, stage, microbatch, extra bytes, flags]   int64 x 8
     extra   pickled bytes (a new signature, or a control message and its tensors' metadata)
     tensors raw, in the order of the payload's leaves
 
-``flags`` = inline + 2 x (bundled - 1). Sent *inline* (bit 0), the three parts are packed into one
-uint8 buffer of at most `INLINE_BYTES`, each part at an offset aligned to `ALIGN`: one send and one receive per message,
-the receiver's buffer posted before the frame arrives (gloo lets a receive be larger than its
-send; the header says what the buffer holds). Otherwise each part is its own buffer (NCCL, whose
-receives must match their sends' sizes, and messages too large to pack). A *bundle* is one tensor
-message standing for several of one kind, step and stage, of consecutive microbatches (the
-coordinator's feed of a step's inputs): its payload is the tuple of theirs, and it has a signature
-like any other; the receiver delivers them one by one (`unbundle`).
-
-``marker`` >= 0 names a *signature*: activations and gradients of one kind, tree structure and
-tensor shapes repeat every microbatch, so the first message of a signature carries the pickled
-signature and later ones only the header and the raw tensors. Negative markers are a control
-message (pickled by value each time: steps, calls, posts, replies, errors, builds), a keep-alive, or the
-close of the link.
-
-The tags: on a framed link (gloo) headers and inline frames travel on `FRAME_TAG`, what a header-only
-frame leaves out on `SPILL_TAG`, and the tensors of a signature too large to be inline on its own
-`body_tag`; an ordered link (NCCL) sends every part on tag 0, in order. The sender (`p2p_wire`) and the
-receiver (`p2p_receive`) both take the format from here.
+``marker`` >= 0 names a *signature* (sent pickled once per link, then only headers and raw tensors);
+negative markers are control messages, keep-alives and closes. Inline frames, bundles and the tags: docs/internals.md.
 """
 
 from __future__ import annotations

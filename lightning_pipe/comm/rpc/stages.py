@@ -1,7 +1,7 @@
 """The stages an RPC worker process serves: built, stopped and queried by the coordinator through RPC.
 
 Every function here runs in the worker process, called by ``rpc_async`` from the coordinator; the
-coordinator's process calls the same ones directly for the stage it holds itself (`rpc_home`).
+coordinator's process calls the same ones directly for the stage it holds itself (`rpc.home`).
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from typing import Any
 
 from lightning_pipe.comm.base import Message, MessageKind
 from lightning_pipe.comm.placement import retarget
-from lightning_pipe.comm.rpc_endpoint import RpcEndpoint, TransportStats, register_inbox
-from lightning_pipe.comm.rpc_plane import DataPlane
-from lightning_pipe.comm.rpc_world import quiet_closing
+from lightning_pipe.comm.rpc.endpoint import RpcEndpoint, TransportStats, register_inbox
+from lightning_pipe.comm.rpc.plane import DataPlane
+from lightning_pipe.comm.rpc.world import quiet_closing
 
 _STAGES: dict[tuple[str, int], tuple[Any, threading.Thread, RpcEndpoint]] = {}  # by (launch, rank)
 _LOCK = threading.Lock()
@@ -41,7 +41,7 @@ def build_stage(
 ) -> dict[str, Any]:
     """Build the stage worker of ``spec`` in this process and start its event loop.
 
-    ``processes``: the world rank of each pipeline rank that another rule than `rpc_plane.world_rank` places
+    ``processes``: the world rank of each pipeline rank that another rule than `rpc.plane.world_rank` places
     (the coordinator's and the rank its process holds); ``plane``: this process's data plane (a worker's own).
     """
     if device is not None:

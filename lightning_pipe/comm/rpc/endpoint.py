@@ -3,9 +3,9 @@
 A control message is one ``rpc_async`` call of `deliver` on the receiving process: TensorPipe's I/O
 threads deserialize it and put it into the receiver's `OrderedInbox`, which wakes its event loop (the
 seed's "I/O thread and callback"). Activations, outputs and gradients go over the world's data plane
-(`rpc_plane`, point to point), whose receiving thread decompresses their tensors (`compress`) and puts
+(`rpc.plane`, point to point), whose receiving thread decompresses their tensors (`compress`) and puts
 them into the same inbox. Without a data plane they go by ``rpc_async`` too. Messages between endpoints of
-one process (the coordinator and the rank its process holds, `rpc_home`) go straight into the receiver's
+one process (the coordinator and the rank its process holds, `rpc.home`) go straight into the receiver's
 inbox, by reference: nothing is pickled, compressed or counted as sent.
 """
 
@@ -25,8 +25,8 @@ from lightning_pipe import tree
 from lightning_pipe.comm.base import Endpoint, Message, MessageKind, QueueInbox
 from lightning_pipe.comm.by_value import ByValue
 from lightning_pipe.comm.compress import Codec, decode_payload, encode_payload, wire_bytes
-from lightning_pipe.comm.p2p_wire import LOST
-from lightning_pipe.comm.rpc_plane import DataPlane, address, world_rank
+from lightning_pipe.comm.p2p.wire import LOST
+from lightning_pipe.comm.rpc.plane import DataPlane, address, world_rank
 
 _CONTROL = (MessageKind.STEP, MessageKind.CALL, MessageKind.POST)  # the coordinator's control messages to stages
 _TENSORS = (MessageKind.ACTIVATION, MessageKind.OUTPUT, MessageKind.GRAD, MessageKind.INPUT_GRAD)  # compressed
@@ -106,7 +106,7 @@ class RpcEndpoint(Endpoint):
     """One participant: an ordered inbox filled by RPC and the data plane; ``rpc_async`` or the plane to anyone else.
 
     With a ``plane`` the endpoint's inbox is attached to it until `close`. ``processes`` gives the world rank of
-    the pipeline ranks that `rpc_plane.world_rank` does not place (the coordinator's process and the rank it
+    the pipeline ranks that `rpc.plane.world_rank` does not place (the coordinator's process and the rank it
     holds); endpoints of one process hand their messages over by reference.
     """
 

@@ -1,32 +1,12 @@
 """The links of one process of a pipeline to its peers, over torch.distributed point-to-point sends.
 
-A send posts its frame's ``isend``s (`p2p_send`, frames of `p2p_frames`) from the sending thread itself,
-under the link's lock, and returns: the transfer runs in the process group's own I/O threads, so a stage's sends
-overlap with its next computation, each link keeps its order, and no thread has to be woken to send
-(on a machine whose cores are all computing, every wake-up is a wait for a core). A frame's tensors
-stay referenced until their sends completed. Each peer gets a receiving thread (`p2p_receive`) that
-puts the messages into the inbox of their destination endpoint in this process. Messages between
-endpoints of this process (the coordinator and its own pipeline rank) go straight into the inbox,
-by reference.
-
-Over gloo a message of up to `INLINE_BYTES` is one inline frame: one ``isend`` of a packed copy,
-received into a buffer posted before it arrives. Every ``isend`` and ``irecv`` takes the gloo pair's
-lock, which the I/O thread also holds; on a machine whose cores are all busy a sender can wait
-milliseconds for it, so fewer operations per message is what counts. Under NCCL, whose receives must match
-their sends' sizes, every part of a frame is its own send, in order.
-
-A broken link (the peer died: gloo fails the pending receive, or a send fails) marks the peer lost;
-every endpoint of this process then raises `TransportError` from its next ``recv``. Idle links get a
-keep-alive header every few seconds, so silence for ``timeout`` seconds means a hung peer. `close`
-sends a close frame on every link (filling whatever the peer posted ahead) and waits (bounded) for
-the peers' ones. A receiving thread blocked in gloo's ``wait`` cannot be woken any other way (a
-timed-out wait closes the pair; destroying the group does not end the wait), and one still blocked
-when the interpreter exits aborts the process once the wait returns ("terminate called without an
-active exception": the thread cannot take the GIL back and its C++ frames are unwound by force). So
-the close handshake is what ends them, and every wire still open when the interpreter exits is
-closed (and its threads joined, bounded) by an ``atexit`` hook, while Python still runs. Under NCCL
-the tensors travel on the process's CUDA device, on streams of their own (a send after the sender's
-work by an event): the same code, untested here.
+A send posts its frame's ``isend``s from the sending thread, under the link's lock, and returns: transfers
+overlap the next computation and each link keeps its order. Each peer gets a receiving thread (`p2p.receive`)
+that puts messages into the inbox of their destination endpoint; messages between endpoints of this process go
+straight into the inbox, by reference. A broken link marks the peer lost (`TransportError` from every
+endpoint's next ``recv``); idle links get keep-alives; `close` sends a close frame on every link and joins the
+threads, and an ``atexit`` hook closes every wire still open, so no thread is left blocked in gloo's ``wait``
+at exit (docs/internals.md).
 """
 
 from __future__ import annotations
@@ -44,10 +24,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_pipe.comm import p2p_frames as frames
 from lightning_pipe.comm.base import COORDINATOR, Message, QueueInbox, deadline, remaining
-from lightning_pipe.comm.p2p_receive import Receiver, first_line
-from lightning_pipe.comm.p2p_send import Link, Sender, WireStats
+from lightning_pipe.comm.p2p import frames
+from lightning_pipe.comm.p2p.receive import Receiver, first_line
+from lightning_pipe.comm.p2p.send import Link, Sender, WireStats
 from lightning_pipe.comm.placement import group_ranks_of, process_device
 from lightning_pipe.errors import TransportError
 
@@ -61,7 +41,7 @@ EXIT_CLOSE_TIMEOUT = 10.0  # seconds the exit hook waits for the peers of a wire
 
 class Wire:
     """This process's links to the other processes of one pipeline (``ranks`` in pipeline order), or of an RPC
-    world's data plane (`rpc_plane`, over groups made apart from the default one: ``group_ranks`` and ``backend``)."""
+    world's data plane (`rpc.plane`, over groups made apart from the default one: ``group_ranks`` and ``backend``)."""
 
     def __init__(
         self,
@@ -86,7 +66,7 @@ class Wire:
         #: where its tensors travel: the CPU under gloo; under NCCL ``device``, or the process's current CUDA device
         self.device = process_device(self.backend, device)
         #: gloo matches a receive by (source, tag) and takes a receive larger than its send: messages go as
-        #: inline frames into buffers posted ahead (`p2p_receive`); NCCL gets each part of a frame in order
+        #: inline frames into buffers posted ahead (`p2p.receive`); NCCL gets each part of a frame in order
         self.framed = self.backend == "gloo"
         self.keepalive = max(0.05, min(5.0, timeout / 4))
         self.lost: tuple[int, str] | None = None  # the first peer lost (its index in ranks) and why
@@ -151,7 +131,7 @@ class Wire:
 
     def send_many(self, process: int, destination: int, messages: list[Message]) -> None:
         """Deliver ``messages`` (tensor messages of one kind, step and stage, of consecutive microbatches) in
-        order; to another process as one message (`p2p_frames.bundle`): one frame instead of one each."""
+        order; to another process as one message (`p2p.frames.bundle`): one frame instead of one each."""
         if process == self.me or len(messages) == 1:
             for message in messages:
                 self.send(process, destination, message)

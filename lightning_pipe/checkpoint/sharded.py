@@ -5,7 +5,7 @@ its own tensors (its stage; with FSDP, its shard of it) under the LightningModul
 each optimizer's state under the same keys. One process (``extra`` given) also writes Lightning's loop
 and callback state, ``meta.pt``, as Lightning's ModelParallelStrategy does. The folder holds no trace of
 the layout it was written in: any (replicas, stages), DDP or FSDP, or one process reads it back by key
-(`lightning_pipe.weights.checkpoint`), and `consolidate` makes one file of it.
+(`lightning_pipe.checkpoint.reader`), and `consolidate` makes one file of it.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from lightning_pipe.weights.checkpoint import META_FILE, MODEL, OptimizerLayout, optimizer_key
-from lightning_pipe.weights.sources import PathLike, is_distributed_checkpoint
+from lightning_pipe.checkpoint.reader import META_FILE, OptimizerLayout, optimizer_key
+from lightning_pipe.weights.sources import MODEL, PathLike, is_distributed_checkpoint
 
 
 @dataclass

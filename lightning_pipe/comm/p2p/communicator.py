@@ -1,22 +1,11 @@
 """The p2p communicator: stages in the processes of a torch.distributed pipeline group, messages point to point.
 
-Launched mode (several processes started by Lightning's launcher, torchrun or SLURM): a pipeline
-is the S processes ``ranks`` (global ranks in pipeline order) of one process group. The process of
-``ranks[coordinator]`` runs the coordinator and, in a thread, the stage worker of that pipeline rank;
-the others run `serve_stages`. The strategy puts the coordinator with the last stage: the loss is
-computed where the last stage's output is, and a microbatch's loss costs no round trip between
-processes. Stage specs are pickled by value once and built where they run; activations and gradients
-then go from process to process with ``isend``/``irecv`` (`p2p_wire`, `p2p_frames`).
-
-    (coordinator=0)
-    process of ranks[0]                       process of ranks[1]        process of ranks[2]
-    coordinator --by reference--> rank 0 --activation--> rank 1 --activation--> rank 2 --output--> coordinator
-                <-input grad----         <----grad----          <----grad-----         <--grad----
-    (coordinator=2, as the strategy runs it: the output and its gradient stay in the coordinator's process)
-    coordinator --input--> rank 0 --activation--> rank 1 --activation--> rank 2 --by reference--> coordinator
-
-It needs a process group, so it is not a ``transport=`` name of `Pipeline`: the strategy passes an
-instance, and ends the other processes' `serve_stages` with `release` when the run ends.
+Launched mode: a pipeline is the S processes ``ranks`` of one process group. The process of
+``ranks[coordinator]`` runs the coordinator and, in a thread, the stage worker of that pipeline rank (the
+strategy puts it with the last stage, so a microbatch's loss costs no round trip); the others run
+`serve_stages`. Stage specs are pickled by value once and built where they run; activations and gradients go
+from process to process with ``isend``/``irecv`` (`p2p.wire`, `p2p.frames`). It needs a process group, so it
+is no ``transport=`` name of `Pipeline`: the strategy passes an instance (docs/internals.md).
 """
 
 from __future__ import annotations
@@ -32,8 +21,8 @@ import torch.distributed as dist
 
 from lightning_pipe.comm import by_value
 from lightning_pipe.comm.base import COORDINATOR, Communicator, Endpoint, Message, deadline, remaining
-from lightning_pipe.comm.p2p_send import WireStats
-from lightning_pipe.comm.p2p_serve import (
+from lightning_pipe.comm.p2p.send import WireStats
+from lightning_pipe.comm.p2p.serve import (
     BUILD,
     BUILT,
     RELEASE,
@@ -45,7 +34,7 @@ from lightning_pipe.comm.p2p_serve import (
     default_describe,
     stop_message,
 )
-from lightning_pipe.comm.p2p_wire import LOST, STATS, STATS_REPLY, WIRE, Wire
+from lightning_pipe.comm.p2p.wire import LOST, STATS, STATS_REPLY, WIRE, Wire
 from lightning_pipe.errors import ConfigurationError, PipeTimeoutError, StageError, TransportError
 from lightning_pipe.weights import meta_copy
 

@@ -3,7 +3,7 @@ worker processes; opened and closed with every wait bounded.
 
 Opening: listen on the control port, start local worker processes (or wait for ``lightning-pipe
 worker`` slots), hand out ranks with the store's port and the data plane's layout, make the data plane
-(`rpc_plane`) with every slot at once, then join the RPC world (the coordinator is its rank 0).
+(`rpc.plane`) with every slot at once, then join the RPC world (the coordinator is its rank 0).
 Closing: ask each live slot to leave, close the data plane meanwhile, leave the world, end the
 worker processes (lost ones are killed first, so nothing waits for them).
 """
@@ -24,9 +24,9 @@ import torch.distributed.rpc as rpc
 from lightning_pipe.comm.base import COORDINATOR, deadline, remaining
 from lightning_pipe.comm.control import ControlServer, Slot, interface_of
 from lightning_pipe.comm.local_workers import check_spawned, kill_lost, reap, spawn_workers
-from lightning_pipe.comm.rpc_plane import DataPlane, PlaneLayout, describe_process, open_plane, world_rank
-from lightning_pipe.comm.rpc_stages import quiet_worker, request_exit
-from lightning_pipe.comm.rpc_world import host_store, join_world, leave_world, quiet_closing
+from lightning_pipe.comm.rpc.plane import DataPlane, PlaneLayout, describe_process, open_plane, world_rank
+from lightning_pipe.comm.rpc.stages import quiet_worker, request_exit
+from lightning_pipe.comm.rpc.world import host_store, join_world, leave_world, quiet_closing
 
 log = logging.getLogger("lightning_pipe")
 
@@ -49,7 +49,7 @@ class HostedWorld:
     def open(self, count: int, timeout: float, spawn: tuple[list[str], int] | None, home: str | None = None) -> None:
         """Wait for ``count`` slots (first starting local workers: ``spawn`` = (devices, threads)), assign their
         ranks, make the data plane and join the RPC world. ``home``: the device of the stage the coordinator's
-        process holds (`rpc_home`), which its side of the data plane uses."""
+        process holds (`rpc.home`), which its side of the data plane uses."""
         until = deadline(timeout)
         server = self.server
         if spawn is not None:

@@ -16,7 +16,7 @@ from typing import Any
 import torch.distributed as dist
 
 from lightning_pipe.comm.base import COORDINATOR, Endpoint, Message, MessageKind
-from lightning_pipe.comm.p2p_wire import CRASHED, LOST, WIRE, Wire
+from lightning_pipe.comm.p2p.wire import CRASHED, LOST, WIRE, Wire
 from lightning_pipe.comm.placement import retarget
 from lightning_pipe.errors import ConfigurationError, StageError, TransportError
 

@@ -6,7 +6,7 @@ state by the same names; nothing else is read. Two layouts on disk:
 - a single file (``torch.save``; what a plain Trainer writes): ``state_dict`` by key, ``optimizer_states``
   as torch optimizers save them (state by position in the optimizer's parameter list). Reading needs the
   optimizer's parameter order (`OptimizerLayout`), which only the user's ``configure_optimizers`` knows.
-- a folder written by torch.distributed.checkpoint (`lightning_pipe.weights.sharded`): tensors under
+- a folder written by torch.distributed.checkpoint (`lightning_pipe.checkpoint.sharded`): tensors under
   ``state_dict.<key>`` and ``optimizer_<i>.state.<key>.<state name>``, the parameter order under
   ``optimizer_<i>.layout``, Lightning's loop and callback state in ``meta.pt``.
 """
@@ -21,16 +21,18 @@ from typing import Any
 import torch
 
 from lightning_pipe.errors import ConfigurationError
+from lightning_pipe.weights.keys import visible
 from lightning_pipe.weights.sources import (
+    MODEL,
     DcpSource,
     PathLike,
     Prefixed,
     TorchFileSource,
     WeightSource,
+    is_distributed_checkpoint,
     unsafe_file_message,
 )
 
-MODEL = "state_dict"
 META_FILE = "meta.pt"  # Lightning's name for the non-tensor part of a sharded checkpoint (ModelParallelStrategy)
 OptimizerLayout = list[list[str]]  # per parameter group, the keys of its parameters in the optimizer's order
 
@@ -217,9 +219,6 @@ def open_checkpoint(
     path: PathLike, layouts: Sequence[OptimizerLayout] = (), weights_only: bool | None = None
 ) -> CheckpointReader:
     """The reader for ``path``: a sharded folder or a single file (``layouts``: each optimizer's parameter order)."""
-    from lightning_pipe.weights.keys import visible
-    from lightning_pipe.weights.sources import is_distributed_checkpoint
-
     visible(path, "the checkpoint")
     if is_distributed_checkpoint(path):
         return ShardedCheckpoint(path, weights_only)

@@ -1,12 +1,7 @@
 """A sharded checkpoint folder written by processes that share no process group: DCP's save, step by step.
 
-torch.distributed.checkpoint's ``save`` is a collective: every process plans its part, one process makes the
-global plan (which file each writes), every process writes, and that one process writes the folder's
-``.metadata``. Under ``transport="rpc"`` the stage workers share no default process group with the script's
-process, so the coordinator carries the plans over its control calls instead, with DCP's public planner and
-storage writer doing the same steps (``state_dict_saver._save_state_dict`` in torch). The folder is the one
-`lightning_pipe.weights.sharded.save_sharded` writes: any layout reads it back by key, `consolidate` makes one
-file of it. The participant numbered 0 leads (its files are ``__0_*.distcp``, it writes ``.metadata``)::
+Under ``transport="rpc"`` the coordinator carries DCP's plans over its control calls (DCP's public planner and
+storage writer do the steps of its collective ``save``); the folder is `save_sharded`'s. Participant 0 leads::
 
     leader (the script's process)         each other participant (a stage worker)
     plan()                                 plan()        -> its local plan

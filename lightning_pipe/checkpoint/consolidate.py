@@ -1,6 +1,6 @@
 """One file from a sharded checkpoint folder: what a plain Trainer (or ``torch.load``) reads.
 
-The file is written a tensor at a time (`lightning_pipe.weights.single_file`): each tensor is read from the
+The file is written a tensor at a time (`lightning_pipe.checkpoint.single_file`): each tensor is read from the
 folder just before its bytes are written and dropped after, so this holds one tensor in memory, never the
 whole model or optimizer state. The optimizers' states are put back by position in each optimizer's
 parameter list (the layout the folder keeps), and Lightning's loop and callback state (``meta.pt``) is
@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 
+from lightning_pipe.checkpoint.reader import ShardedCheckpoint, optimizer_key
+from lightning_pipe.checkpoint.single_file import Fetch, Pending, save_in_parts
 from lightning_pipe.errors import ConfigurationError
-from lightning_pipe.weights.checkpoint import MODEL, ShardedCheckpoint, optimizer_key
-from lightning_pipe.weights.single_file import Fetch, Pending, save_in_parts
-from lightning_pipe.weights.sources import PathLike, is_distributed_checkpoint
+from lightning_pipe.weights.sources import MODEL, PathLike, is_distributed_checkpoint
 
 
 def consolidate(folder: PathLike, output: PathLike) -> Path:

@@ -1,19 +1,10 @@
 """The receiving side of a p2p link: one thread per peer turns the peer's frames into messages.
 
-Two ways, by what the backend can match (`p2p_frames` has the layout of a frame and its tags):
-
-- *framed* (gloo, which matches a receive by (source, tag) and lets it be larger than its send):
-  the thread keeps two frame buffers of `INLINE_BYTES` posted on tag `FRAME_TAG`, so a frame's bytes
-  move as soon as the peer sends them, and most messages are one inline frame. While it takes one
-  message apart, the next frame already lands in the other buffer. A message too large to pack
-  sends a header-only frame, then its pickled bytes and a control message's tensors on `SPILL_TAG`
-  and a signature's tensors on a tag of their own (`body_tag`), where one body of each such
-  signature is posted ahead.
-- *ordered* (NCCL, whose receives match their sends by order and size): header, pickled bytes and
-  tensors as separate receives of exact size, on tag 0.
-
-The close of a link is a `CLOSE` header; in framed mode the peer sends one for each posted buffer
-(`FRAME_BUFFERS`) and fills the bodies posted ahead (`Wire.close`), so no receive is left pending.
+*Framed* (gloo, which matches a receive by source and tag and lets it be larger than its send): two frame
+buffers stay posted, so most messages are one inline frame received as soon as it is sent; a message too large
+to pack spills its parts onto tags of their own. *Ordered* (NCCL, which matches by order and size): header,
+pickled bytes and tensors as separate receives of exact size. The close of a link is a `CLOSE` header, so no
+receive is left pending (docs/internals.md; the layout of a frame: `p2p.frames`).
 """
 
 from __future__ import annotations
@@ -24,13 +15,13 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from lightning_pipe.comm import p2p_frames as frames
 from lightning_pipe.comm.base import Message
-from lightning_pipe.comm.p2p_frames import FRAME_BUFFERS, FRAME_TAG, SPILL_TAG, ahead_of_time, body_tag
+from lightning_pipe.comm.p2p import frames
+from lightning_pipe.comm.p2p.frames import FRAME_BUFFERS, FRAME_TAG, SPILL_TAG, ahead_of_time, body_tag
 
 
 class ReceivingWire(Protocol):
-    """What a `Receiver` needs of the links it receives for (`p2p_wire.Wire` is this)."""
+    """What a `Receiver` needs of the links it receives for (`p2p.wire.Wire` is this)."""
 
     group: Any  # the process group
     ranks: list[int]  # the pipeline's processes, in pipeline order

@@ -1,7 +1,7 @@
 """`Resume`: a checkpoint a fit starts from, read where each part of it lives.
 
 Lightning reads ``ckpt_path=`` in one piece (``torch.load``) and then hands the module's and the optimizers'
-states to the strategy. Under `PipeStrategy` the checkpoint is opened instead (`lightning_pipe.weights.checkpoint`:
+states to the strategy. Under `PipeStrategy` the checkpoint is opened instead (`lightning_pipe.checkpoint.reader`:
 a single file mapped into memory, or a sharded folder), Lightning gets what it restores itself (loops,
 callbacks, schedulers, the precision plugin's state), and the tensors are read where they live: each stage
 reads its own when it is built (`StageInit`), the coordinator reads the LightningModule's tensors outside the
@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_pipe.checkpoint.reader import CheckpointReader, FileCheckpoint, OptimizerLayout, open_checkpoint
 from lightning_pipe.weights import StageInit, materialize
-from lightning_pipe.weights.checkpoint import CheckpointReader, FileCheckpoint, OptimizerLayout, open_checkpoint
 from lightning_pipe.weights.sources import PathLike, is_distributed_checkpoint
 
 

@@ -1,10 +1,10 @@
-"""The sending half of a wire (`p2p_wire`): one link per peer and the frames that go over it.
+"""The sending half of a wire (`p2p.wire`): one link per peer and the frames that go over it.
 
 A send posts its frame's ``isend``s from the sending thread itself, under the link's lock, and returns:
 the transfer runs in the process group's own I/O threads, so each link keeps its order and no thread has
 to be woken to send. A frame's tensors stay referenced until their sends completed. A tensor message
 sends its signature (its tensors' shapes and dtypes) once per link and a marker after that. Over gloo a
-message of up to `p2p_frames.INLINE_BYTES` is one inline frame, one ``isend`` of a packed copy into a
+message of up to `p2p.frames.INLINE_BYTES` is one inline frame, one ``isend`` of a packed copy into a
 buffer the receiver posted ahead; a larger one is a header-only frame followed by its parts. Under NCCL,
 whose receives must match their sends' sizes, every part of a frame is its own send, in order.
 """
@@ -23,9 +23,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_pipe.comm import p2p_frames as frames
 from lightning_pipe.comm.base import Message
-from lightning_pipe.comm.p2p_frames import FRAME_BUFFERS, FRAME_TAG, SPILL_TAG, ahead_of_time, body_tag
+from lightning_pipe.comm.p2p import frames
+from lightning_pipe.comm.p2p.frames import FRAME_BUFFERS, FRAME_TAG, SPILL_TAG, ahead_of_time, body_tag
 
 
 @dataclass

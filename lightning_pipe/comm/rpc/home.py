@@ -1,22 +1,11 @@
 """The rank the coordinator's process holds itself under ``transport="rpc"``: the pipeline's last stage.
 
-As in launched mode (`p2p`), the rank of the last stage runs as a stage worker thread in the
-coordinator's process, on its own device: the last stage's output and that output's gradient never
-cross processes, and the last stage computes each microbatch's loss itself (`Communicator.shares_objects`,
-the engine's `LossPlan`). Its inputs from the rank before it arrive over the world's data plane as any
-rank's do, and its input gradients go back the same way (the codec runs before each send that crosses);
-the coordinator's messages to it and its messages to the coordinator are handed over by reference. The
-worker processes serve the other ranks, rank r in slot r (world rank r + 1); this rank is world rank 0::
-
-    coordinator's process (world rank 0)                   worker process (slot 0, world rank 1)
-    coordinator ----------input (plane)----------------------> rank 0 (stage 0)
-        ^ losses, by reference                                    |
-    rank 1 (the last stage) <--------activation (plane)-----------+
-                            ---------grad (plane)----------------->
-
-A rank that holds several stages (virtual stages) comes along whole. Where it cannot come (one rank holds
-every stage, `runner="linear"`; its device is a GPU this machine does not have; ``colocate=False``) every
-rank runs in a worker process as before, the coordinator computes the losses, and the log says why.
+As in launched mode, the last stage's rank runs as a stage worker thread in the coordinator's process, on its
+own device: its output and that output's gradient never cross processes, and it computes each microbatch's
+loss itself. Its inputs and input gradients cross the world's data plane as any rank's do; the coordinator's
+messages to it are handed over by reference. Where it cannot come (one rank holds every stage, its device is
+not on this machine, ``colocate=False``) every rank runs in a worker process and the log says why
+(docs/internals.md).
 """
 
 from __future__ import annotations
@@ -32,9 +21,9 @@ import torch
 
 from lightning_pipe.comm import by_value
 from lightning_pipe.comm.base import COORDINATOR
-from lightning_pipe.comm.rpc_endpoint import TransportStats
-from lightning_pipe.comm.rpc_plane import DataPlane, world_rank
-from lightning_pipe.comm.rpc_stages import build_stage, stage_ended, stage_stats, stop_stage
+from lightning_pipe.comm.rpc.endpoint import TransportStats
+from lightning_pipe.comm.rpc.plane import DataPlane, world_rank
+from lightning_pipe.comm.rpc.stages import build_stage, stage_ended, stage_stats, stop_stage
 from lightning_pipe.errors import StageError
 
 
@@ -52,7 +41,7 @@ class RankPlacement:
         return [rank for rank in range(self.ranks) if rank != self.home]
 
     def processes(self) -> dict[int, int]:
-        """The world ranks that `rpc_plane.world_rank` does not give: the coordinator's, and its rank's."""
+        """The world ranks that `rpc.plane.world_rank` does not give: the coordinator's, and its rank's."""
         return {COORDINATOR: 0} | ({self.home: 0} if self.home is not None else {})
 
     def process(self, rank: int) -> int:

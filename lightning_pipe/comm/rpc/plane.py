@@ -1,24 +1,10 @@
 """The data plane of an RPC world: activations and gradients between its processes, point to point.
 
-Control stays on RPC (handshake, builds, the ready ping, steps, calls, replies, heartbeats). The
-tensor messages (activations, outputs, gradients) go over private process groups in the p2p wire
-format of launched mode (`p2p_wire`: a signature negotiated once per link, inline frames into
-receives posted ahead). The groups are made apart from torch.distributed's default group, on the
-RPC world's own rendezvous store under a prefix of theirs, so the user's process keeps its one
-default group (Lightning's) and never calls ``init_process_group`` for this:
-
-- gloo over every process of the world: the coordinator (world rank 0) and each stage slot (rank
-  r's slot is world rank r + 1); CUDA tensors cross it through host memory;
-- NCCL over the slots on CUDA devices that no other slot of their machine uses, so that tensors
-  between them go GPU to GPU. Two processes cannot share one GPU under NCCL: slots that share a
-  device, and the coordinator, reach the others over gloo (`PlaneLayout.describe` says who goes how).
-  NCCL runs a pair's sends and receives on one stream, so each direction has a group and a wire of
-  its own ("up": to higher world ranks, "down": to lower ones).
-
-An endpoint's inbox is attached under an *address* of its launch and rank (`address`): a message of a
-pipeline that stopped never reaches the next pipeline's stage of the same rank.
-
-    coordinator (0) --gloo--> slot 0 (1) --NCCL or gloo--> slot 1 (2) --gloo--> coordinator (0)
+Control stays on RPC; tensor messages go over private process groups in launched mode's p2p wire format,
+made on the RPC world's own store apart from torch.distributed's default group (Lightning's): gloo over every
+process of the world, NCCL between slots on CUDA devices that no other slot of their machine uses
+(`PlaneLayout.describe` says who goes how). An endpoint's inbox is attached under an *address* of its launch
+and rank, so a message of a pipeline that stopped never reaches the next one's stage (docs/internals.md).
 """
 
 from __future__ import annotations
@@ -33,8 +19,8 @@ from typing import Any
 import torch.distributed as dist
 
 from lightning_pipe.comm.base import Message, QueueInbox, deadline, remaining
-from lightning_pipe.comm.p2p_send import WireStats
-from lightning_pipe.comm.p2p_wire import Wire
+from lightning_pipe.comm.p2p.send import WireStats
+from lightning_pipe.comm.p2p.wire import Wire
 
 
 def address(launch: str, rank: int) -> int:
@@ -63,7 +49,7 @@ class PlaneLayout:
     @staticmethod
     def of(slots: Sequence[tuple[str, str]], coordinator: tuple[str, str] | None = None) -> PlaneLayout:
         """The layout for stage slots given as (machine, device), in rank order; ``coordinator``: the (machine,
-        device) of the stage the coordinator's process holds itself (`rpc_home`), None if it holds none."""
+        device) of the stage the coordinator's process holds itself (`rpc.home`), None if it holds none."""
         devices = [(host, _normalized(device)) for host, device in [coordinator or ("", "cpu"), *slots]]
         users = Counter(devices)
         cuda = [w for w, (_, device) in enumerate(devices) if is_cuda(device)]

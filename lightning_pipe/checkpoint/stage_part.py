@@ -3,24 +3,24 @@
 In launched mode every process writes its own part of a checkpoint folder (torch.distributed.checkpoint,
 a collective over the whole world) and reads only its own part of one, so no process ever holds a
 whole model or a whole optimizer state. The coordinator starts both with a control call that every
-rank serves at once (`lightning_pipe.weights.sharded`, `lightning_pipe.weights.checkpoint`). Under
+rank serves at once (`lightning_pipe.checkpoint.sharded`, `lightning_pipe.checkpoint.reader`). Under
 ``transport="rpc"`` the ranks share no process group with the coordinator: it carries DCP's plans over two
-control calls, ``plan_part`` and ``write_part`` (`lightning_pipe.weights.sharded_steps`); the folder is the
+control calls, ``plan_part`` and ``write_part`` (`lightning_pipe.checkpoint.sharded_steps`); the folder is the
 same. Keys are the LightningModule's: ``prefix`` (the pipelined module's path, ``"model."``) before a shard's own names.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
+from torch import nn
 from torch.distributed.tensor import DTensor
 
-from lightning_pipe.engine.stage_state import StageStateCalls
-from lightning_pipe.weights.checkpoint import OptimizerLayout, open_checkpoint
-from lightning_pipe.weights.sharded import OptimizerPart, save_sharded, sharded_state
-from lightning_pipe.weights.sharded_steps import FolderPart
+from lightning_pipe.checkpoint.reader import OptimizerLayout, open_checkpoint
+from lightning_pipe.checkpoint.sharded import OptimizerPart, save_sharded, sharded_state
+from lightning_pipe.checkpoint.sharded_steps import FolderPart
 
 
 @dataclass
@@ -36,15 +36,27 @@ class CoordinatorPart:
     meta: dict[str, Any] | None = None
 
 
+class WorkerOptimizer(Protocol):
+    """What a stage's part of a checkpoint reads of the worker: its optimizer and its parameters by name
+    (`lightning_pipe.engine.stage_state.StageStateCalls` is the worker's)."""
+
+    def has_optimizer(self) -> bool: ...
+
+    def optimizer(self) -> tuple[torch.optim.Optimizer, list[list[str]]]:
+        """The optimizer and, per parameter group, the names of its parameters in order."""
+        ...
+
+    def named_parameters(self) -> dict[str, nn.Parameter]: ...
+
+
 class StageCheckpoint:
     """Serves ``save_sharded``, ``plan_part``, ``write_part`` and ``load_optimizer_from`` over the worker's shards
     and its optimizer."""
 
-    def __init__(self, shards: dict[int, Any], state: StageStateCalls) -> None:
+    def __init__(self, shards: dict[int, Any], state: WorkerOptimizer) -> None:
         self.shards = shards
         self.state = state
         self.part: FolderPart | None = None  # a folder being written step by step (between plan_part and write_part)
-
 
     def _model(self, prefix: str) -> dict[str, torch.Tensor]:
         return {prefix + k: v for shard in self.shards.values() for k, v in shard.module.state_dict().items()}

@@ -1,8 +1,8 @@
 """Building one pipeline's stages in an RPC world: the remote builds, and the ready ping that follows them.
 
-Each remote rank builds its stage from its pickled `StageSpec` (`rpc_stages.build_stage`); what the
+Each remote rank builds its stage from its pickled `StageSpec` (`rpc.stages.build_stage`); what the
 training script defines itself goes by value (`by_value`). The builds run at once, while the caller
-builds the stage its own process holds (`rpc_home`); then every rank answers a ping sent through the
+builds the stage its own process holds (`rpc.home`); then every rank answers a ping sent through the
 path every later message takes, so a pipeline starts only once all of them can be reached. Each wait
 is bounded and calls ``wait_step`` between polls: it raises when a worker is lost or time is up.
 """
@@ -16,9 +16,9 @@ import torch.distributed.rpc as rpc
 
 from lightning_pipe.comm.base import PING, Message, MessageKind, remaining
 from lightning_pipe.comm.by_value import ByValue
-from lightning_pipe.comm.rpc_endpoint import RpcEndpoint
-from lightning_pipe.comm.rpc_hosted import wait_future
-from lightning_pipe.comm.rpc_stages import build_stage
+from lightning_pipe.comm.rpc.endpoint import RpcEndpoint
+from lightning_pipe.comm.rpc.hosted import wait_future
+from lightning_pipe.comm.rpc.stages import build_stage
 from lightning_pipe.errors import StageError
 
 WaitStep = Callable[[float, str], None]  # (deadline, what is awaited): raises if the wait must end

@@ -1,28 +1,11 @@
 """The RPC communicator: stage workers in other processes, on this machine or others.
 
-Built on ``torch.distributed.rpc`` (TensorPipe). The coordinator owns a private RPC world, apart
-from Lightning's: it listens on a control port (`control.ControlServer`), waits for enough stage
-slots (worker processes it spawned itself, or ``lightning-pipe worker`` processes on other
-machines), handshakes, hands out ranks, and then every participant joins an RPC world whose
-rendezvous store the coordinator hosts. Each stage is built remotely from its pickled `StageSpec`
-and pings back when ready.
-
-Control messages (steps, calls, replies, a stage's end) are ``rpc_async`` calls on the receiving
-process (`rpc_endpoint`), which put them into the stage's inbox and wake its event loop; activations
-and gradients go point to point over the world's data plane (`rpc_plane`: private gloo and NCCL
-groups in launched mode's wire format). The worker side lives in `rpc_stages` (the stages a process
-serves) and `slot` (a worker process); the world itself in `rpc_hosted`. Activations go from stage to
-stage directly. As in launched mode, the coordinator's process holds the rank of the last stage itself
-(`rpc_home`), so the last stage's output and its gradient never cross processes and the loss is computed
-on the last stage: an S-rank pipeline takes S - 1 worker processes. Parameters never travel: they are
-built into the stage once.
-
-    coordinator's process                                  worker processes
-    coordinator --------input------------------------------> rank 0 (worker 0)
-        ^ losses, by reference                                  | activation  ^ grad
-        |                                                       v             |
-    rank 2 (the last stage) <--------activation------------ rank 1 (worker 1)
-                            ---------grad------------------>
+Built on ``torch.distributed.rpc`` (TensorPipe). The coordinator owns a private RPC world, apart from
+Lightning's: it waits for enough stage slots on its control port (`control.ControlServer`), hands out ranks,
+and every participant joins a world whose store it hosts; each stage is built remotely from its `StageSpec`
+and pings back when ready. Control messages are ``rpc_async`` calls (`rpc.endpoint`); activations and
+gradients go point to point over the world's data plane (`rpc.plane`). The coordinator's process holds the
+last stage itself (`rpc.home`): an S-rank pipeline takes S - 1 worker processes (docs/internals.md).
 """
 
 from __future__ import annotations
@@ -43,12 +26,12 @@ from lightning_pipe.comm.base import COORDINATOR, Communicator, Endpoint, deadli
 from lightning_pipe.comm.compress import resolve_codec
 from lightning_pipe.comm.control import ControlServer, Slot, parse_address
 from lightning_pipe.comm.local_workers import exit_reason
-from lightning_pipe.comm.rpc_build import await_builds, ready_ping, start_builds
-from lightning_pipe.comm.rpc_endpoint import RpcEndpoint, TransportStats, register_inbox
-from lightning_pipe.comm.rpc_home import HomeStage, RankPlacement, home_device, place
-from lightning_pipe.comm.rpc_hosted import HostedWorld, wait_all
-from lightning_pipe.comm.rpc_plane import DataPlane
-from lightning_pipe.comm.rpc_stages import stage_stats, stop_stage
+from lightning_pipe.comm.rpc.build import await_builds, ready_ping, start_builds
+from lightning_pipe.comm.rpc.endpoint import RpcEndpoint, TransportStats, register_inbox
+from lightning_pipe.comm.rpc.home import HomeStage, RankPlacement, home_device, place
+from lightning_pipe.comm.rpc.hosted import HostedWorld, wait_all
+from lightning_pipe.comm.rpc.plane import DataPlane
+from lightning_pipe.comm.rpc.stages import stage_stats, stop_stage
 from lightning_pipe.comm.slot import TOKEN_ENV
 from lightning_pipe.errors import PipeTimeoutError, TransportError
 
@@ -80,7 +63,7 @@ class RpcCommunicator(Communicator):
             ``"bf16"`` / ``"fp16"`` (lossy casts), ``"zstd"`` (lossless), ``"bf16+zstd"``,
             ``"fp16+zstd"``, or a codec object (`lightning_pipe.comm.compress.Codec`).
         colocate: the coordinator's process holds the rank of the last stage itself, on that stage's device
-            (`rpc_home`), as launched mode does; False: every rank in a worker process, the losses computed
+            (`rpc.home`), as launched mode does; False: every rank in a worker process, the losses computed
             by the coordinator from the last stage's outputs (which then cross, and their gradients too).
     """
 
@@ -121,7 +104,7 @@ class RpcCommunicator(Communicator):
 
     @property
     def shares_objects(self) -> bool:  # type: ignore[override]
-        """Whether this process holds the last stage (`rpc_home`): then it computes the losses itself."""
+        """Whether this process holds the last stage (`rpc.home`): then it computes the losses itself."""
         return self._placement.home is not None
 
     @property
