@@ -16,7 +16,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from launching import ROOT, Run, lightning_launch
+from launching import ROOT, Run, base_env, free_port, lightning_launch, run_all
 
 from lightning_pipe import PipeStrategy
 from lightning_pipe.checkpoint.consolidate import consolidate
@@ -29,12 +29,16 @@ import big_model  # noqa: E402 - the example, imported for its LightningModule
 MIB = 1 << 20
 
 
-def launch_runs(folder: Path, runs: list[list[str]], timeout: float = 600) -> Run:
-    """One launch (Lightning's launcher, as ``python big_model.py`` starts it) doing ``runs``, big_model.py
-    command lines, one after another in the same processes (`big_model_runs.py`)."""
-    folder.mkdir(parents=True)
-    (folder / "runs.json").write_text(json.dumps(runs))
-    run = lightning_launch(RUNS, [str(folder / "runs.json")], timeout=timeout)
+def launch_runs(*launches: tuple[Path, list[list[str]]], timeout: float = 600) -> Run:
+    """Launches (Lightning's launcher, as ``python big_model.py`` starts it), all at once, each doing its ``runs``
+    (big_model.py command lines) one after another in the same processes (`big_model_runs.py`)."""
+    commands = []
+    for folder, runs in launches:
+        folder.mkdir(parents=True)
+        (folder / "runs.json").write_text(json.dumps(runs))
+        env = base_env() | {"MASTER_PORT": str(free_port())}
+        commands.append(([sys.executable, RUNS, str(folder / "runs.json")], env))
+    run = run_all(commands, timeout)
     assert run.ok, f"launch failed ({run.returncodes}):\n{run.output[-6000:]}"
     return run
 
@@ -91,7 +95,7 @@ def test_a_512_mib_model_resumed_per_stage_holds_a_stage_per_process(tmp_path: P
     }
     runs = [[*args, "--ckpt-path", str(tmp_path / "plain.ckpt"), "--report", str(tmp_path / name)]
             for name, (args, _) in cases.items()]  # fmt: skip
-    launch_runs(tmp_path / "launch", runs)
+    launch_runs((tmp_path / "launch", runs))
     empty = empty_mib(tmp_path / "launch")
     for name, (_, share) in cases.items():
         got = reports(tmp_path / name)
@@ -130,9 +134,9 @@ def against_ddp(name: str, folder: Path) -> tuple[list[str], list[str]]:
 
 @pytest.fixture(scope="module")
 def small_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Every launched run of the small model's tests below, in two launches: the 4-process runs (FSDP against
-    DDP, the resumed layouts, the seeded builds) one after another in one set of processes, and Lightning
-    DDP's runs in a set of 2. Each run writes its own folder; the tests compare them."""
+    """Every launched run of the small model's tests below, in two launches side by side: the 4-process runs
+    (FSDP against DDP, the resumed layouts, the seeded builds) one after another in one set of processes, and
+    Lightning DDP's runs in a set of 2. Each run writes its own folder; the tests compare them."""
     folder = tmp_path_factory.mktemp("small")
     four, two = [], []
     for name in AGAINST_DDP:
@@ -149,8 +153,7 @@ def small_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for name, args in SEEDED.items():
         four.append([*SMALL, *args, "--build", "meta", "--epochs", "0", "--save-at-end",
                      str(folder / f"seeded-{name}" / "initial")])  # fmt: skip
-    launch_runs(folder / "four", four)
-    launch_runs(folder / "two", two)
+    launch_runs((folder / "four", four), (folder / "two", two))
     return folder
 
 
