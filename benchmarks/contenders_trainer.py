@@ -224,6 +224,14 @@ def serve_one_fit(
             last = _last_result(trainer)  # which schedule ran (schedule="auto": the chosen one) and its prediction
             ran = {"schedule": getattr(getattr(last, "schedule", None), "name", None)}
             ran |= {"microbatches": len(last.losses), "predicted_s": last.predicted} if last is not None else {}
+            choice = getattr(trainer.strategy, "schedule_choice", None)  # auto: every candidate's prediction
+            if choice is not None:
+                ran["placement"] = choice.chosen.placement
+                ran["predictions_s"] = {
+                    c.name: c.predicted
+                    for c in choice.candidates
+                    if c.predicted is not None and c.microbatches == choice.chosen.microbatches
+                }
             conn.send(("ok", {"times": self.times, "info": info, "cpu": cpu, "ran": ran}))
 
     driven = Driven()

@@ -11,7 +11,8 @@ takes one, else two per rank (4 stages, cut as torch's stages are cut). Each sch
   has it, rounds alternating, after one checked step (both must make the same first update); the paired ratio
   is torch's median step time over ours in the same round, the median over rounds (> 1: lightning_pipe faster);
 - ``auto``: ``schedule="auto"`` (same stages per rank) against the fastest fixed schedule of the races above,
-  alternating again; reported with what auto chose and its predicted step time.
+  alternating again; reported with what auto chose (and in which placement), its predicted step time, and its
+  prediction of every fixed schedule (``predicted_ms`` of each fixed row: compare it with the row's measurement).
 
 Prints a table and writes ``benchmarks/results/schedules.json``. The machine's speed drifts: only ratios measured
 in one race mean much.
@@ -121,6 +122,11 @@ def paired(ours: list[list[float]], theirs: list[list[float]]) -> float:
     return statistics.median(statistics.median(t) / statistics.median(o) for o, t in zip(ours, theirs, strict=True))
 
 
+def round_ms(rounds: list[list[float]]) -> list[float]:
+    """Each round's median step time in ms (the spread over rounds shows the machine's noise)."""
+    return [round(statistics.median(r) * 1e3, 1) for r in rounds]
+
+
 def median_ms(rounds: list[list[float]]) -> float:
     return statistics.median(t for r in rounds for t in r) * 1e3
 
@@ -128,15 +134,18 @@ def median_ms(rounds: list[list[float]]) -> float:
 def workload_rows(args: argparse.Namespace, workload: str) -> dict[str, Any]:
     rows: dict[str, Any] = {}
     for name, virtual in schedules(args.ranks, args.microbatches):
+        if args.schedules and name not in args.schedules.split(","):
+            continue
         ours = config(args, workload, name, virtual)
         entries: list[Entry] = [(name, "lightning_pipe", ours)]
-        if name in TORCH_SCHEDULES:
+        if name in TORCH_SCHEDULES and not args.without_torch:
             entries.append((f"torch {name}", "torch", dataclasses.replace(ours)))
         print(f"{workload}: {name} ({virtual} stage(s) per rank)", file=sys.stderr, flush=True)
         result = race(entries, args)
         row: dict[str, Any] = {"virtual_stages": virtual, "step_ms": median_ms(result["rounds"][name])}
+        row["rounds_ms"] = round_ms(result["rounds"][name])
         row["torch"] = TORCH_SCHEDULES.get(name)
-        if name in TORCH_SCHEDULES:
+        if f"torch {name}" in result["rounds"]:
             theirs = result["rounds"][f"torch {name}"]
             row |= {"torch_step_ms": median_ms(theirs), "ratio_vs_torch": paired(result["rounds"][name], theirs)}
         row["same_first_update"] = all(result["same_first_update"].values())
@@ -159,10 +168,16 @@ def workload_rows(args: argparse.Namespace, workload: str) -> dict[str, Any]:
             "best_fixed": best,
             "best_fixed_step_ms": median_ms(best_rounds),
             "ratio_vs_best_fixed": paired(auto_rounds, best_rounds),
+            "rounds_ms": round_ms(auto_rounds),
+            "best_fixed_rounds_ms": round_ms(best_rounds),
             "chose": chose.get("schedule"),
+            "placement": chose.get("placement"),
             "predicted_ms": (chose.get("predicted_s") or 0.0) * 1e3 or None,
             "same_first_update": all(result["same_first_update"].values()),
         }
+        for name, seconds in (chose.get("predictions_s") or {}).items():
+            if name in fixed:
+                fixed[name]["predicted_ms"] = seconds * 1e3  # auto's prediction of each fixed schedule
     return rows
 
 
@@ -176,10 +191,13 @@ def table(results: dict[str, dict[str, Any]]) -> str:
             torch_ms = f"{r['torch_step_ms']:.1f}" if "torch_step_ms" in r else "-"
             ratio = f"{r['ratio_vs_torch']:.2f}" if "ratio_vs_torch" in r else "-"
             note = "" if name.startswith("auto") or r["torch"] else "torch has no such schedule"
+            if r.get("predicted_ms") and not name.startswith("auto"):
+                note = "; ".join(filter(None, [note, f"auto predicted {r['predicted_ms']:.1f} ms"]))
             if name.startswith("auto"):
                 predicted = f", predicted {r['predicted_ms']:.1f} ms" if r.get("predicted_ms") else ""
+                placed = f" (placement {r['placement']})" if r.get("placement") else ""
                 note = (
-                    f"chose {r['chose']}{predicted}; {r['ratio_vs_best_fixed']:.2f}x the best fixed "
+                    f"chose {r['chose']}{placed}{predicted}; {r['ratio_vs_best_fixed']:.2f}x the best fixed "
                     f"({r['best_fixed']}, {r['best_fixed_step_ms']:.1f} ms in the same race)"
                 )
             if not r["same_first_update"]:
@@ -199,6 +217,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per contender before the rounds")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--steps", type=int, default=2, help="timed steps per contender per round")
+    parser.add_argument("--schedules", default="", help="only these fixed schedules (comma-separated; default all)")
+    parser.add_argument("--without-torch", action="store_true", help="no torch contenders (auto against ours only)")
     parser.add_argument("--json", default=str(REPO / "benchmarks" / "results" / "schedules.json"))
     args = parser.parse_args(argv)
     workloads = [w.strip() for w in args.workloads.split(",")]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
@@ -25,7 +26,7 @@ from lightning_pipe.auto_schedule import AUTO, AutoSchedule, ScheduleChooser, fi
 from lightning_pipe.backends import BackendArg, BackendPlan, CoordinatorOps, ExecutionTrace, resolve_backends
 from lightning_pipe.backends.compiled import split_compiled
 from lightning_pipe.comm import Communicator
-from lightning_pipe.engine import AutocastSpec, Coordinator, StageProtocol, StepResult
+from lightning_pipe.engine import AutocastSpec, Coordinator, StageProtocol, StageSpec, StepResult
 from lightning_pipe.engine.runners import worker_of_stages
 from lightning_pipe.engine.stream import AsyncRun, train_stream
 from lightning_pipe.errors import ConfigurationError
@@ -42,8 +43,8 @@ from lightning_pipe.rng import run_seed
 from lightning_pipe.runtime import BaseRuntime
 from lightning_pipe.schedule import placement_of, resolve_schedule
 from lightning_pipe.stage_layout import resolve_runtime, stage_devices, worker_specs
+from lightning_pipe.stage_moves import move_stages, moves_of
 from lightning_pipe.stage_state import StageState
-from lightning_pipe.transports import TRANSPORTS as TRANSPORTS  # re-exported: strategy/arguments.py
 from lightning_pipe.transports import register_transport as register_transport
 from lightning_pipe.transports import resolve_transport
 from lightning_pipe.weights import StageInit
@@ -90,15 +91,15 @@ class Pipeline:
         init: StageInit | None = None,
         **transport_options: Any,
     ) -> None:
+        options = schedule if isinstance(schedule, AutoSchedule) else AutoSchedule()
         self.auto_schedule = (  # schedule="auto": measures in the first training step, chooses before the second
-            ScheduleChooser(schedule if isinstance(schedule, AutoSchedule) else AutoSchedule(), virtual_stages, runner)
-            if is_auto(schedule)
-            else None
+            ScheduleChooser(options, virtual_stages, runner, stages // virtual_stages) if is_auto(schedule) else None
         )
-        self.schedule_factory = self.auto_schedule.probe if self.auto_schedule else resolve_schedule(schedule)
+        self.schedule_factory = self.auto_schedule or resolve_schedule(schedule)  # auto: the probe, placed
         placement = placement_of(self.schedule_factory)  # where the schedule wants each stage
         self.worker_of_stage = worker_of_stages(runner, stages, virtual_stages, placement)
         self.devices = stage_devices(devices, stages, stages // virtual_stages, placement)
+        self._given_devices = devices
         module, backend = split_compiled(module, backend, stages, strict)  # torch.compile(m): split m, compile stages
         self.module = module
         self.virtual_stages = virtual_stages
@@ -121,6 +122,7 @@ class Pipeline:
         self._coordinator: Coordinator | None = None
         self._stage_state: StageState | None = None
         self._started = False
+        self._moved = ExecutionTrace([])  # the execution traces of stage workers replaced by a move
         if sample is not None or not self.partitioner.needs_sample:
             self.build(sample)
 
@@ -150,20 +152,9 @@ class Pipeline:
         if self._coordinator is not None:
             return self
         self.shards = self.partitioner.partition(self.module, self.devices, sample)
-        specs = worker_specs(
-            self.shards,
-            self.worker_of_stage,
-            self.runtimes,
-            self.checkpoint,
-            self.timeout,
-            self.autocast,
-            self.backend,
-            self.seed,
-            self.init.for_module(self.module),
-        )
         self._coordinator = Coordinator(
             self.communicator,
-            specs,
+            self._specs(self.init.for_module(self.module)),
             self.schedule_factory,
             self.timeout,
             self.coordinator_device,
@@ -176,6 +167,27 @@ class Pipeline:
         if self._started:
             self._coordinator.start()
         return self
+
+    def _specs(self, init: StageInit | None) -> list[StageSpec]:
+        """Each worker's `StageSpec` in the current placement (``init``: how it makes its tensors; None: they have
+        values)."""
+        return worker_specs(
+            self.shards,
+            self.worker_of_stage,
+            self.runtimes,
+            self.checkpoint,
+            self.timeout,
+            self.autocast,
+            self.backend,
+            self.seed,
+            init,
+        )
+
+    def _move_stages(self, placement: str) -> None:
+        """Start the stage workers again in ``placement``, every state kept (`lightning_pipe.stage_moves`)."""
+        self.worker_of_stage = worker_of_stages(self.runner, len(self.devices), self.virtual_stages, placement)
+        moved = move_stages(self.coordinator, self.stage_state, self._specs(None), self.auto_checkpoint)
+        self._moved = self._moved.merged(moved)
 
     def _stages_built_on(self, sample: Any) -> StageState:
         return self.build(sample).stage_state
@@ -221,9 +233,10 @@ class Pipeline:
         """Per stage: which backend ran its forwards and which substituted ops ran where."""
         per_rank = self.coordinator.stages.call(StageProtocol.execution_trace, reset)
         stages = ExecutionTrace(sorted((t for traces in per_rank for t in traces), key=lambda t: t.stage))
-        trace = stages.merged(ExecutionTrace([self.coordinator_ops.trace]))
+        trace = stages.merged(ExecutionTrace([self.coordinator_ops.trace])).merged(self._moved)
         if reset:
             self.coordinator_ops.trace.reset()
+            self._moved = ExecutionTrace([])
         return trace
 
     def train_step(
@@ -287,7 +300,8 @@ class Pipeline:
         first = next(stream, None)  # builds the pipeline
         if first is None:
             raise ConfigurationError("train_async needs at least one batch")
-        result = train_stream(self.coordinator, _chain(first, stream), count, self._weighted(criterion), optimizer)
+        batches_in = itertools.chain([first], stream)
+        result = train_stream(self.coordinator, batches_in, count, self._weighted(criterion), optimizer)
         per_batch = [sum(result.losses[b * microbatches : (b + 1) * microbatches]) for b in range(count)]
         staleness = [s for stats in self.coordinator.stages.call(StageProtocol.async_stats) for s in stats]
         return AsyncRun(losses=per_batch, staleness=sorted(staleness, key=lambda s: s.stage), step=result)
@@ -303,7 +317,8 @@ class Pipeline:
         if not self.built:  # a traced module's first step: built on its first microbatch
             ranks = len(self.devices) // self.virtual_stages
             return first_microbatches(rows, ranks) if microbatches == AUTO else int(microbatches)
-        return self.auto_schedule.before_step(self.coordinator, microbatches, rows, report)
+        moves = moves_of(self.communicator, self._given_devices, self.devices, self.virtual_stages, self._move_stages)
+        return self.auto_schedule.before_step(self.coordinator, microbatches, rows, report, moves)
 
     def after_train_step(self, result: StepResult) -> None:
         """Call after each (synchronous) training step: ``schedule="auto"`` measures the first, predicts the later."""
@@ -377,8 +392,3 @@ _NOT_BUILT = (
     "the pipeline is built on its first step (its partitioner needs an example batch); "
     "pass sample=... to build it earlier"
 )
-
-
-def _chain(first: Any, rest: Iterator[Any]) -> Iterator[Any]:
-    yield first
-    yield from rest

@@ -162,13 +162,19 @@ class AutoCheckpoint:
         self.devices = list(devices)
         self.steps = 0
         self.plan: RecomputePlan | None = None
+        self._sizes: dict[int, StageBytes] = {}  # the measured step's stash sizes, where its workers are gone
+
+    def remember(self, coordinator: Coordinator) -> None:
+        """Keep the stash sizes the workers measured (before they are replaced: `lightning_pipe.stage_moves`)."""
+        if self.plan is None:
+            self._sizes = _merged(coordinator.stages.call(StageProtocol.stash_sizes))
 
     def before_step(self, coordinator: Coordinator, microbatches: int) -> RecomputePlan | None:
         """Call before each training step; returns the plan once, before the step it first applies to."""
         self.steps += 1
         if self.plan is not None or self.steps < 2:
             return None
-        sizes: dict[int, StageBytes] = _merged(coordinator.stages.call(StageProtocol.stash_sizes))
+        sizes: dict[int, StageBytes] = self._sizes or _merged(coordinator.stages.call(StageProtocol.stash_sizes))
         if len(sizes) < coordinator.num_stages:  # the first step did not get through: measure in the next
             return None
         memory: dict[int, DeviceMemory | None] = _merged(coordinator.stages.call(StageProtocol.device_memory))

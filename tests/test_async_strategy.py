@@ -101,7 +101,7 @@ def test_lr_scheduler_reaches_the_stage_optimizers() -> None:
     once, many = Scheduled(mlp(depth=4)), Scheduled(mlp(depth=4))
     fit(once, "async", DataLoader(ds, batch_size=16), limit_val_batches=0, max_steps=1)
     t = fit(many, "async", DataLoader(ds, batch_size=16), limit_val_batches=0)
-    optimizers = [o for o, _ in t.strategy.asynchronous.stage_optimizers]
+    optimizers = [o for o, _ in t.strategy.steps.training.stage_optimizers]
     assert len(optimizers) == 3 and all(type(o) is torch.optim.SGD for o in optimizers)
     assert all(o.param_groups[0]["momentum"] == 0.5 and o.param_groups[0]["lr"] == 0.0 for o in optimizers)
     start = mlp(depth=4)

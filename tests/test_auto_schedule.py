@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 from helpers import Classifier, max_param_diff, mlp
 from test_transparency import fit
+from torch import nn
 
+import lightning_pipe.auto_schedule as auto_schedule
 from lightning_pipe import Pipeline, PipeStrategy
 from lightning_pipe.auto_schedule import AutoSchedule, ScheduleChooser
+from lightning_pipe.comm import LocalCommunicator
 from lightning_pipe.errors import ConfigurationError
-from lightning_pipe.schedule import Kind, Schedule
+from lightning_pipe.schedule import Kind, Schedule, placement_of
 from lightning_pipe.strategy.arguments import auto_schedule_of
 from lightning_pipe.timeline import StepTimeline
 
@@ -44,7 +48,8 @@ def test_auto_equals_the_chosen_schedule_and_the_unsplit_run(caplog: pytest.LogC
         auto_losses, (auto_net, choice), results = _train("auto", ["auto"] * 3)
     assert choice is not None
     chosen, count = choice.chosen.name, choice.chosen.microbatches
-    assert any(f"schedule='auto' chose {chosen!r} with {count} microbatches" in r.message for r in caplog.records)
+    placed = f"(placement {choice.chosen.placement!r})"
+    assert any(f"chose {chosen!r} {placed} with {count} microbatches" in r.message for r in caplog.records)
     assert [len(r.losses) for r in results] == [4, count, count]  # the measured step: 2 microbatches per rank
     assert results[0].predicted is None and results[1].predicted == choice.chosen.predicted
     assert results[1].schedule.name == chosen
@@ -105,3 +110,92 @@ def test_auto_configuration_errors_name_the_fix() -> None:
     with pytest.raises(ConfigurationError, match="microbatches='auto' is chosen by schedule='auto'"):
         with Pipeline(mlp(), stages=2) as pipe:
             pipe.train_step(*_batches(1)[0], F.cross_entropy, microbatches="auto")
+
+
+def _dropout_net() -> nn.Sequential:
+    """4 stages of 2 layers: dropout (the stages' generators) and batch norm (buffers) in them."""
+    torch.manual_seed(1)
+    return nn.Sequential(
+        nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Dropout(0.2),
+        nn.Linear(16, 16), nn.BatchNorm1d(16), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3),
+    )  # fmt: skip
+
+
+def _momentum_steps(schedule: object, steps: int = 3) -> tuple[nn.Module, list[float], Pipeline, dict[str, int]]:
+    net = _dropout_net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)  # state after step 1 that must carry over
+    balance = [2, 2, 3, 2]
+    losses = []
+    with Pipeline(net, 4, schedule, partition=balance, virtual_stages=2, checkpoint="never", seed=5) as pipe:
+        for x, y in _batches(steps):
+            result = pipe.train_step(x, y, F.cross_entropy, microbatches=4)
+            opt.step()
+            opt.zero_grad()
+            losses.append(float(sum(result.losses)))
+        runs = dict(pipe.execution_trace()[0].runs.get("train", {}))  # stage 0's forwards per backend
+    return net, losses, pipe, runs
+
+
+def _v_wins(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A V schedule wins, whatever this machine measures: the decision sees only the V's schedules."""
+    real = auto_schedule.choose
+
+    def only_v(costs: object, factories: dict[str, object], *args: object, **kwargs: object) -> object:
+        return real(costs, {n: f for n, f in factories.items() if placement_of(f) == "v"}, *args, **kwargs)
+
+    monkeypatch.setattr(auto_schedule, "choose", only_v)
+
+
+def test_auto_moves_its_stages_to_a_schedule_placed_otherwise_exactly(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    _v_wins(monkeypatch)
+    with caplog.at_level(logging.INFO, logger="lightning_pipe"):
+        auto_net, auto_losses, pipe, runs = _momentum_steps(AutoSchedule(placement="loop"))  # built round-robin
+    choice = pipe.auto_schedule.choice if pipe.auto_schedule is not None else None
+    assert choice is not None and choice.chosen.placement == "v"
+    assert pipe.coordinator.rank_of_stage == [0, 1, 1, 0]  # moved: stage r and 2R-1-r on rank r
+    logged = "\n".join(r.message for r in caplog.records)
+    assert f"chose {choice.chosen.name!r} (placement 'v')" in logged
+    assert "the stages moved from placement 'loop' to 'v' before this step" in logged
+    fixed_net, fixed_losses, _, fixed_runs = _momentum_steps(choice.chosen.name)  # the chosen schedule from the start
+    assert runs == fixed_runs and sum(runs.values()) == 3 * 4  # the old workers' trace kept with the new ones'
+    torch.testing.assert_close(torch.tensor(auto_losses), torch.tensor(fixed_losses), atol=1e-5, rtol=0)
+    assert max_param_diff(auto_net, fixed_net) < 1e-5
+    for a, b in zip(auto_net.buffers(), fixed_net.buffers(), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+def test_auto_builds_where_the_unit_costs_say_and_stages_owning_parameters_stay() -> None:
+    assert ScheduleChooser(AutoSchedule(), 2, "parallel", ranks=2, microbatches=8).placement == "v"
+    assert ScheduleChooser(AutoSchedule(), 2, "parallel", ranks=2, microbatches=2).placement == "loop"
+    assert PipeStrategy(stages=4, virtual_stages=2, microbatches=8, schedule="auto").builder.rank_placement == "v"
+    from lightning_pipe.stage_moves import OWN_PARAMETERS, moves_of
+
+    owning = SimpleNamespace(stages_own_parameters=True)  # as rpc's and launched mode's communicators
+    moves = moves_of(owning, None, ["cpu"] * 4, 2, lambda placement: None)  # type: ignore[arg-type]
+    assert moves.placements == [] and moves.why_not == OWN_PARAMETERS
+    local = moves_of(LocalCommunicator(), ["cpu", "meta"], ["cpu", "meta", "cpu", "meta"], 2, lambda placement: None)
+    assert local.placements == ["loop"] and "another device" in local.why_not  # one device per rank: stages stay
+
+
+class _Momentum(Classifier):
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+
+
+def test_trainer_moves_the_stages_keeping_lightnings_optimizer_state(monkeypatch: pytest.MonkeyPatch) -> None:
+    _v_wins(monkeypatch)
+    common = dict(stages=4, virtual_stages=2, microbatches=4, partition=[2, 2, 3, 2], checkpoint="never")
+    strategy = PipeStrategy(schedule=AutoSchedule(placement="loop"), **common)  # built round-robin
+    moved = _Momentum(_dropout_net())
+    got = fit(moved, strategy)
+    choice = strategy.schedule_choice
+    assert choice is not None and choice.chosen.placement == "v"
+    assert any("moved from placement 'loop' to 'v'" in note for note in choice.notes)
+    fixed = _Momentum(_dropout_net())
+    want = fit(fixed, PipeStrategy(schedule=choice.chosen.name, **common))  # the chosen schedule from the start
+    for step in range(3):
+        for g, w in zip(got.grads[step], want.grads[step], strict=True):
+            torch.testing.assert_close(g, w, atol=1e-5, rtol=0)
+    assert max_param_diff(moved, fixed) < 1e-5

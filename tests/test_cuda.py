@@ -169,7 +169,7 @@ def test_recompute_auto_reads_the_gpus_free_memory(monkeypatch: pytest.MonkeyPat
     """``checkpoint="auto"`` decides before the second step from ``torch.cuda.mem_get_info``: both stages report
     the one GPU's free memory (not "no limit", as on cpu); a small model recomputes nothing and stays exact."""
     logged: list[str] = []
-    monkeypatch.setattr("lightning_pipe.strategy.steps.rank_zero_info", logged.append)
+    monkeypatch.setattr("lightning_pipe.strategy.training.rank_zero_info", logged.append)
     plans: list[Any] = []
 
     class Plan(L.Callback):

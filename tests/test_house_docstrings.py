@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "lightning_pipe"
+INTERNALS = PACKAGE.parent / "docs" / "internals.md"
 MAX_LINES = 12
 # a timing, a speed-up or a share measured on some machine: "1.5 us per call", "3x faster", "40 %"
 MEASUREMENT = re.compile(
@@ -43,6 +44,13 @@ def test_module_docstrings_say_what_the_module_is_for_in_a_few_lines() -> None:
 
 def test_module_docstrings_carry_no_measurements() -> None:
     assert measurements(module_docstrings(PACKAGE)) == {}, "measurements belong in benchmarks/ or docs/performance.md"
+
+
+def test_each_section_of_the_internals_page_names_a_module_that_exists() -> None:
+    """A module moved or renamed takes its section's heading along (``## `lightning_pipe/x.py` ``)."""
+    named = re.findall(r"(?m)^## `([^`]+)`", INTERNALS.read_text())
+    assert named, "docs/internals.md has a section per module, headed by its path"
+    assert [n for n in named if not (PACKAGE.parent / n).is_file()] == []
 
 
 def test_the_checks_see_what_they_look_for() -> None:

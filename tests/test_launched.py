@@ -173,14 +173,17 @@ def test_two_processes_run_the_v_shaped_interleaved_and_breadth_first_schedules(
     """One pipeline of 2 processes, 2 stages each: zbv and dualpipev in a V (stages 0 and 3 in rank 0),
     interleaved-zero-bubble and looped-bfs looped; microbatches 2p and 4p; SGD and Adam; a loss averaged over
     the labelled rows only (microbatches weighted by them, some with none); dropout under recomputation draws
-    in the processes what the same pipeline draws in local mode."""
+    in the processes what the same pipeline draws in local mode; schedule="auto" built in the V (its stages stay
+    in their processes: it chooses among the V's schedules and says so)."""
     cases = ["s2-sgd-zbv-v2-m4-tok", "s2-adam-dualpipev-v2-m8", "s2-adam-interleaved_zero_bubble-v2-m8-tok",
-             "s2-sgd-looped_bfs-v2-m4"]  # fmt: skip
+             "s2-sgd-looped_bfs-v2-m4", "s2-adam-auto-v2-m4"]  # fmt: skip
     dropout = "s2-sgd-dualpipev-v2-m4-drop"
     run = lightning_launch(SCRIPT, ["--devices", "2", "--cases", ",".join([*cases, dropout]), "--out", str(tmp_path)])
     assert_ok(run)
     for name in cases:
         check_trained(tmp_path, name, coordinators(name, processes=2))
+    assert "(placement 'v') with 4 microbatches" in run.output, run.output[-6000:]
+    assert "schedules placed 'loop' are predicted, not candidates: the stages own their parameters" in run.output
     local = local_run(dropout)
     check_trained(tmp_path, dropout, [0], expected=local)
     unsplit = reference(dropout)  # the oracle is not vacuous: the masks changed the training

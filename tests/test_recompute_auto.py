@@ -236,7 +236,7 @@ def test_rpc_workers_read_their_own_device_memory(monkeypatch: pytest.MonkeyPatc
 # under Lightning: the default, logged once per fit
 def test_strategy_default_never_recomputes_on_cpu_and_logs_once_per_fit(monkeypatch: pytest.MonkeyPatch) -> None:
     logged: list[str] = []
-    monkeypatch.setattr("lightning_pipe.strategy.steps.rank_zero_info", logged.append)
+    monkeypatch.setattr("lightning_pipe.strategy.training.rank_zero_info", logged.append)
     piped, plain = Classifier(), Classifier()
     for _ in range(2):  # two fits: one line each
         strategy = PipeStrategy(stages=2, microbatches=M)

@@ -14,6 +14,7 @@ from lightning_pipe.schedule import (
     StepCosts,
     ZeroBubbleH1,
     choose,
+    initial_placement,
     makespan,
     register_schedule,
     registered_schedules,
@@ -50,7 +51,7 @@ def test_zero_bubble_wins_where_the_weight_gradient_fills_the_bubble() -> None:
     one = choice.predicted("1f1b", 8)
     assert one is not None and choice.chosen.predicted is not None and choice.chosen.predicted < one
     table = choice.table()
-    assert f"schedule='auto' chose {choice.chosen.name!r} with 8 microbatches" in table
+    assert f"schedule='auto' chose {choice.chosen.name!r} (placement 'loop') with 8 microbatches" in table
     assert "1f1b" in table and "gpipe" in table and "skipped: asynchronous" in table
 
 
@@ -97,7 +98,7 @@ def test_candidates_are_the_registry_including_schedules_registered_later() -> N
     assert "gpipe" in fits and choice.chosen.name in fits and not {"1f1b", "interleaved-1f1b"} & fits
 
 
-def test_placement_other_than_the_built_pipelines_is_left_out() -> None:
+def test_placement_other_than_the_built_pipelines_is_predicted_but_left_out() -> None:
     class Swapped(OneFOneB):
         def rank_of(self, stage: int) -> int:
             return self.num_ranks - 1 - stage
@@ -105,7 +106,40 @@ def test_placement_other_than_the_built_pipelines_is_left_out() -> None:
         def build(self) -> list[list[Action]]:
             return super().build()[::-1]
 
-    choice = choose(even(2), {"1f1b": OneFOneB, "swapped": Swapped}, 2, 1, [4], placement=[0, 1])
-    assert {c.name: c.reason for c in choice.candidates}["swapped"] == (
-        "places the stages on other ranks than the built pipeline"
-    )
+    choice = choose(even(2), {"1f1b": OneFOneB, "swapped": Swapped}, 2, 1, [4], placements=[[0, 1]])
+    swapped = {c.name: c for c in choice.candidates}["swapped"]
+    assert swapped.reason == "placement 'loop', in which the built pipeline cannot run" and swapped.predicted
+    assert choice.chosen.name == "1f1b" and "swapped" in choice.table()
+
+
+def test_a_v_schedule_wins_where_its_simulated_step_is_shortest() -> None:
+    # 4 stages alike on 2 ranks, a hand-off of half a forward: the V keeps the middle hand-off on one rank
+    costs = StepCosts([StageCost(1.0, 1.0, 1.0)] * 4, microbatches=8, latency=0.5)
+    free = choose(costs, registered_schedules(), 2, 2, [8])
+    assert free.chosen.name == "zbv" and free.chosen.placement == "v"
+    by_name = {c.name: c.predicted for c in free.candidates if c.fits}
+    assert free.chosen.predicted == min(p for p in by_name.values() if p is not None)
+    assert "schedule='auto' chose 'zbv' (placement 'v') with 8 microbatches" in free.table()
+    # a pipeline built round-robin that cannot move its stages: the best loop schedule, the V ones predicted only
+    kept = choose(costs, registered_schedules(), 2, 2, [8], placements=[[0, 1, 0, 1]])
+    assert kept.chosen.placement == "loop"
+    zbv = {c.name: c for c in kept.candidates}["zbv"]
+    assert not zbv.fits and zbv.predicted == free.chosen.predicted
+
+
+def test_the_hand_off_delays_only_inputs_from_another_rank() -> None:
+    # one microbatch through 2 stages: F0 | hand-off | F1, B1 | hand-off | B0 (B costs 2)
+    lists = GPipe(2, 1).actions()
+    assert makespan(lists, 2) == pytest.approx(6.0)
+    assert makespan(lists, 2, latency=0.5) == pytest.approx(7.0)
+    # the V: stages 1 and 2 share rank 1, so their hand-off is free; 0 -> 1 and 2 -> 3 cross ranks
+    zbv = registered_schedules()["zbv"](2, 4, 2)
+    crossing = makespan(zbv.actions(), 4, latency=0.25) - makespan(zbv.actions(), 4)
+    assert 0 < crossing < 0.25 * 2 * 4 * 2  # fewer than every message of the step
+
+
+def test_initial_placement_is_the_unit_costs_best() -> None:
+    schedules = registered_schedules()
+    assert initial_placement(schedules, 2, 2, 8) == "v"  # ZB-V: no bubble for M >= 2 x ranks
+    assert initial_placement(schedules, 2, 2, 2) == "loop"
+    assert initial_placement(schedules, 2, 1, 8) == "loop"  # one stage per rank: no V schedule fits

@@ -16,6 +16,7 @@ from lightning_pipe.strategy.layout import Layout
 from lightning_pipe.strategy.optimization import StageOptimization
 from lightning_pipe.strategy.random_state import RandomStreams
 from lightning_pipe.strategy.stage_placement import ProcessStage
+from lightning_pipe.strategy.training import Training
 
 ONE, TWO = (PipeConfig.of({"timeout": 30.0, "virtual_stages": v}) for v in (1, 2))  # virtual stages per rank
 
@@ -54,8 +55,9 @@ def test_the_builder_builds_the_lightning_modules_pipeline_and_hands_it_over_onc
 
 
 def test_random_states_go_through_a_checkpoint_before_any_pipeline_exists() -> None:
-    random = RandomStreams(None)
-    checkpoints = Checkpoints(builder(), StageOptimization(None), random, None)
+    training = Training()  # a flushed schedule's: no stream ever owns the stages
+    random = RandomStreams(training)
+    checkpoints = Checkpoints(builder(), StageOptimization(), random, training)
     plain = {"state_dict": {}}
     assert checkpoints.saving(plain) is plain  # nothing to add: no stage has drawn yet
     states = {"stages": [{"cpu": torch.tensor([1, 2, 3])}]}

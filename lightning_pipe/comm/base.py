@@ -74,6 +74,9 @@ class Endpoint(ABC):
         """Where ``rank`` runs, for error messages."""
         return "local"
 
+    def close(self) -> None:
+        """Stop receiving: what still arrives for this endpoint is dropped (its inbox detached, where one is)."""
+
 
 class QueueInbox:
     """A thread-safe inbox, woken by whoever delivers a message (the seed's I/O callback)."""

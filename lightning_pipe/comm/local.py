@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import threading
 import warnings
 from typing import Any
 
@@ -15,11 +14,11 @@ from lightning_pipe.comm.base import (
     Communicator,
     Endpoint,
     Message,
-    MessageKind,
     QueueInbox,
     deadline,
     remaining,
 )
+from lightning_pipe.comm.host import StageHost
 from lightning_pipe.errors import ConfigurationError, TransportError
 from lightning_pipe.runtime import runtime_registry
 
@@ -27,6 +26,7 @@ from lightning_pipe.runtime import runtime_registry
 class LocalEndpoint(Endpoint):
     def __init__(self, rank: int, inboxes: dict[int, QueueInbox]) -> None:
         self.rank = rank
+        self.inbox = inboxes[rank]
         self._inboxes = inboxes
 
     def send(self, rank: int, message: Message) -> None:
@@ -34,7 +34,7 @@ class LocalEndpoint(Endpoint):
         self._inboxes[rank].put(message)
 
     def recv(self, timeout: float | None) -> Message | None:
-        return self._inboxes[self.rank].get(timeout)
+        return self.inbox.get(timeout)
 
     def host(self, rank: int) -> str:
         return ""  # same process: nothing to add to "stage N"
@@ -56,11 +56,11 @@ class LocalCommunicator(Communicator):
         if threads is not None and threads < 1:
             raise ConfigurationError(f"threads={threads}: pass a positive number of intra-op threads per stage")
         self.threads = threads
-        self._threads: list[threading.Thread] = []
+        self._hosts: list[StageHost] = []
         self._inboxes: dict[int, QueueInbox] = {}
 
     def launch(self, specs: list[Any], worker_cls: Any) -> Endpoint:
-        if self._threads:
+        if self._hosts:
             raise TransportError("this communicator already runs stage workers; shut it down first")
         _check_shared_tensors(specs)
         device_types = [_device_type(spec) for spec in specs]
@@ -70,35 +70,37 @@ class LocalCommunicator(Communicator):
         self._inboxes = {COORDINATOR: QueueInbox()} | {rank: QueueInbox() for rank in range(len(specs))}
         try:
             for rank, spec in enumerate(specs):
-                worker = worker_cls(spec, LocalEndpoint(rank, self._inboxes))
-                thread = threading.Thread(target=worker.serve, name=f"lightning_pipe-stage-{rank}", daemon=True)
-                thread.start()
-                self._threads.append(thread)
+                host = StageHost(spec, worker_cls, LocalEndpoint(rank, self._inboxes))
+                failure = host.build()
+                if failure is not None:  # one process: the build's own error, as the unsplit model raises it
+                    raise failure.__cause__ or failure
+                self._hosts.append(host)
+                host.start()
         except BaseException:  # a stage that failed to build, or Ctrl-C: the threads already started stop
             self.shutdown(10.0)
             raise
         return LocalEndpoint(COORDINATOR, self._inboxes)
 
     def shutdown(self, timeout: float) -> None:
-        for rank in range(len(self._threads)):
-            self._inboxes[rank].put(Message(MessageKind.STOP))
+        hosts, self._hosts = self._hosts, []
+        for host in hosts:
+            host.request_stop()
         until = deadline(timeout)
-        for thread in self._threads:
-            thread.join(remaining(until))
-        alive = [t.name for t in self._threads if t.is_alive()]
-        self._threads = []
-        if alive:  # a thread cannot be killed: it is a daemon and ends when its current action returns
+        busy = [host.name for host in hosts if not host.join(remaining(until))]
+        if busy:  # a thread cannot be killed: it is a daemon and ends when its current action returns
             warnings.warn(
-                f"stage threads still busy {timeout:.0f} s after the stop request: {', '.join(alive)}; "
+                f"stage threads still busy {timeout:.0f} s after the stop request: {', '.join(busy)}; "
                 "they end when their current action returns",
                 RuntimeWarning,
                 stacklevel=2,
             )
 
     def check_alive(self) -> None:
-        dead = [t.name for t in self._threads if not t.is_alive()]
-        if dead:
-            raise TransportError(f"stage worker thread ended unexpectedly: {', '.join(dead)}")
+        """Raise the `StageError` of a stage whose event loop crashed (`TransportError` if it ended otherwise)."""
+        for host in self._hosts:
+            failure = host.ended()
+            if failure is not None:
+                raise failure
 
 
 def _check_shared_tensors(specs: list[Any]) -> None:

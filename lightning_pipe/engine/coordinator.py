@@ -121,6 +121,19 @@ class Coordinator:
         """Wait for the ranks still finishing train steps (before step ``before``: `CoordinatorLink.settle`)."""
         self.link.settle(before)
 
+    def restart(self, specs: Sequence[StageSpec]) -> None:
+        """Stop the workers and start new ones from ``specs``: the same stages placed on other ranks
+        (``schedule="auto"`` moving its stages, `lightning_pipe.stage_moves`), once the posted calls ran. Later steps
+        and calls reach the new workers."""
+        self.flush()
+        self.close()
+        self.specs = list(specs)
+        self.num_ranks = len(self.specs)
+        self.rank_of_stage = self.specs[0].rank_of_stage
+        self.link.num_ranks = self.num_ranks
+        self._schedules.clear()
+        self.start()
+
     def use_schedule(self, factory: Callable[[int, int, int], Schedule]) -> None:
         """From the next step on, steps run ``factory``'s schedules (``schedule="auto"``'s choice)."""
         self.schedule_factory = factory

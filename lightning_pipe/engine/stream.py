@@ -28,8 +28,17 @@ from lightning_pipe.engine.step_result import StepResult
 from lightning_pipe.engine.versions import Staleness
 from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.loss import Criterion, Loss, as_loss
+from lightning_pipe.schedule import Schedule
 
 OptimizerFactory = Callable[[list[nn.Parameter]], Any]
+
+
+def stream_schedule(coordinator: Coordinator, per_batch: int, what: str) -> Schedule:
+    """The coordinator's schedule for batches of ``per_batch`` microbatches, which must stream (``"async"``)."""
+    schedule = coordinator.schedule(per_batch)
+    if not schedule.asynchronous:
+        raise ConfigurationError(f"{what} needs an asynchronous schedule such as 'async', not {schedule.name!r}")
+    return schedule
 
 
 def train_stream(
@@ -53,9 +62,7 @@ def train_stream(
     if not first_inputs or num_batches < 1:
         raise ConfigurationError("train_stream needs at least one batch")
     per_batch = len(first_inputs)
-    schedule = coordinator.schedule(per_batch)
-    if not schedule.asynchronous:
-        raise ConfigurationError(f"train_stream needs an asynchronous schedule such as 'async', not {schedule.name!r}")
+    schedule = stream_schedule(coordinator, per_batch, "train_stream")
     total = per_batch * num_batches
     window = window or coordinator.num_stages + per_batch
     step = coordinator.begin(ASYNC, schedule.stream(num_batches), update_every=per_batch, optimizer=optimizer)
@@ -115,11 +122,7 @@ class BatchStream:
         self.coordinator = coordinator
         self.num_batches = num_batches
         self.per_batch = per_batch
-        self.schedule = coordinator.schedule(per_batch)
-        if not self.schedule.asynchronous:
-            raise ConfigurationError(
-                f"a batch stream needs an asynchronous schedule such as 'async', not {self.schedule.name!r}"
-            )
+        self.schedule = stream_schedule(coordinator, per_batch, "a batch stream")
         self.fed = 0  # batches fed so far
         self.losses: list[Any] = []
         self.step = coordinator.begin(

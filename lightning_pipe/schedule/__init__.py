@@ -7,7 +7,7 @@ from typing import Any
 from lightning_pipe.errors import ScheduleError
 from lightning_pipe.schedule.action import Action, Kind
 from lightning_pipe.schedule.asynchronous import AsyncOneFOneB
-from lightning_pipe.schedule.auto import AutoChoice, Candidate, StageCost, StepCosts, choose
+from lightning_pipe.schedule.auto import AutoChoice, Candidate, StageCost, StepCosts, choose, initial_placement
 from lightning_pipe.schedule.base import (
     COSTS,
     UNIT,
@@ -25,7 +25,7 @@ from lightning_pipe.schedule.dualpipev import DualPipeV
 from lightning_pipe.schedule.interleaved import Interleaved1F1B
 from lightning_pipe.schedule.interleaved_zero_bubble import InterleavedZeroBubble
 from lightning_pipe.schedule.looped_bfs import LoopedBFS
-from lightning_pipe.schedule.placement import LOOP, V, placement_of, stage_ranks
+from lightning_pipe.schedule.placement import LOOP, PLACEMENTS, V, placement_of, stage_ranks
 from lightning_pipe.schedule.schedules import GPipe, OneFOneB
 from lightning_pipe.schedule.zbv import ZeroBubbleV
 from lightning_pipe.schedule.zero_bubble import ZeroBubbleH1
@@ -75,6 +75,7 @@ def resolve_schedule(spec: Any) -> ScheduleFactory:
 __all__ = [
     "COSTS",
     "LOOP",
+    "PLACEMENTS",
     "UNIT",
     "V",
     "Action",
@@ -101,6 +102,7 @@ __all__ = [
     "choose",
     "format_grid",
     "get_schedule",
+    "initial_placement",
     "makespan",
     "peak_activations",
     "placement_of",

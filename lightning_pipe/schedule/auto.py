@@ -19,6 +19,7 @@ from lightning_pipe.errors import ScheduleError
 from lightning_pipe.schedule.action import Action, Kind
 from lightning_pipe.schedule.base import Schedule, makespan
 from lightning_pipe.schedule.memory_walk import walk
+from lightning_pipe.schedule.placement import LOOP, placement_of
 from lightning_pipe.units import size_text
 
 ScheduleFactory = Callable[..., Schedule]
@@ -47,10 +48,14 @@ class StageCost:
 
 @dataclass(frozen=True)
 class StepCosts:
-    """Every stage's `StageCost`, measured in a step of ``microbatches`` microbatches."""
+    """Every stage's `StageCost`, measured in a step of ``microbatches`` microbatches, and the hand-off between ranks.
+
+    ``latency``: seconds from an input made on one rank to the action waiting for it starting on another.
+    """
 
     stages: Sequence[StageCost]
     microbatches: int
+    latency: float = 0.0
 
     def durations(self, microbatches: int) -> Callable[[Action], float]:
         """Each action's predicted seconds in a step of ``microbatches`` microbatches (for `simulate`)."""
@@ -76,6 +81,7 @@ class Candidate:
 
     name: str
     microbatches: int
+    placement: str = LOOP  # which rank holds each stage (`lightning_pipe.schedule.placement`)
     predicted: float | None = None  # seconds per step
     bubble: float | None = None  # idle share of ranks x predicted step
     peak_bytes: int | None = None  # the most stashed activation bytes of a rank
@@ -107,7 +113,8 @@ class AutoChoice:
         """The decision as a table: the measured stages, then every candidate (the chosen one marked ``*``)."""
         budget = f", memory budget {_size(self.budget)} per rank" if self.budget is not None else ""
         lines = [
-            f"schedule='auto' chose {self.chosen.name!r} with {self.chosen.microbatches} microbatches: predicted "
+            f"schedule='auto' chose {self.chosen.name!r} (placement {self.chosen.placement!r}) with "
+            f"{self.chosen.microbatches} microbatches: predicted "
             f"{_ms(self.chosen.predicted)} per step (measured in a step of {self.costs.microbatches} "
             f"microbatches{budget})",
             f"{'stage':>5} {'F ms':>8} {'I ms':>8} {'W ms':>8} {'other ms':>8} {'act/mb':>10}",
@@ -118,20 +125,21 @@ class AutoChoice:
                 f"{st.overhead * 1e3:>8.3f} {_size(st.activation_bytes):>10}"
             )
         lines.extend(self.notes)
-        lines.append(f"  {'candidate':<26} {'mb':>4} {'predicted':>10} {'bubble':>7} {'peak act':>10}")
+        lines.append(f"  {'candidate':<26} {'place':>5} {'mb':>4} {'predicted':>10} {'bubble':>7} {'peak act':>10}")
         skipped: dict[tuple[str, str], list[int]] = {}
         for c in sorted(self.candidates, key=_order):
-            if not c.fits:
+            if not c.fits and c.predicted is None:
                 skipped.setdefault((c.name, c.reason), []).append(c.microbatches)
                 continue
             mark = "*" if c is self.chosen else " "
-            assert c.bubble is not None
-            lines.append(
-                f"{mark} {c.name:<26} {c.microbatches:>4} {_ms(c.predicted):>10} {c.bubble:>7.1%} "
+            bubble = "-" if c.bubble is None else f"{c.bubble:.1%}"
+            line = (
+                f"{mark} {c.name:<26} {c.placement:>5} {c.microbatches:>4} {_ms(c.predicted):>10} {bubble:>7} "
                 f"{_size(c.peak_bytes):>10}"
             )
+            lines.append(line + (f" skipped: {c.reason}" if c.reason else ""))
         for (name, reason), counts in skipped.items():
-            lines.append(f"  {name:<26} {','.join(map(str, sorted(counts))):>4} skipped: {reason}")
+            lines.append(f"  {name:<26} {'':>5} {','.join(map(str, sorted(counts))):>4} skipped: {reason}")
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -146,17 +154,19 @@ def choose(
     microbatches: Sequence[int],
     budget: int | None = None,
     split_backward: bool = True,
-    placement: Sequence[int] | None = None,
+    placements: Sequence[Sequence[int]] | None = None,
 ) -> AutoChoice:
     """The fastest predicted (schedule, microbatches) among ``factories`` x ``microbatches`` that fits.
 
     A schedule fits when it builds for (``ranks``, M, ``virtual_stages``) (its ``check()`` does not raise), is not
-    asynchronous, places stage ``s`` on rank ``placement[s]`` (the built pipeline's; None: any), splits its
-    backward only where ``split_backward`` allows (FSDP does not), and keeps every rank's stashed activations
-    within ``budget`` bytes (None: no limit). Ties go to the smaller peak, then the name.
+    asynchronous, places stage ``s`` on rank ``p[s]`` for one ``p`` of ``placements`` (the placements the pipeline
+    can run: its built one, and others where it can move its stages; None: any), splits its backward only where
+    ``split_backward`` allows (FSDP does not), and keeps every rank's stashed activations within ``budget`` bytes
+    (None: no limit). A schedule left out for its placement still gets its prediction (the table shows what the
+    other placement would have given). Ties go to the smaller peak, then the name.
     """
     found = [
-        _candidate(costs, name, factory, ranks, virtual_stages, m, budget, split_backward, placement)
+        _candidate(costs, name, factory, ranks, virtual_stages, m, budget, split_backward, placements)
         for name, factory in sorted(factories.items())
         for m in sorted(set(microbatches))
     ]
@@ -176,6 +186,32 @@ def choose(
     return AutoChoice(best, found, costs, budget)
 
 
+#: the hand-off between ranks that `initial_placement` assumes, in forwards (before anything is measured)
+PRIOR_LATENCY = 0.5
+
+
+def initial_placement(
+    factories: Mapping[str, ScheduleFactory],
+    ranks: int,
+    virtual_stages: int,
+    microbatches: int,
+    split_backward: bool = True,
+) -> str:
+    """Where to build a pipeline before its stages are measured: the placement of the schedule predicted fastest with
+    the zero-bubble paper's costs (every stage alike, ``F = I = W``) and a hand-off between ranks of
+    `PRIOR_LATENCY` forwards; ``loop`` where nothing fits.
+
+    With two stages per rank and ``M >= 2 x ranks`` that is the V (ZB-V: no bubble, and the middle and the ends
+    of the pipeline share a rank, so fewer hand-offs); with ``M = ranks`` the loop (interleaved zero bubble).
+    """
+    stages = ranks * virtual_stages
+    costs = StepCosts([StageCost(1.0, 1.0, 1.0)] * stages, microbatches, PRIOR_LATENCY)
+    try:
+        return choose(costs, factories, ranks, virtual_stages, [microbatches], None, split_backward).chosen.placement
+    except ScheduleError:
+        return LOOP
+
+
 def _candidate(
     costs: StepCosts,
     name: str,
@@ -185,10 +221,11 @@ def _candidate(
     microbatches: int,
     budget: int | None,
     split_backward: bool,
-    placement: Sequence[int] | None,
+    placements: Sequence[Sequence[int]] | None,
 ) -> Candidate:
     candidate = Candidate(name, microbatches)
     try:
+        candidate.placement = placement_of(factory)
         schedule = factory(ranks, microbatches, virtual_stages)
         lists = schedule.actions()
     except Exception as exc:  # noqa: BLE001 - a schedule that does not fit says why in its own words
@@ -201,9 +238,6 @@ def _candidate(
     if len(costs.stages) != stages:
         candidate.reason = f"{stages} stages, but {len(costs.stages)} were measured"
         return candidate
-    if placement is not None and [schedule.rank_of(s) for s in range(stages)] != list(placement):
-        candidate.reason = "places the stages on other ranks than the built pipeline"
-        return candidate
     if not split_backward and any(a.kind is Kind.BACKWARD_INPUT for actions in lists for a in actions):
         candidate.reason = "splits the backward, which FSDP refuses"
         return candidate
@@ -212,10 +246,13 @@ def _candidate(
         candidate.reason = f"peak {_size(candidate.peak_bytes)} of activations exceeds the budget"
         return candidate
     durations = costs.durations(microbatches)
-    candidate.predicted = makespan(lists, stages, durations)
+    candidate.predicted = makespan(lists, stages, durations, costs.latency)
     busy = sum(durations(a) for actions in lists for a in actions)
     total = candidate.predicted * len(lists)
     candidate.bubble = 1.0 - busy / total if total > 0 else 0.0
+    ranks_of_stages = [schedule.rank_of(s) for s in range(stages)]
+    if placements is not None and not any(ranks_of_stages == list(p) for p in placements):
+        candidate.reason = f"placement {candidate.placement!r}, in which the built pipeline cannot run"
     return candidate
 
 

@@ -218,9 +218,16 @@ def duration(durations: Costs, action: Action) -> float:
     return durations(action) if callable(durations) else durations[action.kind]
 
 
-def simulate(lists: Sequence[Sequence[Action]], num_stages: int, durations: Costs = UNIT) -> dict[Action, float]:
-    """Start time of each action, each rank running its list in order; raises on a deadlock."""
+def simulate(
+    lists: Sequence[Sequence[Action]], num_stages: int, durations: Costs = UNIT, latency: float = 0.0
+) -> dict[Action, float]:
+    """Start time of each action, each rank running its list in order; raises on a deadlock.
+
+    ``latency``: the time an input takes from another rank (a hand-off between ranks): an action waits that long
+    after a dependency that ran on another rank finished; a dependency on its own rank is ready at once.
+    """
     present = {a for actions in lists for a in actions}
+    where = {a: r for r, actions in enumerate(lists) for a in actions} if latency else {}
     start: dict[Action, float] = {}
     finish: dict[Action, float] = {}
     position = [0] * len(lists)
@@ -233,7 +240,7 @@ def simulate(lists: Sequence[Sequence[Action]], num_stages: int, durations: Cost
                 deps = [d for d in dependencies(action, num_stages, present) if d in present]
                 if any(d not in finish for d in deps):
                     break
-                t = max([free[rank], *(finish[d] for d in deps)])
+                t = max([free[rank], *(finish[d] + (latency if where.get(d, rank) != rank else 0.0) for d in deps)])
                 start[action], finish[action] = t, t + duration(durations, action)
                 free[rank] = finish[action]
                 position[rank] += 1
@@ -244,9 +251,11 @@ def simulate(lists: Sequence[Sequence[Action]], num_stages: int, durations: Cost
     return start
 
 
-def makespan(lists: Sequence[Sequence[Action]], num_stages: int, durations: Costs = COSTS) -> float:
-    """Simulated length of a step."""
-    start = simulate(lists, num_stages, durations)
+def makespan(
+    lists: Sequence[Sequence[Action]], num_stages: int, durations: Costs = COSTS, latency: float = 0.0
+) -> float:
+    """Simulated length of a step (``latency``: each hand-off between ranks, as in `simulate`)."""
+    start = simulate(lists, num_stages, durations, latency)
     return max([t + duration(durations, a) for a, t in start.items()] + [0.0])
 
 

@@ -14,10 +14,10 @@ from lightning_pipe.comm.compress import resolve_codec
 from lightning_pipe.engine.runners import check_runner
 from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.microbatch_weights import check_weight_function
-from lightning_pipe.pipeline import TRANSPORTS
 from lightning_pipe.recompute import checkpoint_flags
 from lightning_pipe.runtime import BaseRuntime, runtime_registry
 from lightning_pipe.schedule import resolve_schedule
+from lightning_pipe.strategy.layout import check_transport
 from lightning_pipe.weights.keys import visible
 
 
@@ -63,12 +63,7 @@ def check_arguments(
     if not timeout or timeout <= 0:
         raise ConfigurationError(f"timeout={timeout!r}: pass a positive number of seconds")
     # unknown names fail here
-    asynchronous = not is_auto(schedule) and bool(getattr(resolve_schedule(schedule), "asynchronous", False))
-    if asynchronous and transport not in (None, "local"):
-        raise ConfigurationError(
-            f"PipeStrategy(schedule='async') runs with transport='local'; with transport={transport!r} train "
-            "with lightning_pipe.Pipeline(...).train_async(...) or pick schedule='1f1b'"
-        )
+    streams = not is_auto(schedule) and bool(getattr(resolve_schedule(schedule), "asynchronous", False))
     check_runner(runner)
     if stages is not None and stages % virtual_stages:
         raise ConfigurationError(
@@ -81,36 +76,11 @@ def check_arguments(
     if stages is None and split_points:
         stages = len(split_points) + 1
     resolve_backends(backend, stages or (len(device_names) if device_names else None), strict)
-    if transport is not None and transport not in TRANSPORTS and transport != "p2p":
-        known = ", ".join(sorted({*TRANSPORTS, "p2p"}))
-        raise ConfigurationError(f"unknown transport {transport!r}; available: {known} (or None: by the process count)")
     resolve_codec(compress)  # an unknown codec, or zstd without its package, fails here
     given = (("coordinator", coordinator), ("token", token), ("compress", compress))
     options: dict[str, Any] = {k: v for k, v in given if v is not None}
-    if options and transport != "rpc":
-        verb = "needs" if len(options) == 1 else "need"
-        raise ConfigurationError(f"{' and '.join(options)} {verb} transport='rpc' (stages in worker processes)")
-    return stages, device_names, asynchronous, options
-
-
-def check_launched(processes: int, devices: Sequence[str] | None, runner: str, asynchronous: bool) -> None:
-    """What launched mode cannot do fails when the Trainer is built, before any process starts."""
-    if devices is not None:
-        raise ConfigurationError(
-            "PipeStrategy(devices=[...]) places the stages of one process; in launched mode "
-            f"({processes} processes) each process holds its stage on its own device: leave devices out, "
-            "or pass transport='local' to run every stage in this process"
-        )
-    if runner == "linear":
-        raise ConfigurationError(
-            "runner='linear' walks every stage from one thread; in launched mode each process runs its own "
-            "stage: use runner='parallel' or 'dataflow', or transport='local'"
-        )
-    if asynchronous:
-        raise ConfigurationError(
-            "PipeStrategy(schedule='async') runs with transport='local' in one process; in launched mode "
-            "pick a synchronous schedule such as '1f1b'"
-        )
+    check_transport(transport, streams, options)
+    return stages, device_names, streams, options
 
 
 def check_memory_arguments(data_parallel: str, weights: Any, save_distributed_checkpoint: bool, schedule: Any) -> None:
@@ -138,7 +108,7 @@ def check_memory_arguments(data_parallel: str, weights: Any, save_distributed_ch
         visible(weights, "PipeStrategy(weights=...):")
 
 
-def fsdp_without_replicas(data_parallel: str, mode: str, replicas: int) -> str | None:
+def fsdp_without_replicas(data_parallel: str, where: str, replicas: int) -> str | None:
     """The warning for ``data_parallel="fsdp"`` where a stage has no second replica to be sharded over (None: it has).
 
     Not an error: the run is right, it only shards nothing (each stage whole, as with ``"ddp"``); a script
@@ -146,7 +116,6 @@ def fsdp_without_replicas(data_parallel: str, mode: str, replicas: int) -> str |
     """
     if data_parallel != "fsdp" or replicas > 1:
         return None
-    where = "launched mode with one replica (devices x num_nodes == stages)" if mode == "launched" else f"{mode} mode"
     return (
         f"PipeStrategy(data_parallel='fsdp') in {where}: no stage has a second replica to be sharded over, so "
         "nothing is sharded: each stage is built and held whole by its process or device, as with "

@@ -13,25 +13,31 @@ parameter groups the stage parameters are replaced by placeholders that never ge
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import fields
 from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
+from typing_extensions import override
 
+from lightning_pipe.engine import StepResult
 from lightning_pipe.engine.stage_protocol import StageProtocol
 from lightning_pipe.engine.stream import BatchStream
 from lightning_pipe.engine.versions import Staleness
 from lightning_pipe.errors import ConfigurationError
+from lightning_pipe.loss import WeightedLoss
+from lightning_pipe.strategy.training import Training
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
     from lightning_pipe.pipeline import Pipeline
+    from lightning_pipe.strategy.optimization import StageOptimization
 
 
-class AsyncTraining:
+class AsyncTraining(Training):
     """The stage optimizers, the open stream and the staleness measured over a fit."""
 
     def __init__(self) -> None:
@@ -49,10 +55,17 @@ class AsyncTraining:
         self._factory = self.factory  # one object: the stages keep their optimizers while it stays the same
 
     @property
+    @override
     def streaming(self) -> bool:
         """Whether a stream is open: it owns the stages (their weights and generators) until it drains."""
         return self.stream is not None and not self.stream.closed
 
+    @property
+    @override
+    def owns_stages(self) -> bool:
+        return self.stream is not None
+
+    @override
     def attach(
         self, optimizers: list[torch.optim.Optimizer], stage_params: list[nn.Parameter], accumulate: int, scaler: Any
     ) -> None:
@@ -87,6 +100,42 @@ class AsyncTraining:
                 for p in group["params"]
             ]
 
+    @override
+    def microbatches(self, pipeline: Pipeline, given: int | str, rows: int) -> int | None:
+        return None  # the given count: a stream's batches are planned before it opens
+
+    @override
+    def step(
+        self,
+        pipeline: Pipeline,
+        inputs: Sequence[Any],
+        labels: list[tuple[float, int]],
+        criterion: WeightedLoss,
+        trainer: pl.Trainer,
+        scaler: Any,
+        optimization: StageOptimization,
+        starts_window: bool,
+    ) -> StepResult:
+        """Feed this batch into the stream (the whole batch at once); drain it after its last planned batch. Every
+        step is a window of its own (``accumulate_grad_batches=1``): the stages stepped, nothing to drop."""
+        inputs = list(inputs)
+        with optimization.set_aside():
+            stream = self.open(pipeline, trainer, len(inputs))
+            self.sync_hparams()
+            losses = stream.feed(inputs, labels, criterion)
+            if stream.complete:
+                self.end(pipeline)
+        return StepResult(losses=losses, schedule=stream.schedule)
+
+    @override
+    def apply_grads(self, pipeline: Pipeline, scale: float) -> None:
+        """Nothing: the stages stepped their own optimizers."""
+
+    @override
+    def holds(self, optimizer: Any) -> bool:
+        """The ``configure_optimizers`` optimizer the stage optimizers are built like holds their state."""
+        return self.template is not None and getattr(optimizer, "_optimizer", optimizer) is self.template
+
     def factory(self, params: list[nn.Parameter]) -> torch.optim.Optimizer:
         """One stage's optimizer: the template's class, one group per template group holding its parameters."""
         assert self.template is not None
@@ -117,6 +166,7 @@ class AsyncTraining:
         optimizer.register_step_pre_hook(batch_hparams)
         return optimizer
 
+    @override
     def state_dict(self) -> dict[str, Any]:
         """The template's state_dict with the stage optimizers' state at the stage parameters' indices."""
         assert self.template is not None
@@ -129,6 +179,7 @@ class AsyncTraining:
                         state["state"][self._index[id(p)]] = optimizer.state[p]
         return state
 
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """The template's part now; the stages' part when their optimizers are built (the next stream)."""
         assert self.template is not None
@@ -152,6 +203,7 @@ class AsyncTraining:
             self.stream = BatchStream(pipeline.coordinator, segment(trainer), per_batch, self._factory)
         return self.stream
 
+    @override
     def end(self, pipeline: Pipeline | None) -> None:
         """Drain the stream (complete) or stop it (a fit stopped early: its unfinished updates are lost)."""
         stream, self.stream = self.stream, None
@@ -171,6 +223,7 @@ class AsyncTraining:
         for key in self._updates:  # the dropped updates: the next batch's update uses the next batch's values
             self._updates[key] = len(self.fed_hparams)
 
+    @override
     def abort(self) -> None:
         """After an error: stop the open stream without draining it (its stages may be gone)."""
         if self.stream is not None:
@@ -188,8 +241,15 @@ class AsyncTraining:
                     combined = max(old, new) if f.name in ("max", "max_live_versions") else old + new
                     setattr(total, f.name, combined)
 
-    def staleness(self) -> list[Staleness]:
+    @override
+    def staleness(self, schedule: Any = "async") -> list[Staleness]:
         return [self.totals[s] for s in sorted(self.totals)]
+
+
+def training_for(streams: bool) -> Training:
+    """The step driver's variant, chosen once: a stream for ``schedule="async"`` (``streams``), else a flush after
+    each batch."""
+    return AsyncTraining() if streams else Training()
 
 
 def segment(trainer: pl.Trainer) -> int:

@@ -8,7 +8,7 @@ partitioner needs. In launched mode its transport is this replica's point-to-poi
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import lightning.pytorch as pl
@@ -30,7 +30,8 @@ from lightning_pipe.partition.tracer import CallArgs
 from lightning_pipe.pipeline import Pipeline, resolve_partitioner
 from lightning_pipe.rng import run_seed
 from lightning_pipe.runtime import BaseRuntime, runtime_registry
-from lightning_pipe.schedule import LOOP, AutoChoice, placement_of, resolve_schedule
+from lightning_pipe.schedule import AutoChoice, placement_of, resolve_schedule
+from lightning_pipe.strategy.arguments import auto_schedule_of
 from lightning_pipe.strategy.config import PipeConfig
 from lightning_pipe.strategy.session import capture_call
 from lightning_pipe.weights import StageInit
@@ -81,10 +82,13 @@ class PipelineBuilder:
     first input and `pipeline_input` for each call of the pipelined module.
     """
 
-    def __init__(self, config: PipeConfig) -> None:
+    def __init__(self, config: PipeConfig, agree: Callable[[Any], Any] | None = None) -> None:
         self.config = config  # the strategy's arguments: what the pipeline is built with
         self.partitioner = resolve_partitioner(config.partition, split_points=config.split_points)
-        self.schedule = config.schedule
+        # schedule="auto" with its options; ``agree``: launched mode's replicas run the first coordinator's choice
+        self.schedule = auto_schedule_of(
+            config.schedule, config.microbatches, config.memory_budget, config.data_parallel, agree
+        )
         self.seed: int | None = None  # the run's seed, decided once per fit by the strategy (None: `run_seed`)
         self.checkpoint = config.checkpoint
         self.pipeline: Pipeline | None = None
@@ -100,9 +104,27 @@ class PipelineBuilder:
     @property
     def rank_placement(self) -> str:
         """Which rank holds each stage: the schedule's placement (``loop``, or ``v`` for ``zbv`` and ``dualpipev``)."""
-        if is_auto(self.schedule):
-            return LOOP  # schedule="auto" measures and chooses among the round-robin placed schedules
+        if is_auto(self.schedule):  # built where schedule="auto" predicts best before measuring (`initial_placement`)
+            return self._chooser().placement
         return placement_of(resolve_schedule(self.schedule))
+
+    @property
+    def choice(self) -> AutoChoice | None:
+        """What ``schedule="auto"`` chose in this fit, or in the last fit that chose; None before it chose."""
+        pipeline = self.pipeline
+        if pipeline is not None and pipeline.auto_schedule is not None and pipeline.auto_schedule.choice is not None:
+            return pipeline.auto_schedule.choice
+        return self.schedule_choice
+
+    def _chooser(self) -> ScheduleChooser:
+        """A ``schedule="auto"`` chooser of this configuration: its probe and the placement it builds in (the loop
+        where the stage count is not given)."""
+        options = self.schedule if isinstance(self.schedule, AutoSchedule) else AutoSchedule()
+        virtual, stages = self.config.virtual_stages, self.config.stages
+        ranks = stages // virtual if stages is not None else None
+        chooser = ScheduleChooser(options, virtual, self.config.runner, ranks, self.config.microbatches)
+        chooser.options = replace(options, placement=chooser.placement)  # the pipeline builds there
+        return chooser
 
     def find(self, lightning_module: pl.LightningModule) -> nn.Module:
         """The pipelined module: ``module=``, or the child with the most parameters."""
@@ -205,7 +227,7 @@ class PipelineBuilder:
         self.pipeline = Pipeline(
             self.split_module,
             stages=stages,
-            schedule=self.schedule,
+            schedule=self._chooser().options if is_auto(self.schedule) else self.schedule,  # auto: placed here
             partition=self.partitioner,
             devices=placement.devices,
             checkpoint=self.checkpoint,
@@ -282,8 +304,7 @@ class PipelineBuilder:
 
         schedule = self.schedule
         if is_auto(schedule):
-            options = schedule if isinstance(schedule, AutoSchedule) else AutoSchedule()
-            schedule = ScheduleChooser(options, self.config.virtual_stages, self.config.runner).probe
+            schedule = self._chooser()  # the probe, in its placement
         if microbatches == AUTO:
             microbatches = first_microbatches(batch_size(sample_batch), stages // self.config.virtual_stages)
 

@@ -21,10 +21,10 @@ from torch import nn
 
 from lightning_pipe.checkpoint.resume import Resume, optimizer_layouts
 from lightning_pipe.engine import StageProtocol
-from lightning_pipe.strategy.asynchronous import AsyncTraining
 from lightning_pipe.strategy.building import PipelineBuilder
 from lightning_pipe.strategy.optimization import StageOptimization
 from lightning_pipe.strategy.random_state import RandomStreams
+from lightning_pipe.strategy.training import Training
 from lightning_pipe.weights import StageInit, aliases_of, is_distributed_checkpoint, on_meta, open_source
 from lightning_pipe.weights.keys import WEIGHTS_FIX, compare_keys
 
@@ -44,14 +44,14 @@ class Checkpoints:
         builder: PipelineBuilder,
         optimization: StageOptimization,
         random: RandomStreams,
-        asynchronous: AsyncTraining | None,
+        training: Training,
         weights: str | None = None,
         weights_only: bool | None = None,
     ) -> None:
         self.builder = builder  # the pipeline whose stages hold the state
         self.optimization = optimization
         self.random = random
-        self.asynchronous = asynchronous
+        self.training = training  # schedule="async": its stream holds an optimizer's state
         self.weights = weights  # pretrained weights of the pipelined module (PipeStrategy(weights=...))
         self.weights_only = weights_only  # how ``weights``, a torch.save file, is opened (None: torch's default)
         self.resume: Resume | None = None  # the checkpoint this fit starts from, opened (memory follows the stage)
@@ -162,10 +162,9 @@ class Checkpoints:
         if stage_params is not None:
             stage_params.load(optimizers, states)
             return
-        asynchronous = self.asynchronous
         for optimizer, state in zip(optimizers, states, strict=False):
-            if asynchronous is not None and optimizer is asynchronous.template:
-                asynchronous.load_state_dict(state)
+            if self.training.holds(optimizer):
+                self.training.load_state_dict(state)
             else:  # torch moves each state to its parameter's device; Lightning's version would move it to one
                 optimizer.load_state_dict(state)
 
@@ -191,7 +190,7 @@ class Checkpoints:
 
     def before_module_state(self) -> None:
         """Before Lightning reads the LightningModule's state: it holds the stages' current values."""
-        if self.asynchronous is not None and self.asynchronous.streaming:
+        if self.training.streaming:
             rank_zero_warn(
                 "PipeStrategy(schedule='async'): a checkpoint in the middle of a stream holds the live weights, "
                 "with the updates of batches in flight missing; checkpoints at the end of an epoch or validation "
@@ -203,9 +202,8 @@ class Checkpoints:
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any] | None:
         """``optimizer``'s state where the stages hold it; None where Lightning's own reading is right."""
-        asynchronous = self.asynchronous
-        if asynchronous is not None and getattr(optimizer, "_optimizer", optimizer) is asynchronous.template:
-            return asynchronous.state_dict()
+        if self.training.holds(optimizer):
+            return self.training.state_dict()
         stage_params = self.optimization.stage_params
         return stage_params.state(optimizer) if stage_params is not None else None
 

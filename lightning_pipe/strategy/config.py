@@ -3,7 +3,7 @@
 The strategy's parts (the pipeline builder, the step driver, the processes and the launched world) receive
 this one object instead of re-listing ``timeout``, ``runner`` or ``virtual_stages`` each (torchtitan's
 ``JobConfig`` is the model). Adding an argument is two edits: a field here and a keyword of
-`PipeStrategy.__init__` (its docstring says what it means); `PipeConfig.of` checks the values.
+`PipeStrategy.__init__`, described in `PipeConfig`'s docstring; `PipeConfig.of` checks the values.
 """
 
 from __future__ import annotations
@@ -25,7 +25,78 @@ from lightning_pipe.strategy.arguments import check_arguments, check_memory_argu
 
 @dataclass(frozen=True)
 class PipeConfig:
-    """The user's arguments of one `PipeStrategy` (see its docstring for each), checked, plus what they imply."""
+    """The user's arguments of one `PipeStrategy` (its keywords but Lightning's own), checked, plus what they imply.
+
+    Args:
+        stages: number of stages; default: one per device.
+        microbatches: how many pieces each batch is cut into (along dimension 0); ``"auto"`` with
+            ``schedule="auto"``: chosen with the schedule.
+        schedule: ``"gpipe"`` (all forwards, then losses, then backwards), ``"1f1b"``,
+            ``"interleaved-1f1b"``, ``"zero-bubble"``, ``"looped-bfs"``, ``"interleaved-zero-bubble"``,
+            ``"zbv"``, ``"dualpipev"`` (the last two with ``virtual_stages=2``), ``"async"`` (no flush between
+            batches, each stage steps its own copy of the ``configure_optimizers`` optimizer with weight stashing;
+            transport ``"local"``; `staleness` reports what it measured), a `Schedule` subclass or a function
+            returning per-rank action lists (see docs/schedules.md). ``"auto"``: the first training step
+            measures every stage, the second runs the registered schedule `simulate` predicts fastest
+            (`lightning_pipe.auto_schedule`; the choice is logged as a table and kept in `schedule_choice`).
+        partition: ``"uniform"``, ``"params"``, ``"memory"``, ``"time"``, layer counts such as
+            ``[3, 5]``, or a `Partitioner`.
+        module: attribute path of the pipelined module in the LightningModule; default: the child
+            with the most parameters.
+        devices: one device per stage; default: the Trainer's devices, or ``cpu`` for every stage.
+        checkpoint: activation recomputation: ``"auto"`` (only the stages whose device lacks the memory for the
+            planned activation peak; never on cpu; decided before the second training step of a fit and logged),
+            ``"always"``, ``"except_last"`` or ``"never"``.
+        runtime: a registered device type or a `BaseRuntime` instance; default: by device type.
+        timeout: seconds any wait between the coordinator and the stages may take.
+        backend: how stage forwards run: ``"eager"``, ``"inductor"``, ``"tensorrt"`` or a registered
+            backend; a list gives one per stage, a tuple a fallback chain, a dict one per mode
+            (``{"train": "inductor", "eval": "tensorrt"}``). See `lightning_pipe.backends`.
+        strict: raise instead of falling back (with a logged reason) when a requested backend
+            cannot run a stage.
+        split_points: names of submodules before which a new stage starts (``["blocks.2"]``). A
+            pipelined module that is not an ``nn.Sequential`` is traced on its first call and cut
+            there, or where ``partition`` balances it; its forward may take several positional and
+            keyword arguments and return a tensor, tuple or dict. Without ``stages``, one stage more
+            than split points.
+        transport: ``None`` (the default): launched mode when the Trainer runs more than one process
+            (``devices x num_nodes > 1`` or a launcher's ``WORLD_SIZE > 1``: R pipeline replicas of the stages,
+            one process per stage and device, activations point to point over torch.distributed, gradients
+            averaged over the replicas; see `lightning_pipe.strategy.layout`), else ``"local"``.
+            ``"local"``: stages are threads of this process, on the Trainer's devices. ``"rpc"``: stage
+            worker processes (one per stage on this machine, or ``lightning-pipe worker`` processes that join
+            ``coordinator``); see `lightning_pipe.comm.rpc`. ``"p2p"``: launched mode in any case.
+        coordinator: with ``transport="rpc"``, ``"HOST:PORT"`` where workers on other machines join.
+        token: with ``transport="rpc"``, the secret workers must present (default ``$LIGHTNING_PIPE_TOKEN``).
+        compress: with ``transport="rpc"``, how activations and gradients cross between processes:
+            ``None``, ``"bf16"`` / ``"fp16"`` (lossy casts), ``"zstd"`` (lossless, extra ``compress``),
+            ``"bf16+zstd"``, ``"fp16+zstd"`` or a codec object (`lightning_pipe.comm.compress.Codec`).
+        virtual_stages: stages per worker (``interleaved-1f1b`` and the other chunked schedules): stage ``s``
+            runs on worker ``s % (stages // virtual_stages)``, or in a V (``zbv``, ``dualpipev``: stages ``r`` and
+            ``2P - 1 - r`` on worker ``r``).
+        runner: ``"parallel"`` (a thread per worker, fixed order), ``"dataflow"`` (each worker runs
+            whichever action is ready) or ``"linear"`` (one thread walks one global order).
+        trace: a path for the Chrome trace (pipeline timeline) of training steps 1-3, or a `PipeTrace`
+            (chosen steps, a PNG Gantt chart).
+        microbatch_weight: a function of a microbatch (what the step receives) returning its weight, a
+            number or 0-d tensor; default: its rows. Losses, ``self.log`` values and the step's returned
+            values combine with the weights normalised over the batch: return what the loss averages
+            over, e.g. ``lambda b: (b["labels"][:, 1:] != -100).sum()`` for a causal LM's labelled tokens.
+            A microbatch of weight 0 adds nothing, not even its loss's gradient.
+        data_parallel: launched mode with several replicas: ``"ddp"`` (each replica holds its whole stage, gradients
+            averaged) or ``"fsdp"`` (each stage sharded over its replicas with FSDP2, gradients reduce-scattered once
+            per step).
+        weights: pretrained weights of the pipelined module (safetensors, a file or a sharded folder with its index;
+            a ``torch.save``d state dict; a torch.distributed.checkpoint folder): each stage reads its own tensors.
+            Its keys are checked as ``strict_loading`` says (docs/big-models.md, "Where your model's state lives").
+        weights_only: how a ``weights`` file written by ``torch.save`` is opened: None (torch's default, True)
+            refuses pickled objects other than tensors, with an error that names this argument; pass False only
+            for a file you trust (its pickled code runs). ``ckpt_path=`` takes ``trainer.fit(weights_only=...)``.
+        memory_budget: ``schedule="auto"``: most bytes of stashed activations a rank may hold; default 90% of the
+            device's free memory (no limit on cpu).
+        save_distributed_checkpoint: launched mode writes a checkpoint as a folder, every process its own stage
+            (True), or as one file, written a tensor at a time (False); see `lightning_pipe.weights`.
+    """
 
     stages: int | None = None
     microbatches: int | str = 4

@@ -2,17 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import lightning.pytorch as pl
 from typing_extensions import override
-
-
-class HookTarget(Protocol):
-    """Who calls the stages' runtime hooks (`PipeStrategy`)."""
-
-    def runtime_hook(self, name: str, *args: Any) -> None: ...
 
 
 @dataclass
@@ -37,34 +32,34 @@ class TrainerView:
 class RuntimeHooks(pl.Callback):
     """Maps Trainer hooks onto the runtime callbacks of every stage."""
 
-    def __init__(self, strategy: HookTarget) -> None:
-        self.strategy = strategy
+    def __init__(self, runtime_hook: Callable[..., None]) -> None:
+        self.runtime_hook = runtime_hook  # calls ``runtime.<name>(*args)`` on every stage (`StepDriver.runtime_hook`)
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.strategy.runtime_hook("train_epoch_begin")
+        self.runtime_hook("train_epoch_begin")
 
     @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        self.strategy.runtime_hook("train_pre_step", TrainerView.of(trainer), batch_idx, batch)
+        self.runtime_hook("train_pre_step", TrainerView.of(trainer), batch_idx, batch)
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        self.strategy.runtime_hook("train_post_step", TrainerView.of(trainer), batch_idx, batch, outputs)
+        self.runtime_hook("train_post_step", TrainerView.of(trainer), batch_idx, batch, outputs)
 
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.strategy.runtime_hook("train_validation_begin")
+        self.runtime_hook("train_validation_begin")
 
     def _eval_pre(self, trainer: pl.Trainer, batch: Any, batch_idx: int) -> None:
-        self.strategy.runtime_hook("eval_pre_step", TrainerView.of(trainer), batch_idx, batch)
+        self.runtime_hook("eval_pre_step", TrainerView.of(trainer), batch_idx, batch)
 
     def _eval_post(self, trainer: pl.Trainer, outputs: Any, batch: Any, batch_idx: int) -> None:
-        self.strategy.runtime_hook("eval_post_step", TrainerView.of(trainer), batch_idx, batch, outputs)
+        self.runtime_hook("eval_post_step", TrainerView.of(trainer), batch_idx, batch, outputs)
 
     @override
     def on_validation_batch_start(

@@ -9,6 +9,7 @@ the Trainer's loop, and Lightning's collectives span them only. Process groups: 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,16 +20,24 @@ from lightning.fabric.utilities.distributed import (
     _init_dist_connection,
     _sync_ddp_if_available,
 )
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from typing_extensions import override
 
 from lightning_pipe.allocator import give_back_large_blocks
+from lightning_pipe.checkpoint.stage_part import CoordinatorPart
 from lightning_pipe.comm import P2PCommunicator, serve_stages
 from lightning_pipe.engine.runners import worker_of_stages
+from lightning_pipe.pipeline import Pipeline
 from lightning_pipe.schedule import LOOP
+from lightning_pipe.strategy.arguments import fsdp_without_replicas
+from lightning_pipe.strategy.checkpoint_writer import write_sharded, write_single_file
 from lightning_pipe.strategy.config import PipeConfig
 from lightning_pipe.strategy.launcher import PipeLauncher
 from lightning_pipe.strategy.layout import LAUNCHED, Layout
-from lightning_pipe.strategy.mode import Mode
+from lightning_pipe.strategy.mode import Mode, Write
+from lightning_pipe.strategy.model_state import ModelState
+from lightning_pipe.strategy.patch import Patches
 from lightning_pipe.strategy.process_groups import PROCESS_GROUP_TIMEOUT, ProcessGroups
 from lightning_pipe.strategy.stage_placement import ProcessStage
 
@@ -41,7 +50,6 @@ class LaunchedMode(Mode):
     """
 
     name = LAUNCHED
-    folds_stages_back = False  # each process's LightningModule holds its own stage's trained tensors
 
     def __init__(
         self,
@@ -50,9 +58,9 @@ class LaunchedMode(Mode):
         config: PipeConfig,
         stage: ProcessStage,
     ) -> None:
+        super().__init__(config)  # the strategy's arguments (``timeout``, ``runner``, ``virtual_stages`` are read)
         self._layout = layout
         self.devices = list(devices)  # this node's devices, one per local rank
-        self.config = config  # the strategy's arguments (``timeout``, ``runner``, ``virtual_stages`` are read)
         self.stage = stage  # this process's part of the model: the stages built here bind to it
         self._groups: ProcessGroups | None = None
         self._p2p: P2PCommunicator | None = None
@@ -76,10 +84,17 @@ class LaunchedMode(Mode):
     def set_ranks(self, environment: Any) -> None:
         environment.set_global_rank(self.layout.global_rank)
         environment.set_world_size(self.layout.world_size)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.layout.global_rank  # type: ignore[attr-defined]
 
     @override
-    def launcher(self, environment: Any, devices: int, num_nodes: int, serve: Callable[[Any], None]) -> Any:
-        """Lightning's subprocess launcher (a no-op under torchrun or SLURM); a serving rank serves its stage."""
+    def launcher(self, environment: Any, devices: int, num_nodes: int, prepare: Callable[[Any], None]) -> Any:
+        """Lightning's subprocess launcher (a no-op under torchrun or SLURM); a serving rank serves its stage (after
+        ``prepare``: the strategy binds this process's model and joins the processes)."""
+
+        def serve(trainer: Any) -> None:
+            prepare(trainer)
+            self.serve()
+
         return PipeLauncher(environment, devices, num_nodes, None if self.layout.coordinates else serve)
 
     @override
@@ -105,11 +120,16 @@ class LaunchedMode(Mode):
         return True
 
     @override
-    def transport(self, name: str | None) -> P2PCommunicator:
+    def transport(self) -> P2PCommunicator:
         return self.communicator()
 
     @override
-    def stage_devices(self, given: Callable[[], list[str]] | None = None, placement: str = LOOP) -> list[str]:
+    def fsdp_warning(self) -> str | None:
+        where = "launched mode with one replica (devices x num_nodes == stages)"
+        return fsdp_without_replicas(self.config.data_parallel, where, self.layout.replicas)
+
+    @override
+    def stage_devices(self, trainer_devices: Sequence[torch.device] | None = None, placement: str = LOOP) -> list[str]:
         """The device of each stage: that of the process holding it in this replica (the schedule's ``placement``)."""
         virtual = self.config.virtual_stages
         stages = self.layout.ranks_per_pipeline * virtual
@@ -190,6 +210,79 @@ class LaunchedMode(Mode):
             who = self.layout.describe(self.layout.global_rank)
             text = f"its coordinator, {who}, failed: {type(error).__name__}: {error}"
         p2p.release(text)
+
+    # where the stages and the optimizers live: each process's own stage, in its own LightningModule
+    @override
+    def built(self, state: ModelState, pipeline: Pipeline, device: torch.device) -> None:
+        """This process keeps its own stage and the tensors outside the pipeline, nothing else; the optimizers step
+        the stages' parameters (found by name) and keep only meta stand-ins of them."""
+        module = state.host.lightning_module
+        if module is not None:
+            self.stage.release(keep=state.builder.outside_tensors(module))
+        optimizers = state.host.optimizers
+        state.optimization.step_on_stages(pipeline, optimizers, device, by_name=True)
+        state.optimization.stand_in(optimizers)
+
+    @override
+    def install(self, state: ModelState, patches: Patches) -> None:
+        """This process's stage trains the LightningModule's own tensors, in its stage thread, and Lightning posts it
+        the optimizer step without waiting. Before validation Lightning frees the module's gradients from the loop's
+        thread (``on_validation_model_zero_grad``): the stages first finish what was posted to them, or the step
+        would lose gradients it is reading."""
+        module = state.module
+        release = module.on_validation_model_zero_grad  # the user's override, or Lightning's
+
+        def after_the_stages() -> None:
+            if state.builder.pipeline is not None:
+                state.builder.pipeline.flush()
+            release()
+
+        patches.set(module, "on_validation_model_zero_grad", after_the_stages)
+
+    @override
+    def fold_back(self, state: ModelState) -> None:
+        """Nothing: each process's LightningModule holds its own stage's trained tensors already."""
+
+    # the training state: every process writes its own stage, nothing is gathered
+    @override
+    def module_state(self, state: ModelState, lightning: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        return {}  # each process writes its own stage (`save_checkpoint`)
+
+    @override
+    def optimizer_state(
+        self, state: ModelState, optimizer: Any, lightning: Callable[[Any], dict[str, Any]]
+    ) -> dict[str, Any]:
+        return {}  # as above: the stages write their own
+
+    @override
+    def save_checkpoint(
+        self, state: ModelState, checkpoint: dict[str, Any], path: Path, storage_options: Any, lightning: Write
+    ) -> None:
+        """A folder every process writes its part of (`write_sharded`), or one file made of it a tensor at a time."""
+        if state.host.lightning_module is None:
+            super().save_checkpoint(state, checkpoint, path, storage_options, lightning)
+            return
+        path = Path(self.broadcast(str(path)))
+        first = self.layout.global_rank == 0
+        prefix = state.prefix()
+        part = state.coordinator_part(prefix) if self.layout.coordinates else CoordinatorPart()
+        pipeline, here, worker = state.builder.pipeline, self.layout.coordinator, self.stage.worker
+
+        def save(folder: Path) -> None:
+            write_sharded(folder, prefix, checkpoint, part, first, pipeline, here, worker)
+
+        if self.config.save_distributed_checkpoint:
+            save(path)
+        else:
+            write_single_file(save, path, first)
+        self.barrier()
+
+    @override
+    def remove_checkpoint(self, state: ModelState, path: Path, lightning: Write) -> None:
+        if self.layout.global_rank == 0:
+            state.remove(path, lightning)
+        else:
+            lightning(path)  # Lightning's removal: on global rank 0 only
 
     # Lightning's collectives: among the coordinators (the processes that run Lightning's loop)
     def _coordinator_group(self) -> Any:

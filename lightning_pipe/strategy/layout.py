@@ -9,10 +9,13 @@ V), so a microbatch's output and its loss never cross processes. The layout draw
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.schedule.placement import LOOP, stage_rank
+from lightning_pipe.transports import TRANSPORTS
 
 LOCAL, RPC, LAUNCHED = "local", "rpc", "launched"
 
@@ -24,6 +27,43 @@ def choose_mode(transport: str | None, processes: int) -> str:
     if transport == "p2p":
         return LAUNCHED
     return RPC if transport == "rpc" else LOCAL
+
+
+def check_transport(transport: str | None, streams: bool, options: Mapping[str, Any]) -> None:
+    """What the mode rule refuses when the strategy is made: an unknown ``transport``, ``schedule="async"``
+    (``streams``) outside local mode, rpc's ``options`` (coordinator, token, compress) without ``transport="rpc"``."""
+    if transport is not None and transport not in TRANSPORTS and transport != "p2p":
+        known = ", ".join(sorted({*TRANSPORTS, "p2p"}))
+        raise ConfigurationError(f"unknown transport {transport!r}; available: {known} (or None: by the process count)")
+    if streams and transport not in (None, LOCAL):
+        raise ConfigurationError(
+            f"PipeStrategy(schedule='async') runs with transport='local'; with transport={transport!r} train "
+            "with lightning_pipe.Pipeline(...).train_async(...) or pick schedule='1f1b'"
+        )
+    if options and transport != RPC:
+        verb = "needs" if len(options) == 1 else "need"
+        raise ConfigurationError(f"{' and '.join(options)} {verb} transport='rpc' (stages in worker processes)")
+
+
+def check_launched(processes: int, devices: Sequence[str] | None, runner: str, streams: bool) -> None:
+    """What launched mode cannot do fails when the Trainer is built, before any process starts (``streams``:
+    ``schedule="async"``)."""
+    if devices is not None:
+        raise ConfigurationError(
+            "PipeStrategy(devices=[...]) places the stages of one process; in launched mode "
+            f"({processes} processes) each process holds its stage on its own device: leave devices out, "
+            "or pass transport='local' to run every stage in this process"
+        )
+    if runner == "linear":
+        raise ConfigurationError(
+            "runner='linear' walks every stage from one thread; in launched mode each process runs its own "
+            "stage: use runner='parallel' or 'dataflow', or transport='local'"
+        )
+    if streams:
+        raise ConfigurationError(
+            "PipeStrategy(schedule='async') runs with transport='local' in one process; in launched mode "
+            "pick a synchronous schedule such as '1f1b'"
+        )
 
 
 @dataclass(frozen=True)

@@ -1,35 +1,65 @@
 """`Mode`: what differs between local, rpc and launched mode, behind one small interface.
 
 Lightning chooses behaviour by class (DDP, FSDP, ModelParallel); `PipeStrategy` is one class whose
-hooks ask its mode, chosen once when Lightning sets the world's ranks (`lightning_pipe.strategy.layout`
-says which mode runs when). A mode answers: how many processes Lightning's loop sees and which share
-of the data each reads, the collectives among them, the coordinator's device, which transport the
-pipeline's stages use and whether they own their parameters, and what a fit's start and end mean for
-the processes. `LocalMode` and `RpcMode` run Lightning's loop in one process (every collective is the
-identity); launched mode (`lightning_pipe.strategy.launched.LaunchedMode`) spans the processes that
-Lightning's launchers start.
+hooks ask its mode, chosen once when Lightning sets the world's ranks (`lightning_pipe.strategy.mode_choice`).
+A mode answers: how many processes Lightning's loop sees and which share of the data each reads, the
+collectives among them, the coordinator's device and the stages' devices, which transport the pipeline's
+stages use, where the stages' parameters and the optimizers' state live, how the training state is written
+(`lightning_pipe.strategy.model_state`), and what a fit's start and end mean for the processes.
+`LocalMode` (here) and `lightning_pipe.strategy.rpc_mode.RpcMode` run Lightning's loop in one process
+(every collective is the identity); `lightning_pipe.strategy.launched.LaunchedMode` spans the processes that
+Lightning's launchers start (DDP or FSDP over its replicas: its ``data_parallel``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from typing_extensions import override
 
 from lightning_pipe.comm import Communicator
+from lightning_pipe.errors import ConfigurationError
+from lightning_pipe.pipeline import Pipeline
 from lightning_pipe.schedule import LOOP
-from lightning_pipe.strategy.layout import LOCAL, RPC, Layout
+from lightning_pipe.strategy.arguments import fsdp_without_replicas
+from lightning_pipe.strategy.config import PipeConfig
+from lightning_pipe.strategy.layout import LOCAL, Layout
+from lightning_pipe.strategy.model_state import ModelState
+from lightning_pipe.strategy.patch import Patches
+from lightning_pipe.weights import on_meta
+
+Write = Callable[..., None]  # Lightning's own way of writing or removing a checkpoint (the strategy's base class's)
 
 
 class Mode:
-    """One Lightning process, stages wherever its transport puts them: the defaults every mode starts from."""
+    """One Lightning process, stages wherever its transport puts them: the defaults every mode starts from.
+
+    ``config``: the strategy's arguments (``transport``, ``stages``, ``devices``, ``data_parallel`` are read).
+    """
 
     name: ClassVar[str]
     #: the stages hold their own parameters and optimizer state (workers, other processes), not the module's
     stages_own_parameters: ClassVar[bool] = True
-    #: after a fit the LightningModule gets the stages' trained values back (one process holds the model)
-    folds_stages_back: ClassVar[bool] = True
+
+    def __init__(self, config: PipeConfig) -> None:
+        self.config = config
+        self._described = False  # the line saying what runs is logged once
+
+    def start(self, environment: Any) -> None:
+        """Lightning sets up the environment (each fit): join the processes (`connect`), hold the serving ranks for
+        this fit (whatever fails before setup), and say once what runs."""
+        self.connect(environment)
+        self.hold()
+        if not self._described:
+            self._described = True
+            rank_zero_info(self.describe())
+            alone = self.fsdp_warning()
+            if alone is not None:
+                rank_zero_warn(alone)
 
     @property
     def layout(self) -> Layout | None:
@@ -71,14 +101,30 @@ class Mode:
         """The coordinator's device (``placed``: where the strategy's placement puts the last stage's output)."""
         return placed()
 
-    def stage_devices(self, given: Callable[[], list[str]], placement: str = LOOP) -> list[str]:
-        """One device per stage (``given``: from ``devices=`` or the Trainer's devices; ``placement``: which rank
-        holds each stage, as the schedule says)."""
-        return given()
+    def stage_devices(self, trainer_devices: Sequence[torch.device] | None = None, placement: str = LOOP) -> list[str]:
+        """One device per stage: ``devices=``, else the Trainer's devices (``trainer_devices``), or cpu for every
+        stage (``placement``, which rank holds each stage, places them in launched mode)."""
+        config = self.config
+        if config.stage_devices is not None:
+            return config.stage_devices
+        names = [str(d) for d in (trainer_devices or [torch.device("cpu")])]
+        stages = config.stages or len(names)
+        if all(d == "cpu" for d in names):
+            return ["cpu"] * stages
+        if stages > len(names):
+            raise ConfigurationError(
+                f"stages={stages} but the Trainer has {len(names)} devices ({', '.join(names)}); "
+                "pass devices=[...] with one device per stage (stages may share a device)"
+            )
+        return names[:stages]
 
-    def transport(self, name: str | None) -> str | Communicator:
-        """The pipeline's transport: ``name`` (the strategy's ``transport``) here."""
-        return name or LOCAL
+    def transport(self) -> str | Communicator:
+        """The pipeline's transport: the strategy's ``transport`` here."""
+        return self.config.transport or LOCAL
+
+    def fsdp_warning(self) -> str | None:
+        """The warning for ``data_parallel="fsdp"`` where no stage has a second replica to shard over."""
+        return fsdp_without_replicas(self.config.data_parallel, f"{self.name} mode", 1)
 
     # a fit
     def hold(self) -> None:
@@ -86,6 +132,46 @@ class Mode:
 
     def release(self, error: BaseException | None = None) -> None:
         """It ended (with ``error`` if it failed)."""
+
+    # where the stages and the optimizers live
+    def built(self, state: ModelState, pipeline: Pipeline, device: torch.device) -> None:
+        """A pipeline was built: each optimizer steps the stages' parameters where they live (here: on the stages,
+        each optimizer with its per-stage parts)."""
+        state.optimization.step_on_stages(pipeline, state.host.optimizers, device, by_name=False)
+
+    def install(self, state: ModelState, patches: Patches) -> None:
+        """At setup, after the optimizers: what this mode sets on the user's objects for the fit."""
+
+    def keep_stages(self, state: ModelState) -> None:
+        """At teardown, before the stages stop: what the checkpoints written after the fit need of them."""
+
+    def fold_back(self, state: ModelState) -> None:
+        """Before the stages stop: the LightningModule and its optimizers end up trained, as usual, where the
+        module has values to take them (one built on meta keeps none)."""
+        module = state.host.lightning_module
+        state.optimization.fold(state.builder.pipeline, module is not None and not on_meta(module))
+
+    # the training state in a checkpoint: one process holds the model, Lightning reads and writes it
+    def module_state(self, state: ModelState, lightning: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        """``lightning_module_state_dict``: the LightningModule's state (``lightning``: Lightning's reading)."""
+        return state.module_state(lightning)
+
+    def optimizer_state(
+        self, state: ModelState, optimizer: Any, lightning: Callable[[Any], dict[str, Any]]
+    ) -> dict[str, Any]:
+        """``optimizer_state``: ``optimizer``'s state (``lightning``: Lightning's reading)."""
+        return state.optimizer_state(optimizer, lightning)
+
+    def save_checkpoint(
+        self, state: ModelState, checkpoint: dict[str, Any], path: Path, storage_options: Any, lightning: Write
+    ) -> None:
+        """``save_checkpoint``: ``checkpoint`` (with the stages' generator states) at ``path``; ``lightning``:
+        Lightning's writing, one file."""
+        lightning(checkpoint, path, storage_options=storage_options)
+
+    def remove_checkpoint(self, state: ModelState, path: Path, lightning: Write) -> None:
+        """``remove_checkpoint``: as Lightning removes it (``lightning``)."""
+        lightning(path)
 
     # Lightning's collectives: nothing to agree on in one process
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
@@ -110,14 +196,15 @@ class LocalMode(Mode):
     name = LOCAL
     stages_own_parameters = False
 
+    @override
     def describe(self) -> str:
         return f"{super().describe()}, stages in threads of this process"
 
-
-class RpcMode(Mode):
-    """Stages are worker processes of a private RPC world; each owns its stage's parameters and optimizer."""
-
-    name = RPC
-
-    def describe(self) -> str:
-        return f"{super().describe()}, stages in rpc worker processes"
+    @override
+    def built(self, state: ModelState, pipeline: Pipeline, device: torch.device) -> None:
+        """The stages are the LightningModule's modules: parameters they made real replace their meta ones in the
+        optimizers."""
+        pipelined = state.builder.pipelined
+        assert pipelined is not None
+        state.optimization.adopt_built(state.host.optimizers, pipelined)
+        super().built(state, pipeline, device)

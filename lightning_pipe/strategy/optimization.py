@@ -19,8 +19,6 @@ from torch import nn
 from lightning_pipe.checkpoint.resume import optimizer_layouts
 from lightning_pipe.grads import GradStash
 from lightning_pipe.pipeline import Pipeline
-from lightning_pipe.strategy.asynchronous import AsyncTraining
-from lightning_pipe.strategy.layout import LAUNCHED, LOCAL
 from lightning_pipe.strategy.remote import StageGradZeroing, StageParameters
 from lightning_pipe.strategy.stage_placement import swap_parameters
 
@@ -33,8 +31,7 @@ class StageOptimization:
     (`set_aside`); `lightning_pipe.strategy.checkpoints` reads the optimizer state where it says it lives.
     """
 
-    def __init__(self, asynchronous: AsyncTraining | None) -> None:
-        self.asynchronous = asynchronous  # schedule="async": the stages step their own optimizers
+    def __init__(self) -> None:
         #: with stages that own their parameters (not "local"): Lightning's optimizers, stepped on the stages
         self.stage_params: StageParameters | None = None
         self.outside = GradStash()  # parameters outside the pipelined module (before/after the call)
@@ -69,32 +66,28 @@ class StageOptimization:
         self.stage_names = {id(p): names[id(p)] for o in optimizers for g in o.param_groups for p in g["params"]
                             if id(p) in names}  # fmt: skip
 
-    def attach(
-        self,
-        pipeline: Pipeline,
-        optimizers: list[torch.optim.Optimizer],
-        device: torch.device,
-        mode: str,
-        pipelined: nn.Module,
-    ) -> None:
-        """A pipeline was built: each optimizer steps the stages' parameters where they live.
-
-        Local mode: the stages are the LightningModule's modules; parameters they made real replace their meta
-        ones in the optimizers. Stages that own their parameters (rpc, launched): each optimizer gets its
-        per-stage parts; in launched mode, found by name, and the optimizers keep only meta stand-ins of the
-        stages' parameters (this process's own stage included: its stage optimizer steps it).
-        """
+    def adopt_built(self, optimizers: list[torch.optim.Optimizer], pipelined: nn.Module) -> None:
+        """A pipeline was built in local mode, its stages the LightningModule's modules: parameters they made real
+        replace their meta ones in the optimizers."""
         names = self.stage_names or {}
-        if mode == LOCAL:
-            current = dict(pipelined.named_parameters())
-            for optimizer in optimizers:
-                for group in optimizer.param_groups:
-                    group["params"] = [current.get(names.get(id(p), ""), p) for p in group["params"]]
+        current = dict(pipelined.named_parameters())
+        for optimizer in optimizers:
+            for group in optimizer.param_groups:
+                group["params"] = [current.get(names.get(id(p), ""), p) for p in group["params"]]
+
+    def step_on_stages(
+        self, pipeline: Pipeline, optimizers: list[torch.optim.Optimizer], device: torch.device, by_name: bool
+    ) -> None:
+        """A pipeline was built whose stages own their parameters (rpc, launched): each optimizer gets its
+        per-stage parts (``by_name``: found by their names in the pipelined module, launched mode)."""
         if self.stage_params is not None and optimizers:
-            self.stage_params.attach(pipeline, optimizers, device, names if mode == LAUNCHED else None)
-        if mode == LAUNCHED:
-            for optimizer in optimizers:
-                swap_parameters(optimizer, names)
+            self.stage_params.attach(pipeline, optimizers, device, (self.stage_names or {}) if by_name else None)
+
+    def stand_in(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        """Launched mode: the optimizers keep only meta stand-ins of the stages' parameters (this process's own
+        stage included: its stage optimizer steps it)."""
+        for optimizer in optimizers:
+            swap_parameters(optimizer, self.stage_names or {})
 
     @contextmanager
     def set_aside(self) -> Iterator[None]:
@@ -105,10 +98,9 @@ class StageOptimization:
         finally:
             self.outside.end()
 
-    def apply_grads(self, pipeline: Pipeline, scale: float) -> None:
-        """In ``backward``: the step's gradients, times ``scale``, onto ``p.grad`` (async: the stages stepped)."""
-        if self.asynchronous is None:
-            pipeline.apply_grads(scale)
+    def apply_outside(self, scale: float) -> None:
+        """In ``backward``: the step's gradients of the parameters outside the pipelined module, times ``scale``,
+        onto ``p.grad`` (the stages' come from `Training.apply_grads`)."""
         self.outside.apply(scale)
 
     def drop_grads(self, optimizers: list[torch.optim.Optimizer]) -> None:

@@ -22,7 +22,7 @@ import torch
 
 from lightning_pipe.pipeline import Pipeline
 from lightning_pipe.rng import RandomRouting, StageGenerators, derive_seed, run_seed
-from lightning_pipe.strategy.asynchronous import AsyncTraining
+from lightning_pipe.strategy.training import Training
 
 
 class RandomStreams:
@@ -32,8 +32,8 @@ class RandomStreams:
     microbatch's step (`step_context`); `lightning_pipe.strategy.checkpoints` saves and loads `state`.
     """
 
-    def __init__(self, asynchronous: AsyncTraining | None) -> None:
-        self.asynchronous = asynchronous  # an open stream owns the stages: their states are not read then
+    def __init__(self, training: Training) -> None:
+        self.training = training  # an open stream (schedule="async") owns the stages: their states are not read then
         #: generator states for the next pipeline built: from a loaded checkpoint or the last fit
         self.saved: dict[str, Any] | None = None
         self.seed: int | None = None  # the run's seed, decided once per fit by the strategy (None: `run_seed`)
@@ -46,7 +46,7 @@ class RandomStreams:
         """
         if pipeline is None or not pipeline.built:
             return self.saved
-        if self.asynchronous is not None and self.asynchronous.streaming:
+        if self.training.streaming:
             return None
         return pipeline.random_state()
 

@@ -14,13 +14,15 @@ own stage's trained tensors, as FSDP's and ModelParallelStrategy's sharded modul
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import nn
 
 from lightning_pipe.engine.stage_shards import StageShards
+from lightning_pipe.strategy.patch import patch
 from lightning_pipe.weights import adopt, free_to_meta
 
 DATA_PARALLEL = ("ddp", "fsdp")
@@ -102,3 +104,30 @@ def _stand_in(param: torch.Tensor) -> nn.Parameter:
 
 def _tensors(module: nn.Module) -> list[torch.Tensor]:
     return [*module.parameters(), *module.buffers()]
+
+
+@contextmanager
+def moving_own_to_cpu(module: nn.Module | None) -> Iterator[None]:
+    """Lightning's teardown moves the module to the CPU with ``module.cpu()``, which cannot copy the meta tensors of
+    the stages this process does not hold: while in here, ``module.cpu()`` moves what it has (`own_to_cpu`)."""
+    if module is None:
+        yield
+        return
+    restore = patch(module, "cpu", lambda: own_to_cpu(module))
+    try:
+        yield
+    finally:
+        restore()
+
+
+def own_to_cpu(module: nn.Module) -> nn.Module:
+    """``module.cpu()`` for the tensors that have values (meta ones stay; FSDP's shards stay where they are): what
+    Lightning's teardown moves of a LightningModule that holds only this process's stage."""
+    for owner in module.modules():
+        for param in owner._parameters.values():
+            if param is not None and param.device.type not in ("cpu", "meta") and type(param) is nn.Parameter:
+                param.data = param.data.cpu()
+        for name, buffer in owner._buffers.items():
+            if buffer is not None and buffer.device.type not in ("cpu", "meta"):
+                owner._buffers[name] = buffer.cpu()
+    return module

@@ -16,19 +16,17 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from lightning_pipe.auto_schedule import AUTO, first_microbatches
 from lightning_pipe.backends import CoordinatorOps
-from lightning_pipe.engine import StepResult
 from lightning_pipe.errors import ConfigurationError, PipeError
 from lightning_pipe.loss import Loss, WeightedLoss
 from lightning_pipe.microbatch import batch_size, split
 from lightning_pipe.microbatch_weights import shares
 from lightning_pipe.partition.tracer import CallArgs
 from lightning_pipe.pipeline import Pipeline
-from lightning_pipe.strategy.asynchronous import AsyncTraining
 from lightning_pipe.strategy.building import PipelineBuilder
 from lightning_pipe.strategy.config import PipeConfig
 from lightning_pipe.strategy.optimization import StageOptimization
@@ -36,6 +34,7 @@ from lightning_pipe.strategy.outputs import combine_eval, combine_predict, combi
 from lightning_pipe.strategy.patch import patch
 from lightning_pipe.strategy.random_state import RandomStreams
 from lightning_pipe.strategy.session import Driver, DriverThreads, LogRecorder, MissingCall, StepInputs, current_driver
+from lightning_pipe.strategy.training import Training
 
 
 @dataclass(frozen=True)
@@ -62,7 +61,7 @@ class StepDriver:
         builder: PipelineBuilder,
         optimization: StageOptimization,
         random: RandomStreams,
-        asynchronous: AsyncTraining | None,
+        training: Training,
     ) -> None:
         self.microbatches = config.microbatches
         self.microbatch_weight = config.microbatch_weight
@@ -70,7 +69,8 @@ class StepDriver:
         self.builder = builder  # builds the pipeline on the first step, turns calls into its inputs
         self.optimization = optimization  # the outside parameters' gradients wait there during a step
         self.random = random  # each microbatch's step code draws from its own generator
-        self.asynchronous = asynchronous  # schedule="async": batches go into its stream
+        #: how a training step's updates land: after each batch (`Training`), or in a stream (schedule="async")
+        self.training = training
         self.threads = DriverThreads()  # the threads of the microbatches' steps, kept between steps
         #: the last step's `StepResult` (per-rank action timings, the schedule), kept after teardown
         self.last_step: Any = None
@@ -88,8 +88,7 @@ class StepDriver:
 
     def end_stream(self) -> None:
         """The flush of schedule="async": every fed batch's backwards and stage updates have landed."""
-        if self.asynchronous is not None:
-            self.asynchronous.end(self.builder.pipeline)
+        self.training.end(self.builder.pipeline)
 
     def run(
         self,
@@ -130,24 +129,18 @@ class StepDriver:
             inputs: Sequence[Any] = StepInputs(
                 len(drivers), lambda i: _packed(pipeline, self._start(drivers[i], name)), [_packed(pipeline, first)]
             )
-            if training and self.asynchronous is not None:
-                inputs = list(inputs)  # a stream takes the whole batch at once
-                with self.optimization.set_aside():
-                    result = self._feed_async(pipeline, inputs, drivers, weights)
-            elif training:
-                pipeline.before_train_step(len(drivers), rank_zero_info)  # checkpoint="auto": logged once per fit
-                if _starts_window(args, setting.trainer.accumulate_grad_batches):
-                    # Lightning zeroes the gradients right after this step: they go now, before the step makes
-                    # its own, so that a stage never holds two steps' gradients at once
-                    self.optimization.drop_grads(setting.trainer.optimizers)
-                with self.optimization.set_aside():
-                    result = pipeline.coordinator.train_step(
-                        inputs,
-                        list(zip(weights, range(len(drivers)), strict=True)),
-                        self._criterion(pipeline, drivers, name),
-                        setting.scaler,
-                    )
-                pipeline.after_train_step(result)  # schedule="auto": the first step measures, later ones predicted
+            if training:
+                trainer = setting.trainer
+                result = self.training.step(
+                    pipeline,
+                    inputs,
+                    list(zip(weights, range(len(drivers)), strict=True)),
+                    self._criterion(pipeline, drivers, name),
+                    trainer,
+                    setting.scaler,
+                    self.optimization,
+                    _starts_window(args, trainer.accumulate_grad_batches),
+                )
             else:
                 result = pipeline.coordinator.forward_step(inputs)
                 for driver, output in zip(drivers, result.outputs, strict=True):
@@ -164,6 +157,12 @@ class StepDriver:
         if name == "predict_step":
             return combine_predict(outputs)
         return combine_eval(outputs, weights)
+
+    def runtime_hook(self, name: str, *args: Any) -> None:
+        """Call ``runtime.<name>`` on every stage (skipped when no stage's runtime overrides it, and while a stream
+        owns the stages, until it drains)."""
+        if not self.training.owns_stages:
+            self.builder.runtime_hook(name, args)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The pipelined module's ``forward`` while the strategy runs: a step's call goes to its driver."""
@@ -206,8 +205,10 @@ class StepDriver:
         """This step's microbatch count: the given one, or ``schedule="auto"``'s (chosen before the second
         training step, logged: `Pipeline.choose_schedule`)."""
         pipeline = self.builder.pipeline
-        if training and pipeline is not None and self.asynchronous is None:
-            return pipeline.choose_schedule(self.microbatches, rows, rank_zero_info)
+        if training and pipeline is not None:
+            chosen = self.training.microbatches(pipeline, self.microbatches, rows)
+            if chosen is not None:
+                return chosen
         if self.microbatches != AUTO:
             return int(self.microbatches)
         chooser = pipeline.auto_schedule if pipeline is not None else None
@@ -219,19 +220,6 @@ class StepDriver:
         """Each microbatch's share of the step's loss and logged values (``microbatch_weight``, or rows)."""
         weigh = self.microbatch_weight if name != "predict_step" else None  # predictions are not averaged
         return shares(pieces, weigh, "PipeStrategy(microbatch_weight=...)")
-
-    def _feed_async(
-        self, pipeline: Pipeline, inputs: Sequence[Any], drivers: list[Driver], weights: list[float]
-    ) -> StepResult:
-        """Feed this batch into the asynchronous stream; drain it after the stream's last planned batch."""
-        assert self.asynchronous is not None and self._setting is not None
-        stream = self.asynchronous.open(pipeline, self._setting.trainer, len(inputs))
-        self.asynchronous.sync_hparams()
-        criterion = self._criterion(pipeline, drivers, "training_step")
-        losses = stream.feed(inputs, list(zip(weights, range(len(drivers)), strict=True)), criterion)
-        if stream.complete:
-            self.end_stream()
-        return StepResult(losses=losses, schedule=stream.schedule)
 
     def _start(self, driver: Driver, name: str) -> Any:
         kind, value = driver.start()

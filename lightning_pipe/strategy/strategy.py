@@ -3,119 +3,56 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Generator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from lightning_pipe.backends import BackendArg, ExecutionTrace
-from lightning_pipe.comm import Communicator
 from lightning_pipe.engine.stage_shards import mixed_precision_policy
 from lightning_pipe.engine.versions import Staleness
-from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.microbatch_weights import MicrobatchWeight
 from lightning_pipe.partition import Partitioner
 from lightning_pipe.pipeline import Pipeline
 from lightning_pipe.rng import run_seed
 from lightning_pipe.runtime import BaseRuntime
 from lightning_pipe.schedule import AutoChoice
-from lightning_pipe.strategy.arguments import auto_schedule_of
-from lightning_pipe.strategy.asynchronous import AsyncTraining
+from lightning_pipe.strategy.asynchronous import training_for
 from lightning_pipe.strategy.building import PipelineBuilder, Placement, autocast_of
 from lightning_pipe.strategy.checkpoints import Checkpoints
 from lightning_pipe.strategy.config import PipeConfig
-from lightning_pipe.strategy.hooks import RuntimeHooks, install
-from lightning_pipe.strategy.interrupts import CtrlC
+from lightning_pipe.strategy.layout import Layout
+from lightning_pipe.strategy.lifecycle import Lifecycle
+from lightning_pipe.strategy.mode import Mode
+from lightning_pipe.strategy.mode_choice import mode_of, process_count
+from lightning_pipe.strategy.model_state import ModelState
 from lightning_pipe.strategy.optimization import StageOptimization
-from lightning_pipe.strategy.patch import Patches
 from lightning_pipe.strategy.random_state import RandomStreams
-from lightning_pipe.strategy.stage_placement import ProcessStage
-from lightning_pipe.strategy.step_hooks import StepHooksStrategy
-from lightning_pipe.strategy.steps import StepDriver, StepSetting
+from lightning_pipe.strategy.stage_placement import ProcessStage, moving_own_to_cpu
+from lightning_pipe.strategy.steps import StepDriver
 from lightning_pipe.strategy.timeline import PipeTrace
-from lightning_pipe.weights import on_meta
 
 
-class PipeStrategy(StepHooksStrategy):
+class PipeStrategy(ParallelStrategy):
     """Splits the LightningModule's pipelined module into stages and runs each step as a pipeline.
 
-    Args:
-        stages: number of stages; default: one per device.
-        microbatches: how many pieces each batch is cut into (along dimension 0); ``"auto"`` with
-            ``schedule="auto"``: chosen with the schedule.
-        schedule: ``"gpipe"`` (all forwards, then losses, then backwards), ``"1f1b"``,
-            ``"interleaved-1f1b"``, ``"zero-bubble"``, ``"looped-bfs"``, ``"interleaved-zero-bubble"``,
-            ``"zbv"``, ``"dualpipev"`` (the last two with ``virtual_stages=2``), ``"async"`` (no flush between
-            batches, each stage steps its own copy of the ``configure_optimizers`` optimizer with weight stashing;
-            transport ``"local"``; `staleness` reports what it measured), a `Schedule` subclass or a function
-            returning per-rank action lists (see docs/schedules.md). ``"auto"``: the first training step
-            measures every stage, the second runs the registered schedule `simulate` predicts fastest
-            (`lightning_pipe.auto_schedule`; the choice is logged as a table and kept in `schedule_choice`).
-        partition: ``"uniform"``, ``"params"``, ``"memory"``, ``"time"``, layer counts such as
-            ``[3, 5]``, or a `Partitioner`.
-        module: attribute path of the pipelined module in the LightningModule; default: the child
-            with the most parameters.
-        devices: one device per stage; default: the Trainer's devices, or ``cpu`` for every stage.
-        checkpoint: activation recomputation: ``"auto"`` (only the stages whose device lacks the memory for the
-            planned activation peak; never on cpu; decided before the second training step of a fit and logged),
-            ``"always"``, ``"except_last"`` or ``"never"``.
-        runtime: a registered device type or a `BaseRuntime` instance; default: by device type.
-        timeout: seconds any wait between the coordinator and the stages may take.
-        backend: how stage forwards run: ``"eager"``, ``"inductor"``, ``"tensorrt"`` or a registered
-            backend; a list gives one per stage, a tuple a fallback chain, a dict one per mode
-            (``{"train": "inductor", "eval": "tensorrt"}``). See `lightning_pipe.backends`.
-        strict: raise instead of falling back (with a logged reason) when a requested backend
-            cannot run a stage.
-        split_points: names of submodules before which a new stage starts (``["blocks.2"]``). A
-            pipelined module that is not an ``nn.Sequential`` is traced on its first call and cut
-            there, or where ``partition`` balances it; its forward may take several positional and
-            keyword arguments and return a tensor, tuple or dict. Without ``stages``, one stage more
-            than split points.
-        transport: ``None`` (the default): launched mode when the Trainer runs more than one process
-            (``devices x num_nodes > 1`` or a launcher's ``WORLD_SIZE > 1``: R pipeline replicas of the stages,
-            one process per stage and device, activations point to point over torch.distributed, gradients
-            averaged over the replicas; see `lightning_pipe.strategy.layout`), else ``"local"``.
-            ``"local"``: stages are threads of this process, on the Trainer's devices. ``"rpc"``: stage
-            worker processes (one per stage on this machine, or ``lightning-pipe worker`` processes that join
-            ``coordinator``); see `lightning_pipe.comm.rpc`. ``"p2p"``: launched mode in any case.
-        coordinator: with ``transport="rpc"``, ``"HOST:PORT"`` where workers on other machines join.
-        token: with ``transport="rpc"``, the secret workers must present (default ``$LIGHTNING_PIPE_TOKEN``).
-        compress: with ``transport="rpc"``, how activations and gradients cross between processes:
-            ``None``, ``"bf16"`` / ``"fp16"`` (lossy casts), ``"zstd"`` (lossless, extra ``compress``),
-            ``"bf16+zstd"``, ``"fp16+zstd"`` or a codec object (`lightning_pipe.comm.compress.Codec`).
-        virtual_stages: stages per worker (``interleaved-1f1b`` and the other chunked schedules): stage ``s``
-            runs on worker ``s % (stages // virtual_stages)``, or in a V (``zbv``, ``dualpipev``: stages ``r`` and
-            ``2P - 1 - r`` on worker ``r``).
-        runner: ``"parallel"`` (a thread per worker, fixed order), ``"dataflow"`` (each worker runs
-            whichever action is ready) or ``"linear"`` (one thread walks one global order).
-        trace: a path for the Chrome trace (pipeline timeline) of training steps 1-3, or a `PipeTrace`
-            (chosen steps, a PNG Gantt chart).
-        microbatch_weight: a function of a microbatch (what the step receives) returning its weight, a
-            number or 0-d tensor; default: its rows. Losses, ``self.log`` values and the step's returned
-            values combine with the weights normalised over the batch: return what the loss averages
-            over, e.g. ``lambda b: (b["labels"][:, 1:] != -100).sum()`` for a causal LM's labelled tokens.
-            A microbatch of weight 0 adds nothing, not even its loss's gradient.
-        data_parallel: launched mode with several replicas: ``"ddp"`` (each replica holds its whole stage, gradients
-            averaged) or ``"fsdp"`` (each stage sharded over its replicas with FSDP2, gradients reduce-scattered once
-            per step).
-        weights: pretrained weights of the pipelined module (safetensors, a file or a sharded folder with its index;
-            a ``torch.save``d state dict; a torch.distributed.checkpoint folder): each stage reads its own tensors.
-            Its keys are checked as ``strict_loading`` says (docs/big-models.md, "Where your model's state lives").
-        weights_only: how a ``weights`` file written by ``torch.save`` is opened: None (torch's default, True)
-            refuses pickled objects other than tensors, with an error that names this argument; pass False only
-            for a file you trust (its pickled code runs). ``ckpt_path=`` takes ``trainer.fit(weights_only=...)``.
-        memory_budget: ``schedule="auto"``: most bytes of stashed activations a rank may hold; default 90% of the
-            device's free memory (no limit on cpu).
-        save_distributed_checkpoint: launched mode writes a checkpoint as a folder, every process its own stage
-            (True), or as one file, written a tensor at a time (False); see `lightning_pipe.weights`.
+    The arguments are `PipeConfig`'s fields, each described there (``lightning_pipe.strategy.config.PipeConfig``),
+    and Lightning's own ``accelerator``, ``checkpoint_io`` and ``precision_plugin``.
 
-    Lightning's hooks hand the work to the parts the strategy holds: ``builder`` (the pipeline), ``steps``
-    (each step, microbatch by microbatch), ``optimization`` (gradients and optimizer steps), ``random``
-    (generator states), ``checkpoints`` (what a checkpoint holds), ``asynchronous`` (``schedule="async"``);
-    `ProcessStrategy` answers Lightning's questions about the processes (launched mode: ``world``).
+    Lightning's hooks hand the work to the parts the strategy holds: ``mode`` (what differs between local, rpc
+    and launched mode: the processes, the collectives, where the stages and optimizers live, how the training
+    state is written; chosen once, when Lightning sets the ranks), ``builder`` (the pipeline), ``steps`` (each
+    step, microbatch by microbatch; ``steps.training``: flushed, or ``schedule="async"``'s stream),
+    ``optimization`` (gradients and optimizer steps), ``random`` (generator states), ``state`` (the training state
+    in Lightning's checkpoint hooks), ``stage`` (launched mode: this process's part of the model), ``lifecycle``
+    (what a fit sets up around the user's objects, and what its end undoes).
     """
 
     strategy_name = "pipe"
@@ -151,31 +88,21 @@ class PipeStrategy(StepHooksStrategy):
         memory_budget: int | None = None,
         weights_only: bool | None = None,
     ) -> None:
-        config = PipeConfig.of(locals())  # every argument above but Lightning's own three, checked
-        self.asynchronous = AsyncTraining() if config.asynchronous else None
-        builder = PipelineBuilder(config)
-        # launched mode's replicas run the first coordinator's choice: Lightning's broadcast among the coordinators
-        builder.schedule = auto_schedule_of(
-            config.schedule, config.microbatches, config.memory_budget, config.data_parallel, self.broadcast
-        )
-        self.optimization = StageOptimization(self.asynchronous)
-        self.random = RandomStreams(self.asynchronous)
-        checkpoints = Checkpoints(
-            builder, self.optimization, self.random, self.asynchronous, config.weights_path, config.weights_only
-        )  # fmt: skip
-        stage = ProcessStage(config.data_parallel, lambda: mixed_precision_policy(self.precision_plugin.precision))
-        steps = StepDriver(config, builder, self.optimization, self.random, self.asynchronous)
-        super().__init__(
-            config, stage,
-            accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin,
-            checkpoints=checkpoints, builder=builder, steps=steps, optimization=self.optimization,
-        )  # fmt: skip
-        trace = config.trace
-        self.pipe_trace = trace if isinstance(trace, PipeTrace) or trace is None else PipeTrace(trace)
-        self._runtime_hooks = RuntimeHooks(self)  # the stages' runtime callbacks at Lightning's hooks
-        self._patches = Patches()  # attributes set on the user's objects for this fit, restored exactly
-        self._ctrl_c = CtrlC()  # Ctrl-C works again after a fit it stopped
-        self._trainer: pl.Trainer | None = None
+        super().__init__(accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
+        self.config = config = PipeConfig.of(locals())  # every argument above but Lightning's own three, checked
+        self.num_nodes = 1  # set by Lightning's connector from Trainer(num_nodes=...)
+        self.builder = PipelineBuilder(config, self.broadcast)
+        self.optimization = StageOptimization()
+        training = training_for(config.asynchronous)  # the step driver's variant: flushed, or a stream
+        self.random = RandomStreams(training)
+        self.steps = StepDriver(config, self.builder, self.optimization, self.random, training)
+        self.stage = ProcessStage(config.data_parallel, lambda: mixed_precision_policy(self.precision_plugin.precision))
+        checkpoints = Checkpoints(self.builder, self.optimization, self.random, training, config.weights_path,
+                                  config.weights_only)  # fmt: skip
+        self.state = ModelState(self, checkpoints, self.builder, self.optimization, self.stage)
+        self.pipe_trace = PipeTrace.of(config.trace)  # the timeline callback, if a trace is asked for
+        self.lifecycle = Lifecycle(self.state, self.steps, self.random, self.pipe_trace)
+        self._mode: Mode | None = None  # chosen when Lightning sets the ranks (`set_world_ranks`)
 
     # what the parts hold, under the names users read
     @property
@@ -203,14 +130,55 @@ class PipeStrategy(StepHooksStrategy):
     @property
     def schedule_choice(self) -> AutoChoice | None:
         """What ``schedule="auto"`` chose in this (or the last) fit; None before its second training step."""
-        pipeline = self.builder.pipeline
-        if pipeline is not None and pipeline.auto_schedule is not None and pipeline.auto_schedule.choice is not None:
-            return pipeline.auto_schedule.choice
-        return self.builder.schedule_choice
+        return self.builder.choice
 
     @property
     def checkpoint(self) -> str:
         return self.builder.checkpoint
+
+    # the processes: Lightning's connector asks when the Trainer is built
+    @property
+    def mode(self) -> Mode:
+        """The mode this run is in (`lightning_pipe.strategy.mode`), chosen when Lightning sets the ranks."""
+        if self._mode is None:
+            self._mode = self._choose_mode()
+        return self._mode
+
+    @property
+    def layout(self) -> Layout | None:
+        """Launched mode: the processes, replicas and pipeline ranks (None in one process)."""
+        return self.mode.layout
+
+    def _choose_mode(self) -> Mode:
+        devices, placement = self.parallel_devices, self.builder.rank_placement
+        processes = process_count(devices, self.num_nodes, self.cluster_environment)  # devices x nodes, or WORLD_SIZE
+        global_rank = self.node_rank * len(devices or []) + self.local_rank
+        return mode_of(self.config, processes, devices, global_rank, placement, self.stage, self._mode)
+
+    def set_world_ranks(self) -> None:  # called by Lightning's connector (as on DDPStrategy)
+        self._mode = self._choose_mode()
+        self._mode.set_ranks(self.cluster_environment)
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        devices = len(self.parallel_devices or [None])
+        self._launcher = self.mode.launcher(self.cluster_environment, devices, self.num_nodes, self._prepare_to_serve)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self.mode.start(self.cluster_environment)  # launched mode: join the processes, hold the serving ranks
+
+    def _prepare_to_serve(self, trainer: Any = None) -> None:
+        """A process that serves a stage instead of running the Trainer's loop: its model bound, processes joined."""
+        self.state.bind_to_serve(trainer)
+        self.setup_environment()
+
+    def resolve_devices(self) -> list[str]:
+        """One device per stage: launched mode's processes (placed as the schedule says), or from ``devices``,
+        the Trainer's devices or cpu."""
+        return self.mode.stage_devices(self.parallel_devices, self.builder.rank_placement)
 
     @property
     @override
@@ -218,63 +186,66 @@ class PipeStrategy(StepHooksStrategy):
         """The coordinator's device: where the last stage's output and the loss live (launched: this process's)."""
         return self.mode.root_device(lambda: self.builder.coordinator_device(self.resolve_devices()))
 
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return self.mode.sampler_kwargs
+
+    @property
+    def is_distributed(self) -> bool:
+        """Read by Lightning's connector: a distributed sampler over the replicas in launched mode."""
+        return self.mode.distributed
+
+    @property
+    def world_size(self) -> int:  # type: ignore[override]
+        """What Lightning's loop sees: 1 in launched mode (`LaunchedMode.world_size` says why)."""
+        return self.mode.world_size(super().world_size)
+
+    # Lightning's collectives: among the coordinators in launched mode, nothing to agree on in one process
     @override
-    def rank_placement(self) -> str:
-        """Which rank holds each stage: the schedule's placement (``v`` for ``zbv`` and ``dualpipev``)."""
-        return self.builder.rank_placement
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        return self.mode.reduce_boolean_decision(decision, all)
+
+    @override
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        return self.mode.reduce(tensor, group, reduce_op)
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        self.mode.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return self.mode.broadcast(obj, src)
+
+    @override
+    def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> torch.Tensor:
+        return self.mode.all_gather(tensor, group, sync_grads)
 
     # setup and teardown
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
-        self._ctrl_c.remember()
-        self._trainer = trainer
-        lightning_module = self.lightning_module
-        assert lightning_module is not None
-        if not lightning_module.automatic_optimization:
-            raise ConfigurationError(
-                "PipeStrategy runs the backward inside the pipeline and supports automatic optimization only; "
-                "set self.automatic_optimization = True"
-            )
-        placement = Placement(
-            self.resolve_devices(), self.root_device, autocast_of(self.precision_plugin), self._transport, self._built
-        )
-        pipelined = self.builder.setup(lightning_module, placement)
+        self.lifecycle.begin(self.state.module)
         # one seed per run (seed_everything's, else torch's initial seed), the first coordinator's for every replica
         seed = self.builder.seed = self.random.seed = int(self.broadcast(run_seed()))
-        prefix, strict = self.builder.prefix(lightning_module), lightning_module.strict_loading
-        placement.init = self.checkpoints.stage_init(prefix, seed, pipelined, strict)
-        self.stage.bind(lightning_module, pipelined)
-        self.checkpoints.load_outside(lightning_module, pipelined, self.root_device, seed)  # before they move
+        autocast = autocast_of(self.precision_plugin)
+        placement = Placement(self.resolve_devices(), self.root_device, autocast, self.mode.transport, self._built)
+        pipelined = self.state.prepare(placement, seed)
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()  # the stages place the pipelined module: no wrapper (Lightning's _setup_model)
-        scaler = getattr(self.precision_plugin, "scaler", None)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
-            if self.asynchronous is not None:
-                stage_params = list(pipelined.parameters())
-                self.asynchronous.attach(self.optimizers, stage_params, trainer.accumulate_grad_batches, scaler)
+            scaler, accumulate = getattr(self.precision_plugin, "scaler", None), trainer.accumulate_grad_batches
+            self.steps.training.attach(self.optimizers, list(pipelined.parameters()), accumulate, scaler)
         self.setup_precision_plugin()
-        self.optimization.setup(self.mode.stages_own_parameters, self.builder.outside(lightning_module))
-        self.optimization.name_parameters(lightning_module, pipelined, self.optimizers)
-        self.steps.setup(StepSetting(lightning_module, trainer, self.root_device, scaler))
-        self._install(trainer)
-        self.builder.build_early(getattr(lightning_module, "example_input_array", None))
-
-    def _transport(self) -> str | Communicator:
-        """The pipeline's transport: launched mode's point-to-point communicator, or ``transport``'s name."""
-        return self.mode.transport(self.config.transport)
+        self.lifecycle.start(trainer, self.mode, self.precision_plugin, self.root_device)
 
     def _built(self, pipeline: Pipeline) -> None:
-        """The stages exist: they get the saved generator states, the optimizers their per-stage parts; in launched
-        mode this process keeps its own stage and the tensors outside the pipeline, nothing else."""
-        lightning_module = self.lightning_module
-        if self.world is not None and lightning_module is not None:
-            self.stage.release(keep=self.builder.outside_tensors(lightning_module))
+        """The stages exist: they get the saved generator states, the optimizers their per-stage parts (the mode says
+        where: in launched mode this process keeps its own stage and the tensors outside the pipeline)."""
         self.random.restore(pipeline)
-        assert self.builder.pipelined is not None
-        self.optimization.attach(pipeline, self.optimizers, self.root_device, self.mode.name, self.builder.pipelined)
+        self.mode.built(self.state, pipeline, self.root_device)
 
     @override
     def model_to_device(self) -> None:
@@ -282,69 +253,121 @@ class PipeStrategy(StepHooksStrategy):
         assert self.model is not None
         self.builder.place_outside(self.model, self.root_device)
 
-    def _install(self, trainer: pl.Trainer) -> None:
-        assert self.builder.pipelined is not None
-        self._patches.set(self.builder.pipelined, "forward", self.steps.forward)
-        if self.world is not None:
-            self._zero_grads_after_the_stage(trainer.lightning_module)
-        callbacks: list[pl.Callback] = trainer.callbacks  # type: ignore[attr-defined]
-        install(callbacks, self._runtime_hooks, *([self.pipe_trace] if self.pipe_trace is not None else []))
-        self.optimization.install(callbacks, self.precision_plugin)
-
-    def _zero_grads_after_the_stage(self, module: pl.LightningModule) -> None:
-        """Launched mode: this process's stage trains the LightningModule's own tensors, in its stage thread, and
-        Lightning posts it the optimizer step without waiting. Before validation Lightning frees the module's
-        gradients from the loop's thread (``on_validation_model_zero_grad``): the stages first finish what
-        was posted to them, or the step would lose gradients it is reading."""
-        release = module.on_validation_model_zero_grad  # the user's override, or Lightning's
-
-        def after_the_stages() -> None:
-            if self.builder.pipeline is not None:
-                self.builder.pipeline.flush()
-            release()
-
-        self._patches.set(module, "on_validation_model_zero_grad", after_the_stages)
-
     @override
     def teardown(self) -> None:
-        try:
-            self.builder.keep_trace()  # execution_trace() after this fit/validate/test/predict
-            self.steps.end_stream()
-            self.random.keep(self.builder.pipeline)
-            self.keep_stages()  # rpc mode, a model built on meta: its trained stages, for a checkpoint after fit
-        finally:
-            self._shutdown()
-        super().teardown()
-        self._ctrl_c.restore()
-
-    def _shutdown(self, error: BaseException | None = None) -> None:
-        try:
-            self.steps.end_stream()
-            self.checkpoints.close()
-            if self.mode.folds_stages_back:  # else each process's LightningModule holds its own stage already
-                module = self.lightning_module
-                self.optimization.fold(self.builder.pipeline, module is not None and not on_meta(module))
-        finally:  # whatever failed above: the user's objects as they were, the stages stopped
-            self._patches.restore()
-            self.steps.close()
-            try:
-                self.builder.close()
-            finally:
-                self.mode.release(error)  # launched mode: the serving ranks return from this fit
+        """Lightning's teardown moves the module to the CPU with ``module.cpu()``, which cannot copy the meta
+        tensors of the stages this process does not hold: for that call, the module moves what it has."""
+        self.lifecycle.end(self.mode)
+        with moving_own_to_cpu(self.lightning_module):
+            super().teardown()
+        self.lifecycle.ctrl_c.restore()
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        self.optimization.forget_stages()  # stages may be gone: nothing to gather
-        if self.asynchronous is not None:
-            self.asynchronous.abort()  # nor to drain
-        self._shutdown(exception)
+        self.lifecycle.abort(self.mode, exception)
+
+    # steps
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self.steps.run("training_step", args, kwargs, self.precision_plugin.train_step_context)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self.steps.run("validation_step", args, kwargs, self.precision_plugin.val_step_context)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self.steps.run("test_step", args, kwargs, self.precision_plugin.test_step_context)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self.steps.run("predict_step", args, kwargs, self.precision_plugin.predict_step_context)
+
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """Put the gradients the pipeline computed during ``training_step`` on ``p.grad``.
+
+        Lightning zeroes gradients between ``training_step`` and ``backward``, so the pipeline keeps
+        them aside until now. The precision plugin's hooks still run (``on_before_backward``,
+        ``on_after_backward``); ``LightningModule.backward`` is not called: the pipeline did the backward.
+        """
+        lightning_module, pipeline = self.state.module, self.builder.pipeline
+        assert pipeline is not None
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, lightning_module)
+        scale = 1.0 / lightning_module.trainer.accumulate_grad_batches
+        self.steps.training.apply_grads(pipeline, scale)  # schedule="async": none, the stages stepped
+        self.optimization.apply_outside(scale)
+        closure_loss = self.precision_plugin.post_backward(closure_loss, lightning_module)
+        self.post_backward(closure_loss)
+        return closure_loss
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        if not self.optimization.steps_stages(optimizer):
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        model = model or self.lightning_module
+        return self.optimization.optimizer_step(self.precision_plugin, optimizer, model, closure, **kwargs)
+
+    @override
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        return super().batch_to_device(batch, device or self.root_device, dataloader_idx)
+
+    # where a model's tensors are made: on meta, each stage makes its own where it runs
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        """``trainer.init_module(empty_init=True)`` builds on the meta device: each stage makes its tensors later."""
+        if not empty_init:
+            with super().tensor_init_context(empty_init):
+                yield
+            return
+        with torch.device("meta"), self.precision_plugin.tensor_init_context():
+            yield
+
+    @contextmanager
+    @override
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """``configure_model`` builds on the meta device (as FSDP's deferred initialisation does)."""
+        with torch.device("meta"):
+            yield
+
+    # the training state in a checkpoint: the parts read it, the mode says where it is written from
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        own = self.mode.stages_own_parameters
+        return self.state.load_checkpoint(checkpoint_path, weights_only, own, super().load_checkpoint)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        """Lightning's strict loading in every mode (Lightning calls this before it restores its loops)."""
+        self.state.load_model_state_dict(checkpoint, strict, super().load_model_state_dict)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        self.state.load_optimizer_state_dict(checkpoint, self.mode.stages_own_parameters)
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return self.mode.module_state(self.state, super().lightning_module_state_dict)
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        return self.mode.optimizer_state(self.state, optimizer, super().optimizer_state)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any = None) -> None:
+        checkpoint = self.state.checkpoints.saving(checkpoint)  # with the stages' generator states
+        self.mode.save_checkpoint(self.state, checkpoint, Path(filepath), storage_options, super().save_checkpoint)
+
+    @override
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        self.mode.remove_checkpoint(self.state, Path(filepath), super().remove_checkpoint)
 
     # what users ask of the strategy
     def staleness(self) -> list[Staleness]:
         """schedule="async": per stage, the staleness its microbatches saw over this strategy's fits."""
-        if self.asynchronous is None:
-            raise ConfigurationError(f"staleness is measured with schedule='async', not {self.schedule!r}")
-        return self.asynchronous.staleness()
+        return self.steps.training.staleness(self.schedule)
 
     def execution_trace(self) -> ExecutionTrace:
         """Per stage: which backend ran its forwards and which substituted ops ran where (``print`` it).
@@ -363,12 +386,6 @@ class PipeStrategy(StepHooksStrategy):
         plan it starts from (it recomputes where a device's free memory is short of it).
         """
         return self.builder.plan(model, sample_batch, len(self.resolve_devices()), self.microbatches, verbose)
-
-    def runtime_hook(self, name: str, *args: Any) -> None:
-        """Call ``runtime.<name>`` on every stage (skipped when no stage's runtime overrides it)."""
-        if self.asynchronous is not None and self.asynchronous.stream is not None:
-            return  # a stream owns the stages until it drains
-        self.builder.runtime_hook(name, args)
 
     @classmethod
     @override

@@ -46,6 +46,11 @@ class PipeTrace(pl.Callback):
         self._step = 0
         self._written = False
 
+    @classmethod
+    def of(cls, trace: PipeTrace | str | os.PathLike[str] | None) -> PipeTrace | None:
+        """``PipeStrategy(trace=...)`` as a callback: a path records steps 1-3 there; None records nothing."""
+        return trace if isinstance(trace, PipeTrace) or trace is None else cls(trace)
+
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._step, self.timelines, self._written = 0, [], False

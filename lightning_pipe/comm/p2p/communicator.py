@@ -10,8 +10,6 @@ is no ``transport=`` name of `Pipeline`: the strategy passes an instance (docs/i
 
 from __future__ import annotations
 
-import threading
-import traceback
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -21,16 +19,15 @@ import torch.distributed as dist
 
 from lightning_pipe.comm import by_value
 from lightning_pipe.comm.base import COORDINATOR, Communicator, Endpoint, Message, deadline, remaining
+from lightning_pipe.comm.host import Hook, StageHost
 from lightning_pipe.comm.p2p.send import WireStats
 from lightning_pipe.comm.p2p.serve import (
     BUILD,
     BUILT,
     RELEASE,
     STOPPED,
-    OnBuild,
     P2PEndpoint,
-    Prepare,
-    build_worker,
+    built_reply,
     default_describe,
     stop_message,
 )
@@ -70,10 +67,10 @@ class P2PCommunicator(Communicator):
         group: Any,
         ranks: Sequence[int],
         describe: Callable[[int], str] | None = None,
-        on_build: OnBuild | None = None,
+        on_build: Hook | None = None,
         timeout: float = 300.0,
         coordinator: int = 0,
-        prepare: Prepare | None = None,
+        prepare: Hook | None = None,
         send_values: bool = True,
     ) -> None:
         if not 0 <= coordinator < len(ranks) or dist.get_rank() != ranks[coordinator]:
@@ -88,8 +85,7 @@ class P2PCommunicator(Communicator):
         self.send_values = send_values
         self._wire: Wire | None = None
         self._built: list[int] = []  # pipeline ranks whose worker runs
-        self._local: threading.Thread | None = None  # the stage worker of this process (pipeline rank coordinator)
-        self._crash = ""  # why that stage thread ended, if it crashed
+        self._local: StageHost | None = None  # the stage worker of this process (pipeline rank coordinator)
         self._early: list[Message] = []  # control notices that arrived while waiting for others
         self._last_rank = -1  # the pipeline rank of the last stage, once launched
         # the intra-op threads this process was given (Lightning's launcher: cores // processes; torchrun: 1); a
@@ -118,11 +114,14 @@ class P2PCommunicator(Communicator):
         self._built = list(range(len(specs)))
         self._last_rank = specs[0].rank_of_stage[-1]
         local = specs[here] if not self.send_values else by_value.copy(specs[here])
-        self._local = threading.Thread(
-            target=self._serve_local, args=(local, worker_cls, wire),
-            name=f"lightning_pipe-stage-{here}", daemon=True,
-        )  # fmt: skip
-        self._local.start()
+        host = self._local = StageHost(
+            local, worker_cls, P2PEndpoint(here, wire), str(wire.device), self.prepare, self.on_build
+        )
+        # built in its thread, on that thread's pool: the remote ranks build meanwhile
+        host.start(
+            self._threads,
+            lambda failure: wire.send(here, WIRE, Message(BUILT, payload=built_reply(host, failure), source=here)),
+        )
         replies = self._await(BUILT, self._built, until, "the stage builds")
         failed = [rank for rank in self._built if not replies[rank][0]]
         if failed:
@@ -142,10 +141,8 @@ class P2PCommunicator(Communicator):
         remote = [rank for rank in built if rank != here]
         for rank in remote:
             wire.send(rank, rank, stop_message())
-        if here in built:
-            wire.inbox(here).put(stop_message())
         if self._local is not None:
-            self._local.join(remaining(until))
+            self._local.stop(remaining(until))
         try:
             self._await(STOPPED, [rank for rank in remote if not wire.is_gone(rank)], until, "the stages to stop")
         except (PipeTimeoutError, TransportError) as exc:
@@ -157,9 +154,9 @@ class P2PCommunicator(Communicator):
         error = self._wire.error() if self._wire is not None else None
         if error is not None:
             raise error
-        if self.coordinator in self._built and self._local is not None and not self._local.is_alive():
-            where = self.describe(self.ranks[self.coordinator])
-            raise TransportError(f"the stage worker thread of {where} ended unexpectedly{self._crash}")
+        ended = self._local.ended() if self.coordinator in self._built and self._local is not None else None
+        if ended is not None:  # the stage of this process: a crash's StageError
+            raise ended
 
     # beyond the Communicator interface
     def release(self, error: str | None = None, timeout: float | None = None) -> None:
@@ -199,23 +196,6 @@ class P2PCommunicator(Communicator):
     def _others(self) -> list[int]:
         """The pipeline ranks in other processes."""
         return [rank for rank in range(len(self.ranks)) if rank != self.coordinator]
-
-    def _serve_local(self, spec: Any, worker_cls: Any, wire: Wire) -> None:
-        torch.set_num_threads(self._threads)
-        here = self.coordinator
-        endpoint = P2PEndpoint(here, wire)
-        worker, reply = build_worker(spec, worker_cls, endpoint, self.on_build, self.prepare)
-        wire.send(here, WIRE, Message(BUILT, payload=reply, source=here))
-        if worker is None:
-            return
-        try:
-            worker.serve()
-        except TransportError:
-            pass  # a process of the pipeline is lost: the coordinator raises it from its own endpoint
-        except BaseException:  # check_alive reports it
-            self._crash = f": its event loop crashed:\n{traceback.format_exc()}"
-        finally:
-            wire.drop_inbox(here)
 
     def _await(self, kind: str, ranks: list[int], until: float, what: str) -> dict[int, Any]:
         """The payload of a ``kind`` notice from each of ``ranks`` (others are kept for their own wait)."""

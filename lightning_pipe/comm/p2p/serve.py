@@ -2,22 +2,20 @@
 
 In launched mode every process of a pipeline but the coordinator's runs `serve_stages`: it waits for
 the coordinator's builds, serves each built stage until its STOP, and returns when the coordinator
-releases the pipeline. The coordinator's own pipeline rank builds its stage the same way
-(`build_worker`) in a thread of the coordinator's process.
+releases the pipeline. The coordinator's own pipeline rank is hosted the same way
+(`StageHost`), in a thread of the coordinator's process.
 """
 
 from __future__ import annotations
 
-import os
-import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch.distributed as dist
 
 from lightning_pipe.comm.base import COORDINATOR, Endpoint, Message, MessageKind
+from lightning_pipe.comm.host import Hook, StageHost
 from lightning_pipe.comm.p2p.wire import CRASHED, LOST, WIRE, Wire
-from lightning_pipe.comm.placement import retarget
 from lightning_pipe.errors import ConfigurationError, StageError, TransportError
 
 BUILD = "p2p-build"  # coordinator -> process: (spec, worker class), pickled by value
@@ -25,9 +23,6 @@ BUILT = "p2p-built"  # process -> coordinator: (True, where it runs) or (False, 
 STOPPED = "p2p-stopped"  # process -> coordinator: its stage worker left its event loop
 RELEASE = "p2p-release"  # coordinator -> process: leave serve_stages (payload: None or the error)
 _POLL = 0.5  # seconds between liveness checks of an idle serving process
-
-OnBuild = Callable[[Any], None]  # a stage worker was built in this process
-Prepare = Callable[[Any], None]  # a stage worker is about to be built here from this spec
 
 
 class P2PEndpoint(Endpoint):
@@ -59,39 +54,22 @@ class P2PEndpoint(Endpoint):
     def host(self, rank: int) -> str:
         return self.wire.describe(self.wire.ranks[self._process(rank)])
 
+    def close(self) -> None:
+        self.wire.drop_inbox(self.rank)
+
     def _process(self, rank: int) -> int:
         """The pipeline rank of the process that holds endpoint ``rank``."""
         return self.wire.coordinator if rank == COORDINATOR else rank
-
-
-def build_worker(
-    spec: Any, worker_cls: Any, endpoint: P2PEndpoint, on_build: OnBuild | None, prepare: Prepare | None = None
-) -> tuple[Any, Any]:
-    """``(worker, (True, where))``, or ``(None, (False, StageError))`` naming the stage and this process."""
-    try:
-        retarget(spec, str(endpoint.wire.device))
-        if prepare is not None:
-            prepare(spec)
-        worker = worker_cls(spec, endpoint)
-        if on_build is not None:
-            on_build(worker)
-        devices = sorted({str(runtime.torch_device) for runtime in worker.runtimes.values()})
-        return worker, (True, {"rank": spec.rank, "pid": os.getpid(), "devices": devices})
-    except Exception as exc:
-        stage = spec.shards[0].index if spec.shards else spec.rank
-        where = endpoint.host(spec.rank)
-        failure = f"building the stage failed: {type(exc).__name__}: {exc}"
-        return None, (False, StageError(stage, None, "build", failure, traceback.format_exc(), where))
 
 
 def serve_stages(
     group: Any,
     ranks: Sequence[int],
     describe: Callable[[int], str] | None = None,
-    on_build: OnBuild | None = None,
+    on_build: Hook | None = None,
     timeout: float = 300.0,
     coordinator: int = 0,
-    prepare: Prepare | None = None,
+    prepare: Hook | None = None,
 ) -> None:
     """Serve the stages the coordinator (the process of ``ranks[coordinator]``) builds here, until it releases
     the pipeline.
@@ -123,27 +101,22 @@ def serve_stages(
         wire.close(min(timeout, 10.0))
 
 
-def _serve_one(wire: Wire, spec: Any, worker_cls: Any, on_build: OnBuild | None, prepare: Prepare | None) -> None:
-    endpoint = P2PEndpoint(spec.rank, wire)
-    worker, reply = build_worker(spec, worker_cls, endpoint, on_build, prepare)
-    wire.send(wire.coordinator, WIRE, Message(BUILT, payload=reply, source=wire.me))
-    if worker is None:
-        wire.drop_inbox(spec.rank)
+def _serve_one(wire: Wire, spec: Any, worker_cls: Any, on_build: Hook | None, prepare: Hook | None) -> None:
+    host = StageHost(
+        spec, worker_cls, P2PEndpoint(spec.rank, wire), str(wire.device), prepare, on_build,
+        on_crash=lambda crash: wire.send(wire.coordinator, WIRE, Message(CRASHED, payload=str(crash), source=wire.me)),
+    )  # fmt: skip
+    failure = host.build()
+    wire.send(wire.coordinator, WIRE, Message(BUILT, payload=built_reply(host, failure), source=wire.me))
+    if failure is not None:
         return
-    try:
-        worker.serve()
-    except TransportError:
-        raise
-    except BaseException as exc:  # the event loop itself broke: the coordinator counts this process as lost
-        if isinstance(exc, KeyboardInterrupt):  # Ctrl-C reaches every process of the run: no traceback to show
-            crash = "it was interrupted (KeyboardInterrupt)"
-        else:
-            crash = f"its stage loop crashed:\n{traceback.format_exc()}"
-        wire.send(wire.coordinator, WIRE, Message(CRASHED, payload=crash, source=wire.me))
-        raise
-    finally:
-        wire.drop_inbox(spec.rank)
+    host.serve()  # a crash of its loop: the coordinator counts this process as lost (``on_crash``)
     wire.send(wire.coordinator, WIRE, Message(STOPPED, source=wire.me))
+
+
+def built_reply(host: StageHost, failure: StageError | None) -> tuple[bool, Any]:
+    """The BUILT notice's payload: ``(True, where it runs)`` or ``(False, StageError)``."""
+    return (True, host.describe()) if failure is None else (False, failure)
 
 
 def stop_message() -> Message:

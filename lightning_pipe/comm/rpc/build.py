@@ -50,12 +50,14 @@ def await_builds(
         while not wait_future(future, min(0.5, remaining(until))):
             wait_step(until, f"rank {rank} to build its stage")
         try:
-            future.wait()
-        except Exception as exc:
+            built, value = future.wait()
+        except Exception as exc:  # the call itself failed (the spec could not be unpickled there)
             raise StageError(
                 stages_of[rank][0], None, "build", f"building the stage failed: {first_error_line(exc)}",
                 str(exc), hosts[rank],
             ) from None  # fmt: skip
+        if not built:  # the build failed: its StageError, from the worker's `StageHost`
+            raise value
 
 
 def ready_ping(endpoint: RpcEndpoint, ranks: int, until: float, wait_step: WaitStep) -> None:

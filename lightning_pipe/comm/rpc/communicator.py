@@ -190,6 +190,8 @@ class RpcCommunicator(Communicator):
             problems.append("messages could not be delivered: " + "; ".join(endpoint.stats.failures[:3]))
         if problems:
             self._lost = "; ".join(problems)
+            if ended is not None and len(problems) == 1:  # only the stage this process holds: its own error
+                raise ended
             raise TransportError(f"lost a stage worker, the pipeline stops: {self._lost}")
 
     # beyond the Communicator interface

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import socket
-import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -24,7 +23,7 @@ from lightning_pipe.comm.base import COORDINATOR
 from lightning_pipe.comm.rpc.endpoint import TransportStats
 from lightning_pipe.comm.rpc.plane import DataPlane, world_rank
 from lightning_pipe.comm.rpc.stages import build_stage, stage_ended, stage_stats, stop_stage
-from lightning_pipe.errors import StageError
+from lightning_pipe.errors import PipeError
 
 
 @dataclass(frozen=True)
@@ -128,15 +127,13 @@ class HomeStage:
         spec = by_value.copy(spec)
         if threads is not None and all(str(shard.device) == "cpu" for shard in spec.shards):
             spec.options["num_threads"] = threads  # the thread's intra-op pool, as a worker process's
-        try:
-            build_stage(self.launch, spec, worker_cls, names, hosts, None, by_value.copy(codec), processes, plane)
-        except Exception as exc:
-            stage = spec.shards[0].index if spec.shards else self.rank
-            failure = f"building the stage failed: {type(exc).__name__}: {exc}"
-            raise StageError(stage, None, "build", failure, traceback.format_exc(), hosts[self.rank]) from None
+        codec = by_value.copy(codec)
+        built, value = build_stage(self.launch, spec, worker_cls, names, hosts, None, codec, processes, plane)
+        if not built:
+            raise value from None  # its message holds the traceback
 
-    def ended(self) -> str | None:
-        """Why its event loop stopped running (None while it runs)."""
+    def ended(self) -> PipeError | None:
+        """Why its event loop ended unasked: its crash's `StageError` (None while it runs)."""
         return stage_ended(self.launch, self.rank)
 
     def stats(self, reset: bool) -> TransportStats:

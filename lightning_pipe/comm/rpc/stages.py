@@ -6,26 +6,25 @@ coordinator's process calls the same ones directly for the stage it holds itself
 
 from __future__ import annotations
 
-import os
 import threading
-import traceback
 from collections.abc import Callable
 from typing import Any
 
-from lightning_pipe.comm.base import Message, MessageKind
-from lightning_pipe.comm.placement import retarget
+from lightning_pipe.comm.host import StageHost
 from lightning_pipe.comm.rpc.endpoint import RpcEndpoint, TransportStats, register_inbox
 from lightning_pipe.comm.rpc.plane import DataPlane
 from lightning_pipe.comm.rpc.world import quiet_closing
+from lightning_pipe.errors import PipeError, StageError
 
-_STAGES: dict[tuple[str, int], tuple[Any, threading.Thread, RpcEndpoint]] = {}  # by (launch, rank)
+_HOSTS: dict[tuple[str, int], StageHost] = {}  # the stages this process serves, by (launch, rank)
 _LOCK = threading.Lock()
 EXIT = threading.Event()  # a worker process leaves when the coordinator asks
 #: in a worker process: sends a failure to the coordinator over the control link
 REPORT: list[Callable[[str], None]] = []
 #: in a worker process: its side of the world's data plane, once it joined the world
 PLANE: list[DataPlane] = []
-_CRASHES: dict[tuple[str, int], str] = {}  # why a stage's event loop broke, by (launch, rank)
+
+Built = tuple[bool, Any]  # (True, where the stage runs: `StageHost.describe`) or (False, its StageError)
 
 
 def build_stage(
@@ -38,75 +37,57 @@ def build_stage(
     codec: Any = None,
     processes: dict[int, int] | None = None,
     plane: DataPlane | None = None,
-) -> dict[str, Any]:
+) -> Built:
     """Build the stage worker of ``spec`` in this process and start its event loop.
 
     ``processes``: the world rank of each pipeline rank that another rule than `rpc.plane.world_rank` places
     (the coordinator's and the rank its process holds); ``plane``: this process's data plane (a worker's own).
+    A failed build comes back as its `StageError` (a value: RPC would lose its fields if it were raised).
     """
-    if device is not None:
-        retarget(spec, device)
     plane = plane if plane is not None else PLANE[0] if PLANE else None
     endpoint = RpcEndpoint(spec.rank, launch, names, hosts, codec, plane, processes)
-    try:
-        worker = worker_cls(spec, endpoint)
-    except BaseException:
-        endpoint.close()
-        raise
-    endpoint.watch(p for shard in worker.shards.values() for p in shard.module.parameters())
-    thread = threading.Thread(
-        target=_serve, args=(worker, launch), name=f"lightning_pipe-stage-{spec.rank}", daemon=True
-    )
+    host = StageHost(spec, worker_cls, endpoint, device, on_crash=_report)
+    failure = host.build()
+    if failure is not None:
+        return False, failure
+    endpoint.watch(p for shard in host.worker.shards.values() for p in shard.module.parameters())
     with _LOCK:
         register_inbox(launch, spec.rank, endpoint.inbox)
-        _STAGES[(launch, spec.rank)] = (worker, thread, endpoint)
-    thread.start()
-    devices = sorted({str(runtime.torch_device) for runtime in worker.runtimes.values()})
-    return {"rank": spec.rank, "pid": os.getpid(), "devices": devices}
+        _HOSTS[(launch, spec.rank)] = host
+    host.start()
+    return True, host.describe()
 
 
-def _serve(worker: Any, launch: str) -> None:
-    try:
-        worker.serve()
-    except BaseException:  # the event loop itself broke: tell the coordinator through the control link
-        crash = f"the event loop of rank {worker.rank} crashed:\n{traceback.format_exc()}"
-        _CRASHES[(launch, worker.rank)] = crash
-        report = REPORT[0] if REPORT else None
-        if report is not None:
-            report(crash)
-        raise
+def _report(crash: StageError) -> None:
+    """In a worker process: tell the coordinator through the control link (it counts the worker as lost)."""
+    report = REPORT[0] if REPORT else None
+    if report is not None:
+        report(str(crash))
 
 
-def stage_ended(launch: str, rank: int) -> str | None:
-    """Why the event loop of a built stage is no longer running (None while it runs, or if it was stopped)."""
+def stage_ended(launch: str, rank: int) -> PipeError | None:
+    """Why the event loop of a built stage ended unasked (None while it runs, or once it was stopped)."""
     with _LOCK:
-        entry = _STAGES.get((launch, rank))
-    if entry is None or entry[1].is_alive():
-        return None
-    return _CRASHES.get((launch, rank), "its event loop ended")
+        host = _HOSTS.get((launch, rank))
+    return host.ended() if host is not None else None
 
 
 def stop_stage(launch: str, rank: int, timeout: float) -> bool:
     """Stop a stage's event loop; True once its thread has ended."""
     with _LOCK:
-        entry = _STAGES.pop((launch, rank), None)
-        inbox = register_inbox(launch, rank, None)
-        _CRASHES.pop((launch, rank), None)
-    if entry is None or inbox is None:
+        host = _HOSTS.pop((launch, rank), None)
+        register_inbox(launch, rank, None)
+    if host is None:
         return True
-    _, thread, endpoint = entry
-    endpoint.close()
-    inbox.put(Message(MessageKind.STOP))
-    if thread.ident is not None:  # started (an interrupted build may register it first)
-        thread.join(timeout)
-    return not thread.is_alive()
+    host.endpoint.close()
+    return host.stop(timeout)
 
 
 def stage_stats(launch: str, rank: int, reset: bool) -> TransportStats:
-    entry = _STAGES.get((launch, rank))
-    if entry is None:
+    host = _HOSTS.get((launch, rank))
+    if host is None:
         return TransportStats()
-    endpoint = entry[2]
+    endpoint = host.endpoint
     stats = endpoint.stats
     if reset:
         endpoint.stats = TransportStats()

@@ -1,0 +1,53 @@
+"""Which mode a `PipeStrategy` runs in: the rule (`lightning_pipe.strategy.layout`) applied once, as an object.
+
+The strategy asks when Lightning sets the world's ranks; the answer is a `Mode` object, and nothing else
+in the package asks which mode runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from lightning_pipe.strategy.config import PipeConfig
+from lightning_pipe.strategy.launched import LaunchedMode
+from lightning_pipe.strategy.layout import LOCAL, RPC, Layout, check_launched, choose_mode
+from lightning_pipe.strategy.mode import LocalMode, Mode
+from lightning_pipe.strategy.rpc_mode import RpcMode
+from lightning_pipe.strategy.stage_placement import ProcessStage
+
+
+def process_count(devices: Sequence[torch.device] | None, num_nodes: int, environment: Any) -> int:
+    """How many processes a run has: ``devices`` x ``num_nodes``, or the ``WORLD_SIZE`` of torchrun or SLURM
+    (Lightning's cluster ``environment``)."""
+    count = len(devices or [None]) * num_nodes
+    if environment is not None and environment.creates_processes_externally:
+        count = max(count, environment.world_size())
+    return count
+
+
+def mode_of(
+    config: PipeConfig,
+    processes: int,
+    devices: Sequence[torch.device] | None,
+    global_rank: int,
+    placement: str,
+    stage: ProcessStage,
+    held: Mode | None,
+) -> Mode:
+    """The `Mode` of ``config.transport`` and the number of ``processes``; ``held``, the mode chosen before, is kept
+    while it is the same (launched mode's while the layout and devices stay: it holds the process groups and
+    transport; rpc mode's holds what the last fit left for the checkpoints after it)."""
+    name = choose_mode(config.transport, processes)
+    one_process = {LOCAL: LocalMode, RPC: RpcMode}.get(name)
+    if one_process is not None:
+        return held if type(held) is one_process else one_process(config)
+    check_launched(processes, config.stage_devices, config.runner, config.asynchronous)
+    assert devices is not None
+    stages = config.stages or len(devices)
+    layout = Layout.of(processes, global_rank, stages, config.virtual_stages, len(devices), placement)
+    if isinstance(held, LaunchedMode) and (held.layout, held.devices) == (layout, list(devices)):
+        return held
+    return LaunchedMode(layout, devices, config, stage)

@@ -1,0 +1,98 @@
+"""`RpcMode`: one Lightning process; the stages are worker processes of a private RPC world.
+
+Each worker owns its stage's parameters and that stage's optimizer state; the script's process holds the
+LightningModule's tensors outside the pipeline. Lightning's loop runs in the script's process alone, so every
+collective is the identity. A checkpoint is written where the state lives, by the workers
+(`lightning_pipe.strategy.rpc_checkpoints`), never gathered; after a fit of a model built eagerly the script's
+process holds the trained values again and Lightning writes them as usual.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from typing_extensions import override
+
+from lightning_pipe.errors import ConfigurationError
+from lightning_pipe.strategy.config import PipeConfig
+from lightning_pipe.strategy.layout import RPC
+from lightning_pipe.strategy.mode import Mode, Write
+from lightning_pipe.strategy.model_state import ModelState
+from lightning_pipe.strategy.rpc_checkpoints import RpcCheckpoints
+from lightning_pipe.weights import on_meta
+
+
+class RpcMode(Mode):
+    """Stages are worker processes of a private RPC world; each owns its stage's parameters and optimizer."""
+
+    name = RPC
+
+    def __init__(self, config: PipeConfig) -> None:
+        super().__init__(config)
+        self.checkpoints = RpcCheckpoints()  # the checkpoints the workers write, and what a fit left for them
+
+    @override
+    def describe(self) -> str:
+        return f"{super().describe()}, stages in rpc worker processes"
+
+    @override
+    def keep_stages(self, state: ModelState) -> None:
+        """At the end of a fit of a model built on meta: the workers write their trained stages for the checkpoints
+        written after it (before they stop; `RpcCheckpoints.keep`)."""
+        pipeline, module = state.builder.pipeline, state.host.lightning_module
+        stage_params = state.optimization.stage_params
+        trained = stage_params is not None and bool(stage_params.views)  # a fit (validate etc. keep the last fit's)
+        if not trained or pipeline is None or module is None:
+            return
+        self.checkpoints.forget()  # the last fit's
+        if on_meta(module):
+            prefix = state.prefix()
+            under = Path(module.trainer.default_root_dir)
+            self.checkpoints.keep(pipeline, prefix, state.coordinator_part(prefix), under)
+
+    @override
+    def module_state(self, state: ModelState, lightning: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        if self._workers_write(state, check_meta=False):
+            return {}  # each worker writes its own stage (`save_checkpoint`); nothing is gathered here
+        return super().module_state(state, lightning)
+
+    @override
+    def optimizer_state(
+        self, state: ModelState, optimizer: Any, lightning: Callable[[Any], dict[str, Any]]
+    ) -> dict[str, Any]:
+        if self._workers_write(state, check_meta=False):
+            return {}  # as above: the stages write their own
+        return super().optimizer_state(state, optimizer, lightning)
+
+    @override
+    def save_checkpoint(
+        self, state: ModelState, checkpoint: dict[str, Any], path: Path, storage_options: Any, lightning: Write
+    ) -> None:
+        """The workers write their stages and this process the rest, into one folder (or one file of it), while a
+        fit runs or from what the last fit of a model built on meta left; else Lightning writes the whole model."""
+        if state.host.lightning_module is None or not self._workers_write(state, check_meta=True):
+            super().save_checkpoint(state, checkpoint, path, storage_options, lightning)
+            return
+        prefix = state.prefix()
+        single_file = not self.config.save_distributed_checkpoint
+        pipeline = state.builder.pipeline
+        self.checkpoints.save(checkpoint, path, prefix, state.coordinator_part(prefix), pipeline, single_file)
+
+    @override
+    def remove_checkpoint(self, state: ModelState, path: Path, lightning: Write) -> None:
+        state.remove(path, lightning)
+
+    def _workers_write(self, state: ModelState, check_meta: bool) -> bool:
+        """Whether the stage workers write this checkpoint (`RpcCheckpoints`); ``check_meta``: a model built on meta
+        has nothing to write before its stages exist."""
+        if self.checkpoints.writes(state.builder.pipeline):
+            return True
+        module = state.host.lightning_module
+        if check_meta and module is not None and on_meta(module):
+            raise ConfigurationError(
+                "PipeStrategy(transport='rpc'): the model was built on the meta device and no stage made its "
+                "tensors yet; save a checkpoint during or after a fit"
+            )
+        return False
