@@ -29,9 +29,10 @@ import big_model  # noqa: E402 - the example, imported for its LightningModule
 MIB = 1 << 20
 
 
-def launch_runs(*launches: tuple[Path, list[list[str]]], timeout: float = 600) -> Run:
+def launch_runs(*launches: tuple[Path, list[list[str]]], timeout: float = 1200) -> Run:
     """Launches (Lightning's launcher, as ``python big_model.py`` starts it), all at once, each doing its ``runs``
-    (big_model.py command lines) one after another in the same processes (`big_model_runs.py`)."""
+    (big_model.py command lines) one after another in the same processes (`big_model_runs.py`). The timeout
+    guards against a hang: a launch does the work of several of the 600 s launches it replaces."""
     commands = []
     for folder, runs in launches:
         folder.mkdir(parents=True)
