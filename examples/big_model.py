@@ -84,7 +84,8 @@ def peak_mib() -> float:
     return float("nan")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    """Train as the command line (or ``argv``) says."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--width", type=int, default=2048)
     parser.add_argument("--depth", type=int, default=32)
@@ -111,7 +112,7 @@ def main() -> None:
     parser.add_argument("--ddp", action="store_true", help="Lightning's DDP over --devices processes")
     parser.add_argument("--report", default=None, help="write losses and peak memory here (one file per process)")
     parser.add_argument("--empty", action="store_true", help="report the memory of a process that trains nothing")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.empty:  # what every process costs before any model: torch, Lightning and lightning_pipe imported
         write_report(args.report, [])
         return

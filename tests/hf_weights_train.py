@@ -35,8 +35,8 @@ class Losses(L.Callback):
         self.losses.append(float(outputs["loss"]))
 
 
-def main() -> None:
-    faulthandler.enable()
+def main(argv: list[str] | None = None) -> None:
+    """Train as the command line (or ``argv``) says; ``--plain`` runs in the caller's process too."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--weights", required=True)
     parser.add_argument("--report", required=True)
@@ -46,7 +46,7 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=4, help="processes: one pipeline rank each")
     parser.add_argument("--virtual-stages", type=int, default=1, help="stages per process")
     parser.add_argument("--microbatches", type=int, default=2)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     transformers.logging.set_verbosity_error()
     L.seed_everything(0, verbose=False)
     rows = sums(8 * args.steps)
@@ -81,4 +81,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    faulthandler.enable()  # a crash (SIGSEGV, SIGABRT) prints every thread's Python stack
     main()

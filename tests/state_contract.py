@@ -1,5 +1,5 @@
 """The training-state contract's model, data and fits, shared by its test (local mode, in the test's process)
-and by the launched runs (``python tests/state_contract.py --mode ddp|fsdp --files F --out D``).
+and by the launched runs (``python tests/state_contract.py --mode ddp|fsdp --files F --out D [--mode ...]``).
 
 A small MLP trained with SGD and momentum on 4 batches; a "part" run trains 2 steps and writes the files a
 run resumes from: a single-file checkpoint, a sharded folder (DCP) and safetensors weights, and next to each
@@ -215,12 +215,14 @@ def launched_cases(mode: str, files: dict[str, str], out: Path) -> None:
 
 
 def main() -> None:
+    """Each ``--mode`` with its ``--files`` and ``--out``, one mode after the other in these processes."""
     parser = argparse.ArgumentParser()
-    parser.add_argument("--mode", choices=["ddp", "fsdp"], required=True)
-    parser.add_argument("--files", required=True, help="a JSON file: the formats' paths (write_files)")
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--mode", choices=["ddp", "fsdp"], action="append", required=True)
+    parser.add_argument("--files", action="append", required=True, help="a JSON file: the paths (write_files)")
+    parser.add_argument("--out", action="append", required=True)
     args = parser.parse_args()
-    launched_cases(args.mode, json.loads(Path(args.files).read_text()), Path(args.out))
+    for mode, files, out in zip(args.mode, args.files, args.out, strict=True):
+        launched_cases(mode, json.loads(Path(files).read_text()), Path(out))
 
 
 if __name__ == "__main__":

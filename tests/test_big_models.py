@@ -1,7 +1,9 @@
 """Big models: memory splits like compute (examples/big_model.py, real processes on 127.0.0.1 over gloo).
 
-Every launch runs ``examples/big_model.py`` as a user does (Lightning's launcher starts the processes); each
-process reports its losses and its peak resident memory. The plain Trainer's runs are the references.
+Every launch runs ``examples/big_model.py``'s training as a user's script does (Lightning's launcher starts the
+processes), several runs one after another in the same processes (`big_model_runs.py`: a launch costs every
+process its imports); each process reports each run's losses and peak resident memory. The plain Trainer's
+runs are the references.
 """
 
 from __future__ import annotations
@@ -14,23 +16,38 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from launching import ROOT, Run, lightning_launch
+from launching import ROOT, Run, base_env, free_port, lightning_launch, run_all
 
 from lightning_pipe import PipeStrategy
 from lightning_pipe.checkpoint.consolidate import consolidate
 from lightning_pipe.errors import ConfigurationError
 
-EXAMPLE = str(ROOT / "examples" / "big_model.py")
+RUNS = str(ROOT / "tests" / "big_model_runs.py")
 sys.path.insert(0, str(ROOT / "examples"))
 import big_model  # noqa: E402 - the example, imported for its LightningModule
 
 MIB = 1 << 20
 
 
-def launch(args: list[str], timeout: float = 600) -> Run:
-    run = lightning_launch(EXAMPLE, args, timeout=timeout)
+def launch_runs(*launches: tuple[Path, list[list[str]]], timeout: float = 1200) -> Run:
+    """Launches (Lightning's launcher, as ``python big_model.py`` starts it), all at once, each doing its ``runs``
+    (big_model.py command lines) one after another in the same processes (`big_model_runs.py`). The timeout
+    guards against a hang: a launch does the work of several of the 600 s launches it replaces."""
+    commands = []
+    for folder, runs in launches:
+        folder.mkdir(parents=True)
+        (folder / "runs.json").write_text(json.dumps(runs))
+        env = base_env() | {"MASTER_PORT": str(free_port())}
+        commands.append(([sys.executable, RUNS, str(folder / "runs.json")], env))
+    run = run_all(commands, timeout)
     assert run.ok, f"launch failed ({run.returncodes}):\n{run.output[-6000:]}"
     return run
+
+
+def empty_mib(folder: Path) -> dict[int, float]:
+    """Per rank, a launched process's memory before its first run (torch, Lightning and lightning_pipe imported)."""
+    return {int(p.stem.removeprefix("empty-rank")): json.loads(p.read_text())["peak_mib"]
+            for p in folder.glob("empty-rank*.json")}  # fmt: skip
 
 
 def reports(folder: Path) -> list[dict[str, Any]]:
@@ -62,73 +79,108 @@ def same_state(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: flo
 def test_a_512_mib_model_resumed_per_stage_holds_a_stage_per_process(tmp_path: Path) -> None:
     """32 x Linear(2048, 2048), SGD with momentum (1.5 GiB of training state), resumed from a plain Trainer's
     checkpoint: 1 x 4 (eager, meta, configure_model) and 2 x 2 FSDP (meta) take the plain run's losses, and
-    every process stays within its share of the training state."""
+    every process stays within its share of the training state.
+
+    The plain run trains in this process (only its losses and checkpoint are used); the four resumed runs are
+    one launch, each process measuring each run's peak on its own and the memory it started with (torch,
+    Lightning and lightning_pipe imported: what a process costs before any model)."""
     state = 3 * 32 * (2048 * 2048 + 2048) * 4 / MIB  # parameters + gradients + momentum, in MiB
-    launch(["--empty", "--report", str(tmp_path / "empty")])
-    empty = reports(tmp_path / "empty")[0]["peak_mib"]
-    launch(["--plain", "--save", str(tmp_path / "plain.ckpt"), "--report", str(tmp_path / "plain")])
+    big_model.main(["--plain", "--save", str(tmp_path / "plain.ckpt"), "--report", str(tmp_path / "plain")])
     plain = losses(tmp_path / "plain")[0][1:]  # the two steps after the checkpoint
-    cases = {
-        "eager": (["--build", "eager"], 0.55),
-        "meta": (["--build", "meta"], 0.35),
-        "configure_model": (["--build", "configure_model"], 0.35),
+    cases = {  # in the order they run: the one closest to its bound first
         # 2 replicas of 8 rows each: the plain run's 16 rows per step
         "fsdp": (["--build", "meta", "--stages", "2", "--data-parallel", "fsdp", "--batch", "8"], 0.40),
+        "meta": (["--build", "meta"], 0.35),
+        "configure_model": (["--build", "configure_model"], 0.35),
+        "eager": (["--build", "eager"], 0.55),
     }
-    for name, (args, share) in cases.items():
-        out = tmp_path / name
-        launch([*args, "--ckpt-path", str(tmp_path / "plain.ckpt"), "--report", str(out)])
-        got = reports(out)
+    runs = [[*args, "--ckpt-path", str(tmp_path / "plain.ckpt"), "--report", str(tmp_path / name)]
+            for name, (args, _) in cases.items()]  # fmt: skip
+    launch_runs((tmp_path / "launch", runs))
+    empty = empty_mib(tmp_path / "launch")
+    for name, (_, share) in cases.items():
+        got = reports(tmp_path / name)
         assert len(got) == 4
-        peaks = [(r["peak_mib"] - empty) / state for r in got]
+        peaks = [(r["peak_mib"] - empty[r["rank"]]) / state for r in got]
         assert max(peaks) <= share, f"{name}: peak memory per process / training state = {peaks} (> {share})"
-        per_replica = losses(out)  # each replica's loss is over its half of the rows: their mean is over all
+        per_replica = losses(tmp_path / name)  # each replica's loss is over its half of the rows: their mean is all
         got_losses = [sum(step) / len(step) for step in zip(*per_replica, strict=True)]
         assert close(got_losses, plain), f"{name}: {per_replica} != {plain}"
 
 
 SMALL = ["--width", "32", "--depth", "6", "--microbatches", "2"]
+# FSDP 2 x 2 against Lightning DDP over 2 processes: optimizer, schedule, more arguments
+AGAINST_DDP = {
+    "sgd-gpipe": ("sgd", "gpipe", []),
+    "adam-1f1b": ("adam", "1f1b", ["--clip", "0.05"]),
+    "sgd-1f1b-acc": ("sgd", "1f1b", ["--accumulate", "2", "--recompute", "always"]),
+}
+RESUMED = [*SMALL, "--optimizer", "adam", "--build", "meta"]  # a 2 x 2 FSDP run's checkpoint, resumed
+LAYOUTS = {"1x4": ["--stages", "4", "--batch", "16"], "4x1": ["--stages", "1", "--batch", "4"]}
+SEEDED = {"1x4": ["--stages", "4", "--single-file"], "2x2": ["--stages", "2"]}  # 1 x 4 writes one file
+
+
+def against_ddp(name: str, folder: Path) -> tuple[list[str], list[str]]:
+    """The FSDP 2 x 2 run and the Lightning DDP run of a case of AGAINST_DDP."""
+    optimizer, schedule, extra = AGAINST_DDP[name]
+    case = [*SMALL, "--epochs", "3", "--optimizer", optimizer, "--batch", "8", *extra]
+    fsdp, ddp = folder / f"fsdp-{name}", folder / f"ddp-{name}"
+    ddp_case = [a for a in case if a not in ("--recompute", "always")]  # DDP has no stages to recompute
+    return (
+        [*case, "--stages", "2", "--data-parallel", "fsdp", "--build", "eager", "--schedule", schedule,
+         "--save-at-end", str(fsdp / "ckpt"), "--report", str(fsdp)],
+        [*ddp_case, "--ddp", "--devices", "2", "--save-at-end", str(ddp / "ckpt"), "--report", str(ddp)],
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def small_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every launched run of the small model's tests below, in two launches side by side: the 4-process runs
+    (FSDP against DDP, the resumed layouts, the seeded builds) one after another in one set of processes, and
+    Lightning DDP's runs in a set of 2. Each run writes its own folder; the tests compare them."""
+    folder = tmp_path_factory.mktemp("small")
+    four, two = [], []
+    for name in AGAINST_DDP:
+        fsdp, ddp = against_ddp(name, folder)
+        four.append(fsdp)
+        two.append(ddp)
+    first = folder / "fsdp"  # 2 x 2 FSDP, saved after its first step, then resumed under each layout
+    four.append([*RESUMED, "--stages", "2", "--data-parallel", "fsdp", "--batch", "8", "--epochs", "2", "--save",
+                 str(first / "saved"), "--save-at-end", str(first / "final"), "--report", str(first)])  # fmt: skip
+    for name, args in LAYOUTS.items():
+        out = folder / name
+        four.append([*RESUMED, *args, "--epochs", "2", "--ckpt-path", str(first / "saved"), "--save-at-end",
+                     str(out / "final"), "--report", str(out)])  # fmt: skip
+    for name, args in SEEDED.items():
+        four.append([*SMALL, *args, "--build", "meta", "--epochs", "0", "--save-at-end",
+                     str(folder / f"seeded-{name}" / "initial")])  # fmt: skip
+    launch_runs((folder / "four", four), (folder / "two", two))
+    return folder
 
 
 @pytest.mark.slow
-def test_fsdp_2x2_equals_lightning_ddp_with_two_processes(tmp_path: Path) -> None:
+def test_fsdp_2x2_equals_lightning_ddp_with_two_processes(small_runs: Path) -> None:
     """3 SGD steps (gpipe) and 3 Adam steps (1f1b, clipping) from the same eagerly built model: FSDP over each
     stage's 2 replicas takes Lightning DDP's steps (same per-process batch), losses and trained parameters to 1e-5;
     so does 1f1b with gradient accumulation and recomputation."""
-    cases = (
-        ("sgd", "gpipe", []),
-        ("adam", "1f1b", ["--clip", "0.05"]),
-        ("sgd", "1f1b", ["--accumulate", "2", "--recompute", "always"]),
-    )
-    for optimizer, schedule, extra in cases:
-        case = [*SMALL, "--epochs", "3", "--optimizer", optimizer, "--batch", "8", *extra]
-        fsdp, ddp = tmp_path / f"fsdp-{len(extra)}-{schedule}", tmp_path / f"ddp-{len(extra)}-{schedule}"
-        launch([*case, "--stages", "2", "--data-parallel", "fsdp", "--build", "eager", "--schedule", schedule,
-                "--save-at-end", str(fsdp / "ckpt"), "--report", str(fsdp)])  # fmt: skip
-        ddp_case = [a for a in case if a not in ("--recompute", "always")]  # DDP has no stages to recompute
-        launch([*ddp_case, "--ddp", "--devices", "2", "--save-at-end", str(ddp / "ckpt"), "--report", str(ddp)])
+    for name in AGAINST_DDP:
+        fsdp, ddp = small_runs / f"fsdp-{name}", small_runs / f"ddp-{name}"
         for a, b in zip(losses(fsdp), losses(ddp), strict=True):
-            assert close(a, b), f"{optimizer}: {a} != {b}"
+            assert close(a, b), f"{name}: {a} != {b}"
         diff = same_state(state_of(fsdp / "ckpt", fsdp / "one.ckpt"), state_of(ddp / "ckpt", ddp / "one.ckpt"))
-        assert diff < 1e-5, f"{optimizer}: parameters differ from DDP's by {diff:.2e}"
+        assert diff < 1e-5, f"{name}: parameters differ from DDP's by {diff:.2e}"
 
 
 @pytest.mark.slow
-def test_a_sharded_fsdp_checkpoint_resumes_under_any_layout(tmp_path: Path) -> None:
+def test_a_sharded_fsdp_checkpoint_resumes_under_any_layout(small_runs: Path, tmp_path: Path) -> None:
     """A 2 x 2 FSDP run's sharded checkpoint resumes under 1 x 4 (DDP), 4 x 1 and local mode: the next step
     takes every layout to the same parameters (16 rows, one global batch); consolidated, it loads strictly into
     a plain Trainer's module with its own values."""
-    common = [*SMALL, "--optimizer", "adam", "--build", "meta"]
-    first = tmp_path / "fsdp"
-    launch([*common, "--stages", "2", "--data-parallel", "fsdp", "--batch", "8", "--epochs", "2",
-            "--save", str(first / "saved"), "--save-at-end", str(first / "final"), "--report", str(first)])  # fmt: skip
-    expected = state_of(first / "final", first / "final.ckpt")
-    layouts = {"1x4": ["--stages", "4", "--batch", "16"], "4x1": ["--stages", "1", "--batch", "4"]}
-    for name, args in layouts.items():
-        out = tmp_path / name
-        launch([*common, *args, "--epochs", "2", "--ckpt-path", str(first / "saved"), "--save-at-end",
-                str(out / "final"), "--report", str(out)])  # fmt: skip
-        diff = same_state(state_of(out / "final", out / "final.ckpt"), expected)
+    first = small_runs / "fsdp"
+    expected = state_of(first / "final", tmp_path / "final.ckpt")
+    for name in LAYOUTS:
+        out = small_runs / name
+        diff = same_state(state_of(out / "final", tmp_path / f"{name}.ckpt"), expected)
         assert diff < 1e-5, f"{name}: the resumed step differs from the 2 x 2 run's by {diff:.2e}"
     # local mode, in this process: all stages are threads here
     L.seed_everything(0, verbose=False)
@@ -160,16 +212,14 @@ def open_folder_state(folder: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.slow
-def test_the_same_seed_builds_the_same_model_in_every_layout(tmp_path: Path) -> None:
+def test_the_same_seed_builds_the_same_model_in_every_layout(small_runs: Path, tmp_path: Path) -> None:
     """Built on meta with no checkpoint, each stage initialises its own tensors from the run's seed and their
     names: 1 x 4, 2 x 2 and local mode start from the same parameters (1 x 4 saves them as one file, written
     a tensor at a time: save_distributed_checkpoint=False)."""
-    runs = {"1x4": ["--stages", "4", "--single-file"], "2x2": ["--stages", "2"]}  # 1 x 4 writes one file
     states = {}
-    for name, args in runs.items():
-        out = tmp_path / name
-        launch([*SMALL, *args, "--build", "meta", "--epochs", "0", "--save-at-end", str(out / "initial")])
-        states[name] = state_of(out / "initial", out / "initial.ckpt")
+    for name in SEEDED:
+        out = small_runs / f"seeded-{name}"
+        states[name] = state_of(out / "initial", tmp_path / f"{name}.ckpt")
     L.seed_everything(0, verbose=False)
     trainer = L.Trainer(
         accelerator="cpu", devices=1, max_epochs=0, logger=False, enable_checkpointing=False,
@@ -190,19 +240,19 @@ def test_the_same_seed_builds_the_same_model_in_every_layout(tmp_path: Path) -> 
 def test_pretrained_safetensors_weights_are_read_per_stage(tmp_path: Path) -> None:
     """A HF GPT-2 (from a config) saved with ``save_pretrained`` in small safetensors shards: 1 x 4 with the model
     built on meta reads each stage's tensors in that stage's process (its tied head from the embedding's key),
-    nothing else, and trains as the plain model loaded with ``from_pretrained`` does."""
+    nothing else, and trains as the plain model loaded with ``from_pretrained`` does (here, in this process)."""
     transformers = pytest.importorskip("transformers")
     transformers.logging.set_verbosity_error()
+    import hf_weights_train  # the plain run, in this process
     from causal_lm import CausalLM
 
     torch.manual_seed(0)
     CausalLM().model.save_pretrained(tmp_path / "weights", max_shard_size="100KB")
     assert (tmp_path / "weights" / "model.safetensors.index.json").is_file()
     script = str(ROOT / "tests" / "hf_weights_train.py")
-    for mode in ("plain", "pipe"):
-        args = ["--weights", str(tmp_path / "weights"), "--report", str(tmp_path / mode)]
-        run = lightning_launch(script, [*args, "--plain"] if mode == "plain" else args, timeout=600)
-        assert run.ok, run.output[-6000:]
+    hf_weights_train.main(["--weights", str(tmp_path / "weights"), "--report", str(tmp_path / "plain"), "--plain"])
+    run = lightning_launch(script, ["--weights", str(tmp_path / "weights"), "--report", str(tmp_path / "pipe")], 600)
+    assert run.ok, run.output[-6000:]
     want, got = reports(tmp_path / "plain")[0]["losses"], reports(tmp_path / "pipe")
     assert close(got[0]["losses"], want), f"{got[0]['losses']} != {want}"
     held: list[str] = []

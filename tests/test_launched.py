@@ -113,28 +113,34 @@ def assert_ok(run: Run) -> None:
     assert run.ok, f"launch failed ({run.returncodes}):\n{run.output[-6000:]}"
 
 
-def test_lightning_launcher_trains_like_the_unsplit_model_on_the_global_batch(tmp_path: Path) -> None:
-    """``python train.py``, devices=4: 2 x 2 (gpipe SGD; 1f1b Adam, accumulation 2, clipping), 1 x 4, 4 x 1."""
-    cases = ["s2-sgd-gpipe", "s2-adam-1f1b-acc2-clip", "s4-sgd-1f1b", "s1-adam-gpipe", "s2-adam-1f1b-save"]
-    run = lightning_launch(SCRIPT, ["--devices", "4", "--cases", ",".join(cases), "--out", str(tmp_path)])
+LIGHTNING_CASES = ["s2-sgd-gpipe", "s2-adam-1f1b-acc2-clip", "s4-sgd-1f1b", "s1-adam-gpipe", "s2-adam-1f1b-save"]
+CHECKPOINT = "s2-adam-1f1b-save.ckpt"  # written by the 2 x 2 case "save", resumed in the torchrun launch
+
+
+@pytest.fixture(scope="module")
+def lightning_launched(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Run]:
+    """``python train.py``, devices=4, every case of LIGHTNING_CASES in one launch."""
+    out = tmp_path_factory.mktemp("lightning")
+    run = lightning_launch(SCRIPT, ["--devices", "4", "--cases", ",".join(LIGHTNING_CASES), "--out", str(out)])
     assert_ok(run)
-    for name in cases:
-        check_trained(tmp_path, name, coordinators(name))
-    info = json.loads((tmp_path / "s2-sgd-gpipe.json").read_text())
+    return out, run
+
+
+def test_lightning_launcher_trains_like_the_unsplit_model_on_the_global_batch(
+    lightning_launched: tuple[Path, Run],
+) -> None:
+    """``python train.py``, devices=4: 2 x 2 (gpipe SGD; 1f1b Adam, accumulation 2, clipping), 1 x 4, 4 x 1."""
+    out, run = lightning_launched
+    for name in LIGHTNING_CASES:
+        check_trained(out, name, coordinators(name))
+    info = json.loads((out / "s2-sgd-gpipe.json").read_text())
     assert info["replicas"] == 2 and info["world_size"] == 4
     assert "launched mode, 4 processes = 2 replica(s) x 2 pipeline rank(s)" in run.output
-    assert sorted(p.name for p in tmp_path.glob("done-*")) == [f"done-rank{r}" for r in range(4)]
-    # the 2 x 2 checkpoint: resumed under 1 x 4 (torchrun), under local mode, and by a plain Trainer
-    checkpoint = tmp_path / "s2-adam-1f1b-save.ckpt"
-    assert checkpoint.exists()
-    resumed = tmp_path / "resumed"
-    resumed.mkdir()
-    run = torchrun(SCRIPT, ["--devices", "4", "--cases", "s4-adam-1f1b-resume", "--resume", str(checkpoint),
-                            "--out", str(resumed)])  # fmt: skip
-    assert_ok(run)
-    check_trained(resumed, "s4-adam-1f1b-resume", [0], steps=STEPS + 1)
+    assert sorted(p.name for p in out.glob("done-*")) == [f"done-rank{r}" for r in range(4)]
+    # the 2 x 2 checkpoint (resumed under 1 x 4 by the torchrun launch): under local mode, and by a plain Trainer
+    checkpoint = out / CHECKPOINT
     assert checkpoint.is_dir()  # a sharded folder: each process wrote its own stage
-    single = consolidate(checkpoint, tmp_path / "consolidated.ckpt")  # what a plain Trainer reads
+    single = consolidate(checkpoint, out / "consolidated.ckpt")  # what a plain Trainer reads
     expected = reference("s2-adam-1f1b", STEPS + 1, (shuffled, in_order))  # no distributed sampler in one process
     for strategy, path in ((PipeStrategy(stages=2, microbatches=2, transport="local"), checkpoint), ("auto", single)):
         L.seed_everything(0, verbose=False)
@@ -148,14 +154,18 @@ def test_lightning_launcher_trains_like_the_unsplit_model_on_the_global_batch(tm
             assert (value - expected[key]).abs().max().item() < 1e-5, f"{strategy}: {key}"
 
 
-def test_torchrun_trains_1x4_and_2x2(tmp_path: Path) -> None:
-    """Also schedule="auto" on 2 x 2 (both replicas run the first coordinator's choice, the same exact step), and
-    zbv: each process holds two stages of a V, each replicated with DDP."""
-    cases = ["s4-adam-gpipe", "s2-sgd-1f1b", "s2-sgd-auto", "s2-adam-zbv-v2-m4"]
-    run = torchrun(SCRIPT, ["--devices", "4", "--cases", ",".join(cases), "--out", str(tmp_path)])
+def test_torchrun_trains_1x4_and_2x2(lightning_launched: tuple[Path, Run], tmp_path: Path) -> None:
+    """Also schedule="auto" on 2 x 2 (both replicas run the first coordinator's choice, the same exact step), zbv:
+    each process holds two stages of a V, each replicated with DDP; and the Lightning launcher's 2 x 2 checkpoint
+    resumed under 1 x 4 for one more step."""
+    cases = ["s4-adam-gpipe", "s2-sgd-1f1b", "s2-sgd-auto", "s2-adam-zbv-v2-m4", "s4-adam-1f1b-resume"]
+    checkpoint = lightning_launched[0] / CHECKPOINT
+    args = ["--devices", "4", "--cases", ",".join(cases), "--resume", str(checkpoint), "--out", str(tmp_path)]
+    run = torchrun(SCRIPT, args, timeout=400)
     assert_ok(run)
-    for name in cases:
+    for name in cases[:-1]:
         check_trained(tmp_path, name, coordinators(name))
+    check_trained(tmp_path, "s4-adam-1f1b-resume", [0], steps=STEPS + 1)
     assert run.output.count("schedule='auto' chose") == 1  # logged once, by global rank 0
 
 

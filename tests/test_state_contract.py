@@ -5,7 +5,7 @@ built eagerly) and 2 x 1 FSDP (built in ``configure_model``); formats: a single-
 folder, safetensors ``weights=``. A run resumed from the checkpoint of the uninterrupted run's first 2 steps
 equals it (losses and parameters, 1e-5); a renamed key and an unexpected key raise before the first step
 naming them; ``strict_loading = False`` trains and says what it initialised. The files come from a local run
-(any layout resumes any other); each launched mode is one launch that does all its cases in sequence.
+(any layout resumes any other); one launch does every case of both launched modes in sequence.
 """
 
 from __future__ import annotations
@@ -115,14 +115,19 @@ def test_local_strict_loading_false_trains_and_says_what_it_initialised(runs: di
 
 @pytest.mark.slow
 def test_launched_modes_keep_the_contract(runs: dict, tmp_path: Path) -> None:
-    """DDP 1 x 2 built eagerly and FSDP 2 x 1 built in configure_model, each one launch of every case."""
-    for mode, build in (("ddp", "eager"), ("fsdp", "init_module")):
+    """DDP 1 x 2 built eagerly and FSDP 2 x 1 built in configure_model: one launch of 2 processes doing every case
+    of DDP's, then every case of FSDP's."""
+    modes = {"ddp": "eager", "fsdp": "init_module"}
+    args: list[str] = []
+    for mode, build in modes.items():
         out = tmp_path / mode
         out.mkdir()
         (out / "files.json").write_text(json.dumps(runs[build]["files"]))
-        run = lightning_launch(SCRIPT, ["--mode", mode, "--files", str(out / "files.json"), "--out", str(out)])
-        assert run.ok, run.output[-3000:]
-        check_launched(mode, out, runs[build])
+        args += ["--mode", mode, "--files", str(out / "files.json"), "--out", str(out)]
+    run = lightning_launch(SCRIPT, args, timeout=400)
+    assert run.ok, run.output[-3000:]
+    for mode, build in modes.items():
+        check_launched(mode, tmp_path / mode, runs[build])
 
 
 def check_launched(mode: str, out: Path, ref: dict[str, Any]) -> None:

@@ -180,17 +180,21 @@ def test_repeated_blocks_are_the_fsdp_units() -> None:
     assert blocks(gpt) == list(gpt.transformer.h)
 
 
-def _two_processes(scenario: str, tmp_path: Path) -> list[dict]:
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
+    """One launch of `weights_procs.py` (an FSDP step, then its sharded checkpoint) for the two tests below:
+    its folder and each rank's results."""
+    out = tmp_path_factory.mktemp("fsdp")
     env = base_env() | {"MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
     script = str(HERE / "weights_procs.py")
-    run = run_all([([sys.executable, script, scenario, str(r), "2", str(tmp_path)], env) for r in range(2)], 120)
+    run = run_all([([sys.executable, script, str(r), "2", str(out)], env) for r in range(2)], 120)
     assert run.ok, run.output[-4000:]
-    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    return out, [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 
 @pytest.mark.slow
-def test_fsdp_reduces_a_pipelined_steps_gradients_once(tmp_path: Path) -> None:
-    results = _two_processes("fsdp", tmp_path)
+def test_fsdp_reduces_a_pipelined_steps_gradients_once(two_processes: tuple[Path, list[dict]]) -> None:
+    _, results = two_processes
     from weights_procs import data, model
 
     x, y = data(2)
@@ -202,9 +206,12 @@ def test_fsdp_reduces_a_pipelined_steps_gradients_once(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_a_sharded_checkpoint_is_read_by_key_and_consolidates_to_one_file(tmp_path: Path) -> None:
-    result = _two_processes("sharded-save", tmp_path)[0]
-    reader = open_checkpoint(tmp_path / "ckpt")
+def test_a_sharded_checkpoint_is_read_by_key_and_consolidates_to_one_file(
+    two_processes: tuple[Path, list[dict]], tmp_path: Path
+) -> None:
+    folder, results = two_processes
+    result = results[0]
+    reader = open_checkpoint(folder / "ckpt")
     model = reader.model("model.")
     assert sorted(model.keys()) == ["0.bias", "0.weight", "2.bias", "2.weight", "4.bias", "4.weight"]
     assert torch.equal(model.get("2.weight"), result["params"]["model.2.weight"])
@@ -212,7 +219,7 @@ def test_a_sharded_checkpoint_is_read_by_key_and_consolidates_to_one_file(tmp_pa
     assert sorted(state) == ["exp_avg", "exp_avg_sq", "step"]
     assert torch.equal(state["exp_avg"], result["exp_avg"]["model.4.weight"])
     assert reader.lightning_state() == {"epoch": 3, "global_step": 7}
-    out = consolidate(tmp_path / "ckpt", tmp_path / "one.ckpt")
+    out = consolidate(folder / "ckpt", tmp_path / "one.ckpt")
     single = torch.load(out, weights_only=True)
     from weights_procs import model as fresh
 

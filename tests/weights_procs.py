@@ -1,6 +1,6 @@
-"""Two processes in a gloo world on 127.0.0.1 playing one scenario of the weights tests; results as files.
+"""Two processes in a gloo world on 127.0.0.1 for the weights tests: an FSDP step and its sharded checkpoint.
 
-``python weights_procs.py SCENARIO RANK WORLD OUTDIR`` (MASTER_ADDR/MASTER_PORT set by the test).
+``python weights_procs.py RANK WORLD OUTDIR`` (MASTER_ADDR/MASTER_PORT set by the test); results as files.
 """
 
 from __future__ import annotations
@@ -51,31 +51,29 @@ def fsdp_step(rank: int, world: int) -> tuple[nn.Module, torch.optim.Optimizer]:
     return m, optimizer
 
 
-def run(scenario: str, rank: int, world: int, outdir: Path) -> dict[str, Any]:
+def run(rank: int, world: int, outdir: Path) -> dict[str, Any]:
+    """One FSDP step, then its sharded checkpoint: each rank's gradients and parameters (whole) and Adam's
+    ``exp_avg``, written by rank 0; ``outdir/ckpt`` holds the checkpoint."""
     m, optimizer = fsdp_step(rank, world)
-    if scenario == "fsdp":
-        return {"grads": {n: p.grad.full_tensor() for n, p in m.named_parameters()},
-                "params": {n: p.full_tensor() for n, p in m.named_parameters()}}  # fmt: skip
-    if scenario == "sharded-save":
-        names = {id(p): n for n, p in m.named_parameters()}
-        order = [f"model.{names[id(p)]}" for p in optimizer.param_groups[0]["params"]]
-        saved = optimizer.state_dict()
-        state = {order[i]: s for i, s in saved["state"].items()}
-        groups = [{k: v for k, v in g.items() if k != "params"} for g in saved["param_groups"]]
-        part = OptimizerPart(state, groups, [order] if rank == 0 else None)
-        extra = {"epoch": 3, "global_step": 7} if rank == 0 else None
-        save_sharded(outdir / "ckpt", {f"model.{k}": v for k, v in m.state_dict().items()}, [part], extra)
-        return {"params": {f"model.{n}": p.full_tensor() for n, p in m.named_parameters()},
-                "exp_avg": {k: s["exp_avg"].full_tensor() for k, s in state.items()}}  # fmt: skip
-    raise ValueError(scenario)
+    names = {id(p): n for n, p in m.named_parameters()}
+    order = [f"model.{names[id(p)]}" for p in optimizer.param_groups[0]["params"]]
+    saved = optimizer.state_dict()
+    state = {order[i]: s for i, s in saved["state"].items()}
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in saved["param_groups"]]
+    part = OptimizerPart(state, groups, [order] if rank == 0 else None)
+    extra = {"epoch": 3, "global_step": 7} if rank == 0 else None
+    save_sharded(outdir / "ckpt", {f"model.{k}": v for k, v in m.state_dict().items()}, [part], extra)
+    return {"grads": {n: p.grad.full_tensor() for n, p in m.named_parameters()},
+            "params": {f"model.{n}": p.full_tensor() for n, p in m.named_parameters()},
+            "exp_avg": {k: s["exp_avg"].full_tensor() for k, s in state.items()}}  # fmt: skip
 
 
 def main() -> None:
     faulthandler.enable()
-    scenario, rank, world, outdir = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4])
+    rank, world, outdir = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        result = run(scenario, rank, world, outdir)
+        result = run(rank, world, outdir)
         torch.save(result, outdir / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
