@@ -95,6 +95,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--stages", type=int, default=4)
     parser.add_argument("--data-parallel", choices=["ddp", "fsdp"], default="ddp")
     parser.add_argument("--schedule", default="1f1b")
+    parser.add_argument(
+        "--virtual-stages", type=int, default=1, help="stages per process (looped schedules); --stages counts processes"
+    )
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--batch", type=int, default=16, help="rows per replica and step")
     parser.add_argument("--epochs", type=int, default=3, help="one optimizer step per epoch (0: build only)")
@@ -132,7 +135,8 @@ def main(argv: list[str] | None = None) -> None:
         strategy = "ddp"
     else:
         strategy = PipeStrategy(
-            stages=args.stages,
+            stages=args.stages * args.virtual_stages,
+            virtual_stages=args.virtual_stages,
             microbatches=args.microbatches,
             schedule=args.schedule,
             data_parallel=args.data_parallel,

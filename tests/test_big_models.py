@@ -114,6 +114,7 @@ AGAINST_DDP = {
     "sgd-gpipe": ("sgd", "gpipe", []),
     "adam-1f1b": ("adam", "1f1b", ["--clip", "0.05"]),
     "sgd-1f1b-acc": ("sgd", "1f1b", ["--accumulate", "2", "--recompute", "always"]),
+    "sgd-looped-bfs-v2": ("sgd", "looped-bfs", ["--virtual-stages", "2"]),  # FSDP under a looped schedule
 }
 RESUMED = [*SMALL, "--optimizer", "adam", "--build", "meta"]  # a 2 x 2 FSDP run's checkpoint, resumed
 LAYOUTS = {"1x4": ["--stages", "4", "--batch", "16"], "4x1": ["--stages", "1", "--batch", "4"]}
