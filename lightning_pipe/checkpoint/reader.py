@@ -7,10 +7,9 @@ state by the same names; nothing else is read. Two layouts on disk:
   as torch optimizers save them (state by position in the optimizer's parameter list). Reading needs the
   optimizer's parameter order (`OptimizerLayout`), which only the user's ``configure_optimizers`` knows.
 - a folder written by torch.distributed.checkpoint (`lightning_pipe.checkpoint.sharded`, or Lightning's
-  ``ModelParallelStrategy``: the same keys): tensors under ``state_dict.<key>`` and
-  ``optimizer_<i>.state.<key>.<state name>``, each group's hyperparameters and parameter order under
-  ``optimizer_<i>.param_groups.<group>.<name>`` (``params``: the keys), Lightning's loop and callback state in
-  ``meta.pt``.
+  ``ModelParallelStrategy``: the same keys): tensors under ``state_dict.<key>``, ``optimizer_<i>.state.<key>.<name>``,
+  each group's hyperparameters and parameter order under ``optimizer_<i>.param_groups.<group>.<name>``
+  (``params``: the keys), Lightning's loop and callback state in ``meta.pt``.
 """
 
 from __future__ import annotations
