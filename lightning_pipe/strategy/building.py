@@ -181,6 +181,18 @@ class PipelineBuilder:
             return self.config.runtime.torch_device
         return runtime_registry.create(devices[-1]).torch_device
 
+    @staticmethod
+    def accelerator_device(
+        root: torch.device, trainer_devices: Sequence[torch.device] | None, stage_devices: Sequence[str]
+    ) -> torch.device:
+        """The device the Trainer's accelerator sets up: the coordinator's, or, where ``devices=`` places stages on
+        another kind of device than the accelerator's (``accelerator="cpu"`` with a stage on ``cuda:0``), the first
+        stage device of the accelerator's kind (none: the kind itself); the stages set up their own devices."""
+        kind = trainer_devices[0].type if trainer_devices else root.type
+        if root.type == kind:
+            return root
+        return next((torch.device(d) for d in stage_devices if torch.device(d).type == kind), torch.device(kind))
+
     def outside(self, lightning_module: pl.LightningModule) -> list[nn.Parameter]:
         """The LightningModule's parameters outside the pipelined module (used before or after its call)."""
         assert self.pipelined is not None

@@ -169,7 +169,9 @@ class PipeStrategy(ParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
-        super().setup_environment()
+        assert self.accelerator is not None  # Lightning's: the accelerator sets up the root device (or its own kind's)
+        root, trainer_devices = self.root_device, self.parallel_devices
+        self.accelerator.setup_device(self.builder.accelerator_device(root, trainer_devices, self.resolve_devices()))
         self.mode.start(self.cluster_environment)  # launched mode: join the processes, hold the serving ranks
         mesh = self.mode.device_mesh
         if mesh is not None and self.lightning_module is not None:  # for configure_model, as Lightning's
