@@ -177,7 +177,7 @@ def test_recompute_auto_reads_the_gpus_free_memory(monkeypatch: pytest.MonkeyPat
 
     class Plan(L.Callback):
         def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
-            auto = trainer.strategy.pipeline.auto_checkpoint  # type: ignore[attr-defined]
+            auto = trainer.strategy.pipeline.choices.checkpoint  # type: ignore[attr-defined]
             if auto is not None and auto.plan is not None:
                 plans.append(auto.plan)
 

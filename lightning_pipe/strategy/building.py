@@ -111,9 +111,9 @@ class PipelineBuilder:
     @property
     def choice(self) -> AutoChoice | None:
         """What ``schedule="auto"`` chose in this fit, or in the last fit that chose; None before it chose."""
-        pipeline = self.pipeline
-        if pipeline is not None and pipeline.auto_schedule is not None and pipeline.auto_schedule.choice is not None:
-            return pipeline.auto_schedule.choice
+        chooser = self.pipeline.choices.schedule if self.pipeline is not None else None
+        if chooser is not None and chooser.choice is not None:
+            return chooser.choice
         return self.schedule_choice
 
     def _chooser(self) -> ScheduleChooser:
@@ -304,8 +304,8 @@ class PipelineBuilder:
         """Stop the stages of this fit's pipeline (a later fit builds a new one)."""
         if self.pipeline is not None:
             pipeline, self.pipeline = self.pipeline, None
-            if pipeline.auto_schedule is not None:  # schedule="auto"'s choice stays readable after the fit
-                self.schedule_choice = pipeline.auto_schedule.choice
+            if pipeline.choices.schedule is not None:  # schedule="auto"'s choice stays readable after the fit
+                self.schedule_choice = pipeline.choices.schedule.choice
             pipeline.close()
 
     # the memory plan
