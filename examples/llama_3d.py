@@ -9,12 +9,15 @@
 
 The model (`Llama`, built from a `LlamaConfig`; plain torch, nothing downloaded) is an ``nn.Sequential`` of a token
 embedding, decoder blocks (RMSNorm, grouped-query attention with rotary embeddings, RMSNorm, SwiGLU MLP) and a
-final RMSNorm and output head (tied to the embedding with ``tie_embeddings=True``). The LightningModule is written
-for Lightning's ``ModelParallelStrategy``, as Lightning's own tensor parallel example is: its ``configure_model``
-applies the tensor parallel plan to each block over ``self.device_mesh["tensor_parallel"]`` (``ColwiseParallel``
-for q, k, v, w1 and w3, ``RowwiseParallel`` for o and w2; each rank counts its own heads), and shards the model
-with ``fully_shard`` over ``self.device_mesh["data_parallel"]`` under ``ModelParallelStrategy`` only
-(``PipeStrategy`` spreads each stage over its replicas itself). ``PipeStrategy(stages=S, tensor_parallel=T)``
+final RMSNorm and output head. The LightningModule is written for Lightning's ``ModelParallelStrategy``, as
+Lightning's own tensor parallel example is: its ``configure_model`` applies the tensor parallel plan to each block
+over ``self.device_mesh["tensor_parallel"]`` (``ColwiseParallel`` for q, k, v, w1 and w3, ``RowwiseParallel`` for
+o and w2; each rank counts its own heads), splits the embedding and the head over the vocabulary, and shards the
+model with ``fully_shard`` over ``self.device_mesh["data_parallel"]`` under ``ModelParallelStrategy`` only
+(``PipeStrategy`` spreads each stage over its replicas itself). ``--tie-embeddings`` (the head shares the
+embedding's weight, which then stays whole) runs under ``--strategy model-parallel`` and ``plain`` only: PipeStrategy
+does not yet sum the gradients of a weight tied across the stages of an ``nn.Sequential`` held in other processes
+(the copies would train apart), and the example refuses it. ``PipeStrategy(stages=S, tensor_parallel=T)``
 runs the same module unchanged: Lightning's launcher starts ``--devices`` processes (no torchrun needed), which
 form R = devices / (S x T) replicas of S stages of T tensor ranks, tensor innermost.
 
@@ -174,8 +177,8 @@ class LlamaModule(L.LightningModule):
         from torch.distributed.tensor import Replicate
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-        if self.device_mesh is None:  # a plain Trainer: the model as it is
-            return
+        if self.device_mesh is None or "tensor_parallel" not in (self.device_mesh.mesh_dim_names or ()):
+            return  # a plain Trainer, or PipeStrategy without tensor parallel (--tensor-parallel 1): the model as it is
         tensor = self.device_mesh["tensor_parallel"]
         if self.config.n_kv_heads % tensor.size():
             raise ValueError(f"n_kv_heads={self.config.n_kv_heads} must be a multiple of the {tensor.size()} ranks")
@@ -250,6 +253,13 @@ def strategy_of(args: argparse.Namespace) -> tuple[Any, int]:
 
         replicas = args.devices // args.tensor_parallel
         return ModelParallelStrategy(data_parallel_size=replicas, tensor_parallel_size=args.tensor_parallel), replicas
+    if args.tie_embeddings and args.stages > 1:
+        # the embedding (first stage) and the head (last stage) would each step their own copy: PipeStrategy sums a
+        # tied weight's gradients over processes for traced models only, not for an nn.Sequential's children yet
+        raise SystemExit(
+            "--tie-embeddings with PipeStrategy(stages > 1): the tied weight's copies on the first and last stage "
+            "would train apart; leave it out, or pass --strategy model-parallel or plain"
+        )
     strategy = PipeStrategy(
         stages=args.stages,
         tensor_parallel=args.tensor_parallel,
@@ -264,7 +274,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Train as the command line (or ``argv``) says; returns this process's report."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", choices=sorted(SIZES), default="tiny", help="the model: tiny (tests) or small")
-    parser.add_argument("--tie-embeddings", action="store_true", help="the output head shares the embedding's weight")
+    parser.add_argument("--tie-embeddings", action="store_true",
+                        help="the head shares the embedding's weight (--strategy model-parallel or plain)")  # fmt: skip
     parser.add_argument("--devices", type=int, default=8, help="processes (Lightning's launcher starts them)")
     parser.add_argument("--accelerator", default="cpu", help="cpu (gloo), or gpu: one GPU per process (NCCL)")
     strategies = ["pipe", "model-parallel", "plain"]
