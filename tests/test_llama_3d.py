@@ -49,6 +49,20 @@ def check_coordinators(got: list[dict[str, Any]], coordinators: list[int], expec
             assert diff < 1e-5, f"rank {report['rank']}: {report['losses']} != {expected}"
 
 
+def test_a_tied_head_is_one_weight_and_refused_where_its_copies_would_train_apart() -> None:
+    """``--tie-embeddings``: the head is the embedding's parameter; under PipeStrategy with 2 stages the embedding
+    and the head sit in other processes, whose copies of an ``nn.Sequential``'s tied weight are not summed: refused
+    before any process starts, naming what runs instead."""
+    from dataclasses import replace
+
+    from llama_3d import SIZES, Llama, main
+
+    model = Llama(replace(SIZES["tiny"], tie_embeddings=True))
+    assert model[0].weight is model[-1].weight
+    with pytest.raises(SystemExit, match="would train apart; leave it out, or pass --strategy model-parallel"):
+        main(["--tie-embeddings", "--devices", "4"])
+
+
 @pytest.mark.slow
 def test_the_example_trains_2x2x2_as_the_plain_model(tmp_path: Path) -> None:
     """8 processes = 2 replicas x 2 stages x 2 tensor ranks, 1f1b: the coordinators (the first two ranks of each
