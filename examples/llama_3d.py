@@ -14,12 +14,12 @@ Lightning's own tensor parallel example is: its ``configure_model`` applies the 
 over ``self.device_mesh["tensor_parallel"]`` (``ColwiseParallel`` for q, k, v, w1 and w3, ``RowwiseParallel`` for
 o and w2; each rank counts its own heads), splits the embedding and the head over the vocabulary, and shards the
 model with ``fully_shard`` over ``self.device_mesh["data_parallel"]`` under ``ModelParallelStrategy`` only
-(``PipeStrategy`` spreads each stage over its replicas itself). ``--tie-embeddings`` (the head shares the
-embedding's weight, which then stays whole) runs under ``--strategy model-parallel`` and ``plain`` only: PipeStrategy
-does not yet sum the gradients of a weight tied across the stages of an ``nn.Sequential`` held in other processes
-(the copies would train apart), and the example refuses it. ``PipeStrategy(stages=S, tensor_parallel=T)``
-runs the same module unchanged: Lightning's launcher starts ``--devices`` processes (no torchrun needed), which
-form R = devices / (S x T) replicas of S stages of T tensor ranks, tensor innermost.
+(``PipeStrategy`` spreads each stage over its replicas itself). ``--tie-embeddings``: the head shares the
+embedding's weight, which then stays whole (under PipeStrategy the first and the last stage each hold a copy, and
+the copies get the sum of their gradients, so they take the unsplit model's step).
+``PipeStrategy(stages=S, tensor_parallel=T)`` runs the same module unchanged: Lightning's launcher starts
+``--devices`` processes (no torchrun needed), which form R = devices / (S x T) replicas of S stages of T tensor
+ranks, tensor innermost.
 
 The data are synthetic token rows from a seeded generator (each row counts up from a random start by a random
 stride, modulo the vocabulary: learnable, so the loss goes down). Every process that runs Lightning's loop (a
@@ -253,13 +253,6 @@ def strategy_of(args: argparse.Namespace) -> tuple[Any, int]:
 
         replicas = args.devices // args.tensor_parallel
         return ModelParallelStrategy(data_parallel_size=replicas, tensor_parallel_size=args.tensor_parallel), replicas
-    if args.tie_embeddings and args.stages > 1:
-        # the embedding (first stage) and the head (last stage) would each step their own copy: PipeStrategy sums a
-        # tied weight's gradients over processes for traced models only, not for an nn.Sequential's children yet
-        raise SystemExit(
-            "--tie-embeddings with PipeStrategy(stages > 1): the tied weight's copies on the first and last stage "
-            "would train apart; leave it out, or pass --strategy model-parallel or plain"
-        )
     strategy = PipeStrategy(
         stages=args.stages,
         tensor_parallel=args.tensor_parallel,

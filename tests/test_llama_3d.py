@@ -49,18 +49,24 @@ def check_coordinators(got: list[dict[str, Any]], coordinators: list[int], expec
             assert diff < 1e-5, f"rank {report['rank']}: {report['losses']} != {expected}"
 
 
-def test_a_tied_head_is_one_weight_and_refused_where_its_copies_would_train_apart() -> None:
-    """``--tie-embeddings``: the head is the embedding's parameter; under PipeStrategy with 2 stages the embedding
-    and the head sit in other processes, whose copies of an ``nn.Sequential``'s tied weight are not summed: refused
-    before any process starts, naming what runs instead."""
+@pytest.mark.slow
+def test_a_head_tied_to_the_embedding_across_processes_trains_as_the_plain_model(tmp_path: Path) -> None:
+    """``--tie-embeddings --devices 2 --tensor-parallel 1``: the embedding (stage 0) and the head (stage 1) are one
+    parameter of the module, held by two processes; the copies get the sum of their gradients, so the losses of 3
+    AdamW steps are the plain tied model's (the second and third check the updates)."""
     from dataclasses import replace
 
-    from llama_3d import SIZES, Llama, main
+    from llama_3d import SIZES, Llama
 
     model = Llama(replace(SIZES["tiny"], tie_embeddings=True))
     assert model[0].weight is model[-1].weight
-    with pytest.raises(SystemExit, match="would train apart; leave it out, or pass --strategy model-parallel"):
-        main(["--tie-embeddings", "--devices", "4"])
+    steps = ["--max-steps", "3", "--tie-embeddings"]
+    args = ["--devices", "2", "--tensor-parallel", "1", *steps, "--report", str(tmp_path)]
+    run = lightning_launch(EXAMPLE, args, timeout=600)
+    assert run.ok, run.output[-6000:]
+    from llama_3d import main
+
+    check_coordinators(reports(tmp_path), [0], main(["--strategy", "plain", *steps])["losses"])
 
 
 @pytest.mark.slow
