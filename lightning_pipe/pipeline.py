@@ -36,6 +36,7 @@ from lightning_pipe.microbatch_weights import MicrobatchWeight, check_weight_fun
 from lightning_pipe.optim import StageOptimizers
 from lightning_pipe.partition import Partitioner, ShardedTask
 from lightning_pipe.partition.selection import resolve_partitioner as resolve_partitioner  # re-exported: strategy
+from lightning_pipe.partition.tied import tied_parameters
 from lightning_pipe.partition.traced import TracedPartitioner
 from lightning_pipe.pipeline_choices import PipelineChoices
 from lightning_pipe.pipeline_inputs import PipelineInputs
@@ -157,6 +158,7 @@ class Pipeline:
         if self._coordinator is not None:
             return self
         self.shards = self.partitioner.partition(self.module, self.devices, sample)
+        tied = tied_parameters([shard.module for shard in self.shards])  # before any stage makes its tensors
         self._coordinator = Coordinator(
             self.communicator,
             self._specs(self.init.for_module(self.module)),
@@ -167,7 +169,7 @@ class Pipeline:
             runner=self.runner,
         )
         self._stage_state = StageState(
-            self._coordinator, self.module, self.shards, self.partitioner, self.communicator, self.seed
+            self._coordinator, self.module, self.shards, tied, self.communicator, self.seed
         )
         if self._started:
             self._coordinator.start()

@@ -183,7 +183,7 @@ class PipeStrategy(ParallelStrategy):
         """A process that serves a stage instead of running the Trainer's loop: processes joined (the device mesh
         exists when configure_model runs, as in the coordinator's fit), its model bound."""
         self.setup_environment()
-        self.state.bind_to_serve(trainer)
+        self.state.bind_to_serve(trainer, self.precision_plugin.convert_module)
 
     def resolve_devices(self) -> list[str]:
         """One device per stage: launched mode's processes (placed as the schedule says), or from ``devices``,
