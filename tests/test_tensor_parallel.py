@@ -246,7 +246,7 @@ def test_a_model_parallel_strategy_module_runs_unchanged_as_1x2x2(
     cases = ["mps-d2-t2-adamw-save", "pipe-s2-t2-gpipe-seq-adamw", "pipe-s2-t2-1f1b-clip-save"]
     checkpoint = tmp_path / f"{cases[-1]}.ckpt"
     resumed = "pipe-s2-t2-gpipe-clip-resume"
-    args = ["--devices", "4", "--cases", ",".join([*cases, resumed, *BF16, *RESUMES]), "--resume", str(checkpoint)]
+    args = ["--devices", "4", "--cases", ",".join([*cases, resumed, *RESUMES, *BF16]), "--resume", str(checkpoint)]
     run = torchrun(SCRIPT, [*args, "--out", str(tmp_path), "--checkpoints", str(eight_out)], timeout=600)
     assert_ok(run)
     plain = {option: plain_trainer_model(option) for option in ("sgd", "adamw", "clip")}
