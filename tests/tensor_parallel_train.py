@@ -244,6 +244,15 @@ def precision_of(options: list[str]) -> str:
     return next((PRECISIONS[o] for o in options if o in PRECISIONS), "32-true")
 
 
+def schedule_of(case: str) -> str:
+    """The schedule a ``pipe-s<S>-t<T>-<schedule>[-<option>...]`` case names right after its numbers: the longest
+    registered name that the rest of the case starts with (``pipe-s2-t2-zero-bubble-clip``: ``zero-bubble``)."""
+    from lightning_pipe.schedule import available_schedules
+
+    rest = case.split("-", 3)[3]
+    return max((name for name in available_schedules() if f"{rest}-".startswith(f"{name}-")), key=len)
+
+
 def strategy_of(case: str, processes: int) -> tuple[object, int]:
     """``mps-d2-t2``: ModelParallelStrategy(2, 2); ``pipe-s2-t2-gpipe``: PipeStrategy(stages=2, tensor_parallel=2);
     with the number of replicas (each reads GLOBAL_BATCH / replicas rows a step). ``-seq``: the sequence-sharded
@@ -260,7 +269,7 @@ def strategy_of(case: str, processes: int) -> tuple[object, int]:
         return ModelParallelStrategy(data_parallel_size=numbers["d"], tensor_parallel_size=numbers["t"]), numbers["d"]
     stages, tensor = numbers["s"], numbers["t"]
     data_parallel = "fsdp" if "fsdp" in parts else "ddp"
-    strategy = PipeStrategy(stages=stages, tensor_parallel=tensor, schedule=parts[3], microbatches=2,
+    strategy = PipeStrategy(stages=stages, tensor_parallel=tensor, schedule=schedule_of(case), microbatches=2,
                             partition="uniform", timeout=60, data_parallel=data_parallel)  # fmt: skip
     return strategy, processes // (stages * tensor)
 

@@ -4,14 +4,15 @@ One torchrun launch of 4 processes trains the same LightningModule (written for 
 ``ModelParallelStrategy``: its ``configure_model`` applies the documented ColwiseParallel / RowwiseParallel plan
 over ``self.device_mesh["tensor_parallel"]``) under ``ModelParallelStrategy(data_parallel_size=2,
 tensor_parallel_size=2)`` and under ``PipeStrategy(stages=2, tensor_parallel=2)`` (1 x 2 x 2) with gpipe (AdamW,
-activations sharded along the sequence) and 1f1b (SGD, clipping); each equals the plain Trainer's model trained
-on the global batch, to 1e-5 after 3 steps; the same launch runs 1 x 2 x 2 under ``precision="bf16-mixed"`` and
-``"bf16-true"`` against the plain Trainer at the same precision (`BF16`). One launch of 8 processes (a module fixture,
-run first) runs 2 x 2 x 2 with the stages averaged over their replicas (DDP-like) and sharded over them with FSDP2 on
-top of tensor parallel, and resumes the first's sharded checkpoint as 2 x 4 x 1; the 4-process launch resumes it as
-1 x 2 x 2 and under ``ModelParallelStrategy``, resumes a ``ModelParallelStrategy`` checkpoint under PipeStrategy and
-runs validate, test and predict; the folder consolidated to one file resumes under a plain Trainer. Each resumed run
-equals the plain model trained one step more.
+activations sharded along the sequence), 1f1b, zero-bubble (its split backward), interleaved-zero-bubble and
+looped-bfs (SGD, clipping); each equals the plain Trainer's model trained on the global batch, to 1e-5 after 3
+steps; the same launch runs 1 x 2 x 2 under ``precision="bf16-mixed"`` and ``"bf16-true"`` against the plain Trainer
+at the same precision (`BF16`). One launch of 8 processes (a module fixture, run first) runs 2 x 2 x 2 with the
+stages averaged over their replicas (DDP-like) and sharded over them with FSDP2 on top of tensor parallel, and
+resumes the first's sharded checkpoint as 2 x 4 x 1; the 4-process launch resumes it as 1 x 2 x 2 and under
+``ModelParallelStrategy``, resumes a ``ModelParallelStrategy`` checkpoint under PipeStrategy and runs validate, test
+and predict; the folder consolidated to one file resumes under a plain Trainer. Each resumed run equals the plain
+model trained one step more.
 """
 
 from __future__ import annotations
@@ -68,7 +69,11 @@ def test_a_layout_that_does_not_fit_fails_naming_the_fix() -> None:
     [
         ({"transport": "local"}, "leave transport out"),
         ({"transport": "rpc"}, "leave transport out"),
-        ({"schedule": "zero-bubble"}, "'gpipe', '1f1b'"),
+        ({"schedule": "auto"}, "'gpipe', '1f1b', 'zero-bubble', 'looped-bfs', 'interleaved-zero-bubble'"),
+        ({"schedule": "interleaved-1f1b", "virtual_stages": 2}, "'gpipe', '1f1b', 'zero-bubble'"),
+        ({"schedule": "zbv", "virtual_stages": 2}, "'gpipe', '1f1b', 'zero-bubble'"),
+        ({"schedule": "gpipe", "virtual_stages": 2}, "pass virtual_stages=1"),
+        ({"runner": "dataflow"}, "in the same order.*pass runner='parallel'"),
         ({"tensor_parallel": 0}, "an int >= 1"),
     ],
 )
@@ -105,6 +110,54 @@ def test_a_dtensor_crosses_a_link_as_its_local_part_with_its_placements_in_the_h
     finally:
         use_tensor_mesh(None)
         torch.distributed.destroy_process_group()
+
+
+def test_the_split_backward_of_a_tensor_parallel_block_equals_its_whole_backward() -> None:
+    """zero-bubble's split backward through DTensor modules (a one-process gloo world; the launch runs it over two
+    tensor ranks): a block under the Colwise/Rowwise plan (its parameters DTensors, the collectives inside its
+    graph) gives by ``backward_input`` then ``backward_weight`` the input and parameter gradients of one ordinary
+    backward, and ``I`` alone leaves the parameters' gradients to ``W``."""
+    from tensor_parallel_train import Block, tensor_parallel_plan
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from lightning_pipe.engine.split_backward import backward_input, backward_weight
+
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        torch.manual_seed(0)
+        blocks = [Block(), Block()]
+        blocks[1].load_state_dict(blocks[0].state_dict())
+        for block in blocks:
+            parallelize_module(block, mesh, tensor_parallel_plan())
+        x = torch.randn(2, 4, 16)
+        grad = torch.randn(2, 4, 16)
+        inputs = [x.clone().requires_grad_() for _ in blocks]
+        blocks[0](inputs[0]).backward(grad)
+        output = blocks[1](inputs[1])
+        (input_grad,), pending = backward_input([output], [grad], inputs[1:], list(blocks[1].parameters()))
+        assert input_grad is not None and pending.groups
+        assert sum(isinstance(p, DTensor) for p in blocks[1].parameters()) == 10  # the plan's weights, the MLP's biases
+        assert all(p.grad is None for p in blocks[1].parameters())  # I computed no weight gradient
+        backward_weight(pending)
+        assert inputs[0].grad is not None and torch.allclose(input_grad, inputs[0].grad, atol=1e-6)
+        for (key, split), whole_parameter in zip(blocks[1].named_parameters(), blocks[0].parameters(), strict=True):
+            assert isinstance(split.grad, DTensor) == isinstance(whole_parameter.grad, DTensor), key
+            got, expected = (full(p.grad) for p in (split, whole_parameter))
+            diff = (got - expected).abs().max().item()
+            assert diff < 1e-6, f"{key}: the split backward's gradient differs from the whole one's by {diff:.2e}"
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def full(tensor: torch.Tensor | None) -> torch.Tensor:
+    """A gradient's whole value (a DTensor gathered)."""
+    from torch.distributed.tensor import DTensor
+
+    assert tensor is not None, "no gradient"
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def test_a_module_that_shards_itself_with_fsdp_is_refused_naming_the_fix() -> None:
@@ -190,6 +243,12 @@ RESUMES = {
 }
 
 
+#: in the 4-process launch, the other schedules tensor parallel runs (SGD, clipping): zero-bubble's split backward with
+#: the activations sharded along the sequence (the last stage's input a DTensor: its input gradient, then its weight
+#: gradients, through the DTensor modules' graph), interleaved-zero-bubble and looped-bfs with one stage per process
+SCHEDULES = ["pipe-s2-t2-zero-bubble-seq-clip", "pipe-s2-t2-interleaved-zero-bubble-clip", "pipe-s2-t2-looped-bfs-clip"]
+
+
 @pytest.fixture(scope="module")
 def eight_processes(tmp_path_factory: pytest.TempPathFactory) -> tuple[Run, Path]:
     """The 8-process launch, once for the module (its checkpoint is resumed by the 4-process launch too)."""
@@ -237,13 +296,15 @@ def test_a_model_parallel_strategy_module_runs_unchanged_as_1x2x2(
     tensor rank sends its local half to the same tensor rank of the next stage, which rebuilds the DTensor, forward
     and back); 1f1b with SGD and gradient clipping (the norm over both stages and both tensor ranks: a sharded
     gradient's parts summed over its tensor ranks, a replicated one counted once), its sharded checkpoint resumed
-    under 1 x 2 x 2 (gpipe) and under local mode without tensor parallel. The 8-process launch's 2 x 2 x 2 checkpoint
+    under 1 x 2 x 2 (gpipe) and under local mode without tensor parallel; zero-bubble (the split backward, the last
+    stage's input a DTensor), interleaved-zero-bubble and looped-bfs with SGD and clipping (`SCHEDULES`). The
+    8-process launch's 2 x 2 x 2 checkpoint
     resumed as 1 x 2 x 2 and under ModelParallelStrategy, a ModelParallelStrategy checkpoint (AdamW's moments) resumed
     under PipeStrategy (the two write the same folder: `lightning_pipe.checkpoint.sharded`), and ``trainer.validate``,
     ``test`` and ``predict`` under 1 x 2 x 2 equal to the plain Trainer's."""
     eight, eight_out = eight_processes
     assert_ok(eight)  # its checkpoint is resumed here
-    cases = ["mps-d2-t2-adamw-save", "pipe-s2-t2-gpipe-seq-adamw", "pipe-s2-t2-1f1b-clip-save"]
+    cases = ["mps-d2-t2-adamw-save", "pipe-s2-t2-gpipe-seq-adamw", *SCHEDULES, "pipe-s2-t2-1f1b-clip-save"]
     checkpoint = tmp_path / f"{cases[-1]}.ckpt"
     resumed = "pipe-s2-t2-gpipe-clip-resume"
     args = ["--devices", "4", "--cases", ",".join([*cases, resumed, *RESUMES, *BF16]), "--resume", str(checkpoint)]

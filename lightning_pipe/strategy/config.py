@@ -149,8 +149,9 @@ class PipeConfig:
             config.data_parallel, config.weights, config.save_distributed_checkpoint, config.schedule
         )  # fmt: skip
         check_tensor_parallel_arguments(
-            config.tensor_parallel, config.transport, config.schedule, config.virtual_stages, config.data_parallel
-        )
+            config.tensor_parallel, config.transport, config.schedule, config.virtual_stages, config.data_parallel,
+            config.runner,
+        )  # fmt: skip
         config = dataclasses.replace(config, stages=stages, timeout=float(config.timeout))
         for name, value in (("stage_devices", devices), ("asynchronous", asynchronous), ("transport_options", options)):
             object.__setattr__(config, name, value)  # derived once here; frozen for everyone after

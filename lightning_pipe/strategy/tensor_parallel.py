@@ -20,12 +20,20 @@ from lightning_pipe.errors import ConfigurationError
 
 #: the dimensions of launched mode's device mesh with tensor parallel, outermost first (Lightning's names)
 MESH_DIMS = ("data_parallel", "pipeline", "tensor_parallel")
-#: the schedules tested with tensor parallel (the others are refused until they are)
-TENSOR_PARALLEL_SCHEDULES = ("gpipe", "1f1b")
+#: the schedules tested with tensor parallel: one stage per process, each process's actions in a fixed order, the
+#: same on every tensor rank of a stage (so their DTensor collectives pair up). The others are refused until they are:
+#: ``"auto"`` (each tensor rank's coordinator would choose from its own measurements), ``"async"`` (local mode only),
+#: and the two-stages-per-process ones (``interleaved-1f1b``, ``zbv``, ``dualpipev``: ``virtual_stages=2``)
+TENSOR_PARALLEL_SCHEDULES = ("gpipe", "1f1b", "zero-bubble", "looped-bfs", "interleaved-zero-bubble")
 
 
 def check_tensor_parallel_arguments(
-    tensor_parallel: int, transport: str | None, schedule: Any, virtual_stages: int, data_parallel: str
+    tensor_parallel: int,
+    transport: str | None,
+    schedule: Any,
+    virtual_stages: int,
+    data_parallel: str,
+    runner: str,
 ) -> None:
     """What ``tensor_parallel`` runs with (checked when the strategy is made); raises naming the fix."""
     if not isinstance(tensor_parallel, int) or isinstance(tensor_parallel, bool) or tensor_parallel < 1:
@@ -50,6 +58,12 @@ def check_tensor_parallel_arguments(
         raise ConfigurationError(
             f"PipeStrategy(tensor_parallel={tensor_parallel}, virtual_stages={virtual_stages}): tensor parallel "
             "runs one stage per process; pass virtual_stages=1"
+        )
+    if runner != "parallel":
+        raise ConfigurationError(
+            f"PipeStrategy(tensor_parallel={tensor_parallel}, runner={runner!r}): a stage's tensor ranks must run "
+            "its forwards and backwards in the same order (their DTensor collectives pair up), which only the "
+            "schedule's fixed order guarantees; pass runner='parallel' (the default)"
         )
 
 
