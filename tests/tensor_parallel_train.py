@@ -254,7 +254,8 @@ def schedule_of(case: str) -> str:
 
 
 def strategy_of(case: str, processes: int) -> tuple[object, int]:
-    """``mps-d2-t2``: ModelParallelStrategy(2, 2); ``pipe-s2-t2-gpipe``: PipeStrategy(stages=2, tensor_parallel=2);
+    """``mps-d2-t2``: ModelParallelStrategy(2, 2); ``pipe-s2-t2-gpipe``: PipeStrategy(stages=2, tensor_parallel=2),
+    the schedule named after the numbers (`schedule_of`), ``-v2``: two stages per process (``virtual_stages=2``);
     with the number of replicas (each reads GLOBAL_BATCH / replicas rows a step). ``-seq``: the sequence-sharded
     plan (`parallelize_sequence_sharded`); ``-adamw``: AdamW instead of SGD; ``-clip``: gradients clipped to a norm of
     `CLIP` over the whole model; ``-ddp``: the module applies no FSDP (the stages' gradients averaged over the
@@ -270,8 +271,9 @@ def strategy_of(case: str, processes: int) -> tuple[object, int]:
     stages, tensor = numbers["s"], numbers["t"]
     data_parallel = "fsdp" if "fsdp" in parts else "ddp"
     strategy = PipeStrategy(stages=stages, tensor_parallel=tensor, schedule=schedule_of(case), microbatches=2,
-                            partition="uniform", timeout=60, data_parallel=data_parallel)  # fmt: skip
-    return strategy, processes // (stages * tensor)
+                            partition="uniform", timeout=60, data_parallel=data_parallel,
+                            virtual_stages=numbers.get("v", 1))  # fmt: skip
+    return strategy, processes // (stages // numbers.get("v", 1) * tensor)
 
 
 def evaluate(trainer: L.Trainer, model: Net, path: Path) -> None:

@@ -20,11 +20,14 @@ from lightning_pipe.errors import ConfigurationError
 
 #: the dimensions of launched mode's device mesh with tensor parallel, outermost first (Lightning's names)
 MESH_DIMS = ("data_parallel", "pipeline", "tensor_parallel")
-#: the schedules tested with tensor parallel: one stage per process, each process's actions in a fixed order, the
-#: same on every tensor rank of a stage (so their DTensor collectives pair up). The others are refused until they are:
-#: ``"auto"`` (each tensor rank's coordinator would choose from its own measurements), ``"async"`` (local mode only),
-#: and the two-stages-per-process ones (``interleaved-1f1b``, ``zbv``, ``dualpipev``: ``virtual_stages=2``)
-TENSOR_PARALLEL_SCHEDULES = ("gpipe", "1f1b", "zero-bubble", "looped-bfs", "interleaved-zero-bubble")
+#: the schedules tested with tensor parallel, each with the ``virtual_stages`` (stages per process) it is tested with:
+#: each process runs its actions in one thread in the schedule's order, the same on every tensor rank of a stage (so
+#: their DTensor collectives pair up). The others are refused until they are: ``"auto"`` (each tensor rank's
+#: coordinator would choose from its own measurements), ``"async"`` (local mode only), ``zbv`` and ``dualpipev``
+#: (the V placement), and the schedules above with other ``virtual_stages``
+TENSOR_PARALLEL_SCHEDULES: dict[str, int] = {
+    "gpipe": 1, "1f1b": 1, "zero-bubble": 1, "looped-bfs": 1, "interleaved-zero-bubble": 1, "interleaved-1f1b": 2,
+}  # fmt: skip
 
 
 def check_tensor_parallel_arguments(
@@ -54,10 +57,12 @@ def check_tensor_parallel_arguments(
             f"PipeStrategy(tensor_parallel={tensor_parallel}, schedule={schedule!r}): tensor parallel is tested with "
             f"the schedules {', '.join(map(repr, TENSOR_PARALLEL_SCHEDULES))} only; pass one of them"
         )
-    if virtual_stages != 1:
+    if virtual_stages != TENSOR_PARALLEL_SCHEDULES[schedule]:
+        tested = ", ".join(f"{name!r} with {v}" for name, v in TENSOR_PARALLEL_SCHEDULES.items())
         raise ConfigurationError(
-            f"PipeStrategy(tensor_parallel={tensor_parallel}, virtual_stages={virtual_stages}): tensor parallel "
-            "runs one stage per process; pass virtual_stages=1"
+            f"PipeStrategy(tensor_parallel={tensor_parallel}, schedule={schedule!r}, virtual_stages={virtual_stages}):"
+            f" tensor parallel is tested with schedule={schedule!r} and virtual_stages="
+            f"{TENSOR_PARALLEL_SCHEDULES[schedule]} only; pass that (the schedules and their virtual_stages: {tested})"
         )
     if runner != "parallel":
         raise ConfigurationError(
