@@ -16,6 +16,10 @@ Rows take their start from an input (`Row.start`): ``plain`` (the plain Trainer'
 ``sharded`` (the same state as a sharded folder, written by a 1 x 4 run that resumes it and trains nothing),
 ``weights`` (the plain checkpoint's module state as safetensors, ``PipeStrategy(weights=...)``) or ``seed``
 (nothing: each stage initialised from the run's seed). Another mode's row (rpc's meta build) is one more `Row`.
+
+The 3-D rows run ``examples/llama_3d.py`` instead (its ``small`` Llama-style model, 105 MiB of parameters, AdamW:
+a training state of 4 x the parameters; 2 replicas x 2 stages x 2 tensor ranks, from the run's seed, 2 steps); their
+JSON also gives the share of the parameters each process holds, counted (``held_parameter_share``).
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "big_model.py"
+LLAMA = ROOT / "examples" / "llama_3d.py"  # the 3-D rows' model (tensor parallel), with its own sizes
+LLAMA_2X2X2 = ["--size", "small", "--devices", "8", "--stages", "2", "--tensor-parallel", "2", "--max-steps", "2"]
 META_2X2 = ["--build", "meta", "--stages", "2", "--batch", "8"]  # 2 replicas of 8 rows: the plain run's 16 a step
 
 
@@ -51,6 +57,7 @@ class Row:
     of: str = "state"
     reference: str | None = "plain"
     piped: bool = True
+    script: Path = EXAMPLE
 
 
 ROWS: list[Row] = [
@@ -67,6 +74,13 @@ ROWS: list[Row] = [
     Row("PipeStrategy 2 x 2, FSDP per stage", [*META_2X2, "--data-parallel", "fsdp"], 4),
     Row("PipeStrategy 2 x 2 FSDP from seeded init, peak before step 1",
         [*META_2X2, "--data-parallel", "fsdp", "--epochs", "0"], 4, start="seed", of="parameters", reference=None),
+    Row("PipeStrategy 2 x 2 x 2 (tensor parallel), DDP per stage, built in __init__", LLAMA_2X2X2, 8, start="seed",
+        reference="llama plain", script=LLAMA),
+    Row("PipeStrategy 2 x 2 x 2 (tensor parallel), DDP per stage, meta", [*LLAMA_2X2X2, "--build", "meta"], 8,
+        start="seed", reference=None, script=LLAMA),
+    Row("PipeStrategy 2 x 2 (the 3-D rows' model without tensor parallel), DDP per stage, meta",
+        [*LLAMA_2X2X2, "--devices", "4", "--tensor-parallel", "1", "--build", "meta"], 4, start="seed", reference=None,
+        script=LLAMA),
 ]  # fmt: skip
 
 
@@ -76,12 +90,13 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run(args: list[str], timeout: float) -> None:
-    """``python examples/big_model.py ...`` in a session of its own, ended with all its processes."""
+def run(args: list[str], timeout: float, script: Path = EXAMPLE) -> None:
+    """``python examples/big_model.py ...`` (or another ``script``) in a session of its own, ended with all its
+    processes."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_", "PL_"))}
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"))
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    proc = subprocess.Popen([sys.executable, str(EXAMPLE), *args], env=env, start_new_session=True, text=True,
+    proc = subprocess.Popen([sys.executable, str(script), *args], env=env, start_new_session=True, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
     try:
         out, _ = proc.communicate(timeout=timeout)
@@ -118,9 +133,10 @@ def main() -> None:
         for row in chosen:
             folder = inputs.out / f"run{len(rows)}"
             config = [*row.args, *inputs.start(row.start)]
-            run([*model, *config, "--report", str(folder)], args.timeout)
+            own = model if row.script == EXAMPLE else ["--accelerator", args.accelerator]
+            run([*own, *config, "--report", str(folder)], args.timeout, row.script)
             got = reports(folder)
-            of = sizes[row.of]
+            of = sizes_of(got, sizes)[row.of]
             losses = [r["losses"] for r in got if r["losses"]]
             inputs.ran[tuple(config)] = losses  # a row that is a reference run (the plain one) is not run twice
             reference = inputs.reference(row.reference) if row.reference is not None else None
@@ -135,6 +151,9 @@ def main() -> None:
                 "losses": losses,
                 "reference_losses": reference,
                 "losses_equal": None if reference is None else same_losses(losses, reference),
+                "of_mib": round(of),
+                "held_parameter_share": [round(r["held_parameter_bytes"] / r["parameter_bytes"], 3)
+                                         for r in got if "parameter_bytes" in r],
             })  # fmt: skip
     print_table(rows, sizes, empty)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
@@ -183,12 +202,14 @@ class Inputs:
 
     def reference(self, name: str) -> list[float]:
         """The losses a row must take: the plain run resumed from its checkpoint, or a plain run from the weights."""
+        if name == "llama plain":  # the 3-D rows' model in one plain process (no checkpoint: built from the seed)
+            return self._once(name, self._llama_plain)  # type: ignore[no-any-return]
         if name == "plain":
             args = ["--ckpt-path", str(self.plain())]
         elif name == "plain from weights":
             args = ["--weights", str(self._once("weights", self._weights)), "--epochs", "2"]
         else:
-            raise ValueError(f"unknown reference {name!r}: plain or plain from weights")
+            raise ValueError(f"unknown reference {name!r}: plain, plain from weights or llama plain")
 
         if ("--plain", *args) in self.ran:
             return self.ran[("--plain", *args)][0]
@@ -199,6 +220,11 @@ class Inputs:
             return [float(x) for x in reports(folder)[0]["losses"]]
 
         return self._once(f"reference {name}", make)  # type: ignore[no-any-return]
+
+    def _llama_plain(self) -> list[float]:
+        folder = self.out / "llama-plain"
+        run([*LLAMA_2X2X2, "--strategy", "plain", "--report", str(folder)], self.timeout, LLAMA)
+        return [float(x) for x in reports(folder)[0]["losses"]]
 
     def _sharded(self) -> Path:
         """The plain checkpoint's state as a sharded folder: a 1 x 4 run resumes it, trains nothing and saves."""
@@ -216,6 +242,15 @@ class Inputs:
         path = self.out / "weights.safetensors"
         save_file({k[len("model.") :]: v.contiguous() for k, v in state.items() if k.startswith("model.")}, path)
         return path
+
+
+def sizes_of(got: list[dict[str, Any]], sizes: dict[str, float]) -> dict[str, float]:
+    """The sizes a row's peaks are shares of: big_model.py's from ``--width``/``--depth``; llama_3d.py reports its
+    parameters' bytes, and its AdamW makes the training state 4 x them (parameters, gradients, two moments)."""
+    if "parameter_bytes" not in got[0]:
+        return sizes
+    parameters = got[0]["parameter_bytes"] / 2**20
+    return {"state": 4 * parameters, "parameters": parameters}
 
 
 def same_losses(losses: list[list[float]], reference: list[float]) -> bool:
@@ -239,7 +274,8 @@ def print_table(rows: list[dict[str, Any]], sizes: dict[str, float], empty: floa
     print("| --- | --- | --- | --- | --- | --- |" + (" --- |" if cuda else ""))
     for row in rows:
         peaks = " / ".join(map(str, row["peak_mib"]))
-        equal = {None: "no step", True: "yes", False: "**no**"}[row["losses_equal"]]
+        unchecked = "no reference" if row["losses"] else "no step"
+        equal = {None: unchecked, True: "yes", False: "**no**"}[row["losses_equal"]]
         of = "training state" if row["of"] == "state" else "parameters"
         line = f"| {row['config']} | {peaks} | {max(row['share']):.2f} | {of} | {row['ideal_mib']} | {equal} |"
         if cuda:

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_pipe.auto_schedule import AUTO, AutoSchedule, ScheduleChooser, first_microbatches, is_auto
+from lightning_pipe.auto_schedule import AutoSchedule, ScheduleChooser, StageMoves, is_auto
 from lightning_pipe.backends import BackendArg, BackendPlan, CoordinatorOps, ExecutionTrace, resolve_backends
 from lightning_pipe.backends.compiled import split_compiled
 from lightning_pipe.comm import Communicator
@@ -36,9 +36,11 @@ from lightning_pipe.microbatch_weights import MicrobatchWeight, check_weight_fun
 from lightning_pipe.optim import StageOptimizers
 from lightning_pipe.partition import Partitioner, ShardedTask
 from lightning_pipe.partition.selection import resolve_partitioner as resolve_partitioner  # re-exported: strategy
+from lightning_pipe.partition.tied import tied_parameters
 from lightning_pipe.partition.traced import TracedPartitioner
+from lightning_pipe.pipeline_choices import PipelineChoices
 from lightning_pipe.pipeline_inputs import PipelineInputs
-from lightning_pipe.recompute import AutoCheckpoint, RecomputePlan, checkpoint_flags
+from lightning_pipe.recompute import AutoCheckpoint, checkpoint_flags
 from lightning_pipe.rng import run_seed
 from lightning_pipe.runtime import BaseRuntime
 from lightning_pipe.schedule import placement_of, resolve_schedule
@@ -64,7 +66,8 @@ class Pipeline:
     index (default: ``PL_GLOBAL_SEED`` when Lightning's ``seed_everything`` ran, else ``torch.initial_seed()``).
 
     Made of parts: ``inputs`` (`PipelineInputs`: a call of the module as the first stage's input, per
-    microbatch) and, once built, ``coordinator`` (the engine that runs the steps) and ``stage_state``
+    microbatch), ``choices`` (`PipelineChoices`: ``schedule="auto"`` and ``checkpoint="auto"``, decided around the
+    training steps) and, once built, ``coordinator`` (the engine that runs the steps) and ``stage_state``
     (`StageState`: gradients, parameters, checkpoints and optimizers as the stages hold them).
     """
 
@@ -92,10 +95,10 @@ class Pipeline:
         **transport_options: Any,
     ) -> None:
         options = schedule if isinstance(schedule, AutoSchedule) else AutoSchedule()
-        self.auto_schedule = (  # schedule="auto": measures in the first training step, chooses before the second
+        chooser = (  # schedule="auto": measures in the first training step, chooses before the second
             ScheduleChooser(options, virtual_stages, runner, stages // virtual_stages) if is_auto(schedule) else None
         )
-        self.schedule_factory = self.auto_schedule or resolve_schedule(schedule)  # auto: the probe, placed
+        self.schedule_factory = chooser or resolve_schedule(schedule)  # auto: the probe, placed
         placement = placement_of(self.schedule_factory)  # where the schedule wants each stage
         self.worker_of_stage = worker_of_stages(runner, stages, virtual_stages, placement)
         self.devices = stage_devices(devices, stages, stages // virtual_stages, placement)
@@ -106,7 +109,6 @@ class Pipeline:
         self.runner = runner
         self.partitioner = resolve_partitioner(partition, module, split_points)
         self.checkpoint = checkpoint_flags(checkpoint, stages)
-        self.auto_checkpoint = AutoCheckpoint(self.devices) if checkpoint == "auto" else None
         self.runtimes = resolve_runtime(runtime, self.devices)
         self.timeout = float(timeout)
         self.autocast = autocast
@@ -123,6 +125,10 @@ class Pipeline:
         self._stage_state: StageState | None = None
         self._started = False
         self._moved = ExecutionTrace([])  # the execution traces of stage workers replaced by a move
+        self.choices = PipelineChoices(  # schedule="auto" and checkpoint="auto", decided around the training steps
+            chooser, AutoCheckpoint(self.devices) if checkpoint == "auto" else None, stages // virtual_stages,
+            lambda: self._coordinator, self._moves,
+        )  # fmt: skip
         if sample is not None or not self.partitioner.needs_sample:
             self.build(sample)
 
@@ -152,6 +158,7 @@ class Pipeline:
         if self._coordinator is not None:
             return self
         self.shards = self.partitioner.partition(self.module, self.devices, sample)
+        tied = tied_parameters([shard.module for shard in self.shards])  # before any stage makes its tensors
         self._coordinator = Coordinator(
             self.communicator,
             self._specs(self.init.for_module(self.module)),
@@ -162,7 +169,7 @@ class Pipeline:
             runner=self.runner,
         )
         self._stage_state = StageState(
-            self._coordinator, self.module, self.shards, self.partitioner, self.communicator, self.seed
+            self._coordinator, self.module, self.shards, tied, self.communicator, self.seed
         )
         if self._started:
             self._coordinator.start()
@@ -183,10 +190,14 @@ class Pipeline:
             init,
         )
 
+    def _moves(self) -> StageMoves:
+        """Where the built stages can move (``schedule="auto"``) and how: `_move_stages`."""
+        return moves_of(self.communicator, self._given_devices, self.devices, self.virtual_stages, self._move_stages)
+
     def _move_stages(self, placement: str) -> None:
         """Start the stage workers again in ``placement``, every state kept (`lightning_pipe.stage_moves`)."""
         self.worker_of_stage = worker_of_stages(self.runner, len(self.devices), self.virtual_stages, placement)
-        moved = move_stages(self.coordinator, self.stage_state, self._specs(None), self.auto_checkpoint)
+        moved = move_stages(self.coordinator, self.stage_state, self._specs(None), self.choices.checkpoint)
         self._moved = self._moved.merged(moved)
 
     def _stages_built_on(self, sample: Any) -> StageState:
@@ -259,15 +270,15 @@ class Pipeline:
         averages over in its targets, e.g. ``lambda y: (y != -100).sum()``. A microbatch of weight 0
         adds nothing, not even its loss's gradient (its loss in the result is 0). A traced module is
         called as ``module(*inputs, **kwargs)`` (``inputs`` a tuple) and the criterion receives its
-        output as the module returns it. ``microbatches="auto"`` with ``schedule="auto"``: see `choose_schedule`.
+        output as the module returns it. ``microbatches="auto"`` with ``schedule="auto"``: see `PipelineChoices`.
         """
         argument = "Pipeline.train_step(microbatch_weight=...)"
         check_weight_function(microbatch_weight, argument)
-        count = self.choose_schedule(microbatches, batch_size(targets), log.info)
+        count = self.choices.microbatches(microbatches, batch_size(targets), log.info)
         xs, labels = self.inputs.labelled(inputs, targets, kwargs, count, microbatch_weight, argument)
-        self.before_train_step(len(xs), log.info)
+        self.choices.before_step(len(xs), log.info)
         result = self.coordinator.train_step(xs, labels, self._weighted(criterion, "train"), scaler)
-        self.after_train_step(result)
+        self.choices.after_step(result)
         self.apply_grads(1.0)
         return result
 
@@ -305,32 +316,6 @@ class Pipeline:
         per_batch = [sum(result.losses[b * microbatches : (b + 1) * microbatches]) for b in range(count)]
         staleness = [s for stats in self.coordinator.stages.call(StageProtocol.async_stats) for s in stats]
         return AsyncRun(losses=per_batch, staleness=sorted(staleness, key=lambda s: s.stage), step=result)
-
-    def choose_schedule(self, microbatches: int | str, rows: int, report: Callable[[str], Any] = log.info) -> int:
-        """Call before each training step, before its batch of ``rows`` rows is split: how many microbatches it
-        runs with. ``schedule="auto"`` decides before the second step (`lightning_pipe.auto_schedule`) and
-        reports its choice; ``microbatches="auto"`` (only with ``schedule="auto"``) lets it choose the count too."""
-        if self.auto_schedule is None:
-            if microbatches == AUTO:
-                raise ConfigurationError("microbatches='auto' is chosen by schedule='auto'; pass a number or both")
-            return int(microbatches)
-        if not self.built:  # a traced module's first step: built on its first microbatch
-            ranks = len(self.devices) // self.virtual_stages
-            return first_microbatches(rows, ranks) if microbatches == AUTO else int(microbatches)
-        moves = moves_of(self.communicator, self._given_devices, self.devices, self.virtual_stages, self._move_stages)
-        return self.auto_schedule.before_step(self.coordinator, microbatches, rows, report, moves)
-
-    def after_train_step(self, result: StepResult) -> None:
-        """Call after each (synchronous) training step: ``schedule="auto"`` measures the first, predicts the later."""
-        if self.auto_schedule is not None:
-            self.auto_schedule.after_step(result)
-
-    def before_train_step(self, microbatches: int, report: Callable[[str], Any] = log.info) -> RecomputePlan | None:
-        """Call before each (synchronous) training step: ``checkpoint="auto"`` decides and reports before the second."""
-        decided = self.auto_checkpoint.before_step(self.coordinator, microbatches) if self.auto_checkpoint else None
-        if decided is not None:
-            report(f"lightning_pipe: {decided.table()}")
-        return decided
 
     def stash_peaks(self) -> list[int]:
         """Most bytes of stashed activations each worker held at once in the last training step."""

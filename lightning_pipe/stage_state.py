@@ -17,7 +17,7 @@ from lightning_pipe.comm import Communicator
 from lightning_pipe.engine import Coordinator, StageProtocol
 from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.optim import StageOptimizers
-from lightning_pipe.partition import Partitioner, ShardedTask
+from lightning_pipe.partition import ShardedTask
 from lightning_pipe.partition.traced import TracedPartitioner
 
 
@@ -33,14 +33,14 @@ class StageState:
         coordinator: Coordinator,
         module: nn.Module,
         shards: list[ShardedTask],
-        partitioner: Partitioner,
+        tied: list[list[tuple[int, str]]],
         communicator: Communicator,
         seed: int,
     ) -> None:
         self.coordinator = coordinator
         self.module = module
         self.shards = shards
-        self.partitioner = partitioner
+        self._tied_shards = tied  # (stage, name) of each weight several shards hold, found before they were built
         self.communicator = communicator
         self.seed = seed
 
@@ -88,7 +88,7 @@ class StageState:
             return []
         rank_of = self.coordinator.rank_of_stage
         tied = []
-        for places in getattr(self.partitioner, "tied", []):
+        for places in self._tied_shards:
             holders: dict[int, str] = {}
             for index, name in places:
                 holders.setdefault(rank_of[index], name)  # two shards of one rank share one copy

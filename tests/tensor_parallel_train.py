@@ -191,19 +191,50 @@ def on_meta(module: nn.Module) -> list[str]:
     return [key for key, p in module.named_parameters() if (p.to_local() if isinstance(p, DTensor) else p).is_meta]
 
 
+def held(module: nn.Module) -> dict[str, list[int]]:
+    """Per parameter this process holds values of: [its local numel, the numel of its tensor-parallel part] (the
+    whole numel over the tensor ranks it is sharded over; with FSDP on top, each replica holds a share of that)."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    out = {}
+    for key, p in module.named_parameters():
+        local = p.to_local() if isinstance(p, DTensor) else p
+        if local.is_meta:
+            continue
+        part = p.numel()
+        if isinstance(p, DTensor):
+            names = p.device_mesh.mesh_dim_names or ()
+            for dim, placement in enumerate(p.placements):
+                if names[dim] == "tensor_parallel" and not isinstance(placement, Replicate):
+                    part //= p.device_mesh.size(dim)
+        out[key] = [local.numel(), part]
+    return out
+
+
+PRECISIONS = {"bf16": "bf16-mixed", "bf16true": "bf16-true"}  # a case's option -> the Trainer's precision
+
+
+def precision_of(options: list[str]) -> str:
+    """The Trainer's precision for a case's options (``-bf16``: bf16-mixed, ``-bf16true``: bf16-true; else fp32)."""
+    return next((PRECISIONS[o] for o in options if o in PRECISIONS), "32-true")
+
+
 def strategy_of(case: str, processes: int) -> tuple[object, int]:
     """``mps-d2-t2``: ModelParallelStrategy(2, 2); ``pipe-s2-t2-gpipe``: PipeStrategy(stages=2, tensor_parallel=2);
     with the number of replicas (each reads GLOBAL_BATCH / replicas rows a step). ``-seq``: the sequence-sharded
     plan (`parallelize_sequence_sharded`); ``-adamw``: AdamW instead of SGD; ``-clip``: gradients clipped to a norm of
     `CLIP` over the whole model; ``-ddp``: the module applies no FSDP (the stages' gradients averaged over the
-    replicas); ``-save``: a checkpoint after the fit; ``-resume``: one more step from ``--resume``."""
+    replicas); ``-fsdp``: neither does the module, PipeStrategy(data_parallel="fsdp") shards each stage
+    over its replicas on top of tensor parallel; ``-bf16`` / ``-bf16true``: the Trainer's precision (`precision_of`);
+    ``-save``: a checkpoint after the fit; ``-resume``: one more step from ``--resume``."""
     parts = case.split("-")
     numbers = {p[0]: int(p[1:]) for p in parts[1:] if p[1:].isdigit()}
     if parts[0] == "mps":
         return ModelParallelStrategy(data_parallel_size=numbers["d"], tensor_parallel_size=numbers["t"]), numbers["d"]
     stages, tensor = numbers["s"], numbers["t"]
+    data_parallel = "fsdp" if "fsdp" in parts else "ddp"
     strategy = PipeStrategy(stages=stages, tensor_parallel=tensor, schedule=parts[3], microbatches=2,
-                            partition="uniform", timeout=60)  # fmt: skip
+                            partition="uniform", timeout=60, data_parallel=data_parallel)  # fmt: skip
     return strategy, processes // (stages * tensor)
 
 
@@ -219,9 +250,10 @@ def main() -> None:
         strategy, replicas = strategy_of(case, args.devices)
         L.seed_everything(0, verbose=False)
         options = case.split("-")
-        model = Net("seq" in options, "adamw" if "adamw" in options else "sgd", shard_data="ddp" not in options)
+        own_fsdp = not {"ddp", "fsdp"} & set(options)  # the module shards itself (Lightning's TP x FSDP recipe)
+        model = Net("seq" in options, "adamw" if "adamw" in options else "sgd", shard_data=own_fsdp)
         trainer = L.Trainer(
-            accelerator="cpu", devices=args.devices, strategy=strategy, logger=False,
+            accelerator="cpu", devices=args.devices, strategy=strategy, logger=False, precision=precision_of(options),
             max_steps=STEPS + 1 if "resume" in options else STEPS,
             gradient_clip_val=CLIP if "clip" in options else None,
             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -237,6 +269,7 @@ def main() -> None:
             where = {"replica": layout.replica, "stage": layout.pipeline_rank, "tensor": layout.tensor_rank,
                      "coordinates": layout.coordinates, "mesh": list(model.device_mesh.mesh_dim_names),
                      "sharded": sharded(model.model), "meta": on_meta(model.model)}  # fmt: skip
+            where["held"] = held(model.model)
             (out / f"{case}-rank{rank}.json").write_text(json.dumps(where))
     (out / f"done-rank{dist.get_rank()}").touch()
 

@@ -39,7 +39,7 @@ def _train(schedule: object, counts: list[int | str], stages: int = 2) -> tuple[
             opt.zero_grad()
             losses.append(float(sum(result.losses)))
             results.append(result)
-        choice = pipe.auto_schedule.choice if pipe.auto_schedule is not None else None
+        choice = pipe.choices.schedule.choice if pipe.choices.schedule is not None else None
     return losses, (net, choice), results
 
 
@@ -152,7 +152,7 @@ def test_auto_moves_its_stages_to_a_schedule_placed_otherwise_exactly(
     _v_wins(monkeypatch)
     with caplog.at_level(logging.INFO, logger="lightning_pipe"):
         auto_net, auto_losses, pipe, runs = _momentum_steps(AutoSchedule(placement="loop"))  # built round-robin
-    choice = pipe.auto_schedule.choice if pipe.auto_schedule is not None else None
+    choice = pipe.choices.schedule.choice if pipe.choices.schedule is not None else None
     assert choice is not None and choice.chosen.placement == "v"
     assert pipe.coordinator.rank_of_stage == [0, 1, 1, 0]  # moved: stage r and 2R-1-r on rank r
     logged = "\n".join(r.message for r in caplog.records)

@@ -119,10 +119,10 @@ def test_measured_numbers_are_the_memory_plans() -> None:
     always = memory_plan(copy.deepcopy(net), x, stages=2, microbatches=M, checkpoint="always", partition="uniform")
     with Pipeline(net, stages=2, partition="uniform") as pipe:  # checkpoint="auto" by default, cpu devices
         pipe.train_step(x, y, F.cross_entropy, microbatches=M)  # the first step measures
-        decided = pipe.auto_checkpoint.plan  # type: ignore[union-attr]
+        decided = pipe.choices.checkpoint.plan  # type: ignore[union-attr]
         assert decided is None
         pipe.train_step(x, y, F.cross_entropy, microbatches=M)  # decides before this one
-        decided = pipe.auto_checkpoint.plan  # type: ignore[union-attr]
+        decided = pipe.choices.checkpoint.plan  # type: ignore[union-attr]
     assert isinstance(decided, RecomputePlan) and decided.flags == [False, False]
     for d, n, a in zip(decided.stages, never.stages, always.stages, strict=True):
         want = (n.activation_bytes, a.activation_bytes, n.peak_held, None)
@@ -166,7 +166,7 @@ def test_recomputes_where_the_device_is_short_and_stays_exact(
 ) -> None:
     monkeypatch.setenv("FAKE_GPU_FREE", f"0={10**9},1={10**9}")
     pipe, runs = run_steps(model(), 3)
-    roomy = pipe.auto_checkpoint.plan  # type: ignore[union-attr]
+    roomy = pipe.choices.checkpoint.plan  # type: ignore[union-attr]
     assert roomy is not None and roomy.flags == [False, False]
     # step 1 runs as except_last on devices with a limit (stage 0: forward + recompute); then nothing recomputes
     assert runs == [[2 * M, M], [M, M], [M, M]]
@@ -174,7 +174,7 @@ def test_recomputes_where_the_device_is_short_and_stays_exact(
     monkeypatch.setenv("FAKE_GPU_FREE", f"0={roomy.stages[0].planned},1={10**9}")
     caplog.set_level(logging.INFO, logger="lightning_pipe")
     pipe, runs = run_steps(model(), 3)
-    short = pipe.auto_checkpoint.plan  # type: ignore[union-attr]
+    short = pipe.choices.checkpoint.plan  # type: ignore[union-attr]
     assert short is not None and short.flags == [True, False]
     assert runs == [[2 * M, M], [2 * M, M], [2 * M, M]]
     assert short.devices[short.stages[0].device][1] < roomy.stages[0].planned  # what recomputing saves
@@ -198,7 +198,7 @@ def test_traced_model_is_decided_the_same_way(monkeypatch: pytest.MonkeyPatch) -
         for _ in range(2):
             gpt.zero_grad()
             pipe.train_step((idx,), targets, loss, microbatches=M, kwargs={"mask": mask})
-        decided = pipe.auto_checkpoint.plan  # type: ignore[union-attr]
+        decided = pipe.choices.checkpoint.plan  # type: ignore[union-attr]
         assert train_runs(pipe) == [2 * M * 2, M * 2]  # stage 0 recomputed in both steps
     assert decided is not None and decided.flags == [True, False]
     assert all(d.bytes.full > d.bytes.inputs > 0 for d in decided.stages)
@@ -223,7 +223,7 @@ def test_rpc_workers_read_their_own_device_memory(monkeypatch: pytest.MonkeyPatc
             pipe.coordinator.stages.call(StageProtocol.zero_grad)
         pipe.train_step(x, y, F.cross_entropy, microbatches=M)
         grads = pipe.grads()
-        decided = pipe.auto_checkpoint.plan  # type: ignore[union-attr]
+        decided = pipe.choices.checkpoint.plan  # type: ignore[union-attr]
         pids = set(pipe.communicator.pids.values())  # type: ignore[attr-defined]
     assert leftover_processes() == []
     assert decided is not None and decided.flags == [True, False]

@@ -65,6 +65,32 @@ def test_gradients_equal_unsplit(pool: RpcCommunicator, schedule: str, stages: i
         torch.testing.assert_close(pipe.forward(x, microbatches=3), reference(x), atol=1e-6, rtol=0)
 
 
+def test_a_weight_two_stages_of_a_sequential_hold_takes_the_unsplit_update(pool: RpcCommunicator) -> None:
+    """An output head tied to the embedding (one parameter in stages 0 and 3 of an ``nn.Sequential``): each worker
+    holds a copy; the copies get the sum of their gradients and take the unsplit model's steps."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(11, 8), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(),
+                          nn.Linear(8, 11, bias=False))  # fmt: skip
+    model[5].weight = model[0].weight
+    reference = copy.deepcopy(model)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5, momentum=0.9)
+    g = torch.Generator().manual_seed(4)
+    with rpc_pipeline(pool, model, 4, schedule="1f1b") as pipe:
+        assert pipe.tied == [[(0, "0.weight"), (3, "5.weight")]]
+        opt = pipe.optimizer(torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9))
+        for _ in range(3):
+            x, y = torch.randint(0, 11, (12,), generator=g), torch.randint(0, 11, (12,), generator=g)
+            opt.zero_grad()
+            ref_opt.zero_grad()
+            pipe.train_step(x, y, F.cross_entropy, microbatches=3)
+            F.cross_entropy(reference(x), y).backward()
+            opt.step()
+            ref_opt.step()
+        state = pipe.state_dict()
+    for name, want in reference.state_dict().items():
+        torch.testing.assert_close(state[name], want, atol=1e-5, rtol=0, msg=name)
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 @pytest.mark.parametrize("stages", [2, 4])
 def test_parameters_after_three_steps_equal_unsplit(pool: RpcCommunicator, schedule: str, stages: int) -> None:

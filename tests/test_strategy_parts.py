@@ -80,3 +80,14 @@ def test_the_world_places_stages_by_the_layout_without_joining_any_process_group
     assert coordinator.reduce(tensor) is tensor and coordinator.broadcast("x") == "x"  # not connected: alone
     server = LaunchedMode(Layout.of(4, 3, 2, 1, 4), devices, ONE, ProcessStage())
     assert not server.layout.coordinates and server.device == torch.device("cuda", 3)
+
+
+def test_the_accelerator_sets_up_a_device_of_its_own_kind_when_stages_mix_kinds() -> None:
+    """``devices=["cpu", "cuda:0"]`` under ``accelerator="cpu"``: the loss lives on cuda:0, but Lightning's CPU
+    accelerator sets up (and accepts) only the cpu; a cuda accelerator with its first stage on the cpu sets up the
+    first cuda stage's device. Same kind: the coordinator's device, as Lightning does."""
+    cpu, cuda0, cuda1 = torch.device("cpu"), torch.device("cuda:0"), torch.device("cuda:1")
+    assert PipelineBuilder.accelerator_device(cuda0, [cpu], ["cpu", "cuda:0"]) == cpu
+    assert PipelineBuilder.accelerator_device(cpu, [cuda0], ["cpu", "cuda:1", "cpu"]) == cuda1
+    assert PipelineBuilder.accelerator_device(cuda1, [cuda0, cuda1], ["cuda:0", "cuda:1"]) == cuda1
+    assert PipelineBuilder.accelerator_device(cpu, None, ["cpu", "cpu"]) == cpu

@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from lightning_pipe.backends import StageTrace
+from lightning_pipe.engine.grad_norms import any_over_meshes, local_part, norm_share
 from lightning_pipe.errors import PipeError
 from lightning_pipe.grads import GradStash
 from lightning_pipe.rng import StageRandom
@@ -133,21 +133,14 @@ class StageStateCalls:
     def call_grad_norm(self, norm_type: float, skip: Sequence[str] = ()) -> float:
         """This rank's share of the global norm: the sum of ``|g|^p`` (or the max of ``|g|`` for inf).
 
-        ``skip`` names copies of a tied weight that another rank already counts. A gradient sharded over processes
-        (a DTensor with a ``Shard`` placement: FSDP over the stage's replicas, or tensor parallel over its tensor
-        ranks) counts whole: its shards' shares are summed over its mesh. A replicated one (a plain tensor, or a
-        DTensor replicated over its tensor ranks) counts once, as every process of the mesh holds all of it.
+        ``skip`` names copies of a tied weight that another rank already counts. A gradient spread over processes
+        (a DTensor: FSDP over the stage's replicas, tensor parallel over its tensor ranks, or both) counts whole and
+        once: its parts' shares are summed over its mesh, its copies counted once (`lightning_pipe.engine.grad_norms`).
         """
         grads = self._param_grads(skip)
         if not grads:
             return 0.0
-        infinite = math.isinf(norm_type)
-        sharded = [g for g in grads if _is_shard(g)]
-        whole = [g for g in grads if not _is_shard(g)]
-        share = _share([_local(g) for g in sharded], norm_type, infinite)
-        reduced = _over_shards(share, sharded, "max" if infinite else "sum") if sharded else share
-        rest = _share([_local(g) for g in whole], norm_type, infinite)
-        return float(torch.maximum(reduced, rest) if infinite else reduced + rest)
+        return float(norm_share(grads, norm_type, math.isinf(norm_type)))
 
     def call_scale_grads(self, factor: float) -> None:
         for g in self._param_grads():
@@ -160,12 +153,11 @@ class StageStateCalls:
     def call_unscale_grads(self, inv_scale: float) -> bool:
         """A GradScaler's unscale on this rank: multiply by ``inv_scale``; True if any gradient is inf/nan."""
         grads = self._param_grads()
-        found = torch.zeros(())
+        found = False
         for g in grads:
             g.detach().mul_(inv_scale)
-            if not bool(torch.isfinite(_local(g)).all()):
-                found = torch.ones(())
-        return bool(_over_shards(found, grads, "max"))
+            found = found or not bool(torch.isfinite(local_part(g)).all())
+        return any_over_meshes(found, grads)
 
     # the optimizer
     def call_build_optimizer(self, cls: type, defaults: dict[str, Any], groups: list[GroupSpec]) -> None:
@@ -250,40 +242,3 @@ class StageStateCalls:
             for trace in self.traces.values():
                 trace.reset()
         return traces
-
-
-def _local(grad: torch.Tensor) -> torch.Tensor:
-    """This process's part of a gradient: its shard where FSDP shards it (a DTensor), else all of it."""
-    return grad.to_local() if isinstance(grad, DTensor) else grad
-
-
-def _is_shard(grad: torch.Tensor) -> bool:
-    """Whether ``grad`` is split over processes (a DTensor with a ``Shard`` placement), not whole in each."""
-    return isinstance(grad, DTensor) and any(p.is_shard() for p in grad.placements)
-
-
-def _share(grads: Sequence[torch.Tensor], norm_type: float, infinite: bool) -> torch.Tensor:
-    """The sum of ``|g|^p`` over ``grads`` (the max of ``|g|`` for inf), on the CPU; 0 for none."""
-    if not grads:
-        return torch.zeros(())
-    shares = [
-        g.detach().abs().max().float()
-        if infinite
-        else torch.linalg.vector_norm(g.detach(), norm_type).float() ** norm_type
-        for g in grads
-    ]
-    return (torch.stack(shares).max() if infinite else torch.stack(shares).sum()).cpu()
-
-
-def _over_shards(value: torch.Tensor, grads: Sequence[torch.Tensor], op: str) -> torch.Tensor:
-    """``value`` (a reduction over this process's shards) reduced over the processes that hold the other shards."""
-    sharded = next((g for g in grads if isinstance(g, DTensor)), None)
-    if sharded is None:
-        return value
-    import torch.distributed as dist
-
-    reduced = value.detach().to(_local(sharded).device).clone()
-    dist.all_reduce(
-        reduced, dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=sharded.device_mesh.get_group()
-    )
-    return reduced.cpu()

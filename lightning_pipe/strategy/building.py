@@ -111,9 +111,9 @@ class PipelineBuilder:
     @property
     def choice(self) -> AutoChoice | None:
         """What ``schedule="auto"`` chose in this fit, or in the last fit that chose; None before it chose."""
-        pipeline = self.pipeline
-        if pipeline is not None and pipeline.auto_schedule is not None and pipeline.auto_schedule.choice is not None:
-            return pipeline.auto_schedule.choice
+        chooser = self.pipeline.choices.schedule if self.pipeline is not None else None
+        if chooser is not None and chooser.choice is not None:
+            return chooser.choice
         return self.schedule_choice
 
     def _chooser(self) -> ScheduleChooser:
@@ -180,6 +180,18 @@ class PipelineBuilder:
         if isinstance(self.config.runtime, BaseRuntime):
             return self.config.runtime.torch_device
         return runtime_registry.create(devices[-1]).torch_device
+
+    @staticmethod
+    def accelerator_device(
+        root: torch.device, trainer_devices: Sequence[torch.device] | None, stage_devices: Sequence[str]
+    ) -> torch.device:
+        """The device the Trainer's accelerator sets up: the coordinator's, or, where ``devices=`` places stages on
+        another kind of device than the accelerator's (``accelerator="cpu"`` with a stage on ``cuda:0``), the first
+        stage device of the accelerator's kind (none: the kind itself); the stages set up their own devices."""
+        kind = trainer_devices[0].type if trainer_devices else root.type
+        if root.type == kind:
+            return root
+        return next((torch.device(d) for d in stage_devices if torch.device(d).type == kind), torch.device(kind))
 
     def outside(self, lightning_module: pl.LightningModule) -> list[nn.Parameter]:
         """The LightningModule's parameters outside the pipelined module (used before or after its call)."""
@@ -292,8 +304,8 @@ class PipelineBuilder:
         """Stop the stages of this fit's pipeline (a later fit builds a new one)."""
         if self.pipeline is not None:
             pipeline, self.pipeline = self.pipeline, None
-            if pipeline.auto_schedule is not None:  # schedule="auto"'s choice stays readable after the fit
-                self.schedule_choice = pipeline.auto_schedule.choice
+            if pipeline.choices.schedule is not None:  # schedule="auto"'s choice stays readable after the fit
+                self.schedule_choice = pipeline.choices.schedule.choice
             pipeline.close()
 
     # the memory plan

@@ -96,7 +96,8 @@ class PipeConfig:
         tensor_parallel: launched mode: processes per stage of a replica (T). ``devices x num_nodes`` processes run
             R replicas x ``stages`` x T; the LightningModule's ``configure_model`` parallelises its blocks over
             ``self.device_mesh["tensor_parallel"]`` as under Lightning's ``ModelParallelStrategy``
-            (`lightning_pipe.strategy.tensor_parallel`; schedules ``"gpipe"`` and ``"1f1b"``, ``data_parallel="ddp"``).
+            (`lightning_pipe.strategy.tensor_parallel`; schedules ``"gpipe"`` and ``"1f1b"``; ``data_parallel="fsdp"``
+            shards each stage's tensor-parallel parts over its replicas with FSDP2).
         memory_budget: ``schedule="auto"``: most bytes of stashed activations a rank may hold; default 90% of the
             device's free memory (no limit on cpu).
         save_distributed_checkpoint: launched mode writes a checkpoint as a folder, every process its own stage

@@ -49,10 +49,14 @@ class Mode:
         self.config = config
         self._described = False  # the line saying what runs is logged once
 
-    def start(self, environment: Any) -> None:
-        """Lightning sets up the environment (each fit): join the processes (`connect`), hold the serving ranks for
-        this fit (whatever fails before setup), and say once what runs."""
+    def start(self, environment: Any, lightning_module: Any = None) -> None:
+        """Lightning sets up the environment (each fit): join the processes (`connect`), give the LightningModule
+        their `device_mesh` for ``configure_model`` (as Lightning's ``ModelParallelStrategy`` does), hold the serving
+        ranks for this fit (whatever fails before setup), and say once what runs."""
         self.connect(environment)
+        mesh = self.device_mesh
+        if mesh is not None and lightning_module is not None:
+            lightning_module._device_mesh = mesh
         self.hold()
         if not self._described:
             self._described = True
@@ -83,6 +87,15 @@ class Mode:
     def device_mesh(self) -> Any:
         """The DeviceMesh of the mode's processes, for ``configure_model`` (None: one process, no mesh)."""
         return None
+
+    def joined_mesh(self) -> Any:
+        """`device_mesh`, or an error naming when it exists."""
+        if self.device_mesh is None:
+            raise ConfigurationError(
+                "PipeStrategy.device_mesh exists in launched mode (devices x num_nodes > 1), after the processes "
+                "joined (from configure_model on)"
+            )
+        return self.device_mesh
 
     def launcher(self, environment: Any, devices: int, num_nodes: int, serve: Callable[[Any], None]) -> Any:
         """Lightning's launcher for this mode (None: Lightning's loop runs in this process only)."""

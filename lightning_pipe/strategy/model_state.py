@@ -74,14 +74,16 @@ class ModelState:
         self.checkpoints.load_outside(module, pipelined, placement.coordinator_device, seed)
         return pipelined
 
-    def bind_to_serve(self, trainer: pl.Trainer | None) -> None:
+    def bind_to_serve(self, trainer: pl.Trainer | None, convert: Callable[[nn.Module], Any]) -> None:
         """A process that serves a stage instead of running the Trainer's loop: its model as its coordinator's (built
-        by ``configure_model`` on meta where the LightningModule builds it there), bound to the stages it serves."""
+        by ``configure_model`` on meta where the LightningModule builds it there; ``convert``: the precision plugin's
+        ``convert_module``, which a ``"*-true"`` precision needs before the stage is built), bound to its stages."""
         module = self.host.lightning_module
         if trainer is not None and module is not None:
             from lightning.pytorch.trainer import call
 
             call._call_configure_model(trainer)  # the coordinator's Trainer runs it in its fit
+            convert(module)  # the coordinator's setup converts its module too
             self.stage.bind(module, self.builder.find(module))
 
     @property

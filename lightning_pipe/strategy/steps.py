@@ -203,7 +203,7 @@ class StepDriver:
 
     def _wanted(self, rows: int, training: bool) -> int:
         """This step's microbatch count: the given one, or ``schedule="auto"``'s (chosen before the second
-        training step, logged: `Pipeline.choose_schedule`)."""
+        training step, logged: `PipelineChoices.microbatches`)."""
         pipeline = self.builder.pipeline
         if training and pipeline is not None:
             chosen = self.training.microbatches(pipeline, self.microbatches, rows)
@@ -211,7 +211,7 @@ class StepDriver:
                 return chosen
         if self.microbatches != AUTO:
             return int(self.microbatches)
-        chooser = pipeline.auto_schedule if pipeline is not None else None
+        chooser = pipeline.choices.schedule if pipeline is not None else None
         if chooser is not None and chooser.choice is not None:
             return chooser.choice.chosen.microbatches
         return first_microbatches(rows, self.builder.ranks)

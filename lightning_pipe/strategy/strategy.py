@@ -18,7 +18,6 @@ from typing_extensions import override
 from lightning_pipe.backends import BackendArg, ExecutionTrace
 from lightning_pipe.engine.stage_shards import mixed_precision_policy
 from lightning_pipe.engine.versions import Staleness
-from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.microbatch_weights import MicrobatchWeight
 from lightning_pipe.partition import Partitioner
 from lightning_pipe.pipeline import Pipeline
@@ -169,29 +168,22 @@ class PipeStrategy(ParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
-        super().setup_environment()
-        self.mode.start(self.cluster_environment)  # launched mode: join the processes, hold the serving ranks
-        mesh = self.mode.device_mesh
-        if mesh is not None and self.lightning_module is not None:  # for configure_model, as Lightning's
-            self.lightning_module._device_mesh = mesh  # ModelParallelStrategy gives it
+        assert self.accelerator is not None  # Lightning's: the accelerator sets up the root device (or its own kind's)
+        root, trainer_devices = self.root_device, self.parallel_devices
+        self.accelerator.setup_device(self.builder.accelerator_device(root, trainer_devices, self.resolve_devices()))
+        self.mode.start(self.cluster_environment, self.lightning_module)  # launched: join, hold the serving ranks
 
     @property
     def device_mesh(self) -> Any:
         """Launched mode's DeviceMesh (as ``ModelParallelStrategy.device_mesh``; the LightningModule's
         ``self.device_mesh``): dims ``data_parallel`` x ``pipeline`` (x ``tensor_parallel`` with tensor parallel)."""
-        mesh = self.mode.device_mesh
-        if mesh is None:
-            raise ConfigurationError(
-                "PipeStrategy.device_mesh exists in launched mode (devices x num_nodes > 1), after the processes "
-                "joined (from configure_model on)"
-            )
-        return mesh
+        return self.mode.joined_mesh()
 
     def _prepare_to_serve(self, trainer: Any = None) -> None:
         """A process that serves a stage instead of running the Trainer's loop: processes joined (the device mesh
         exists when configure_model runs, as in the coordinator's fit), its model bound."""
         self.setup_environment()
-        self.state.bind_to_serve(trainer)
+        self.state.bind_to_serve(trainer, self.precision_plugin.convert_module)
 
     def resolve_devices(self) -> list[str]:
         """One device per stage: launched mode's processes (placed as the schedule says), or from ``devices``,

@@ -7,6 +7,9 @@ its modules' DTensor collectives (the LightningModule's ``configure_model`` plan
 ``self.device_mesh["tensor_parallel"]``) over the stage's tensor group. Between stages tensor rank t sends to
 tensor rank t: a plain tensor as it is, a DTensor as its local part (`lightning_pipe.comm.p2p.dtensor_frames`).
 The mesh's dimensions carry Lightning's ``ModelParallelStrategy`` names, with ``"pipeline"`` between them.
+With R > 1 replicas a stage is averaged over them (``data_parallel="ddp"``: `lightning_pipe.engine.tensor_replicas`)
+or sharded over them with FSDP2 on top of tensor parallel (``"fsdp"``: `lightning_pipe.engine.stage_shards` over
+``device_mesh["data_parallel"]``, the parameters DTensors over the 2-D mesh data x tensor).
 """
 
 from __future__ import annotations
@@ -48,16 +51,17 @@ def check_tensor_parallel_arguments(
             f"PipeStrategy(tensor_parallel={tensor_parallel}, virtual_stages={virtual_stages}): tensor parallel "
             "runs one stage per process; pass virtual_stages=1"
         )
-    if data_parallel != "ddp":
-        raise ConfigurationError(
-            f"PipeStrategy(tensor_parallel={tensor_parallel}, data_parallel={data_parallel!r}): a stage sharded "
-            "with FSDP over its replicas on top of tensor parallel is not supported yet; pass data_parallel='ddp'"
-        )
 
 
 def refuse_self_sharded(pipelined: Any) -> None:
     """A pipelined module that its ``configure_model`` sharded with FSDP itself (``fully_shard`` over
-    ``self.device_mesh["data_parallel"]``) is refused, naming what to do instead."""
+    ``self.device_mesh["data_parallel"]``) is refused, naming what to do instead.
+
+    Lightning's recipe ends with ``fully_shard`` of the whole model: a root unit over the parameters outside the
+    blocks (embedding, final norm, head), which lie in different stages, gathered in a forward no stage runs. Taking
+    the module's units apart to apply them per stage would mean undoing ``fully_shard`` (its parameters, hooks,
+    class and registry), which torch offers no public call for; ``data_parallel="fsdp"`` applies the same units
+    (each repeated block, then a root per stage) before the stage has values (docs/launched.md)."""
     from torch.distributed.fsdp import FSDPModule
 
     sharded = [name or "(the pipelined module)" for name, m in pipelined.named_modules() if isinstance(m, FSDPModule)]
@@ -66,6 +70,7 @@ def refuse_self_sharded(pipelined: Any) -> None:
             f"configure_model applied fully_shard to {', '.join(sharded[:3])}{' ...' if len(sharded) > 3 else ''}: "
             "PipeStrategy splits the model into stages first and spreads each stage over its replicas itself; "
             "apply fully_shard only under ModelParallelStrategy (e.g. `if not isinstance(self.trainer.strategy, "
-            "PipeStrategy)`), and leave the data-parallel dimension to PipeStrategy (each stage's gradients "
-            "averaged over its replicas)"
+            "PipeStrategy)`), and leave the data-parallel dimension to PipeStrategy: "
+            "PipeStrategy(data_parallel='fsdp') shards each stage with FSDP2 over its replicas (each block a unit), "
+            "data_parallel='ddp' averages each stage's gradients over its replicas"
         )

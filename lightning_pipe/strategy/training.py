@@ -45,8 +45,8 @@ class Training:
 
     def microbatches(self, pipeline: Pipeline, given: int | str, rows: int) -> int | None:
         """A training step's microbatch count where the pipeline chooses it (``schedule="auto"``: chosen before the
-        second training step, logged: `Pipeline.choose_schedule`)."""
-        return pipeline.choose_schedule(given, rows, rank_zero_info)
+        second training step, logged: `PipelineChoices.microbatches`)."""
+        return pipeline.choices.microbatches(given, rows, rank_zero_info)
 
     def step(
         self,
@@ -62,13 +62,13 @@ class Training:
         """One batch through the pipeline, forwards and backwards, the gradients of the parameters outside the
         pipelined module set aside (``optimization``); ``starts_window``: the first step of a gradient accumulation
         window, whose gradients Lightning zeroes right after it."""
-        pipeline.before_train_step(len(labels), rank_zero_info)  # checkpoint="auto": logged once per fit
+        pipeline.choices.before_step(len(labels), rank_zero_info)  # checkpoint="auto": logged once per fit
         if starts_window:
             # they go now, before the step makes its own, so that a stage never holds two steps' gradients at once
             optimization.drop_grads(trainer.optimizers)
         with optimization.set_aside():
             result = pipeline.coordinator.train_step(inputs, labels, criterion, scaler)
-        pipeline.after_train_step(result)  # schedule="auto": the first step measures, later ones predicted
+        pipeline.choices.after_step(result)  # schedule="auto": the first step measures, later ones predicted
         return result
 
     def apply_grads(self, pipeline: Pipeline, scale: float) -> None:
