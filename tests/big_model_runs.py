@@ -1,9 +1,9 @@
 """Several runs of ``examples/big_model.py`` in one launch: ``python tests/big_model_runs.py RUNS.json``.
 
-``RUNS.json`` is a list of command lines, ``[script, *arguments]`` with script ``big_model.py`` or
-``hf_weights_train.py`` (tests/), run one after the other in the same processes: Lightning's launcher starts
-them at the first ``fit`` and the later runs reuse them, as a user's script with several fits does. Each run's
-report is its script's own (big_model.py: its losses, its peak resident memory).
+``RUNS.json`` is a list of command lines, ``[script, *arguments]`` with script ``big_model.py``,
+``fsdp_build.py`` or ``hf_weights_train.py`` (tests/), run one after the other in the same processes:
+Lightning's launcher starts them at the first ``fit`` and the later runs reuse them, as a user's script with
+several fits does. Each run's report is its script's own (big_model.py: its losses, its peak resident memory).
 
 Memory per run: before each run every process hands its freed memory back to the system (``gc``, glibc's
 ``malloc_trim``) and resets its peak resident memory to what it holds now (``/proc/self/clear_refs``), so a
@@ -49,6 +49,10 @@ def main() -> None:
             import hf_weights_train  # transformers: imported only by the processes that run it, after the others
 
             hf_weights_train.main(argv)
+        elif script == "fsdp_build.py":
+            import fsdp_build
+
+            fsdp_build.main(argv)
         else:
             assert script == "big_model.py", script
             big_model.main(argv)

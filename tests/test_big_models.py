@@ -4,48 +4,29 @@ Every launch runs ``examples/big_model.py``'s training as a user's script does (
 processes), several runs one after another in the same processes (`big_model_runs.py`: a launch costs every
 process its imports); each process reports each run's losses and peak resident memory. The plain Trainer's
 runs are the references. Every launched run of this module is in one of two launches side by side (the
-`launched` fixture): 4 processes (the 512 MiB model's runs first, then the small model's, then the pretrained
-GPT-2's) and 2 processes (Lightning DDP's runs, then GPT-2 under zbv); each test checks its runs' folders.
+`launched` fixture, tests/big_launch.py: 4 processes and 2); each test checks its runs' folders.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
 from typing import Any
 
+import fsdp_build
 import lightning as L
 import pytest
 import torch
-from launching import ROOT, Run, base_env, free_port, run_all
+from big_launch import AGAINST_DDP, BIG_CASES, LAYOUTS, SEEDED, STATE_MIB, launch
+from launching import ROOT
 
 from lightning_pipe import PipeStrategy
 from lightning_pipe.checkpoint.consolidate import consolidate
 from lightning_pipe.errors import ConfigurationError
 
-RUNS = str(ROOT / "tests" / "big_model_runs.py")
 sys.path.insert(0, str(ROOT / "examples"))
 import big_model  # noqa: E402 - the example, imported for its LightningModule
-
-MIB = 1 << 20
-
-
-def launch_runs(*launches: tuple[Path, list[list[str]]], timeout: float = 1200) -> Run:
-    """Launches (Lightning's launcher, as ``python big_model.py`` starts it), all at once, each doing its ``runs``
-    (big_model.py and hf_weights_train.py command lines) one after another in the same processes
-    (`big_model_runs.py`). The timeout guards against a hang: a launch does the work of several of the 600 s
-    launches it replaces."""
-    commands = []
-    for folder, runs in launches:
-        folder.mkdir(parents=True)
-        (folder / "runs.json").write_text(json.dumps(runs))
-        env = base_env() | {"MASTER_PORT": str(free_port())}
-        commands.append(([sys.executable, RUNS, str(folder / "runs.json")], env))
-    run = run_all(commands, timeout)
-    assert run.ok, f"launch failed ({run.returncodes}):\n{run.output[-6000:]}"
-    return run
 
 
 def empty_mib(folder: Path) -> dict[int, float]:
@@ -79,106 +60,10 @@ def same_state(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: flo
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
-STATE_MIB = 3 * 32 * (2048 * 2048 + 2048) * 4 / MIB  # the 512 MiB model: parameters + gradients + momentum
-BIG_CASES = {  # in the order they run: the one closest to its bound first
-    # 2 replicas of 8 rows each: the plain run's 16 rows per step
-    "fsdp": (["--build", "meta", "--stages", "2", "--data-parallel", "fsdp", "--batch", "8"], 0.40),
-    "meta": (["--build", "meta"], 0.35),
-    "configure_model": (["--build", "configure_model"], 0.35),
-    "eager": (["--build", "eager"], 0.55),
-}
-SMALL = ["--width", "32", "--depth", "6", "--microbatches", "2"]
-# FSDP 2 x 2 against Lightning DDP over 2 processes: optimizer, schedule, more arguments
-AGAINST_DDP = {
-    "sgd-gpipe": ("sgd", "gpipe", []),
-    "adam-1f1b": ("adam", "1f1b", ["--clip", "0.05"]),
-    "sgd-1f1b-acc": ("sgd", "1f1b", ["--accumulate", "2", "--recompute", "always"]),
-    "sgd-looped-bfs-v2": ("sgd", "looped-bfs", ["--virtual-stages", "2"]),  # FSDP under a looped schedule
-}
-RESUMED = [*SMALL, "--optimizer", "adam", "--build", "meta"]  # a 2 x 2 FSDP run's checkpoint, resumed
-LAYOUTS = {"1x4": ["--stages", "4", "--batch", "16"], "4x1": ["--stages", "1", "--batch", "4"]}
-SEEDED = {"1x4": ["--stages", "4", "--single-file"], "2x2": ["--stages", "2"]}  # 1 x 4 writes one file
-HF_SCHEDULES = {  # GPT-2: 1 x 4, and the V of zbv in 2 processes
-    "1f1b": [],
-    "zbv": ["--schedule", "zbv", "--devices", "2", "--virtual-stages", "2", "--microbatches", "4"],
-}
-
-
-def against_ddp(name: str, folder: Path) -> tuple[list[str], list[str]]:
-    """The FSDP 2 x 2 run and the Lightning DDP run of a case of AGAINST_DDP."""
-    optimizer, schedule, extra = AGAINST_DDP[name]
-    case = [*SMALL, "--epochs", "3", "--optimizer", optimizer, "--batch", "8", *extra]
-    fsdp, ddp = folder / f"fsdp-{name}", folder / f"ddp-{name}"
-    ddp_case = [a for a in case if a not in ("--recompute", "always")]  # DDP has no stages to recompute
-    return (
-        ["big_model.py", *case, "--stages", "2", "--data-parallel", "fsdp", "--build", "eager", "--schedule",
-         schedule, "--save-at-end", str(fsdp / "ckpt"), "--report", str(fsdp)],
-        ["big_model.py", *ddp_case, "--ddp", "--devices", "2", "--save-at-end", str(ddp / "ckpt"), "--report",
-         str(ddp)],
-    )  # fmt: skip
-
-
-def big_runs(folder: Path) -> list[list[str]]:
-    """The 512 MiB model: its plain run here (3 steps, saved after the first), the resumed runs' command lines."""
-    big_model.main(["--plain", "--save", str(folder / "plain.ckpt"), "--report", str(folder / "plain")])
-    return [["big_model.py", *args, "--ckpt-path", str(folder / "plain.ckpt"), "--report", str(folder / name)]
-            for name, (args, _) in BIG_CASES.items()]  # fmt: skip
-
-
-def small_runs(folder: Path) -> tuple[list[list[str]], list[list[str]]]:
-    """The small model's 4-process runs (FSDP against DDP, the resumed layouts, the seeded builds) and Lightning
-    DDP's 2-process runs."""
-    four, two = [], []
-    for name in AGAINST_DDP:
-        fsdp, ddp = against_ddp(name, folder)
-        four.append(fsdp)
-        two.append(ddp)
-    first = folder / "fsdp"  # 2 x 2 FSDP, saved after its first step, then resumed under each layout
-    four.append(["big_model.py", *RESUMED, "--stages", "2", "--data-parallel", "fsdp", "--batch", "8", "--epochs",
-                 "2", "--save", str(first / "saved"), "--save-at-end", str(first / "final"), "--report",
-                 str(first)])  # fmt: skip
-    for name, args in LAYOUTS.items():
-        out = folder / name
-        four.append(["big_model.py", *RESUMED, *args, "--epochs", "2", "--ckpt-path", str(first / "saved"),
-                     "--save-at-end", str(out / "final"), "--report", str(out)])  # fmt: skip
-    for name, args in SEEDED.items():
-        four.append(["big_model.py", *SMALL, *args, "--build", "meta", "--epochs", "0", "--save-at-end",
-                     str(folder / f"seeded-{name}" / "initial")])  # fmt: skip
-    return four, two
-
-
-def hf_runs(folder: Path) -> dict[str, list[str]]:
-    """A HF GPT-2 (from a config) saved with ``save_pretrained`` in small safetensors shards, its plain run here
-    (``from_pretrained``), and its pipelined runs' command lines by schedule: 1 x 4, and zbv in 2 processes."""
-    import hf_weights_train
-    import transformers
-    from causal_lm import CausalLM
-
-    transformers.logging.set_verbosity_error()
-    torch.manual_seed(0)
-    CausalLM().model.save_pretrained(folder / "weights", max_shard_size="100KB")
-    hf_weights_train.main(["--weights", str(folder / "weights"), "--report", str(folder / "plain"), "--plain"])
-    return {schedule: ["hf_weights_train.py", "--weights", str(folder / "weights"), "--report",
-                       str(folder / schedule), *more] for schedule, more in HF_SCHEDULES.items()}  # fmt: skip
-
-
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Every launched run of this module, in two launches side by side: 4 processes (the 512 MiB model's runs
-    first, their memory bounds measured before anything else ran there; then the small model's; then GPT-2's
-    1 x 4) and 2 processes (Lightning DDP's runs, then GPT-2 under zbv). Folders: ``big``, ``small``, ``hf``."""
-    folder = tmp_path_factory.mktemp("launched")
-    for part in ("big", "small", "hf"):
-        (folder / part).mkdir()
-    four = big_runs(folder / "big")
-    small_four, two = small_runs(folder / "small")
-    four += small_four
-    if importlib.util.find_spec("transformers") is not None:  # the GPT-2 test skips without it
-        hf = hf_runs(folder / "hf")
-        four.append(hf["1f1b"])
-        two.append(hf["zbv"])
-    launch_runs((folder / "four", four), (folder / "two", two))
-    return folder
+    """Every launched run of this module, once (`big_launch.launch`: the plain references run here first)."""
+    return launch(tmp_path_factory.mktemp("launched"))
 
 
 @pytest.mark.slow
@@ -304,6 +189,69 @@ def test_pretrained_safetensors_weights_are_read_per_stage(launched: Path) -> No
         assert len(got) == 2
         assert close(got[0]["losses"], want), f"{schedule}: {got[0]['losses']} != {want}"
         assert all(set(report["read"]) <= set(report["holds"]) for report in got), schedule  # its own tensors only
+
+
+def fsdp_reports(out: Path, case: str) -> list[dict[str, Any]]:
+    return [json.loads((out / f"{case}-rank{r}.json").read_text()) for r in range(4)]
+
+
+def fsdp_local(epochs: int, ckpt_path: Path | None) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """Local mode (every stage whole, threads of this process): the same model, data and seed as fsdp_build.py."""
+    L.seed_everything(0, verbose=False)
+    record = big_model.Record(None, 0)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_epochs=epochs, callbacks=[record], logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        strategy=PipeStrategy(stages=2, microbatches=2, transport="local"),
+    )  # fmt: skip
+    with trainer.init_module(empty_init=True):
+        model = big_model.Big(fsdp_build.WIDTH, fsdp_build.DEPTH, "meta", "adam")
+    loader = torch.utils.data.DataLoader(fsdp_build.data(), batch_size=fsdp_build.ROWS)
+    trainer.fit(model, loader, ckpt_path=str(ckpt_path) if ckpt_path is not None else None)
+    return {f"model.{k}": v.detach().clone() for k, v in model.model.state_dict().items()}, record.losses
+
+
+@pytest.mark.slow
+def test_fsdp_builds_each_stage_shard_by_shard(launched: Path, tmp_path: Path) -> None:
+    """Built from the seed, from a sharded folder and from a single file (`fsdp_build.py`, 2 x 2 with FSDP per
+    stage), every process holds exactly its shard of its stage (a DTensor per parameter, half of each, nothing
+    else of the model real) and never held more than one module of it whole; the seeded model equals local
+    mode's; both resumes train as local mode does."""
+    out = launched / "fsdp_build"
+    width = fsdp_build.WIDTH
+    module_bytes = (width * width + width) * 4  # one Linear's weight and bias: the largest module
+    tensor_bytes = width * width * 4  # its weight: the largest tensor
+    stage_bytes = fsdp_build.DEPTH // 2 * module_bytes
+    for case in ("seeded", "folder", "file"):
+        for rank, report in enumerate(fsdp_reports(out, case)):
+            where = f"{case}, rank {rank}"
+            params = report["params"]
+            assert len(params) == fsdp_build.DEPTH, where  # 3 Linear layers of this process's stage: 6 tensors
+            for name, p in params.items():
+                assert p["dtensor"], f"{where}: {name} is not sharded"
+                assert p["local"] == [p["shape"][0] // 2, *p["shape"][1:]], f"{where}: {name} holds {p['local']}"
+            assert sum(p["bytes"] for p in params.values()) == stage_bytes // 2, where
+            assert report["others_real"] == [], f"{where}: holds other tensors: {report['others_real']}"
+            assert report["fsdp_groups_checked"] == 3, where  # the private attributes the reduce reads exist
+            if case == "seeded":  # each module whole once, one at a time
+                assert report["wholes_count"] == len(params) and report["wholes_peak"] <= module_bytes, where
+                assert report["loaded"] == 0
+            elif case == "folder":  # read as shards: nothing whole, ever
+                assert report["wholes_count"] == 0 and report["loaded"] == len(params), where
+            else:  # one tensor whole at a time, from the mapped file
+                assert report["wholes_count"] == len(params) and report["wholes_peak"] <= tensor_bytes, where
+    # the seeded FSDP model is the model every other layout builds from the same seed
+    initial, _ = fsdp_local(0, None)
+    seeded = state_of(out / "seeded", tmp_path / "seeded-one.ckpt")
+    assert same_state(seeded, initial) == 0.0
+    # resumed from the sharded folder or the file: local mode's steps (the replicas' mean loss is the global one)
+    trained, local_losses = fsdp_local(2, out / "seeded")
+    for case in ("folder", "file"):
+        replicas = [r["losses"] for r in fsdp_reports(out, case) if r["losses"]]
+        assert len(replicas) == 2
+        mean = [sum(step) / 2 for step in zip(*replicas, strict=True)]
+        assert mean == pytest.approx(local_losses, rel=1e-5), f"{case}: {mean} != {local_losses}"
+    assert same_state(state_of(out / "folder", tmp_path / "folder-one.ckpt"), trained) < 1e-5
 
 
 def test_fsdp_refuses_split_backwards_and_one_file_before_any_work() -> None:
