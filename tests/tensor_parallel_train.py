@@ -131,8 +131,12 @@ class Net(L.LightningModule):
         from torch.distributed._composable.fsdp import fully_shard
         from torch.distributed.tensor.parallel import parallelize_module
 
-        if self.device_mesh is None:  # a plain Trainer: the model as it is
-            return
+        if self.device_mesh is None or "tensor_parallel" not in (self.device_mesh.mesh_dim_names or ()):
+            return  # a plain Trainer, or PipeStrategy without tensor parallel: the model as it is
+        from torch.distributed.tensor import DTensor
+
+        if any(isinstance(p, DTensor) for p in self.model.parameters()):
+            return  # parallel already (validate after fit): Lightning asks configure_model to be idempotent
         tensor, data = self.device_mesh["tensor_parallel"], self.device_mesh["data_parallel"]
         if self.sequence_sharded:
             parallelize_sequence_sharded(self.model, tensor)
@@ -151,10 +155,31 @@ class Net(L.LightningModule):
         self.log("train_loss", loss)
         return loss
 
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", F.mse_loss(self.model(x), y))
+
+    def test_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("test_loss", F.mse_loss(self.model(x), y))
+
+    def predict_step(self, batch, batch_idx):
+        return self.model(batch[0])
+
     def configure_optimizers(self):
-        if self.optimizer == "adamw":
-            return torch.optim.AdamW(self.parameters(), lr=0.01)
-        return torch.optim.SGD(self.parameters(), lr=0.1)
+        return make_optimizer(self.optimizer, self.parameters())
+
+
+def make_optimizer(name: str, parameters) -> torch.optim.Optimizer:
+    """``sgd``, ``momentum`` (SGD with momentum buffers) or ``adamw`` (first and second moments)."""
+    if name == "adamw":
+        return torch.optim.AdamW(parameters, lr=0.01)
+    return torch.optim.SGD(parameters, lr=0.1, momentum=0.9 if name == "momentum" else 0.0)
+
+
+def optimizer_of(options: list[str]) -> str:
+    """The optimizer a case's options name (``-adamw``, ``-momentum``; SGD otherwise)."""
+    return "adamw" if "adamw" in options else "momentum" if "momentum" in options else "sgd"
 
 
 def whole_values(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -226,7 +251,9 @@ def strategy_of(case: str, processes: int) -> tuple[object, int]:
     `CLIP` over the whole model; ``-ddp``: the module applies no FSDP (the stages' gradients averaged over the
     replicas); ``-fsdp``: neither does the module, PipeStrategy(data_parallel="fsdp") shards each stage
     over its replicas on top of tensor parallel; ``-bf16`` / ``-bf16true``: the Trainer's precision (`precision_of`);
-    ``-save``: a checkpoint after the fit; ``-resume``: one more step from ``--resume``."""
+    ``-save``: a checkpoint after the fit; ``-resume``: one more step from ``--resume`` (or, for
+    ``<case>@<saving case>``, from that case's checkpoint); ``-momentum``: SGD with momentum; ``-eval``: validate,
+    test and predict after the fit."""
     parts = case.split("-")
     numbers = {p[0]: int(p[1:]) for p in parts[1:] if p[1:].isdigit()}
     if parts[0] == "mps":
@@ -238,20 +265,34 @@ def strategy_of(case: str, processes: int) -> tuple[object, int]:
     return strategy, processes // (stages * tensor)
 
 
+def evaluate(trainer: L.Trainer, model: Net, path: Path) -> None:
+    """``-eval``: after the fit, ``trainer.validate``, ``test`` and ``predict`` on the training data in order (one
+    batch of `GLOBAL_BATCH` rows each); what each returns in this process, saved."""
+    data = DataLoader(make_data(), batch_size=GLOBAL_BATCH)
+    results = {
+        "validate": trainer.validate(model, data, verbose=False),
+        "test": trainer.test(model, data, verbose=False),
+        "predict": trainer.predict(model, data),
+    }
+    torch.save(results, path)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--devices", type=int, default=4)
     parser.add_argument("--cases", default="pipe-s2-t2-1f1b")
     parser.add_argument("--out", required=True)
     parser.add_argument("--resume", default=None, help="the checkpoint that cases marked 'resume' continue")
+    parser.add_argument("--checkpoints", default=None, help="where cases named <case>@<saving case> find its save")
     args = parser.parse_args()
     out = Path(args.out)
-    for case in args.cases.split(","):
+    for name in args.cases.split(","):
+        case, _, source = name.partition("@")  # resume@<case>: from the checkpoint that case saved (--checkpoints)
         strategy, replicas = strategy_of(case, args.devices)
         L.seed_everything(0, verbose=False)
         options = case.split("-")
         own_fsdp = not {"ddp", "fsdp"} & set(options)  # the module shards itself (Lightning's TP x FSDP recipe)
-        model = Net("seq" in options, "adamw" if "adamw" in options else "sgd", shard_data=own_fsdp)
+        model = Net("seq" in options, optimizer_of(options), shard_data=own_fsdp)
         trainer = L.Trainer(
             accelerator="cpu", devices=args.devices, strategy=strategy, logger=False, precision=precision_of(options),
             max_steps=STEPS + 1 if "resume" in options else STEPS,
@@ -259,18 +300,23 @@ def main() -> None:
             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         )  # fmt: skip
         resume = args.resume if "resume" in options else None
+        if source:  # saved earlier in this launch, else by another launch (--checkpoints)
+            saved = out / f"{source}.ckpt"
+            resume = str(saved if saved.exists() or args.checkpoints is None else Path(args.checkpoints) / saved.name)
         trainer.fit(model, DataLoader(make_data(), batch_size=GLOBAL_BATCH // replicas), ckpt_path=resume)
         if "save" in options:
             trainer.save_checkpoint(out / f"{case}.ckpt")  # a sharded folder: every process writes its part
         rank = dist.get_rank()
-        torch.save(whole_values(model.model), out / f"{case}-rank{rank}.pt")
+        torch.save(whole_values(model.model), out / f"{name}-rank{rank}.pt")
+        if "eval" in options:
+            evaluate(trainer, model, out / f"{name}-eval-rank{rank}.pt")
         if isinstance(strategy, PipeStrategy) and strategy.layout is not None:
             layout = strategy.layout
             where = {"replica": layout.replica, "stage": layout.pipeline_rank, "tensor": layout.tensor_rank,
                      "coordinates": layout.coordinates, "mesh": list(model.device_mesh.mesh_dim_names),
                      "sharded": sharded(model.model), "meta": on_meta(model.model)}  # fmt: skip
             where["held"] = held(model.model)
-            (out / f"{case}-rank{rank}.json").write_text(json.dumps(where))
+            (out / f"{name}-rank{rank}.json").write_text(json.dumps(where))
     (out / f"done-rank{dist.get_rank()}").touch()
 
 

@@ -6,8 +6,12 @@ over ``self.device_mesh["tensor_parallel"]``) under ``ModelParallelStrategy(data
 tensor_parallel_size=2)`` and under ``PipeStrategy(stages=2, tensor_parallel=2)`` (1 x 2 x 2) with gpipe (AdamW,
 activations sharded along the sequence) and 1f1b (SGD, clipping); each equals the plain Trainer's model trained
 on the global batch, to 1e-5 after 3 steps; the same launch runs 1 x 2 x 2 under ``precision="bf16-mixed"`` and
-``"bf16-true"`` against the plain Trainer at the same precision (`BF16`). One launch of 8 processes runs 2 x 2 x 2
-with the stages averaged over their replicas (DDP-like) and sharded over them with FSDP2 on top of tensor parallel.
+``"bf16-true"`` against the plain Trainer at the same precision (`BF16`). One launch of 8 processes (a module fixture,
+run first) runs 2 x 2 x 2 with the stages averaged over their replicas (DDP-like) and sharded over them with FSDP2 on
+top of tensor parallel, and resumes the first's sharded checkpoint as 2 x 4 x 1; the 4-process launch resumes it as
+1 x 2 x 2 and under ``ModelParallelStrategy``, resumes a ``ModelParallelStrategy`` checkpoint under PipeStrategy and
+runs validate, test and predict; the folder consolidated to one file resumes under a plain Trainer. Each resumed run
+equals the plain model trained one step more.
 """
 
 from __future__ import annotations
@@ -20,12 +24,13 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
-from launching import ROOT, torchrun
-from tensor_parallel_train import CLIP, GLOBAL_BATCH, STEPS, Net, make_data, make_model
+from launching import ROOT, Run, torchrun
+from tensor_parallel_train import CLIP, GLOBAL_BATCH, STEPS, Net, make_data, make_model, make_optimizer, optimizer_of
 from test_launched import assert_ok, in_order, shuffled
 from torch.utils.data import DataLoader
 
 from lightning_pipe import PipeStrategy
+from lightning_pipe.checkpoint import consolidate
 from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.strategy.layout import Layout
 
@@ -126,7 +131,7 @@ def plain_trainer_model(case: str, precision: str = "32-true") -> dict[str, torc
     distributed sampler reads them, with the case's optimizer and clipping (at ``precision``)."""
     L.seed_everything(0, verbose=False)
     options = case.split("-")
-    model = Net(optimizer="adamw" if "adamw" in options else "sgd")
+    model = Net(optimizer=optimizer_of(options))
     trainer = L.Trainer(
         accelerator="cpu", devices=1, max_steps=STEPS, logger=False, enable_checkpointing=False, precision=precision,
         enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=CLIP if "clip" in options else None,
@@ -136,21 +141,23 @@ def plain_trainer_model(case: str, precision: str = "32-true") -> dict[str, torc
     return {k: v.detach().clone() for k, v in model.model.state_dict().items()}
 
 
-def four_steps(second_epoch: Any) -> dict[str, torch.Tensor]:
-    """The plain model, SGD with clipping, one step more than the run: the 4th on the second epoch's first batch."""
+def four_steps(second_epoch: Any, optimizer: str = "sgd", clipped: int = STEPS + 1) -> dict[str, torch.Tensor]:
+    """The plain model, one step more than the run: the 4th on the second epoch's first batch; ``optimizer`` as the
+    script names it (`make_optimizer`), the first ``clipped`` steps with gradients clipped to `CLIP`."""
     L.seed_everything(0, verbose=False)
     model = make_model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    steps = make_optimizer(optimizer, model.parameters())
     x, y = make_data().tensors
     for step in range(STEPS + 1):
         epoch, index = divmod(step, STEPS)
         rows = (shuffled if epoch == 0 else second_epoch)(len(x), epoch)[
             index * GLOBAL_BATCH : (index + 1) * GLOBAL_BATCH
         ]
-        optimizer.zero_grad()
+        steps.zero_grad()
         F.mse_loss(model(x[rows]), y[rows]).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        optimizer.step()
+        if step < clipped:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        steps.step()
     return model.state_dict()
 
 
@@ -167,18 +174,80 @@ def local_resume(checkpoint: Path) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.model.state_dict().items()}
 
 
+#: 2 x 2 x 2 in 8 processes (SGD with momentum, clipping); its sharded checkpoint resumed in both launches
+EIGHT = "pipe-s2-t2-1f1b-clip-ddp-momentum-save"
+#: in the same launch: PipeStrategy(data_parallel="fsdp"), FSDP2 on top of tensor parallel (SGD, clipping)
+EIGHT_FSDP = "pipe-s2-t2-1f1b-clip-fsdp"
+#: in the same 8-process launch, that checkpoint resumed as 2 x 4 x 1 (4 stages, no tensor parallel)
+EIGHT_AS_2X4X1 = f"pipe-s4-t1-1f1b-clip-momentum-resume@{EIGHT}"
+#: in the 4-process launch: the 2 x 2 x 2 checkpoint resumed as 1 x 2 x 2 and under ModelParallelStrategy (which
+#: clips no gradients with FSDP x TP on CPU: its clip_grad_norm_ stacks norms of two meshes), and a checkpoint of
+#: ModelParallelStrategy (AdamW) resumed as 1 x 2 x 2, then validate, test and predict there
+RESUMES = {
+    f"pipe-s2-t2-gpipe-clip-momentum-resume@{EIGHT}": ("momentum", STEPS + 1),
+    f"mps-d2-t2-momentum-resume@{EIGHT}": ("momentum", STEPS),
+    "pipe-s2-t2-gpipe-adamw-resume-eval@mps-d2-t2-adamw-save": ("adamw", 0),
+}
+
+
+@pytest.fixture(scope="module")
+def eight_processes(tmp_path_factory: pytest.TempPathFactory) -> tuple[Run, Path]:
+    """The 8-process launch, once for the module (its checkpoint is resumed by the 4-process launch too)."""
+    out = tmp_path_factory.mktemp("eight")
+    cases = ",".join([EIGHT, EIGHT_FSDP, EIGHT_AS_2X4X1])
+    return torchrun(SCRIPT, ["--devices", "8", "--cases", cases, "--out", str(out)], nproc=8, timeout=420), out
+
+
+def assert_resumed(folder: Path, name: str, expected: dict[str, torch.Tensor], ranks: int) -> None:
+    """Every process's stage after the resumed run ``name`` equals the plain model trained one step more."""
+    for rank in range(ranks):
+        got = torch.load(folder / f"{name}-rank{rank}.pt")
+        assert got, f"{name}: rank {rank} holds nothing"
+        diff = max((value - expected[key]).abs().max().item() for key, value in got.items())
+        assert diff < 1e-5, f"{name}: rank {rank} differs from the plain model trained one step more by {diff:.2e}"
+
+
+def plain_evaluation(weights: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """``validate``, ``test`` and ``predict`` of a plain Trainer with the model holding ``weights``."""
+    model = Net()
+    model.model.load_state_dict(weights)
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False)  # fmt: skip
+    data = DataLoader(make_data(), batch_size=GLOBAL_BATCH)
+    return {
+        "validate": trainer.validate(model, data, verbose=False), "test": trainer.test(model, data, verbose=False),
+        "predict": trainer.predict(model, data),
+    }  # fmt: skip
+
+
+def assert_evaluation_equal(got: dict[str, Any], expected: dict[str, Any], where: str) -> None:
+    for stage in ("validate", "test"):
+        for key, value in expected[stage][0].items():
+            diff = abs(got[stage][0][key] - value)
+            assert diff < 1e-5, f"{where}: trainer.{stage}'s {key} differs from the plain Trainer's by {diff:.2e}"
+    diff = (torch.cat(got["predict"]) - torch.cat(expected["predict"])).abs().max().item()
+    assert diff < 1e-5, f"{where}: trainer.predict differs from the plain Trainer's by {diff:.2e}"
+
+
 @pytest.mark.slow
-def test_a_model_parallel_strategy_module_runs_unchanged_as_1x2x2(tmp_path: Path) -> None:
+def test_a_model_parallel_strategy_module_runs_unchanged_as_1x2x2(
+    tmp_path: Path, eight_processes: tuple[Run, Path]
+) -> None:
     """gpipe with AdamW and the activations between blocks sharded along the sequence (DTensors, ``Shard(1)``: each
     tensor rank sends its local half to the same tensor rank of the next stage, which rebuilds the DTensor, forward
     and back); 1f1b with SGD and gradient clipping (the norm over both stages and both tensor ranks: a sharded
     gradient's parts summed over its tensor ranks, a replicated one counted once), its sharded checkpoint resumed
-    under 1 x 2 x 2 (gpipe) and under local mode without tensor parallel."""
-    cases = ["mps-d2-t2", "pipe-s2-t2-gpipe-seq-adamw", "pipe-s2-t2-1f1b-clip-save"]
+    under 1 x 2 x 2 (gpipe) and under local mode without tensor parallel. The 8-process launch's 2 x 2 x 2 checkpoint
+    resumed as 1 x 2 x 2 and under ModelParallelStrategy, a ModelParallelStrategy checkpoint (AdamW's moments) resumed
+    under PipeStrategy (the two write the same folder: `lightning_pipe.checkpoint.sharded`), and ``trainer.validate``,
+    ``test`` and ``predict`` under 1 x 2 x 2 equal to the plain Trainer's."""
+    eight, eight_out = eight_processes
+    assert_ok(eight)  # its checkpoint is resumed here
+    cases = ["mps-d2-t2-adamw-save", "pipe-s2-t2-gpipe-seq-adamw", "pipe-s2-t2-1f1b-clip-save"]
     checkpoint = tmp_path / f"{cases[-1]}.ckpt"
     resumed = "pipe-s2-t2-gpipe-clip-resume"
-    args = ["--devices", "4", "--cases", ",".join([*cases, resumed, *BF16]), "--resume", str(checkpoint)]
-    run = torchrun(SCRIPT, [*args, "--out", str(tmp_path)], timeout=420)
+    args = ["--devices", "4", "--cases", ",".join([*cases, resumed, *RESUMES, *BF16]), "--resume", str(checkpoint)]
+    run = torchrun(SCRIPT, [*args, "--out", str(tmp_path), "--checkpoints", str(eight_out)], timeout=600)
     assert_ok(run)
     plain = {option: plain_trainer_model(option) for option in ("sgd", "adamw", "clip")}
     # the oracle is not vacuous: clipping changed the training
@@ -217,6 +286,18 @@ def test_a_model_parallel_strategy_module_runs_unchanged_as_1x2x2(tmp_path: Path
     assert max((value - expected[key]).abs().max().item() for key, value in local.items()) < 1e-5
     assert_like_plain_in_bf16(tmp_path, plain["sgd"])
     assert sorted(p.name for p in tmp_path.glob("done-*")) == [f"done-rank{r}" for r in range(4)]
+    # PipeStrategy's and ModelParallelStrategy's checkpoints resumed by each other, optimizer state included
+    for name, (optimizer, clipped) in RESUMES.items():
+        assert_resumed(tmp_path, name, four_steps(shuffled, optimizer, clipped), 4)
+    # the oracle is not vacuous: without the saved momentum buffers the step would differ
+    unsaved = four_steps(shuffled, "sgd", STEPS)
+    assert max((unsaved[k] - v).abs().max().item() for k, v in four_steps(shuffled, "momentum", STEPS).items()) > 1e-3
+    # validate, test and predict under 1 x 2 x 2 (the coordinators, global ranks 0 and 1, run Lightning's loop)
+    evaluated = "pipe-s2-t2-gpipe-adamw-resume-eval@mps-d2-t2-adamw-save"
+    expected_evaluation = plain_evaluation(four_steps(shuffled, "adamw", 0))
+    for rank in range(2):
+        got = torch.load(tmp_path / f"{evaluated}-eval-rank{rank}.pt", weights_only=False)
+        assert_evaluation_equal(got, expected_evaluation, f"{evaluated} (rank {rank})")
 
 
 #: 1 x 2 x 2 cases under bf16 precisions (SGD, 3 steps), each with its Trainer precision and how far it may be from
@@ -240,26 +321,43 @@ def assert_like_plain_in_bf16(folder: Path, fp32: dict[str, torch.Tensor]) -> No
             assert precision != "bf16-true" or {value.dtype for value in got.values()} == {torch.bfloat16}
 
 
-def test_two_replicas_of_two_stages_of_two_tensor_ranks_train_like_the_plain_model(tmp_path: Path) -> None:
-    """2 x 2 x 2 in 8 processes (1f1b, SGD, clipping): each replica reads half the global batch, a stage's
-    gradients (DTensors) are averaged over its replicas after the step's last backward, clipping sees the whole
-    model's norm; every process's stage equals the plain model trained on the global batch. In the same launch,
+def test_two_replicas_of_two_stages_of_two_tensor_ranks_train_like_the_plain_model(
+    tmp_path: Path, eight_processes: tuple[Run, Path]
+) -> None:
+    """2 x 2 x 2 in 8 processes (1f1b, SGD with momentum, clipping): each replica reads half the global batch, a
+    stage's gradients (DTensors) are averaged over its replicas after the step's last backward, clipping sees the
+    whole model's norm; every process's stage equals the plain model trained on the global batch. In the same launch,
     ``data_parallel="fsdp"``: each stage's tensor-parallel parts sharded over its replicas with FSDP2 (gradients
-    reduce-scattered once per step), equal to the plain model too, each process holding only its 1/R share."""
-    case = "pipe-s2-t2-1f1b-clip-ddp"  # the module applies no FSDP of its own (refused above)
-    fsdp = "pipe-s2-t2-1f1b-clip-fsdp"  # PipeStrategy(data_parallel="fsdp"): FSDP2 on top of tensor parallel
-    cases = [case, fsdp]
-    run = torchrun(SCRIPT, ["--devices", "8", "--cases", ",".join(cases), "--out", str(tmp_path)], nproc=8, timeout=420)
+    reduce-scattered once per step), equal to the plain model too, each process holding only its 1/R share; then the
+    first case's sharded checkpoint resumed as 2 x 4 x 1 (no tensor parallel), and made one file (`consolidate`) that
+    a plain Trainer resumes, each equal after the next step to the plain model trained one step more."""
+    case = EIGHT  # the module applies no FSDP of its own (refused above)
+    fsdp = EIGHT_FSDP
+    run, out = eight_processes
     assert_ok(run)
-    expected = plain_trainer_model("clip")
+    expected = plain_trainer_model(case)
     for rank in range(8):
-        got = torch.load(tmp_path / f"{case}-rank{rank}.pt")
-        where = json.loads((tmp_path / f"{case}-rank{rank}.json").read_text())
+        got = torch.load(out / f"{case}-rank{rank}.pt")
+        where = json.loads((out / f"{case}-rank{rank}.json").read_text())
         assert (where["replica"], where["tensor"]) == (rank // 4, rank % 2) and where["sharded"]
         assert max((value - expected[key]).abs().max().item() for key, value in got.items()) < 1e-5, rank
         assert all(local == part for local, part in where["held"].values())  # DDP: each replica holds its whole part
-    assert_sharded_over_replicas(tmp_path, fsdp, expected, replicas=2)
+    assert_sharded_over_replicas(out, fsdp, plain_trainer_model(fsdp), replicas=2)
     assert "8 processes = 2 replica(s) x 2 pipeline rank(s) x 2 tensor rank(s)" in run.output
+    assert "8 processes = 2 replica(s) x 4 pipeline rank(s)" in run.output
+    assert_resumed(out, EIGHT_AS_2X4X1, four_steps(shuffled, "momentum"), 8)
+    # the 3-D folder as one file, resumed by a plain Trainer (one process: the data in order)
+    single = consolidate(out / f"{case}.ckpt", tmp_path / "consolidated.ckpt")
+    L.seed_everything(0, verbose=False)
+    model = Net(optimizer="momentum")
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_steps=STEPS + 1, gradient_clip_val=CLIP, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(model, DataLoader(make_data(), batch_size=GLOBAL_BATCH), ckpt_path=str(single))
+    expected = four_steps(in_order, "momentum")
+    diff = max((value - expected[key]).abs().max().item() for key, value in model.model.state_dict().items())
+    assert diff < 1e-5, f"the consolidated {case} resumed by a plain Trainer differs by {diff:.2e}"
 
 
 def assert_sharded_over_replicas(folder: Path, case: str, expected: dict[str, torch.Tensor], replicas: int) -> None:

@@ -230,3 +230,44 @@ def test_a_sharded_checkpoint_is_read_by_key_and_consolidates_to_one_file(
     assert single["epoch"] == 3
     again = open_checkpoint(out, layouts=[reader.layout(0)])  # the file reads back by key like the folder
     assert torch.equal(again.optimizer_state(0, "model.4.weight")["exp_avg"], state["exp_avg"])
+
+
+def test_a_sharded_folder_keeps_optimizer_groups_as_model_parallel_strategy_and_names_are_checked(
+    tmp_path: Path,
+) -> None:
+    """The folder's optimizer groups are Lightning's ModelParallelStrategy's keys (``param_groups.<g>.<name>``, the
+    parameters' keys under ``params``); an earlier folder (groups as one value, ``layout`` apart) still reads; a
+    folder whose state names other parameters than the optimizer's fails naming them (strict loading), and is
+    left to the key report when ``strict_loading=False``."""
+    import warnings
+
+    from lightning_pipe.checkpoint.resume import Resume
+    from lightning_pipe.checkpoint.sharded import OptimizerPart, save_sharded
+
+    groups = [{"lr": 0.1, "momentum": 0.9}, {"lr": 0.01, "momentum": 0.0}]
+    layout = [["model.0.weight"], ["model.0.bias"]]
+    state = {"model.0.weight": {"momentum_buffer": torch.ones(2, 2)}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP in one process without a process group
+        save_sharded(tmp_path / "new", {"model.0.weight": torch.zeros(2, 2)}, [OptimizerPart(state, groups, layout)])
+    reader = open_checkpoint(tmp_path / "new")
+    assert {"optimizer_0.param_groups.0.params", "optimizer_0.param_groups.1.lr"} <= set(reader.folder.metadata)
+    assert reader.layout(0) == layout and reader.optimizer_groups(0) == groups and reader.group_sizes(0) == [1, 1]
+    assert torch.equal(reader.optimizer_state(0, "model.0.weight")["momentum_buffer"], torch.ones(2, 2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import torch.distributed.checkpoint as dcp
+
+        old = {"state_dict": {"model.0.weight": torch.zeros(2, 2)},
+               "optimizer_0": {"state": state, "param_groups": tuple(groups), "layout": layout}}  # fmt: skip
+        dcp.save(old, checkpoint_id=tmp_path / "old")
+    earlier = open_checkpoint(tmp_path / "old")
+    assert earlier.layout(0) == layout and earlier.optimizer_groups(0) == groups
+    resume = Resume(tmp_path / "new")
+    resume.check_groups([layout])
+    other = [["model.0.weight"], ["model.renamed.bias"]]
+    with pytest.raises(ValueError, match=r"saved for parameters the optimizer does not have \(model.0.bias\) and "
+                       r"not for some it has \(model.renamed.bias\)"):  # fmt: skip
+        resume.check_groups([other])
+    resume.check_groups([other], strict=False)
+    resume.close()

@@ -6,9 +6,10 @@ state by the same names; nothing else is read. Two layouts on disk:
 - a single file (``torch.save``; what a plain Trainer writes): ``state_dict`` by key, ``optimizer_states``
   as torch optimizers save them (state by position in the optimizer's parameter list). Reading needs the
   optimizer's parameter order (`OptimizerLayout`), which only the user's ``configure_optimizers`` knows.
-- a folder written by torch.distributed.checkpoint (`lightning_pipe.checkpoint.sharded`): tensors under
-  ``state_dict.<key>`` and ``optimizer_<i>.state.<key>.<state name>``, the parameter order under
-  ``optimizer_<i>.layout``, Lightning's loop and callback state in ``meta.pt``.
+- a folder written by torch.distributed.checkpoint (`lightning_pipe.checkpoint.sharded`, or Lightning's
+  ``ModelParallelStrategy``: the same keys): tensors under ``state_dict.<key>``, ``optimizer_<i>.state.<key>.<name>``,
+  each group's hyperparameters and parameter order under ``optimizer_<i>.param_groups.<group>.<name>``
+  (``params``: the keys), Lightning's loop and callback state in ``meta.pt``.
 """
 
 from __future__ import annotations
@@ -139,6 +140,7 @@ class ShardedCheckpoint(CheckpointReader):
         self.folder = DcpSource(self.path)
         self._weights_only = weights_only
         self._states: dict[int, dict[str, list[str]]] = {}
+        self._groups: dict[int, list[dict[str, Any]]] = {}
 
     def model(self, prefix: str = "") -> WeightSource:
         return Prefixed(self.folder, f"{MODEL}.{prefix}")
@@ -167,9 +169,7 @@ class ShardedCheckpoint(CheckpointReader):
         return shapes
 
     def optimizer_groups(self, index: int) -> list[dict[str, Any]]:
-        key = f"{optimizer_key(index)}.param_groups"
-        got = self.folder.objects(key)
-        return list(got.get(key, ()))
+        return [{k: v for k, v in group.items() if k != "params"} for group in self._param_groups(index)]
 
     def optimizer_count(self) -> int:
         prefixes = {key.split(".", 1)[0] for key in self.folder.metadata}
@@ -183,8 +183,27 @@ class ShardedCheckpoint(CheckpointReader):
         return [len(keys) for keys in layout] if layout else None
 
     def layout(self, index: int) -> OptimizerLayout:
-        key = f"{optimizer_key(index)}.layout"
-        return list(self.folder.objects(key).get(key, []))
+        key = f"{optimizer_key(index)}.layout"  # a folder written by an earlier lightning_pipe
+        if key in self.folder.metadata:
+            return list(self.folder.objects(key)[key])
+        return [list(group.get("params", ())) for group in self._param_groups(index)]
+
+    def _param_groups(self, index: int) -> list[dict[str, Any]]:
+        """Optimizer ``index``'s groups as saved: ``param_groups.<group>.<name>`` (``params``: the group's keys), as
+        Lightning's ModelParallelStrategy and this package write them, or one value (an earlier lightning_pipe)."""
+        if index not in self._groups:
+            base = f"{optimizer_key(index)}.param_groups"
+            got = self.folder.objects(base)
+            if base in got:
+                groups = [dict(group) for group in got[base]]
+            else:
+                numbered: dict[int, dict[str, Any]] = {}
+                for flat, value in got.items():
+                    number, _, name = flat[len(base) + 1 :].partition(".")
+                    numbered.setdefault(int(number), {})[name] = value
+                groups = [numbered[n] for n in sorted(numbered)]
+            self._groups[index] = groups
+        return self._groups[index]
 
     def lightning_state(self) -> dict[str, Any]:
         meta = self.path / META_FILE

@@ -16,7 +16,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_pipe.checkpoint.reader import CheckpointReader, FileCheckpoint, OptimizerLayout, open_checkpoint
+from lightning_pipe.checkpoint.reader import (
+    CheckpointReader,
+    FileCheckpoint,
+    OptimizerLayout,
+    ShardedCheckpoint,
+    open_checkpoint,
+)
 from lightning_pipe.weights import StageInit, materialize
 from lightning_pipe.weights.sources import PathLike, is_distributed_checkpoint
 
@@ -64,9 +70,10 @@ class Resume:
         if isinstance(self.reader, FileCheckpoint):
             self.reader.layouts = list(layouts)
 
-    def check_groups(self, layouts: list[OptimizerLayout]) -> None:
+    def check_groups(self, layouts: list[OptimizerLayout], strict: bool = True) -> None:
         """Each saved optimizer's parameter groups against the optimizer's (``layouts``), as torch's
-        ``Optimizer.load_state_dict`` checks them: raises before any state is read."""
+        ``Optimizer.load_state_dict`` checks them, and (``strict``: the LightningModule's ``strict_loading``) the
+        parameters a folder names against the optimizer's: raises before any state is read."""
         for index, layout in enumerate(layouts[: self.reader.optimizer_count()]):
             saved = self.reader.group_sizes(index)
             if saved is None:
@@ -83,6 +90,23 @@ class Resume:
                         f"{what} contains a parameter group that doesn't match the size of optimizer's group "
                         f"(group {group}: {size} saved, {len(keys)} in the optimizer)"
                     )
+            if strict and isinstance(self.reader, ShardedCheckpoint):  # a folder names each state's parameter
+                self._check_names(index, self.reader.layout(index), layout)
+
+    def _check_names(self, index: int, saved: OptimizerLayout, layout: OptimizerLayout) -> None:
+        """The parameters a folder saved optimizer ``index``'s state for are the optimizer's (by key): a state saved
+        under a name the optimizer does not have would not be read, and is not dropped silently."""
+        stored, ours = {k for keys in saved for k in keys}, {k for keys in layout for k in keys}
+        if stored == ours:
+            return
+        extra, missing = sorted(stored - ours), sorted(ours - stored)
+        raise ValueError(
+            f"{self.path}: optimizer {index}'s state was saved for parameters the optimizer does not have "
+            f"({', '.join(extra[:3]) or 'none'}{' ...' if len(extra) > 3 else ''}) and not for some it has "
+            f"({', '.join(missing[:3]) or 'none'}{' ...' if len(missing) > 3 else ''}): configure_optimizers must "
+            "build the optimizer over the parameters the checkpoint was saved with, under the same names (a module "
+            "compiled by torch.compile before saving names them with '_orig_mod.')"
+        )
 
     def optimizer_states(self, layouts: list[OptimizerLayout]) -> list[dict[str, Any]]:
         """Each optimizer's whole state as torch's ``state_dict`` holds it (state by position in ``layouts``)."""

@@ -4,8 +4,11 @@ All processes of a run call `save_sharded` at once (DCP's save is a collective o
 its own tensors (its stage; with FSDP, its shard of it) under the LightningModule's keys, and its part of
 each optimizer's state under the same keys. One process (``extra`` given) also writes Lightning's loop
 and callback state, ``meta.pt``, as Lightning's ModelParallelStrategy does. The folder holds no trace of
-the layout it was written in: any (replicas, stages), DDP or FSDP, or one process reads it back by key
-(`lightning_pipe.checkpoint.reader`), and `consolidate` makes one file of it.
+the layout it was written in: any (replicas, stages, tensor ranks), DDP or FSDP, or one process reads it back by key
+(`lightning_pipe.checkpoint.reader`), and `consolidate` makes one file of it. The keys are those of Lightning's
+``ModelParallelStrategy`` (``state_dict.<key>``, ``optimizer_<i>.state.<key>.<name>``,
+``optimizer_<i>.param_groups.<group>.<name>`` with ``params`` the group's keys, ``meta.pt``): each reads the
+other's folders.
 """
 
 from __future__ import annotations
@@ -52,10 +55,15 @@ def sharded_state(model: dict[str, Any], optimizers: list[OptimizerPart]) -> dic
     state: dict[str, Any] = {MODEL: model}
     for index, part in enumerate(optimizers):
         entry: dict[str, Any] = {"state": part.state}
-        if part.groups is not None:
-            entry["param_groups"] = tuple(part.groups)  # a tuple: DCP keeps it as one value, not one per number
-        if part.layout is not None:
-            entry["layout"] = [list(keys) for keys in part.layout]
+        groups = part.groups or [{} for _ in part.layout or ()]
+        layout: list[list[str] | None] = [list(keys) for keys in part.layout] if part.layout else [None] * len(groups)
+        if len(groups) != len(layout):
+            raise ValueError(f"optimizer {index}: {len(groups)} parameter groups but a layout of {len(layout)}")
+        if groups:  # as torch's `get_optimizer_state_dict` gives them (Lightning's ModelParallelStrategy reads them):
+            # each group's hyperparameters and its parameters' keys in order, under param_groups.<group>.<name>
+            entry["param_groups"] = [
+                {**g, **({} if k is None else {"params": k})} for g, k in zip(groups, layout, strict=True)
+            ]
         state[optimizer_key(index)] = entry
     return state
 

@@ -126,7 +126,7 @@ class Checkpoints:
             return
         layouts = self.optimization.layouts or optimizer_layouts(lightning_module, optimizers)
         resume.set_layouts(layouts)
-        resume.check_groups(layouts)
+        resume.check_groups(layouts, strict=getattr(lightning_module, "strict_loading", True))
         if not launched:  # one process: the optimizers' whole states, assembled from the checkpoint
             self.load_optimizer_states(optimizers, resume.optimizer_states(layouts))
             return

@@ -97,7 +97,21 @@ class StepDriver:
         kwargs: dict[str, Any],
         context: Callable[[], AbstractContextManager[Any]],
     ) -> Any:
-        """Lightning's ``name`` (``"training_step"``, ...) of the batch ``args[0]``, microbatch by microbatch."""
+        """Lightning's ``name`` (``"training_step"``, ...) of the batch ``args[0]``, microbatch by microbatch.
+
+        ``context`` (the precision plugin's step context) is held here around every microbatch's thread, each of
+        which enters it again for its thread-local state (autocast): what it sets process-wide (a ``"*-true"``
+        precision's default dtype) would otherwise be restored by overlapping threads in any order, and leak."""
+        with context():
+            return self._run(name, args, kwargs, context)
+
+    def _run(
+        self,
+        name: str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        context: Callable[[], AbstractContextManager[Any]],
+    ) -> Any:
         setting = self._setting
         assert setting is not None, "StepDriver.setup comes first"
         lightning_module = setting.lightning_module

@@ -69,8 +69,9 @@ def refuse_self_sharded(pipelined: Any) -> None:
         raise ConfigurationError(
             f"configure_model applied fully_shard to {', '.join(sharded[:3])}{' ...' if len(sharded) > 3 else ''}: "
             "PipeStrategy splits the model into stages first and spreads each stage over its replicas itself; "
-            "apply fully_shard only under ModelParallelStrategy (e.g. `if not isinstance(self.trainer.strategy, "
-            "PipeStrategy)`), and leave the data-parallel dimension to PipeStrategy: "
+            "apply fully_shard only under ModelParallelStrategy (e.g. `if \"pipeline\" not in "
+            "self.device_mesh.mesh_dim_names`: the processes serving a stage run configure_model without a Trainer), "
+            "and leave the data-parallel dimension to PipeStrategy: "
             "PipeStrategy(data_parallel='fsdp') shards each stage with FSDP2 over its replicas (each block a unit), "
             "data_parallel='ddp' averages each stage's gradients over its replicas"
         )
