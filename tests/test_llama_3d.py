@@ -1,11 +1,11 @@
 """The 3-D example, ``examples/llama_3d.py``: a Llama-style model trained as replicas x stages x tensor ranks.
 
 ``python examples/llama_3d.py --devices 8`` as the README says, with ``--data-parallel fsdp`` (Lightning's launcher
-starts the 8 processes: 2 replicas x 2 stages x 2 tensor ranks over gloo), at the tiny size for 2 AdamW steps: every coordinator's loss is
-the plain model's on the global batch (one process, in this test's process) to 1e-5, and each process holds its
-share of the training state only (with ``--data-parallel fsdp``: 1/(R x S x T) of the parameters, gradients and
-optimizer state). The same module under Lightning's ``ModelParallelStrategy`` gives the same
-losses; on CUDA (NCCL, one GPU a process) the run is the CUDA test below.
+starts the 8 processes: 2 replicas x 2 stages x 2 tensor ranks over gloo), at the tiny size for 2 AdamW steps:
+every coordinator's loss is the plain model's on the global batch (one process, in this test's process) to 1e-5,
+and each process holds 1/(R x S x T) of the parameters, their gradients and the optimizer state. The same module
+under Lightning's ``ModelParallelStrategy`` gives the same losses; on CUDA (NCCL, one GPU a
+process) the run is the CUDA test below.
 """
 
 from __future__ import annotations
