@@ -1,8 +1,9 @@
 """Several runs of ``examples/big_model.py`` in one launch: ``python tests/big_model_runs.py RUNS.json``.
 
-``RUNS.json`` is a list of big_model.py command lines (argument lists), run one after the other in the same
-processes: Lightning's launcher starts them at the first ``fit`` and the later runs reuse them, as a user's
-script with several fits does. Each run's report is big_model.py's own (its losses, its peak resident memory).
+``RUNS.json`` is a list of command lines, ``[script, *arguments]`` with script ``big_model.py``,
+``fsdp_build.py`` or ``hf_weights_train.py`` (tests/), run one after the other in the same processes:
+Lightning's launcher starts them at the first ``fit`` and the later runs reuse them, as a user's script with
+several fits does. Each run's report is its script's own (big_model.py: its losses, its peak resident memory).
 
 Memory per run: before each run every process hands its freed memory back to the system (``gc``, glibc's
 ``malloc_trim``) and resets its peak resident memory to what it holds now (``/proc/self/clear_refs``), so a
@@ -42,9 +43,19 @@ def main() -> None:
     faulthandler.enable()
     runs_file = Path(sys.argv[1])
     (runs_file.parent / f"empty-rank{rank()}.json").write_text(json.dumps({"peak_mib": big_model.peak_mib()}))
-    for argv in json.loads(runs_file.read_text()):
+    for script, *argv in json.loads(runs_file.read_text()):
         fresh_peak()
-        big_model.main(argv)
+        if script == "hf_weights_train.py":
+            import hf_weights_train  # transformers: imported only by the processes that run it, after the others
+
+            hf_weights_train.main(argv)
+        elif script == "fsdp_build.py":
+            import fsdp_build
+
+            fsdp_build.main(argv)
+        else:
+            assert script == "big_model.py", script
+            big_model.main(argv)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """What the FSDP build tests start (Lightning's launcher, 4 processes = 2 replicas x 2 stages, FSDP per stage).
 
-One launch, three fits of ``examples/big_model.py``'s model built on meta, each process writing what it holds
-after each (``<out>/<case>-rank<g>.json``):
+One launch (of its own, or among the runs of `big_model_runs.py`), three fits of ``examples/big_model.py``'s
+model built on meta, each process writing what it holds after each (``<out>/<case>-rank<g>.json``):
 
 - ``seeded``: no checkpoint, no step: each stage initialised from the run's seed; saved as a sharded folder
   (``<out>/seeded``), which rank 0 also makes one file (``<out>/seeded.ckpt``);
@@ -9,6 +9,7 @@ after each (``<out>/<case>-rank<g>.json``):
 - ``file``: resumed from ``<out>/seeded.ckpt`` (each tensor read whole, one at a time, cut to its shard), 2 steps.
 
     python tests/fsdp_build.py --out /tmp/x
+    # the tests: among the runs of tests/big_model_runs.py (tests/big_launch.py)
 """
 
 from __future__ import annotations
@@ -82,11 +83,12 @@ def holds(trainer: L.Trainer, model: nn.Module, losses: list[float]) -> dict[str
     }
 
 
-def main() -> None:
-    faulthandler.enable()
+def main(argv: list[str] | None = None) -> None:
+    """The three builds, as the command line (or ``argv``) says."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    out = Path(parser.parse_args().out)
+    out = Path(parser.parse_args(argv).out)
+    out.mkdir(parents=True, exist_ok=True)
     trainer, model, losses = fit(0, None)
     rank = trainer.global_rank
     report = holds(trainer, model, losses)
@@ -103,4 +105,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    faulthandler.enable()
     main()

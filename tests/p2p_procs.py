@@ -1,8 +1,9 @@
-"""The processes of the p2p tests: ``python p2p_procs.py SCENARIO RANK WORLD PORT OUTDIR``.
+"""The processes of the p2p tests: ``python p2p_procs.py SCENARIO[,SCENARIO...] RANK WORLD PORT OUTDIR``.
 
-Each process joins a gloo world on 127.0.0.1, plays its part of the scenario and writes
-``OUTDIR/<rank>.json`` (``{"ok": ...}`` and what it measured, or the error's traceback).
-Pipeline rank 0 of each pipeline compares against a local model itself.
+Each process joins a gloo world on 127.0.0.1 and plays its part of each scenario in turn (a process start
+costs seconds: one world serves several scenarios), writing ``OUTDIR/<scenario>/<rank>.json`` (``{"ok": ...}``
+and what it measured, or the error's traceback); after a failed scenario it plays no more. A scenario that
+kills a process comes last. Pipeline rank 0 of each pipeline compares against a local model itself.
 """
 
 from __future__ import annotations
@@ -176,7 +177,7 @@ def kill_stage(group: Any, ranks: list[int]) -> dict[str, Any]:
 
 def kill_coordinator(group: Any, ranks: list[int], outdir: str) -> None:
     comm = P2PCommunicator(group, ranks, describer(ranks, 0), timeout=60)
-    pipe = Pipeline(mlp(), stages=2, partition="uniform", transport=comm, timeout=60).start()
+    pipe = Pipeline(mlp(), stages=len(ranks), partition="uniform", transport=comm, timeout=60).start()
     x, y = data(0)
     pipe.train_step(x, y, F.cross_entropy)
     write(outdir, 0, {"ok": True, "killed_at": time.time()})
@@ -241,15 +242,21 @@ def write(outdir: str, rank: int, result: dict[str, Any]) -> None:
 
 
 def main() -> None:
-    scenario, rank, world, port, outdir = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+    scenarios, rank, world, port, outdir = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
     torch.set_num_threads(1)
     init = f"tcp://127.0.0.1:{port}"
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=timedelta(seconds=60))
-    try:
-        result = {"ok": True} | run(scenario, rank, world, outdir)
-    except BaseException:
-        result = {"ok": False, "traceback": traceback.format_exc()}
-    write(outdir, rank, result)
+    for scenario in scenarios.split(","):
+        folder = os.path.join(outdir, scenario)
+        os.makedirs(folder, exist_ok=True)
+        try:
+            result = {"ok": True} | run(scenario, rank, world, folder)
+        except BaseException:
+            result = {"ok": False, "traceback": traceback.format_exc()}
+        write(folder, rank, result)
+        print(f"[rank {rank}] scenario {scenario} ended", flush=True)
+        if not result["ok"]:
+            break
     sys.stdout.flush()
     os._exit(0)  # the world may hold a lost peer: destroying it could wait for that peer
 

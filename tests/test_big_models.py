@@ -3,7 +3,8 @@
 Every launch runs ``examples/big_model.py``'s training as a user's script does (Lightning's launcher starts the
 processes), several runs one after another in the same processes (`big_model_runs.py`: a launch costs every
 process its imports); each process reports each run's losses and peak resident memory. The plain Trainer's
-runs are the references.
+runs are the references. Every launched run of this module is in one of two launches side by side (the
+`launched` fixture, tests/big_launch.py: 4 processes and 2); each test checks its runs' folders.
 """
 
 from __future__ import annotations
@@ -13,35 +14,19 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import fsdp_build
 import lightning as L
 import pytest
 import torch
-from launching import ROOT, Run, base_env, free_port, lightning_launch, run_all
+from big_launch import AGAINST_DDP, BIG_CASES, LAYOUTS, SEEDED, STATE_MIB, launch
+from launching import ROOT
 
 from lightning_pipe import PipeStrategy
 from lightning_pipe.checkpoint.consolidate import consolidate
 from lightning_pipe.errors import ConfigurationError
 
-RUNS = str(ROOT / "tests" / "big_model_runs.py")
 sys.path.insert(0, str(ROOT / "examples"))
 import big_model  # noqa: E402 - the example, imported for its LightningModule
-
-MIB = 1 << 20
-
-
-def launch_runs(*launches: tuple[Path, list[list[str]]], timeout: float = 1200) -> Run:
-    """Launches (Lightning's launcher, as ``python big_model.py`` starts it), all at once, each doing its ``runs``
-    (big_model.py command lines) one after another in the same processes (`big_model_runs.py`). The timeout
-    guards against a hang: a launch does the work of several of the 600 s launches it replaces."""
-    commands = []
-    for folder, runs in launches:
-        folder.mkdir(parents=True)
-        (folder / "runs.json").write_text(json.dumps(runs))
-        env = base_env() | {"MASTER_PORT": str(free_port())}
-        commands.append(([sys.executable, RUNS, str(folder / "runs.json")], env))
-    run = run_all(commands, timeout)
-    assert run.ok, f"launch failed ({run.returncodes}):\n{run.output[-6000:]}"
-    return run
 
 
 def empty_mib(folder: Path) -> dict[int, float]:
@@ -75,95 +60,40 @@ def same_state(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: flo
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every launched run of this module, once (`big_launch.launch`: the plain references run here first)."""
+    return launch(tmp_path_factory.mktemp("launched"))
+
+
 @pytest.mark.slow
-def test_a_512_mib_model_resumed_per_stage_holds_a_stage_per_process(tmp_path: Path) -> None:
+def test_a_512_mib_model_resumed_per_stage_holds_a_stage_per_process(launched: Path) -> None:
     """32 x Linear(2048, 2048), SGD with momentum (1.5 GiB of training state), resumed from a plain Trainer's
     checkpoint: 1 x 4 (eager, meta, configure_model) and 2 x 2 FSDP (meta) take the plain run's losses, and
     every process stays within its share of the training state.
 
     The plain run trains in this process (only its losses and checkpoint are used); the four resumed runs are
-    one launch, each process measuring each run's peak on its own and the memory it started with (torch,
-    Lightning and lightning_pipe imported: what a process costs before any model)."""
-    state = 3 * 32 * (2048 * 2048 + 2048) * 4 / MIB  # parameters + gradients + momentum, in MiB
-    big_model.main(["--plain", "--save", str(tmp_path / "plain.ckpt"), "--report", str(tmp_path / "plain")])
-    plain = losses(tmp_path / "plain")[0][1:]  # the two steps after the checkpoint
-    cases = {  # in the order they run: the one closest to its bound first
-        # 2 replicas of 8 rows each: the plain run's 16 rows per step
-        "fsdp": (["--build", "meta", "--stages", "2", "--data-parallel", "fsdp", "--batch", "8"], 0.40),
-        "meta": (["--build", "meta"], 0.35),
-        "configure_model": (["--build", "configure_model"], 0.35),
-        "eager": (["--build", "eager"], 0.55),
-    }
-    runs = [[*args, "--ckpt-path", str(tmp_path / "plain.ckpt"), "--report", str(tmp_path / name)]
-            for name, (args, _) in cases.items()]  # fmt: skip
-    launch_runs((tmp_path / "launch", runs))
-    empty = empty_mib(tmp_path / "launch")
-    for name, (_, share) in cases.items():
-        got = reports(tmp_path / name)
+    the first runs of the 4-process launch, each process measuring each run's peak on its own and the memory it
+    started with (torch, Lightning and lightning_pipe imported: what a process costs before any model)."""
+    folder = launched / "big"
+    plain = losses(folder / "plain")[0][1:]  # the two steps after the checkpoint
+    empty = empty_mib(launched / "four")
+    for name, (_, share) in BIG_CASES.items():
+        got = reports(folder / name)
         assert len(got) == 4
-        peaks = [(r["peak_mib"] - empty[r["rank"]]) / state for r in got]
+        peaks = [(r["peak_mib"] - empty[r["rank"]]) / STATE_MIB for r in got]
         assert max(peaks) <= share, f"{name}: peak memory per process / training state = {peaks} (> {share})"
-        per_replica = losses(tmp_path / name)  # each replica's loss is over its half of the rows: their mean is all
+        per_replica = losses(folder / name)  # each replica's loss is over its half of the rows: their mean is all
         got_losses = [sum(step) / len(step) for step in zip(*per_replica, strict=True)]
         assert close(got_losses, plain), f"{name}: {per_replica} != {plain}"
 
 
-SMALL = ["--width", "32", "--depth", "6", "--microbatches", "2"]
-# FSDP 2 x 2 against Lightning DDP over 2 processes: optimizer, schedule, more arguments
-AGAINST_DDP = {
-    "sgd-gpipe": ("sgd", "gpipe", []),
-    "adam-1f1b": ("adam", "1f1b", ["--clip", "0.05"]),
-    "sgd-1f1b-acc": ("sgd", "1f1b", ["--accumulate", "2", "--recompute", "always"]),
-    "sgd-looped-bfs-v2": ("sgd", "looped-bfs", ["--virtual-stages", "2"]),  # FSDP under a looped schedule
-}
-RESUMED = [*SMALL, "--optimizer", "adam", "--build", "meta"]  # a 2 x 2 FSDP run's checkpoint, resumed
-LAYOUTS = {"1x4": ["--stages", "4", "--batch", "16"], "4x1": ["--stages", "1", "--batch", "4"]}
-SEEDED = {"1x4": ["--stages", "4", "--single-file"], "2x2": ["--stages", "2"]}  # 1 x 4 writes one file
-
-
-def against_ddp(name: str, folder: Path) -> tuple[list[str], list[str]]:
-    """The FSDP 2 x 2 run and the Lightning DDP run of a case of AGAINST_DDP."""
-    optimizer, schedule, extra = AGAINST_DDP[name]
-    case = [*SMALL, "--epochs", "3", "--optimizer", optimizer, "--batch", "8", *extra]
-    fsdp, ddp = folder / f"fsdp-{name}", folder / f"ddp-{name}"
-    ddp_case = [a for a in case if a not in ("--recompute", "always")]  # DDP has no stages to recompute
-    return (
-        [*case, "--stages", "2", "--data-parallel", "fsdp", "--build", "eager", "--schedule", schedule,
-         "--save-at-end", str(fsdp / "ckpt"), "--report", str(fsdp)],
-        [*ddp_case, "--ddp", "--devices", "2", "--save-at-end", str(ddp / "ckpt"), "--report", str(ddp)],
-    )  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def small_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Every launched run of the small model's tests below, in two launches side by side: the 4-process runs
-    (FSDP against DDP, the resumed layouts, the seeded builds) one after another in one set of processes, and
-    Lightning DDP's runs in a set of 2. Each run writes its own folder; the tests compare them."""
-    folder = tmp_path_factory.mktemp("small")
-    four, two = [], []
-    for name in AGAINST_DDP:
-        fsdp, ddp = against_ddp(name, folder)
-        four.append(fsdp)
-        two.append(ddp)
-    first = folder / "fsdp"  # 2 x 2 FSDP, saved after its first step, then resumed under each layout
-    four.append([*RESUMED, "--stages", "2", "--data-parallel", "fsdp", "--batch", "8", "--epochs", "2", "--save",
-                 str(first / "saved"), "--save-at-end", str(first / "final"), "--report", str(first)])  # fmt: skip
-    for name, args in LAYOUTS.items():
-        out = folder / name
-        four.append([*RESUMED, *args, "--epochs", "2", "--ckpt-path", str(first / "saved"), "--save-at-end",
-                     str(out / "final"), "--report", str(out)])  # fmt: skip
-    for name, args in SEEDED.items():
-        four.append([*SMALL, *args, "--build", "meta", "--epochs", "0", "--save-at-end",
-                     str(folder / f"seeded-{name}" / "initial")])  # fmt: skip
-    launch_runs((folder / "four", four), (folder / "two", two))
-    return folder
-
-
 @pytest.mark.slow
-def test_fsdp_2x2_equals_lightning_ddp_with_two_processes(small_runs: Path) -> None:
+def test_fsdp_2x2_equals_lightning_ddp_with_two_processes(launched: Path) -> None:
     """3 SGD steps (gpipe) and 3 Adam steps (1f1b, clipping) from the same eagerly built model: FSDP over each
     stage's 2 replicas takes Lightning DDP's steps (same per-process batch), losses and trained parameters to 1e-5;
     so does 1f1b with gradient accumulation and recomputation."""
+    small_runs = launched / "small"
     for name in AGAINST_DDP:
         fsdp, ddp = small_runs / f"fsdp-{name}", small_runs / f"ddp-{name}"
         for a, b in zip(losses(fsdp), losses(ddp), strict=True):
@@ -173,10 +103,11 @@ def test_fsdp_2x2_equals_lightning_ddp_with_two_processes(small_runs: Path) -> N
 
 
 @pytest.mark.slow
-def test_a_sharded_fsdp_checkpoint_resumes_under_any_layout(small_runs: Path, tmp_path: Path) -> None:
+def test_a_sharded_fsdp_checkpoint_resumes_under_any_layout(launched: Path, tmp_path: Path) -> None:
     """A 2 x 2 FSDP run's sharded checkpoint resumes under 1 x 4 (DDP), 4 x 1 and local mode: the next step
     takes every layout to the same parameters (16 rows, one global batch); consolidated, it loads strictly into
     a plain Trainer's module with its own values."""
+    small_runs = launched / "small"
     first = small_runs / "fsdp"
     expected = state_of(first / "final", tmp_path / "final.ckpt")
     for name in LAYOUTS:
@@ -213,13 +144,13 @@ def open_folder_state(folder: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.slow
-def test_the_same_seed_builds_the_same_model_in_every_layout(small_runs: Path, tmp_path: Path) -> None:
+def test_the_same_seed_builds_the_same_model_in_every_layout(launched: Path, tmp_path: Path) -> None:
     """Built on meta with no checkpoint, each stage initialises its own tensors from the run's seed and their
     names: 1 x 4, 2 x 2 and local mode start from the same parameters (1 x 4 saves them as one file, written
     a tensor at a time: save_distributed_checkpoint=False)."""
     states = {}
     for name in SEEDED:
-        out = small_runs / f"seeded-{name}"
+        out = launched / "small" / f"seeded-{name}"
         states[name] = state_of(out / "initial", tmp_path / f"{name}.ckpt")
     L.seed_everything(0, verbose=False)
     trainer = L.Trainer(
@@ -238,23 +169,14 @@ def test_the_same_seed_builds_the_same_model_in_every_layout(small_runs: Path, t
 
 
 @pytest.mark.slow
-def test_pretrained_safetensors_weights_are_read_per_stage(tmp_path: Path) -> None:
+def test_pretrained_safetensors_weights_are_read_per_stage(launched: Path) -> None:
     """A HF GPT-2 (from a config) saved with ``save_pretrained`` in small safetensors shards: 1 x 4 with the model
     built on meta reads each stage's tensors in that stage's process (its tied head from the embedding's key),
     nothing else, and trains as the plain model loaded with ``from_pretrained`` does (here, in this process)."""
-    transformers = pytest.importorskip("transformers")
-    transformers.logging.set_verbosity_error()
-    import hf_weights_train  # the plain run, in this process
-    from causal_lm import CausalLM
-
-    torch.manual_seed(0)
-    CausalLM().model.save_pretrained(tmp_path / "weights", max_shard_size="100KB")
-    assert (tmp_path / "weights" / "model.safetensors.index.json").is_file()
-    script = str(ROOT / "tests" / "hf_weights_train.py")
-    hf_weights_train.main(["--weights", str(tmp_path / "weights"), "--report", str(tmp_path / "plain"), "--plain"])
-    run = lightning_launch(script, ["--weights", str(tmp_path / "weights"), "--report", str(tmp_path / "pipe")], 600)
-    assert run.ok, run.output[-6000:]
-    want, got = reports(tmp_path / "plain")[0]["losses"], reports(tmp_path / "pipe")
+    pytest.importorskip("transformers")
+    folder = launched / "hf"
+    assert (folder / "weights" / "model.safetensors.index.json").is_file()
+    want, got = reports(folder / "plain")[0]["losses"], reports(folder / "1f1b")
     assert close(got[0]["losses"], want), f"{got[0]['losses']} != {want}"
     held: list[str] = []
     for report in got:
@@ -263,13 +185,73 @@ def test_pretrained_safetensors_weights_are_read_per_stage(tmp_path: Path) -> No
     assert "lm_head.weight" in held and len(set(held)) == len(held)  # every stage its own keys, once
     # the V of zbv in 2 processes: the embedding (stage 0) and its tied head (stage 3) both in process 0
     for schedule in ("zbv",):
-        folder = tmp_path / schedule
-        more = ["--schedule", schedule, "--devices", "2", "--virtual-stages", "2", "--microbatches", "4"]
-        run = lightning_launch(script, ["--weights", str(tmp_path / "weights"), "--report", str(folder), *more])
-        assert run.ok, run.output[-6000:]
-        got = reports(folder)
+        got = reports(folder / schedule)
+        assert len(got) == 2
         assert close(got[0]["losses"], want), f"{schedule}: {got[0]['losses']} != {want}"
         assert all(set(report["read"]) <= set(report["holds"]) for report in got), schedule  # its own tensors only
+
+
+def fsdp_reports(out: Path, case: str) -> list[dict[str, Any]]:
+    return [json.loads((out / f"{case}-rank{r}.json").read_text()) for r in range(4)]
+
+
+def fsdp_local(epochs: int, ckpt_path: Path | None) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """Local mode (every stage whole, threads of this process): the same model, data and seed as fsdp_build.py."""
+    L.seed_everything(0, verbose=False)
+    record = big_model.Record(None, 0)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_epochs=epochs, callbacks=[record], logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        strategy=PipeStrategy(stages=2, microbatches=2, transport="local"),
+    )  # fmt: skip
+    with trainer.init_module(empty_init=True):
+        model = big_model.Big(fsdp_build.WIDTH, fsdp_build.DEPTH, "meta", "adam")
+    loader = torch.utils.data.DataLoader(fsdp_build.data(), batch_size=fsdp_build.ROWS)
+    trainer.fit(model, loader, ckpt_path=str(ckpt_path) if ckpt_path is not None else None)
+    return {f"model.{k}": v.detach().clone() for k, v in model.model.state_dict().items()}, record.losses
+
+
+@pytest.mark.slow
+def test_fsdp_builds_each_stage_shard_by_shard(launched: Path, tmp_path: Path) -> None:
+    """Built from the seed, from a sharded folder and from a single file (`fsdp_build.py`, 2 x 2 with FSDP per
+    stage), every process holds exactly its shard of its stage (a DTensor per parameter, half of each, nothing
+    else of the model real) and never held more than one module of it whole; the seeded model equals local
+    mode's; both resumes train as local mode does."""
+    out = launched / "fsdp_build"
+    width = fsdp_build.WIDTH
+    module_bytes = (width * width + width) * 4  # one Linear's weight and bias: the largest module
+    tensor_bytes = width * width * 4  # its weight: the largest tensor
+    stage_bytes = fsdp_build.DEPTH // 2 * module_bytes
+    for case in ("seeded", "folder", "file"):
+        for rank, report in enumerate(fsdp_reports(out, case)):
+            where = f"{case}, rank {rank}"
+            params = report["params"]
+            assert len(params) == fsdp_build.DEPTH, where  # 3 Linear layers of this process's stage: 6 tensors
+            for name, p in params.items():
+                assert p["dtensor"], f"{where}: {name} is not sharded"
+                assert p["local"] == [p["shape"][0] // 2, *p["shape"][1:]], f"{where}: {name} holds {p['local']}"
+            assert sum(p["bytes"] for p in params.values()) == stage_bytes // 2, where
+            assert report["others_real"] == [], f"{where}: holds other tensors: {report['others_real']}"
+            assert report["fsdp_groups_checked"] == 3, where  # the private attributes the reduce reads exist
+            if case == "seeded":  # each module whole once, one at a time
+                assert report["wholes_count"] == len(params) and report["wholes_peak"] <= module_bytes, where
+                assert report["loaded"] == 0
+            elif case == "folder":  # read as shards: nothing whole, ever
+                assert report["wholes_count"] == 0 and report["loaded"] == len(params), where
+            else:  # one tensor whole at a time, from the mapped file
+                assert report["wholes_count"] == len(params) and report["wholes_peak"] <= tensor_bytes, where
+    # the seeded FSDP model is the model every other layout builds from the same seed
+    initial, _ = fsdp_local(0, None)
+    seeded = state_of(out / "seeded", tmp_path / "seeded-one.ckpt")
+    assert same_state(seeded, initial) == 0.0
+    # resumed from the sharded folder or the file: local mode's steps (the replicas' mean loss is the global one)
+    trained, local_losses = fsdp_local(2, out / "seeded")
+    for case in ("folder", "file"):
+        replicas = [r["losses"] for r in fsdp_reports(out, case) if r["losses"]]
+        assert len(replicas) == 2
+        mean = [sum(step) / 2 for step in zip(*replicas, strict=True)]
+        assert mean == pytest.approx(local_losses, rel=1e-5), f"{case}: {mean} != {local_losses}"
+    assert same_state(state_of(out / "folder", tmp_path / "folder-one.ckpt"), trained) < 1e-5
 
 
 def test_fsdp_refuses_split_backwards_and_one_file_before_any_work() -> None:

@@ -1,8 +1,9 @@
 """transport=P2PCommunicator: stages in the processes of a gloo world, messages by isend/irecv.
 
-Each test starts real processes (`p2p_procs`) on 127.0.0.1; pipeline rank 0 of each pipeline
-compares against the unsplit model itself and writes what it measured. Every process is waited
-for with a deadline and killed by the test if it is still running.
+The tests share real processes (`p2p_procs`) on 127.0.0.1: three worlds (2, 3 and 4 processes) started side
+by side, each process playing several scenarios in turn (a process start costs seconds); pipeline rank 0 of
+each pipeline compares against the unsplit model itself and writes what it measured per scenario, and each
+test checks its scenario's results. Every process is waited for with a deadline and killed if still running.
 """
 
 from __future__ import annotations
@@ -45,22 +46,33 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run_world(scenario: str, world: int, tmp_path: Path, timeout: float = 50.0) -> dict[int, dict[str, Any]]:
-    """Run ``scenario`` in ``world`` processes; each rank's result (a killed rank has none)."""
-    port, env = free_port(), worker_env() | {"LIGHTNING_PIPE_WORKER": "1", "OMP_NUM_THREADS": "1"}
-    logs = [open(tmp_path / f"{rank}.log", "wb") for rank in range(world)]  # noqa: SIM115
-    command = [sys.executable, str(HELPER), scenario, "", str(world), str(port), str(tmp_path)]
-    processes = []
+# the worlds, started side by side: a world plays its scenarios in turn (one that kills a process last)
+WORLDS = {"two": (2, "train,last,kill_stage"), "three": (3, "train,kill_coordinator"), "four": (4, "dp")}
+
+
+@pytest.fixture(scope="module")
+def worlds(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every world of WORLDS at once (each its processes, each process several scenarios), within ``timeout``;
+    every process waited for and killed if still running. Each world's results are under ``<folder>/<name>``. The
+    timeout guards against a hang: the six launches of 50 s each that these worlds replace."""
+    folder, timeout = tmp_path_factory.mktemp("p2p"), 300.0
+    env = worker_env() | {"LIGHTNING_PIPE_WORKER": "1", "OMP_NUM_THREADS": "1"}
+    processes, logs = [], []
     try:
-        for rank in range(world):
-            command[3] = str(rank)
-            processes.append(subprocess.Popen(command, stdout=logs[rank], stderr=subprocess.STDOUT, env=env))
+        for name, (world, scenarios) in WORLDS.items():
+            (folder / name).mkdir()
+            port = str(free_port())
+            for rank in range(world):
+                logs.append(open(folder / name / f"{rank}.log", "wb"))  # noqa: SIM115
+                command = [sys.executable, str(HELPER), scenarios, str(rank), str(world), port, str(folder / name)]
+                processes.append(subprocess.Popen(command, stdout=logs[-1], stderr=subprocess.STDOUT, env=env))
         until = time.monotonic() + timeout
         for process in processes:
             try:
                 process.wait(max(0.1, until - time.monotonic()))
             except subprocess.TimeoutExpired:
-                pytest.fail(f"{scenario}: a process ran past {timeout} s\n{tails(tmp_path, world)}")
+                tails = "\n".join(world_tails(folder, name) for name in WORLDS)
+                pytest.fail(f"a process of the p2p worlds ran past {timeout} s\n{tails}")
     finally:
         for process in processes:
             if process.poll() is None:
@@ -68,17 +80,29 @@ def run_world(scenario: str, world: int, tmp_path: Path, timeout: float = 50.0) 
                 process.wait(10)
         for log in logs:
             log.close()
+    return folder
+
+
+def results_of(worlds: Path, name: str, scenario: str) -> dict[int, dict[str, Any]]:
+    """Each rank's result of ``scenario`` in world ``name`` (a killed rank has none)."""
+    world, scenarios = WORLDS[name]
+    assert scenario in scenarios.split(",")
     results = {}
     for rank in range(world):
-        path = tmp_path / f"{rank}.json"
+        path = worlds / name / scenario / f"{rank}.json"
         if path.exists():
             results[rank] = json.loads(path.read_text())
-            assert results[rank]["ok"], f"rank {rank}: {results[rank].get('traceback')}\n{tails(tmp_path, world)}"
+            where = f"{scenario} in world {name}, rank {rank}"
+            assert results[rank]["ok"], f"{where}: {results[rank].get('traceback')}\n{world_tails(worlds, name)}"
+    assert results, f"{scenario} in world {name}: no rank has a result (an earlier scenario failed?)\n" + world_tails(
+        worlds, name
+    )
     return results
 
 
-def tails(tmp_path: Path, world: int) -> str:
-    return "\n".join(f"--- rank {r} ---\n{(tmp_path / f'{r}.log').read_text()[-2000:]}" for r in range(world))
+def world_tails(worlds: Path, name: str) -> str:
+    logs = sorted((worlds / name).glob("*.log"))
+    return "\n".join(f"--- {name}: rank {log.stem} ---\n{log.read_text()[-2000:]}" for log in logs)
 
 
 def check_training(result: dict[str, Any]) -> None:
@@ -92,8 +116,8 @@ def check_training(result: dict[str, Any]) -> None:
         assert got["tensor_header_bytes"] == 64 * got["tensor_messages"]
 
 
-def test_two_processes_train_like_the_unsplit_model_and_carry_errors(tmp_path: Path) -> None:
-    results = run_world("train", 2, tmp_path)
+def test_two_processes_train_like_the_unsplit_model_and_carry_errors(worlds: Path) -> None:
+    results = results_of(worlds, "two", "train")
     coordinator = results[0]
     check_training(coordinator)
     assert coordinator["large_equal"], "a 64 MiB activation crossed damaged"
@@ -106,10 +130,10 @@ def test_two_processes_train_like_the_unsplit_model_and_carry_errors(tmp_path: P
     assert results[1]["error"] is None, "the serving process left serve_stages cleanly on release"
 
 
-def test_the_coordinator_holding_the_last_stage_trains_like_the_unsplit_model(tmp_path: Path) -> None:
+def test_the_coordinator_holding_the_last_stage_trains_like_the_unsplit_model(worlds: Path) -> None:
     """Launched mode's layout: the coordinator runs the last stage and feeds stage 0 in the other process, a
     step's later inputs as one bundle (inline, and one too large for a frame)."""
-    results = run_world("last", 2, tmp_path)
+    results = results_of(worlds, "two", "last")
     coordinator = results[0]
     assert coordinator["ok"], coordinator.get("traceback")
     got = coordinator["1f1b"]
@@ -118,33 +142,35 @@ def test_the_coordinator_holding_the_last_stage_trains_like_the_unsplit_model(tm
     assert results[1]["error"] is None
 
 
-def test_three_processes_train_like_the_unsplit_model(tmp_path: Path) -> None:
-    results = run_world("train", 3, tmp_path)
+def test_three_processes_train_like_the_unsplit_model(worlds: Path) -> None:
+    results = results_of(worlds, "three", "train")
     check_training(results[0])
     assert results[1]["error"] is None and results[2]["error"] is None
 
 
-def test_two_pipelines_of_two_average_gradients_over_their_replicas(tmp_path: Path) -> None:
+def test_two_pipelines_of_two_average_gradients_over_their_replicas(worlds: Path) -> None:
     """Four processes, two pipelines at once on different data; on_build replicates each stage over its replicas."""
-    results = run_world("dp", 4, tmp_path)
+    results = results_of(worlds, "four", "dp")
     for coordinator in (0, 2):
         check_training(results[coordinator])
     assert results[1]["error"] is None and results[3]["error"] is None
 
 
-def test_a_stage_process_killed_mid_step_fails_the_step_naming_it(tmp_path: Path) -> None:
-    results = run_world("kill_stage", 2, tmp_path)
+def test_a_stage_process_killed_mid_step_fails_the_step_naming_it(worlds: Path) -> None:
+    results = results_of(worlds, "two", "kill_stage")
     assert 1 not in results, "the stage's process killed itself"
     error, seconds = results[0]["error"], results[0]["seconds"]
     assert error.startswith("lost global rank 1 (pipeline rank 1 of replica 0): "), error
     assert seconds < 30
 
 
-def test_a_serving_process_leaves_when_its_coordinator_is_killed(tmp_path: Path) -> None:
-    results = run_world("kill_coordinator", 2, tmp_path)
-    error = results[1]["error"]
-    assert error is not None and error.startswith("lost global rank 0 (pipeline rank 0 of replica 0): "), error
-    assert results[1]["at"] - results[0]["killed_at"] < 30
+def test_a_serving_process_leaves_when_its_coordinator_is_killed(worlds: Path) -> None:
+    """Both serving processes of a world of three leave when its coordinator is killed."""
+    results = results_of(worlds, "three", "kill_coordinator")
+    for rank in (1, 2):
+        error = results[rank]["error"]
+        assert error is not None and error.startswith("lost global rank 0 (pipeline rank 0 of replica 0): "), error
+        assert results[rank]["at"] - results[0]["killed_at"] < 30
 
 
 def test_a_signature_describes_a_payload_without_its_tensors() -> None:
