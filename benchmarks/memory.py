@@ -18,8 +18,12 @@ Rows take their start from an input (`Row.start`): ``plain`` (the plain Trainer'
 (nothing: each stage initialised from the run's seed). Another mode's row (rpc's meta build) is one more `Row`.
 
 The 3-D rows run ``examples/llama_3d.py`` instead (its ``small`` Llama-style model, 105 MiB of parameters, AdamW:
-a training state of 4 x the parameters; 2 replicas x 2 stages x 2 tensor ranks, from the run's seed, 2 steps); their
-JSON also gives the share of the parameters each process holds, counted (``held_parameter_share``).
+a training state of 4 x the parameters; 2 replicas x 2 stages x 2 tensor ranks, from the run's seed, 2 steps), DDP
+or FSDP over each stage's replicas (``--data-parallel``); their JSON also gives what each process holds after the
+last step, counted: its share of the parameters (``held_parameter_share``), of their gradients
+(``held_gradient_share``), its optimizer state as a share of the parameters (``held_optimizer_share``; AdamW's two
+moments: 2 x the parameter share) and of the whole training state (``held_state_share``: all three over 4 x the
+parameters; 1/(S x T) with DDP per stage, 1/(R x S x T) with FSDP).
 """
 
 from __future__ import annotations
@@ -78,6 +82,10 @@ ROWS: list[Row] = [
         reference="llama plain", script=LLAMA),
     Row("PipeStrategy 2 x 2 x 2 (tensor parallel), DDP per stage, meta", [*LLAMA_2X2X2, "--build", "meta"], 8,
         start="seed", reference=None, script=LLAMA),
+    Row("PipeStrategy 2 x 2 x 2 (tensor parallel), FSDP per stage, built in __init__",
+        [*LLAMA_2X2X2, "--data-parallel", "fsdp"], 8, start="seed", reference="llama plain", script=LLAMA),
+    Row("PipeStrategy 2 x 2 x 2 (tensor parallel), FSDP per stage, meta",
+        [*LLAMA_2X2X2, "--data-parallel", "fsdp", "--build", "meta"], 8, start="seed", reference=None, script=LLAMA),
     Row("PipeStrategy 2 x 2 (the 3-D rows' model without tensor parallel), DDP per stage, meta",
         [*LLAMA_2X2X2, "--devices", "4", "--tensor-parallel", "1", "--build", "meta"], 4, start="seed", reference=None,
         script=LLAMA),
@@ -152,8 +160,7 @@ def main() -> None:
                 "reference_losses": reference,
                 "losses_equal": None if reference is None else same_losses(losses, reference),
                 "of_mib": round(of),
-                "held_parameter_share": [round(r["held_parameter_bytes"] / r["parameter_bytes"], 3)
-                                         for r in got if "parameter_bytes" in r],
+                **held_shares(got),
             })  # fmt: skip
     print_table(rows, sizes, empty)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
@@ -253,6 +260,17 @@ def sizes_of(got: list[dict[str, Any]], sizes: dict[str, float]) -> dict[str, fl
     return {"state": 4 * parameters, "parameters": parameters}
 
 
+def held_shares(got: list[dict[str, Any]]) -> dict[str, list[float]]:
+    """What each process of a llama_3d.py row holds after its last step (none for big_model.py's rows): shares of
+    the parameters' bytes, and of the training state's (the three over 4 x the parameters)."""
+    if "parameter_bytes" not in got[0]:
+        return {"held_parameter_share": []}
+    keys = [f"held_{part}_bytes" for part in ("parameter", "gradient", "optimizer")]
+    shares = {key[:-5] + "share": [round(r[key] / r["parameter_bytes"], 3) for r in got] for key in keys}
+    state = [sum(r[key] for key in keys) / (4 * r["parameter_bytes"]) for r in got]
+    return {**shares, "held_state_share": [round(share, 3) for share in state]}
+
+
 def same_losses(losses: list[list[float]], reference: list[float]) -> bool:
     """Whether the replicas' mean loss of each step (each replica's is over its share of the rows) is the
     reference's, to 1e-5."""
@@ -281,6 +299,11 @@ def print_table(rows: list[dict[str, Any]], sizes: dict[str, float], empty: floa
         if cuda:
             line += " " + " / ".join(f"{v:.0f}" for v in row["cuda_peak_mib"] if v is not None) + " |"
         print(line)
+    for row in rows:
+        if row.get("held_state_share"):
+            held = ", ".join(f"{part} {max(row[f'held_{part}_share']):.3f}" for part in ("parameter", "gradient",
+                             "optimizer", "state"))  # fmt: skip
+            print(f"{row['config']}: held at most (shares of the parameters; state: of the training state) {held}")
 
 
 if __name__ == "__main__":

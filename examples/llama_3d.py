@@ -2,6 +2,7 @@
 
     python examples/llama_3d.py --devices 8            # 2 replicas x 2 stages x 2 tensor ranks (gloo on CPU)
     python examples/llama_3d.py --devices 4            # 1 replica x 2 stages x 2 tensor ranks
+    python examples/llama_3d.py --devices 8 --data-parallel fsdp   # each stage's parts sharded over its 2 replicas
     python examples/llama_3d.py --devices 8 --stages 4 --tensor-parallel 2 --schedule gpipe
     python examples/llama_3d.py --devices 8 --strategy model-parallel   # Lightning's ModelParallelStrategy: 4 x 2
     python examples/llama_3d.py --strategy plain       # one process, the whole model (the reference)
@@ -19,14 +20,17 @@ embedding's weight, which then stays whole (under PipeStrategy the first and the
 the copies get the sum of their gradients, so they take the unsplit model's step).
 ``PipeStrategy(stages=S, tensor_parallel=T)`` runs the same module unchanged: Lightning's launcher starts
 ``--devices`` processes (no torchrun needed), which form R = devices / (S x T) replicas of S stages of T tensor
-ranks, tensor innermost.
+ranks, tensor innermost. ``--data-parallel ddp`` (the default) keeps each stage's tensor-parallel parts whole in
+every replica and averages their gradients; ``--data-parallel fsdp`` (``PipeStrategy(data_parallel="fsdp")``)
+shards them over the R replicas with FSDP2, so a process holds about 1/(R x S x T) of the parameters, gradients
+and optimizer state.
 
 The data are synthetic token rows from a seeded generator (each row counts up from a random start by a random
 stride, modulo the vocabulary: learnable, so the loss goes down). Every process that runs Lightning's loop (a
 coordinator: one per replica and tensor rank) prints ``step <i> loss <value>``; the loss is logged with
 ``sync_dist=True``, the mean over the coordinators, which is the global batch's loss.
-``--report FOLDER`` writes each process's losses, peak memory and the bytes of the model it holds
-(``benchmarks/memory.py`` and the tests read them).
+``--report FOLDER`` writes each process's losses, peak memory and the bytes it holds of the model's parameters,
+their gradients and the optimizer state after the last step (``benchmarks/memory.py`` and the tests read them).
 """
 
 from __future__ import annotations
@@ -259,6 +263,7 @@ def strategy_of(args: argparse.Namespace) -> tuple[Any, int]:
         schedule=args.schedule,
         microbatches=args.microbatches,
         partition="uniform",
+        data_parallel=args.data_parallel,
     )
     return strategy, max(1, args.devices // (args.stages * args.tensor_parallel))
 
@@ -276,6 +281,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--strategy", choices=strategies, default="pipe", help=described)
     parser.add_argument("--stages", type=int, default=2, help="pipeline stages S")
     parser.add_argument("--tensor-parallel", type=int, default=2, help="tensor ranks per stage T")
+    parser.add_argument("--data-parallel", choices=["ddp", "fsdp"], default="ddp",
+                        help="over a stage's replicas: ddp keeps its parts whole in each and averages the gradients; "
+                        "fsdp shards them with FSDP2 (PipeStrategy(data_parallel=...))")  # fmt: skip
     parser.add_argument("--schedule", default="1f1b", help="1f1b or gpipe (the schedules tensor parallel runs)")
     parser.add_argument("--microbatches", type=int, default=2)
     parser.add_argument("--batch", type=int, default=8, help="rows of the global batch (split over the replicas)")
@@ -323,15 +331,40 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 def held(model: nn.Module) -> dict[str, int]:
     """The bytes of the model's parameters: the whole model's, and the part this process holds (the local parts of
-    its real tensors; another stage's stay on meta here)."""
+    its real tensors; another stage's stay on meta here); the bytes of the gradients it holds after the last step,
+    and of the optimizer state (`optimizer_bytes`)."""
+    whole = mine = gradients = 0
+    for p in model.parameters():  # a tied weight once
+        whole += p.numel() * p.element_size()
+        mine += local_bytes(p)
+        gradients += 0 if p.grad is None else local_bytes(p.grad)
+    return {"parameter_bytes": whole, "held_parameter_bytes": mine, "held_gradient_bytes": gradients,
+            "held_optimizer_bytes": optimizer_bytes()}  # fmt: skip
+
+
+def local_bytes(tensor: torch.Tensor) -> int:
+    """The bytes of this process's part of ``tensor``: a DTensor's local part, nothing for a tensor on meta."""
     from torch.distributed.tensor import DTensor
 
-    whole = mine = 0
-    for p in model.parameters():  # a tied weight once
-        local = p.to_local() if isinstance(p, DTensor) else p
-        whole += p.numel() * p.element_size()
-        mine += 0 if local.is_meta else local.numel() * local.element_size()
-    return {"parameter_bytes": whole, "held_parameter_bytes": mine}
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return 0 if local.is_meta else local.numel() * local.element_size()
+
+
+def optimizer_bytes() -> int:
+    """The bytes of the state of every optimizer alive in this process (the stage's own, and Lightning's on a
+    coordinator), their local parts, each tensor once: found by the garbage collector, as the stage's optimizer is
+    PipeStrategy's and not the LightningModule's."""
+    import gc
+
+    seen: set[int] = set()
+    total = 0
+    for optimizer in (o for o in gc.get_objects() if issubclass(type(o), torch.optim.Optimizer)):  # type(): no warnings
+        for state in optimizer.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor) and id(value) not in seen:
+                    seen.add(id(value))
+                    total += local_bytes(value)
+    return total
 
 
 def peak_mib() -> float:

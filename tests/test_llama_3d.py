@@ -1,10 +1,11 @@
 """The 3-D example, ``examples/llama_3d.py``: a Llama-style model trained as replicas x stages x tensor ranks.
 
-``python examples/llama_3d.py --devices 8`` as the README says (Lightning's launcher starts the 8 processes: 2
-replicas x 2 stages x 2 tensor ranks over gloo), at the tiny size for 2 AdamW steps: every coordinator's loss is
-the plain model's on the global batch (one process, in this test's process) to 1e-5, and each process holds its
-stage's share of the parameters only. The same module under Lightning's ``ModelParallelStrategy`` gives the same
-losses; on CUDA (NCCL, one GPU a process) the run is the CUDA test below.
+``python examples/llama_3d.py --devices 8`` as the README says, with ``--data-parallel fsdp`` (Lightning's launcher
+starts the 8 processes: 2 replicas x 2 stages x 2 tensor ranks over gloo), at the tiny size for 2 AdamW steps:
+every coordinator's loss is the plain model's on the global batch (one process, in this test's process) to 1e-5,
+and each process holds 1/(R x S x T) of the parameters, their gradients and the optimizer state. The same module
+under Lightning's ``ModelParallelStrategy`` gives the same losses; on CUDA (NCCL, one GPU a
+process) the run is the CUDA test below.
 """
 
 from __future__ import annotations
@@ -70,11 +71,14 @@ def test_a_head_tied_to_the_embedding_across_processes_trains_as_the_plain_model
 
 
 @pytest.mark.slow
-def test_the_example_trains_2x2x2_as_the_plain_model(tmp_path: Path) -> None:
-    """8 processes = 2 replicas x 2 stages x 2 tensor ranks, 1f1b: the coordinators (the first two ranks of each
-    replica, one per tensor rank) log the plain model's losses over 2 AdamW steps; a process holds a quarter of the
-    parameters (its stage's, split over 2 tensor ranks), the norms' whole weights beside."""
-    run = lightning_launch(EXAMPLE, ["--devices", "8", *STEPS, "--report", str(tmp_path)], timeout=600)
+def test_the_example_trains_2x2x2_with_fsdp_as_the_plain_model(tmp_path: Path) -> None:
+    """8 processes = 2 replicas x 2 stages x 2 tensor ranks, 1f1b, ``--data-parallel fsdp`` (each stage's
+    tensor-parallel parts sharded over its 2 replicas; DDP per stage at 2 x 2 x 2 is tests/test_tensor_parallel.py's):
+    the coordinators (the first two ranks of each replica, one per tensor rank) log the plain model's losses over 2
+    AdamW steps; after them a process holds an eighth, 1/(R x S x T), of the parameters, of their gradients and of
+    the optimizer state (AdamW's two moments, and its step counters)."""
+    args = ["--devices", "8", "--data-parallel", "fsdp", *STEPS, "--report", str(tmp_path)]
+    run = lightning_launch(EXAMPLE, args, timeout=600)
     assert run.ok, run.output[-6000:]
     assert "launched mode, 8 processes = 2 replica(s) x 2 pipeline rank(s) x 2 tensor rank(s)" in run.output
     got = reports(tmp_path)
@@ -84,8 +88,11 @@ def test_the_example_trains_2x2x2_as_the_plain_model(tmp_path: Path) -> None:
     check_coordinators(got, [0, 1, 4, 5], expected)
     for rank in (0, 1, 4, 5):
         assert f"rank {rank} step 2 loss {expected[1]:.4f}" in run.output  # printed as the module docstring says
-    shares = [r["held_parameter_bytes"] / r["parameter_bytes"] for r in got]
-    assert all(0.2 < share < 0.3 for share in shares), shares  # 1 / (S x T) = 0.25, plus the replicated norms
+    for report in got:  # 0.125 each, a little more where a shard is padded to divide evenly
+        whole = report["parameter_bytes"]
+        parameters, gradients = report["held_parameter_bytes"] / whole, report["held_gradient_bytes"] / whole
+        optimizer = report["held_optimizer_bytes"] / (2 * whole)
+        assert all(0.12 < share < 0.135 for share in (parameters, gradients, optimizer)), report
 
 
 @pytest.mark.slow
