@@ -103,74 +103,65 @@ class StepDriver:
         which enters it again for its thread-local state (autocast): what it sets process-wide (a ``"*-true"``
         precision's default dtype) would otherwise be restored by overlapping threads in any order, and leak."""
         with context():
-            return self._run(name, args, kwargs, context)
-
-    def _run(
-        self,
-        name: str,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        context: Callable[[], AbstractContextManager[Any]],
-    ) -> Any:
-        setting = self._setting
-        assert setting is not None, "StepDriver.setup comes first"
-        lightning_module = setting.lightning_module
-        training = name == "training_step"
-        if not training:
-            self.end_stream()
-        batch, rest = args[0], args[1:]
-        pieces = split(batch, self._microbatches_for(batch, training))
-        weights = self._weights(pieces, name)
-        step_fn = getattr(lightning_module, name)
-        recorder = LogRecorder(lightning_module.log, weights)
-        context = _with_ops(context, self.builder.coordinator_ops, "train" if training else "eval")
-        turn = threading.Lock()  # one driver at a time runs the user's step
-        drivers = [
-            Driver(
-                _bind(step_fn, p, rest, kwargs),
-                i,
-                self.random.step_context(context, setting.trainer, setting.device, name, args, i),
-                self.timeout,
-                turn,
-                self.threads,
-            )
-            for i, p in enumerate(pieces)
-        ]
-        restore_log = patch(lightning_module, "log", recorder)
-        try:
-            first = self._start(drivers[0], name)
-            pipeline = self.builder.build(first)
-            inputs: Sequence[Any] = StepInputs(
-                len(drivers), lambda i: _packed(pipeline, self._start(drivers[i], name)), [_packed(pipeline, first)]
-            )
-            if training:
-                trainer = setting.trainer
-                result = self.training.step(
-                    pipeline,
-                    inputs,
-                    list(zip(weights, range(len(drivers)), strict=True)),
-                    self._criterion(pipeline, drivers, name),
-                    trainer,
-                    setting.scaler,
-                    self.optimization,
-                    _starts_window(args, trainer.accumulate_grad_batches),
+            setting = self._setting
+            assert setting is not None, "StepDriver.setup comes first"
+            lightning_module = setting.lightning_module
+            training = name == "training_step"
+            if not training:
+                self.end_stream()
+            batch, rest = args[0], args[1:]
+            pieces = split(batch, self._microbatches_for(batch, training))
+            weights = self._weights(pieces, name)
+            step_fn = getattr(lightning_module, name)
+            recorder = LogRecorder(lightning_module.log, weights)
+            context = _with_ops(context, self.builder.coordinator_ops, "train" if training else "eval")
+            turn = threading.Lock()  # one driver at a time runs the user's step
+            drivers = [
+                Driver(
+                    _bind(step_fn, p, rest, kwargs),
+                    i,
+                    self.random.step_context(context, setting.trainer, setting.device, name, args, i),
+                    self.timeout,
+                    turn,
+                    self.threads,
                 )
-            else:
-                result = pipeline.coordinator.forward_step(inputs)
-                for driver, output in zip(drivers, result.outputs, strict=True):
-                    self.resume(driver, pipeline.unpack(output), name)
-        finally:
-            restore_log()
-            for driver in drivers:
-                driver.abandon()
-        recorder.flush()
-        self.last_step = result
-        outputs = [driver.result for driver in drivers]
-        if training:
-            return combine_training(outputs, result.losses, weights)
-        if name == "predict_step":
-            return combine_predict(outputs)
-        return combine_eval(outputs, weights)
+                for i, p in enumerate(pieces)
+            ]
+            restore_log = patch(lightning_module, "log", recorder)
+            try:
+                first = self._start(drivers[0], name)
+                pipeline = self.builder.build(first)
+                inputs: Sequence[Any] = StepInputs(
+                    len(drivers), lambda i: _packed(pipeline, self._start(drivers[i], name)), [_packed(pipeline, first)]
+                )
+                if training:
+                    trainer = setting.trainer
+                    result = self.training.step(
+                        pipeline,
+                        inputs,
+                        list(zip(weights, range(len(drivers)), strict=True)),
+                        self._criterion(pipeline, drivers, name),
+                        trainer,
+                        setting.scaler,
+                        self.optimization,
+                        _starts_window(args, trainer.accumulate_grad_batches),
+                    )
+                else:
+                    result = pipeline.coordinator.forward_step(inputs)
+                    for driver, output in zip(drivers, result.outputs, strict=True):
+                        self.resume(driver, pipeline.unpack(output), name)
+            finally:
+                restore_log()
+                for driver in drivers:
+                    driver.abandon()
+            recorder.flush()
+            self.last_step = result
+            outputs = [driver.result for driver in drivers]
+            if training:
+                return combine_training(outputs, result.losses, weights)
+            if name == "predict_step":
+                return combine_predict(outputs)
+            return combine_eval(outputs, weights)
 
     def runtime_hook(self, name: str, *args: Any) -> None:
         """Call ``runtime.<name>`` on every stage (skipped when no stage's runtime overrides it, and while a stream
