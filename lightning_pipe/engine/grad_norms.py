@@ -72,9 +72,10 @@ def _share(parts: Sequence[tuple[torch.Tensor, int]], norm_type: float, infinite
     if not parts:
         return torch.zeros(())
     shares = [
-        g.detach().abs().max().float().cpu()
+        g.detach().abs().max().float()
         if infinite
-        else (torch.linalg.vector_norm(g.detach(), norm_type).float() ** norm_type).cpu() / copies
+        else torch.linalg.vector_norm(g.detach(), norm_type).float() ** norm_type / copies
         for g, copies in parts
     ]
-    return torch.stack(shares).max() if infinite else torch.stack(shares).sum()
+    stacked = torch.stack(shares)  # on the gradients' device: one copy to the CPU, not one per gradient
+    return (stacked.max() if infinite else stacked.sum()).cpu()
