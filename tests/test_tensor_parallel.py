@@ -25,7 +25,7 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
-from launching import ROOT, Run, torchrun
+from launching import ROOT, Run, forked_ranks
 from tensor_parallel_train import CLIP, GLOBAL_BATCH, STEPS, Net, make_data, make_model, make_optimizer, optimizer_of
 from test_launched import assert_ok, in_order, shuffled
 from torch.utils.data import DataLoader
@@ -259,7 +259,7 @@ def eight_processes(tmp_path_factory: pytest.TempPathFactory) -> tuple[Run, Path
     """The 8-process launch, once for the module (its checkpoint is resumed by the 4-process launch too)."""
     out = tmp_path_factory.mktemp("eight")
     cases = ",".join([EIGHT, EIGHT_FSDP, EIGHT_AS_2X4X1])
-    return torchrun(SCRIPT, ["--devices", "8", "--cases", cases, "--out", str(out)], nproc=8, timeout=420), out
+    return forked_ranks(SCRIPT, ["--devices", "8", "--cases", cases, "--out", str(out)], nproc=8, timeout=420), out
 
 
 def assert_resumed(folder: Path, name: str, expected: dict[str, torch.Tensor], ranks: int) -> None:
@@ -313,7 +313,7 @@ def test_a_model_parallel_strategy_module_runs_unchanged_as_1x2x2(
     checkpoint = tmp_path / f"{cases[-1]}.ckpt"
     resumed = "pipe-s2-t2-gpipe-clip-resume"
     args = ["--devices", "4", "--cases", ",".join([*cases, resumed, *RESUMES, *BF16]), "--resume", str(checkpoint)]
-    run = torchrun(SCRIPT, [*args, "--out", str(tmp_path), "--checkpoints", str(eight_out)], timeout=600)
+    run = forked_ranks(SCRIPT, [*args, "--out", str(tmp_path), "--checkpoints", str(eight_out)], nproc=4, timeout=600)
     assert_ok(run)
     plain = {option: plain_trainer_model(option) for option in ("sgd", "adamw", "clip")}
     # the oracle is not vacuous: clipping changed the training

@@ -1,0 +1,58 @@
+"""Run a training script's ranks as torchrun starts them, each rank forked from this process.
+
+``python tests/forked_ranks.py --nproc N [--nodes M] script.py ARGS...`` sets in each of its N x M processes the
+variables torchrun (torchelastic) gives a worker (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``TORCHELASTIC_RUN_ID``,
+...), so Lightning finds a torchelastic environment and starts no process itself, and runs ``script.py`` as
+``__main__`` with ``ARGS``. The ranks are forked (``torch.multiprocessing.start_processes``) after torch, Lightning
+and lightning_pipe were imported here once: a process that imports them cold spends about 5 s of CPU doing it,
+most of a small launched test. Only tests whose subject is not the launcher use it (`launching.forked_ranks`);
+Lightning's launcher, torchrun and SLURM keep launches of their own. The M "nodes" are simulated on this machine
+(``GROUP_RANK``), as `launching.slurm` simulates SLURM's. A rank that fails ends the others
+(``start_processes`` terminates them) and this process exits with 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import runpy
+import sys
+
+import lightning.pytorch  # noqa: F401  (imported once, before the ranks are forked)
+import torch.multiprocessing as mp
+
+import lightning_pipe  # noqa: F401
+
+
+def run_rank(index: int, script: str, args: list[str], nproc: int, nodes: int) -> None:
+    """Process ``index`` of ``nproc x nodes``: torchelastic's worker variables, then the script as ``__main__``."""
+    node, local = divmod(index, nproc)
+    world = nproc * nodes
+    os.environ.update(
+        RANK=str(index), LOCAL_RANK=str(local), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(nproc),
+        GROUP_RANK=str(node), GROUP_WORLD_SIZE=str(nodes), ROLE_RANK=str(index), ROLE_WORLD_SIZE=str(world),
+        ROLE_NAME="default", TORCHELASTIC_RUN_ID="forked-ranks", TORCHELASTIC_RESTART_COUNT="0",
+        TORCHELASTIC_MAX_RESTARTS="0",
+    )  # fmt: skip
+    sys.argv = [script, *args]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))  # as `python script.py` puts its folder first
+    runpy.run_path(script, run_name="__main__")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nproc", type=int, required=True, help="processes per node")
+    parser.add_argument("--nodes", type=int, default=1, help="nodes simulated on this machine")
+    parser.add_argument("script")
+    parser.add_argument("args", nargs=argparse.REMAINDER)
+    options = parser.parse_args()
+    if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+        sys.exit("forked_ranks.py: set MASTER_ADDR and MASTER_PORT (launching.forked_ranks does)")
+    mp.start_processes(
+        run_rank, args=(options.script, options.args, options.nproc, options.nodes),
+        nprocs=options.nproc * options.nodes, start_method="fork",
+    )  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
