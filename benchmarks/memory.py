@@ -19,8 +19,9 @@ Rows take their start from an input (`Row.start`): ``plain`` (the plain Trainer'
 
 The 3-D rows run ``examples/llama_3d.py`` instead (its ``small`` Llama-style model, 105 MiB of parameters, AdamW:
 a training state of 4 x the parameters; 2 replicas x 2 stages x 2 tensor ranks, from the run's seed, 2 steps), DDP
-or FSDP over each stage's replicas (``--data-parallel``); their JSON also gives what each process holds after the
-last step, counted: its share of the parameters (``held_parameter_share``), of their gradients
+or FSDP over each stage's replicas (``--data-parallel ddp`` / ``fsdp``: the module calls no ``fully_shard``; by
+default it does, Lightning's recipe, which shards as ``fsdp`` does); their JSON also gives what each process holds
+after the last step, counted: its share of the parameters (``held_parameter_share``), of their gradients
 (``held_gradient_share``), its optimizer state as a share of the parameters (``held_optimizer_share``; AdamW's two
 moments: 2 x the parameter share) and of the whole training state (``held_state_share``: all three over 4 x the
 parameters; 1/(S x T) with DDP per stage, 1/(R x S x T) with FSDP).
@@ -78,10 +79,10 @@ ROWS: list[Row] = [
     Row("PipeStrategy 2 x 2, FSDP per stage", [*META_2X2, "--data-parallel", "fsdp"], 4),
     Row("PipeStrategy 2 x 2 FSDP from seeded init, peak before step 1",
         [*META_2X2, "--data-parallel", "fsdp", "--epochs", "0"], 4, start="seed", of="parameters", reference=None),
-    Row("PipeStrategy 2 x 2 x 2 (tensor parallel), DDP per stage, built in __init__", LLAMA_2X2X2, 8, start="seed",
-        reference="llama plain", script=LLAMA),
-    Row("PipeStrategy 2 x 2 x 2 (tensor parallel), DDP per stage, meta", [*LLAMA_2X2X2, "--build", "meta"], 8,
-        start="seed", reference=None, script=LLAMA),
+    Row("PipeStrategy 2 x 2 x 2 (tensor parallel), DDP per stage, built in __init__",
+        [*LLAMA_2X2X2, "--data-parallel", "ddp"], 8, start="seed", reference="llama plain", script=LLAMA),
+    Row("PipeStrategy 2 x 2 x 2 (tensor parallel), DDP per stage, meta",
+        [*LLAMA_2X2X2, "--data-parallel", "ddp", "--build", "meta"], 8, start="seed", reference=None, script=LLAMA),
     Row("PipeStrategy 2 x 2 x 2 (tensor parallel), FSDP per stage, built in __init__",
         [*LLAMA_2X2X2, "--data-parallel", "fsdp"], 8, start="seed", reference="llama plain", script=LLAMA),
     Row("PipeStrategy 2 x 2 x 2 (tensor parallel), FSDP per stage, meta",

@@ -2,7 +2,7 @@
 
     python examples/llama_3d.py --devices 8            # 2 replicas x 2 stages x 2 tensor ranks (gloo on CPU)
     python examples/llama_3d.py --devices 4            # 1 replica x 2 stages x 2 tensor ranks
-    python examples/llama_3d.py --devices 8 --data-parallel fsdp   # each stage's parts sharded over its 2 replicas
+    python examples/llama_3d.py --devices 8 --data-parallel ddp    # no fully_shard: each replica holds its stage whole
     python examples/llama_3d.py --devices 8 --stages 4 --tensor-parallel 2 --schedule gpipe
     python examples/llama_3d.py --devices 8 --strategy model-parallel   # Lightning's ModelParallelStrategy: 4 x 2
     python examples/llama_3d.py --strategy plain       # one process, the whole model (the reference)
@@ -13,17 +13,18 @@ embedding, decoder blocks (RMSNorm, grouped-query attention with rotary embeddin
 final RMSNorm and output head. The LightningModule is written for Lightning's ``ModelParallelStrategy``, as
 Lightning's own tensor parallel example is: its ``configure_model`` applies the tensor parallel plan to each block
 over ``self.device_mesh["tensor_parallel"]`` (``ColwiseParallel`` for q, k, v, w1 and w3, ``RowwiseParallel`` for
-o and w2; each rank counts its own heads), splits the embedding and the head over the vocabulary, and shards the
-model with ``fully_shard`` over ``self.device_mesh["data_parallel"]`` under ``ModelParallelStrategy`` only
-(``PipeStrategy`` spreads each stage over its replicas itself). ``--tie-embeddings``: the head shares the
+o and w2; each rank counts its own heads), splits the embedding and the head over the vocabulary, and, where the
+data-parallel dimension has more than one rank, shards each block and then the whole model with ``fully_shard`` over
+``self.device_mesh["data_parallel"]`` (Lightning's TP x FSDP recipe). ``--tie-embeddings``: the head shares the
 embedding's weight, which then stays whole (under PipeStrategy the first and the last stage each hold a copy, and
 the copies get the sum of their gradients, so they take the unsplit model's step).
 ``PipeStrategy(stages=S, tensor_parallel=T)`` runs the same module unchanged: Lightning's launcher starts
 ``--devices`` processes (no torchrun needed), which form R = devices / (S x T) replicas of S stages of T tensor
-ranks, tensor innermost. ``--data-parallel ddp`` (the default) keeps each stage's tensor-parallel parts whole in
-every replica and averages their gradients; ``--data-parallel fsdp`` (``PipeStrategy(data_parallel="fsdp")``)
-shards them over the R replicas with FSDP2, so a process holds about 1/(R x S x T) of the parameters, gradients
-and optimizer state.
+ranks, tensor innermost. PipeStrategy records the module's ``fully_shard`` calls and applies them per stage: each
+block a unit in the stage that holds it, the whole model's unit each stage's root; so a process holds about
+1/(R x S x T) of the parameters, gradients and optimizer state. ``--data-parallel ddp`` or ``fsdp``: the module
+calls no ``fully_shard`` (under PipeStrategy only) and ``PipeStrategy(data_parallel=...)`` keeps each stage's
+tensor-parallel parts whole in every replica and averages their gradients (ddp), or shards them itself (fsdp).
 
 The data are synthetic token rows from a seeded generator (each row counts up from a random start by a random
 stride, modulo the vocabulary: learnable, so the loss goes down). Every process that runs Lightning's loop (a
@@ -172,9 +173,10 @@ def tensor_parallel_plan() -> dict[str, Any]:
 class LlamaModule(L.LightningModule):
     """Next-token prediction, written for ModelParallelStrategy; nothing here knows about pipelines."""
 
-    def __init__(self, config: LlamaConfig, lr: float = 3e-3) -> None:
+    def __init__(self, config: LlamaConfig, lr: float = 3e-3, shard_data: bool = True) -> None:
         super().__init__()
         self.config, self.lr = config, lr
+        self.shard_data = shard_data  # False: the strategy spreads the model over the data dimension (--data-parallel)
         self.model = Llama(config)
 
     def configure_model(self) -> None:
@@ -193,10 +195,8 @@ class LlamaModule(L.LightningModule):
             parallelize_module(self.model[0], tensor, RowwiseParallel(input_layouts=Replicate()))
             parallelize_module(self.model[-1], tensor, ColwiseParallel(output_layouts=Replicate()))
         data = self.device_mesh["data_parallel"]
-        # PipeStrategy's mesh has a "pipeline" dimension: it spreads each stage over its replicas itself (and its
-        # serving processes run this hook without a Trainer attached, so ask the mesh, not self.trainer)
-        if data.size() > 1 and "pipeline" not in (self.device_mesh.mesh_dim_names or ()):
-            from torch.distributed.fsdp import fully_shard  # Lightning's TP x FSDP recipe: blocks, then the root
+        if data.size() > 1 and self.shard_data:  # Lightning's TP x FSDP recipe: each block a unit, then the root
+            from torch.distributed.fsdp import fully_shard
 
             for block in self.model:
                 if isinstance(block, Block):
@@ -263,7 +263,7 @@ def strategy_of(args: argparse.Namespace) -> tuple[Any, int]:
         schedule=args.schedule,
         microbatches=args.microbatches,
         partition="uniform",
-        data_parallel=args.data_parallel,
+        data_parallel="ddp" if args.data_parallel == "module" else args.data_parallel,
     )
     return strategy, max(1, args.devices // (args.stages * args.tensor_parallel))
 
@@ -281,9 +281,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--strategy", choices=strategies, default="pipe", help=described)
     parser.add_argument("--stages", type=int, default=2, help="pipeline stages S")
     parser.add_argument("--tensor-parallel", type=int, default=2, help="tensor ranks per stage T")
-    parser.add_argument("--data-parallel", choices=["ddp", "fsdp"], default="ddp",
-                        help="over a stage's replicas: ddp keeps its parts whole in each and averages the gradients; "
-                        "fsdp shards them with FSDP2 (PipeStrategy(data_parallel=...))")  # fmt: skip
+    parser.add_argument("--data-parallel", choices=["module", "ddp", "fsdp"], default="module",
+                        help="over a stage's replicas: module: the module's own fully_shard calls; ddp: none, each "
+                        "replica holds its stage whole and averages the gradients; fsdp: none, PipeStrategy shards "
+                        "each stage with FSDP2 (PipeStrategy(data_parallel=...))")  # fmt: skip
     parser.add_argument("--schedule", default="1f1b", help="1f1b or gpipe (the schedules tensor parallel runs)")
     parser.add_argument("--microbatches", type=int, default=2)
     parser.add_argument("--batch", type=int, default=8, help="rows of the global batch (split over the replicas)")
@@ -296,6 +297,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     config = replace(SIZES[args.size], tie_embeddings=args.tie_embeddings)
     strategy, replicas = strategy_of(args)
+    shard_data = args.data_parallel == "module" or args.strategy != "pipe"  # ModelParallelStrategy: the module's FSDP
     data = Tokens(args.batch * args.max_steps, config.max_seq_len + 1, config.vocab_size)
     printer = PrintLoss()
     trainer = L.Trainer(
@@ -312,9 +314,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     L.seed_everything(0, verbose=False)  # every process builds the same model: the plan splits equal values
     if args.build == "meta":  # no values: each process makes its own shards real (reset_parameters, seeded)
         with trainer.init_module(empty_init=True):
-            model = LlamaModule(config, args.lr)
+            model = LlamaModule(config, args.lr, shard_data)
     else:
-        model = LlamaModule(config, args.lr)
+        model = LlamaModule(config, args.lr, shard_data)
     # Lightning shuffles training data with its distributed sampler (seed 0); one plain process reads the same order
     sampler: Any = DistributedSampler(data, num_replicas=1, rank=0, seed=0) if args.strategy == "plain" else None
     trainer.fit(model, DataLoader(data, batch_size=args.batch // replicas, sampler=sampler))

@@ -1,11 +1,12 @@
 """The 3-D example, ``examples/llama_3d.py``: a Llama-style model trained as replicas x stages x tensor ranks.
 
-``python examples/llama_3d.py --devices 8`` as the README says, with ``--data-parallel fsdp`` (Lightning's launcher
-starts the 8 processes: 2 replicas x 2 stages x 2 tensor ranks over gloo), at the tiny size for 2 AdamW steps:
-every coordinator's loss is the plain model's on the global batch (one process, in this test's process) to 1e-5,
-and each process holds 1/(R x S x T) of the parameters, their gradients and the optimizer state. The same module
-under Lightning's ``ModelParallelStrategy`` gives the same losses; on CUDA (NCCL, one GPU a
-process) the run is the CUDA test below.
+``python examples/llama_3d.py --devices 8`` as the README says (Lightning's launcher starts the 8 processes:
+2 replicas x 2 stages x 2 tensor ranks over gloo), at the tiny size for 2 AdamW steps: the module's
+``configure_model`` is Lightning's TP x FSDP recipe (``fully_shard`` of each block, then of the whole model),
+which PipeStrategy applies per stage; every coordinator's loss is the plain model's on the global batch (one
+process, in this test's process) to 1e-5, and each process holds 1/(R x S x T) of the parameters, their gradients
+and the optimizer state. The same module under Lightning's ``ModelParallelStrategy`` gives the same losses; on
+CUDA (NCCL, one GPU a process) the run is the CUDA test below.
 """
 
 from __future__ import annotations
@@ -71,16 +72,19 @@ def test_a_head_tied_to_the_embedding_across_processes_trains_as_the_plain_model
 
 
 @pytest.mark.slow
-def test_the_example_trains_2x2x2_with_fsdp_as_the_plain_model(tmp_path: Path) -> None:
-    """8 processes = 2 replicas x 2 stages x 2 tensor ranks, 1f1b, ``--data-parallel fsdp`` (each stage's
-    tensor-parallel parts sharded over its 2 replicas; DDP per stage at 2 x 2 x 2 is tests/test_tensor_parallel.py's):
-    the coordinators (the first two ranks of each replica, one per tensor rank) log the plain model's losses over 2
-    AdamW steps; after them a process holds an eighth, 1/(R x S x T), of the parameters, of their gradients and of
-    the optimizer state (AdamW's two moments, and its step counters)."""
-    args = ["--devices", "8", "--data-parallel", "fsdp", *STEPS, "--report", str(tmp_path)]
+def test_lightnings_tp_x_fsdp_recipe_trains_unchanged_2x2x2_as_the_plain_model(tmp_path: Path) -> None:
+    """8 processes = 2 replicas x 2 stages x 2 tensor ranks, 1f1b, the module sharding itself with ``fully_shard``
+    over ``self.device_mesh["data_parallel"]`` (each block, then the whole model) under the default
+    ``data_parallel="ddp"``: PipeStrategy applies each block's unit in the stage holding it and the whole model's
+    as each stage's root, over its 2 replicas (DDP and ``data_parallel="fsdp"`` per stage at 2 x 2 x 2 are
+    tests/test_tensor_parallel.py's): the coordinators (the first two ranks of each replica, one per tensor rank) log
+    the plain model's losses over 2 AdamW steps; after them a process holds an eighth, 1/(R x S x T), of the
+    parameters, of their gradients and of the optimizer state (AdamW's two moments, and its step counters)."""
+    args = ["--devices", "8", *STEPS, "--report", str(tmp_path)]
     run = lightning_launch(EXAMPLE, args, timeout=600)
     assert run.ok, run.output[-6000:]
     assert "launched mode, 8 processes = 2 replica(s) x 2 pipeline rank(s) x 2 tensor rank(s)" in run.output
+    assert "configure_model sharded the model with fully_shard: PipeStrategy shards each stage over its 2" in run.output
     got = reports(tmp_path)
     assert [r["rank"] for r in got] == list(range(8))
     expected = plain_losses()
@@ -98,8 +102,8 @@ def test_the_example_trains_2x2x2_with_fsdp_as_the_plain_model(tmp_path: Path) -
 @pytest.mark.slow
 def test_model_parallel_strategy_runs_the_same_module_with_the_same_losses(tmp_path: Path) -> None:
     """``--strategy model-parallel --devices 4``: Lightning's ModelParallelStrategy(data_parallel_size=2,
-    tensor_parallel_size=2), the module sharding itself with fully_shard over the data dimension (it does not
-    under PipeStrategy); every rank runs the loop and logs the plain model's losses."""
+    tensor_parallel_size=2), the module sharding itself with fully_shard over the data dimension, as it does under
+    PipeStrategy; every rank runs the loop and logs the plain model's losses."""
     args = ["--devices", "4", "--strategy", "model-parallel", *STEPS, "--report", str(tmp_path)]
     run = lightning_launch(EXAMPLE, args, timeout=600)
     assert run.ok, run.output[-6000:]

@@ -160,9 +160,9 @@ def full(tensor: torch.Tensor | None) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor  # type: ignore[attr-defined]
 
 
-def test_a_module_that_shards_itself_with_fsdp_is_refused_naming_the_fix() -> None:
-    """Lightning's TP x FSDP recipe applies fully_shard over the data dimension; PipeStrategy averages the stages
-    over their replicas itself, and says so."""
+def test_a_module_sharded_before_pipestrategy_cut_it_is_refused_naming_the_fix() -> None:
+    """A module sharded with fully_shard outside a launched configure_model (whose calls PipeStrategy defers and
+    applies per stage: tests/test_fsdp_deferral.py) cannot be cut into stages; the refusal says where to call it."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -173,7 +173,7 @@ def test_a_module_that_shards_itself_with_fsdp_is_refused_naming_the_fix() -> No
         model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
         refuse_self_sharded(model)  # not sharded: nothing to say
         fully_shard(model[0], mesh=init_device_mesh("cpu", (1,)))
-        with pytest.raises(ConfigurationError, match=r"applied fully_shard to 0: .*leave the data-parallel dimension"):
+        with pytest.raises(ConfigurationError, match=r"fully_shard \(0\) before PipeStrategy.*inside configure_model"):
             refuse_self_sharded(model)
     finally:
         torch.distributed.destroy_process_group()

@@ -1,8 +1,10 @@
 """`StageShards`: a stage sharded over its R replicas with FSDP2 (``PipeStrategy(data_parallel="fsdp")``).
 
-Each repeated block of the stage is its own ``fully_shard`` unit, the stage module the root over the rest.
-Gradient reduction is off during a step's many backwards; after the stage's last backward `reduce` runs FSDP's
-post-backward itself, as torch.distributed.pipelining does: one reduce-scatter per block (docs/internals.md).
+Each repeated block of the stage is its own ``fully_shard`` unit, the stage module the root over the rest; or, where
+the LightningModule's ``configure_model`` called ``fully_shard`` itself (Lightning's TP x FSDP recipe, its calls
+recorded: `lightning_pipe.engine.fsdp_deferral`), its units as the stage holds them (`stage_units`). Gradient
+reduction is off during a step's many backwards; after the stage's last backward `reduce` runs FSDP's post-backward
+itself, as torch.distributed.pipelining does: one reduce-scatter per unit (docs/internals.md).
 """
 
 from __future__ import annotations
@@ -13,11 +15,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_pipe.engine.fsdp_deferral import ShardUnit
 from lightning_pipe.engine.fsdp_internals import post_backward
 
 
 class StageShards:
-    """FSDP2 of each shard module of a stage worker over ``mesh`` (the 1-D mesh of its stage's replicas).
+    """FSDP2 of each shard module of a stage worker over ``mesh`` (the 1-D mesh of its stage's replicas): each repeated
+    block a unit, or ``units`` (the user's ``fully_shard`` calls, `stage_units`), the shard module the root.
 
     FSDP runs a block's backward with its gathered parameters and frees them after: a weight gradient computed
     after the input gradient (a split backward) would miss them. So a stage sharded here never splits a
@@ -27,7 +31,13 @@ class StageShards:
 
     splits = False
 
-    def __init__(self, modules: dict[int, nn.Module], mesh: Any, mixed_precision: Any = None) -> None:
+    def __init__(
+        self,
+        modules: dict[int, nn.Module],
+        mesh: Any,
+        mixed_precision: Any = None,
+        units: list[ShardUnit] | None = None,
+    ) -> None:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         policy = mixed_precision if mixed_precision is not None else MixedPrecisionPolicy()
@@ -35,9 +45,15 @@ class StageShards:
         for index, module in modules.items():
             if not any(p.requires_grad for p in module.parameters()):
                 continue
-            for block in blocks(module):
-                fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=True)
-            root = fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=True)
+            if units is None:
+                for block in blocks(module):
+                    fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=True)
+                root = fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=True)
+            else:  # the user's units (their keyword arguments, the Trainer's precision where they gave none)
+                inside, root_kwargs = stage_units(module, units)
+                for unit in inside:
+                    fully_shard(unit.target, **{"mp_policy": policy, **unit.kwargs})
+                root = fully_shard(module, **{"mesh": mesh, "mp_policy": policy, **(root_kwargs or {})})
             root.set_requires_gradient_sync(False)  # reduced once per step, in `reduce`
             self.modules[index] = root
 
@@ -51,6 +67,24 @@ class StageShards:
             module.set_requires_gradient_sync(True)
             post_backward(module)  # FSDP's post-backward, run where autograd would have (its private state)
             module.set_requires_gradient_sync(False)
+
+
+def stage_units(stage: nn.Module, units: list[ShardUnit]) -> tuple[list[ShardUnit], dict[str, Any] | None]:
+    """The user's ``fully_shard`` units as the stage module ``stage`` holds them: those lying wholly inside it (every
+    module of the unit one of the stage's), in the user's order (innermost first, as FSDP2 requires); and the keyword
+    arguments of the stage's root, those of the first unit that spans stages (holds some of the stage's parameters
+    and more: the whole model, the LightningModule, a list split between stages; None where none does). A unit that
+    holds nothing of the stage (another stage's) is left out: this process does not hold it."""
+    modules, own = {id(m) for m in stage.modules()}, {id(p) for p in stage.parameters()}
+    inside: list[ShardUnit] = []
+    root: dict[str, Any] | None = None
+    for unit in units:
+        held = [id(m) in modules and m is not stage for m in unit.modules]
+        if held and all(held):
+            inside.append(unit)
+        elif root is None and (any(held) or any(id(p) in own for m in unit.modules for p in m.parameters())):
+            root = unit.kwargs
+    return inside, root
 
 
 def blocks(module: nn.Module) -> list[nn.Module]:

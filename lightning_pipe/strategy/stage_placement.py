@@ -19,9 +19,12 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
+from lightning_pipe.engine.fsdp_deferral import ShardUnit, deferred, unavailable
 from lightning_pipe.engine.stage_shards import StageShards
+from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.strategy.patch import patch
 from lightning_pipe.strategy.tensor_parallel import refuse_self_sharded
 from lightning_pipe.weights import adopt, free_to_meta
@@ -34,7 +37,9 @@ class ProcessStage:
 
     ``data_parallel`` (``"ddp"`` or ``"fsdp"``) says how a stage is spread over its replicas; the launched
     world gives the groups (`replicate_over`). The strategy says which modules are this process's
-    (`bind`), before a pipeline is built.
+    (`bind`), before a pipeline is built. A ``configure_model`` that calls ``fully_shard`` itself runs inside
+    `deferring`: each stage is then sharded with the units it holds, whatever ``data_parallel`` says
+    (`lightning_pipe.engine.fsdp_deferral`; one replica: nothing to shard over, each stage held whole).
     """
 
     def __init__(self, data_parallel: str = "ddp", mixed_precision: Callable[[], Any] | None = None) -> None:
@@ -49,10 +54,27 @@ class ProcessStage:
         self._group: Any = None  # the replicas of this process's stage (DDP's group)
         self._mesh: Any = None  # the same as a 1-D device mesh (FSDP's)
         self._shards: StageShards | None = None  # FSDP: the stage being built, sharded before it has values
+        self.units: list[ShardUnit] | None = None  # configure_model's own fully_shard calls (None: it made none)
+        self._said = False  # that the module shards itself is said once
+
+    @contextmanager
+    def deferring(self, mesh: Any) -> Iterator[None]:
+        """While ``configure_model`` runs: its ``fully_shard`` calls recorded in `units` (``mesh``: launched mode's
+        device mesh, whose ``"data_parallel"`` dimension each call must shard over; None: no mesh, no deferral)."""
+        if mesh is None:
+            yield
+            return
+        with deferred(_over(mesh["data_parallel"])) as units:
+            yield
+        if units:  # an idempotent configure_model called again records nothing: the units stay
+            self.units = units
+            if not self._said:
+                self._said = True
+                rank_zero_info(_sharding_itself(mesh["data_parallel"].size()))
 
     def bind(self, lightning_module: nn.Module, pipelined: nn.Module) -> None:
         """This process's LightningModule and its pipelined module (what a stage sent here binds to)."""
-        refuse_self_sharded(pipelined)
+        refuse_self_sharded(pipelined, unavailable())
         self.lightning_module, self.pipelined = lightning_module, pipelined
 
     def replicate_over(self, group: Any, mesh: Any) -> None:
@@ -68,9 +90,10 @@ class ProcessStage:
         self._shards = None
         for shard in spec.shards:
             adopt(shard.module, self.pipelined)
-        if self._group is not None and self.data_parallel == "fsdp":  # shard first: the worker makes shards real
+        sharded = self.data_parallel == "fsdp" or self.units is not None  # one replica: nothing to shard over
+        if self._group is not None and sharded:  # shard first: the worker makes shards real
             policy = self.mixed_precision() if self.mixed_precision is not None else None
-            self._shards = StageShards({s.index: s.module for s in spec.shards}, self._mesh, policy)
+            self._shards = StageShards({s.index: s.module for s in spec.shards}, self._mesh, policy, self.units)
 
     def built(self, worker: Any) -> None:
         """After: spread over the replicas, and remember what it holds (`release` keeps that)."""
@@ -91,6 +114,39 @@ class ProcessStage:
         if self.lightning_module is None:
             return {}
         return free_to_meta(self.lightning_module, [*self.kept, *keep])
+
+
+def _over(data: Any) -> Callable[[dict[str, Any]], None]:
+    """The check of a recorded ``fully_shard`` call's arguments: its mesh is ``data``, the stage's replicas."""
+
+    def check(kwargs: dict[str, Any]) -> None:
+        mesh = kwargs.get("mesh")
+        if mesh is None or mesh != data:
+            given = "no mesh (torch's default: every process)" if mesh is None else f"mesh={_describe(mesh)}"
+            raise ConfigurationError(
+                f"configure_model called fully_shard with {given}: under PipeStrategy each stage is sharded over its "
+                f"replicas; pass mesh=self.device_mesh[\"data_parallel\"] (here {_describe(data)})"
+            )
+
+    return check
+
+
+def _describe(mesh: Any) -> str:
+    names = getattr(mesh, "mesh_dim_names", None)
+    return f"a DeviceMesh{tuple(mesh.shape)} over {names}" if hasattr(mesh, "shape") else repr(mesh)
+
+
+def _sharding_itself(replicas: int) -> str:
+    if replicas == 1:
+        return (
+            "configure_model sharded the model with fully_shard over one replica: nothing to shard, so PipeStrategy "
+            "holds each stage whole in its process"
+        )
+    return (
+        "configure_model sharded the model with fully_shard: PipeStrategy shards each stage over its "
+        f"{replicas} replicas with the units it holds (as data_parallel='fsdp'; a unit over several stages, as the "
+        "whole model, becomes each stage's root)"
+    )
 
 
 def swap_parameters(optimizer: torch.optim.Optimizer, stage_parameters: dict[int, str]) -> None:

@@ -338,8 +338,9 @@ class PipeStrategy(ParallelStrategy):
     @contextmanager
     @override
     def model_sharded_context(self) -> Generator[None, None, None]:
-        """``configure_model`` builds on the meta device (as FSDP's deferred initialisation does)."""
-        with torch.device("meta"):
+        """``configure_model`` builds on the meta device (as FSDP's deferred initialisation does); in launched mode
+        its ``fully_shard`` calls are recorded, and applied per stage (`ProcessStage.deferring`)."""
+        with torch.device("meta"), self.stage.deferring(self.mode.device_mesh):
             yield
 
     # the training state in a checkpoint: the parts read it, the mode says where it is written from

@@ -9,7 +9,7 @@ tensor rank t: a plain tensor as it is, a DTensor as its local part (`lightning_
 The mesh's dimensions carry Lightning's ``ModelParallelStrategy`` names, with ``"pipeline"`` between them.
 With R > 1 replicas a stage is averaged over them (``data_parallel="ddp"``: `lightning_pipe.engine.tensor_replicas`)
 or sharded over them with FSDP2 on top of tensor parallel (``"fsdp"``: `lightning_pipe.engine.stage_shards` over
-``device_mesh["data_parallel"]``, the parameters DTensors over the 2-D mesh data x tensor).
+``device_mesh["data_parallel"]``; also where ``configure_model`` calls ``fully_shard`` itself, with its units).
 """
 
 from __future__ import annotations
@@ -72,25 +72,29 @@ def check_tensor_parallel_arguments(
         )
 
 
-def refuse_self_sharded(pipelined: Any) -> None:
-    """A pipelined module that its ``configure_model`` sharded with FSDP itself (``fully_shard`` over
-    ``self.device_mesh["data_parallel"]``) is refused, naming what to do instead.
+def refuse_self_sharded(pipelined: Any, why: str | None = None) -> None:
+    """A pipelined module sharded with ``fully_shard`` before PipeStrategy cut it is refused, naming what to do.
 
-    Lightning's recipe ends with ``fully_shard`` of the whole model: a root unit over the parameters outside the
-    blocks (embedding, final norm, head), which lie in different stages, gathered in a forward no stage runs. Taking
-    the module's units apart to apply them per stage would mean undoing ``fully_shard`` (its parameters, hooks,
-    class and registry), which torch offers no public call for; ``data_parallel="fsdp"`` applies the same units
-    (each repeated block, then a root per stage) before the stage has values (docs/launched.md)."""
+    In launched mode a ``configure_model``'s ``fully_shard`` calls (Lightning's TP x FSDP recipe) are recorded, not
+    run, and each stage applies the units it holds (`lightning_pipe.engine.fsdp_deferral`). What is left here: calls
+    made elsewhere (outside ``configure_model``, or in local or rpc mode, where there is no device mesh), or a torch
+    whose ``fully_shard`` cannot be deferred (``why``). The recipe's last unit, the whole model, holds parameters of
+    several stages, gathered in a forward no stage runs, and torch has no public call that undoes ``fully_shard``."""
     from torch.distributed.fsdp import FSDPModule
 
     sharded = [name or "(the pipelined module)" for name, m in pipelined.named_modules() if isinstance(m, FSDPModule)]
     if sharded:
+        where = (
+            f"PipeStrategy defers the fully_shard calls of configure_model, but {why}"
+            if why is not None
+            else "PipeStrategy splits the model into stages first and applies a configure_model's fully_shard calls "
+            "per stage in launched mode only (where self.device_mesh exists), not calls made outside configure_model"
+        )
         raise ConfigurationError(
-            f"configure_model applied fully_shard to {', '.join(sharded[:3])}{' ...' if len(sharded) > 3 else ''}: "
-            "PipeStrategy splits the model into stages first and spreads each stage over its replicas itself; "
-            "apply fully_shard only under ModelParallelStrategy (e.g. `if \"pipeline\" not in "
-            "self.device_mesh.mesh_dim_names`: the processes serving a stage run configure_model without a Trainer), "
-            "and leave the data-parallel dimension to PipeStrategy: "
+            f"the pipelined module was sharded with fully_shard ({', '.join(sharded[:3])}"
+            f"{' ...' if len(sharded) > 3 else ''}) before PipeStrategy cut it: {where}. Call fully_shard inside "
+            "configure_model in launched mode, or leave it out (e.g. `if \"pipeline\" not in "
+            "self.device_mesh.mesh_dim_names`) and leave the data-parallel dimension to PipeStrategy: "
             "PipeStrategy(data_parallel='fsdp') shards each stage with FSDP2 over its replicas (each block a unit), "
             "data_parallel='ddp' averages each stage's gradients over its replicas"
         )
