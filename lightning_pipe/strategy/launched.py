@@ -140,14 +140,17 @@ class LaunchedMode(Mode):
 
     @override
     def connect(self, cluster_environment: Any) -> None:
-        """Join torch.distributed (unless joined) and make this layout's process groups."""
+        """Join torch.distributed (unless joined) and make this layout's process groups; this process's stage learns
+        its replicas."""
         give_back_large_blocks()  # this process holds its stage, not the freed space of its gradients
         device = self.device
         if not dist.is_initialized():
             backend = _get_default_process_group_backend_for_device(device)
             _init_dist_connection(cluster_environment, backend, timeout=PROCESS_GROUP_TIMEOUT)
             ProcessGroups.made_default_group()
-        self._groups = ProcessGroups.of(self.layout, device.type)
+        self._groups = groups = ProcessGroups.of(self.layout, device.type)
+        if self.layout.replicas > 1:  # this process's stage is spread over them (`ProcessStage.sharded`)
+            self.stage.replicate_over(groups.replicas, groups.mesh["data_parallel"])
         if self.layout.tensor_parallel > 1:  # DTensors crossing between stages are rebuilt over the stage's ranks
             use_tensor_mesh(self._groups.mesh["tensor_parallel"])
 
@@ -189,8 +192,6 @@ class LaunchedMode(Mode):
         that bind a stage built here to this process's model and spread it over its replicas (`ProcessStage`)."""
         groups = self._groups
         assert groups is not None, "LaunchedMode.connect makes the process groups first"
-        if self.layout.replicas > 1:
-            self.stage.replicate_over(groups.replicas, groups.mesh["data_parallel"])
         return {
             "group": groups.pipeline,
             "ranks": self.layout.pipeline_ranks(),

@@ -84,7 +84,7 @@ class ModelState:
 
             call._call_configure_model(trainer)  # the coordinator's Trainer runs it in its fit
             convert(module)  # the coordinator's setup converts its module too
-            self.stage.bind(module, self.builder.find(module))
+            self.stage.bind(module, self.builder.find(module), serving=True)
 
     @property
     def module(self) -> pl.LightningModule:

@@ -14,6 +14,7 @@ own stage's trained tensors, as FSDP's and ModelParallelStrategy's sharded modul
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -56,6 +57,16 @@ class ProcessStage:
         self._shards: StageShards | None = None  # FSDP: the stage being built, sharded before it has values
         self.units: list[ShardUnit] | None = None  # configure_model's own fully_shard calls (None: it made none)
         self._said = False  # that the module shards itself is said once
+        #: the modules an earlier fit here sharded with FSDP (torch cannot undo it; a later fit cuts them anew)
+        self._fsdp_before: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        self._refused: ConfigurationError | None = None  # why a serving process's module cannot be cut (`bind`)
+
+    @property
+    def sharded(self) -> bool:
+        """Whether this process's stages are sharded with FSDP over their replicas: ``data_parallel="fsdp"`` or
+        ``configure_model``'s own ``fully_shard`` calls (`units`, known once it ran), and a second replica to shard
+        over (`replicate_over`). What every check of what FSDP stages cannot do asks (one file, split backwards)."""
+        return self._group is not None and (self.data_parallel == "fsdp" or self.units is not None)
 
     @contextmanager
     def deferring(self, mesh: Any) -> Iterator[None]:
@@ -72,9 +83,19 @@ class ProcessStage:
                 self._said = True
                 rank_zero_info(_sharding_itself(mesh["data_parallel"].size()))
 
-    def bind(self, lightning_module: nn.Module, pipelined: nn.Module) -> None:
-        """This process's LightningModule and its pipelined module (what a stage sent here binds to)."""
-        refuse_self_sharded(pipelined, unavailable())
+    def bind(self, lightning_module: nn.Module, pipelined: nn.Module, serving: bool = False) -> None:
+        """This process's LightningModule and its pipelined module (what a stage sent here binds to). A module that
+        cannot be cut is refused; in a process that serves a stage (``serving``) when a stage is built here: its
+        coordinator refuses the same at setup and releases it with that error (raised here, the release would stay
+        unread, for the next fit's serving to find)."""
+        self._refused = None
+        try:
+            refuse_sharded_before(pipelined, self._fsdp_before)
+            refuse_self_sharded(pipelined, unavailable())
+        except ConfigurationError as error:
+            if not serving:
+                raise
+            self._refused = error
         self.lightning_module, self.pipelined = lightning_module, pipelined
 
     def replicate_over(self, group: Any, mesh: Any) -> None:
@@ -86,12 +107,13 @@ class ProcessStage:
         """Before a stage worker is built here: its shards hold this process's own modules and tensors."""
         if self.pipelined is None:
             raise RuntimeError("ProcessStage.bind gives the pipelined module before a stage is built")
+        if self._refused is not None:
+            raise self._refused
         self.kept = []
         self._shards = None
         for shard in spec.shards:
             adopt(shard.module, self.pipelined)
-        sharded = self.data_parallel == "fsdp" or self.units is not None  # one replica: nothing to shard over
-        if self._group is not None and sharded:  # shard first: the worker makes shards real
+        if self.sharded:  # shard first: the worker makes shards real
             policy = self.mixed_precision() if self.mixed_precision is not None else None
             self._shards = StageShards({s.index: s.module for s in spec.shards}, self._mesh, policy, self.units)
 
@@ -99,6 +121,8 @@ class ProcessStage:
         """After: spread over the replicas, and remember what it holds (`release` keeps that)."""
         if self._shards is not None:
             worker.sharded(self._shards)
+            for root in self._shards.modules.values():
+                self._fsdp_before.update(root.modules())
             self._shards = None
         elif self._group is not None:
             worker.replicate(self._group)
@@ -114,6 +138,22 @@ class ProcessStage:
         if self.lightning_module is None:
             return {}
         return free_to_meta(self.lightning_module, [*self.kept, *keep])
+
+
+def refuse_sharded_before(pipelined: nn.Module, before: weakref.WeakSet[nn.Module]) -> None:
+    """A pipelined module whose stages an earlier fit in this process sharded with FSDP is refused, naming the fix:
+    ``trainer.validate``, ``test``, ``predict`` or another ``fit`` cut the model into stages anew, and torch has no
+    call that undoes ``fully_shard`` (its modules' class, hooks and DTensor shards)."""
+    again = [name or "(the pipelined module)" for name, m in pipelined.named_modules() if m in before]
+    if again:
+        raise ConfigurationError(
+            f"the pipelined module's stages ({', '.join(again[:3])}{' ...' if len(again) > 3 else ''}) were sharded "
+            "with FSDP over their replicas by an earlier fit in this process (data_parallel='fsdp', or "
+            "configure_model's fully_shard), which torch cannot undo, and each trainer.fit, validate, test and "
+            "predict cuts the model into stages anew: save the fit (trainer.save_checkpoint(path), in every process) "
+            "and pass a new LightningModule with it, e.g. trainer.validate(MyModule(), dataloader, ckpt_path=path) "
+            "(the same for test, predict and a further fit)"
+        )
 
 
 def _over(data: Any) -> Callable[[dict[str, Any]], None]:
