@@ -148,3 +148,44 @@ def test_a_stage_sharded_with_the_recorded_units_computes_the_plain_gradients(me
     plain[:2](x).square().sum().backward()
     for got, expected in zip(first.parameters(), plain[:2].parameters(), strict=True):
         assert torch.allclose(got.grad.full_tensor(), expected.grad, atol=1e-6)  # type: ignore[union-attr]
+
+
+def test_what_a_self_sharded_module_cannot_run_is_refused_at_setup_naming_the_fix(mesh: Any) -> None:
+    """`ProcessStage.sharded` is the one answer to "are this process's stages FSDP stages": ``data_parallel="fsdp"``
+    or recorded units, with a second replica only. Where it is the module's own calls (known once configure_model
+    ran), the builder refuses one file and a split-backward schedule as ``data_parallel="fsdp"`` is refused when the
+    strategy is made (each naming a fix that works for that module), and ``schedule="auto"`` drops split backwards."""
+    from lightning_pipe.strategy.arguments import FSDP_ARGUMENT, SELF_SHARDED
+    from lightning_pipe.strategy.building import PipelineBuilder
+    from lightning_pipe.strategy.config import PipeConfig
+    from lightning_pipe.strategy.strategy import PipeStrategy
+
+    def config(**options: Any) -> PipeConfig:
+        return PipeStrategy(stages=2, **options).config
+
+    stage = ProcessStage("ddp")
+    with stage.deferring(mesh):
+        fully_shard(model()[0], mesh=mesh["data_parallel"])
+    assert stage.units and stage.sharded is None  # one replica: nothing is sharded
+    stage.replicate_over(object(), mesh["data_parallel"])
+    assert stage.sharded == SELF_SHARDED and ProcessStage("fsdp", None).sharded is None
+    fsdp = ProcessStage("fsdp")
+    fsdp.replicate_over(object(), mesh["data_parallel"])
+    assert fsdp.sharded == FSDP_ARGUMENT
+    with pytest.raises(ConfigurationError, match=r"configure_model.s fully_shard calls .*save_distributed_ch.*"
+                       r"consolidate"):  # fmt: skip
+        PipelineBuilder(config(save_distributed_checkpoint=False)).stages_sharded(stage.sharded)
+    for schedule in ("zero-bubble", "zbv"):
+        builder = PipelineBuilder(config(schedule=schedule, virtual_stages=2 if schedule == "zbv" else 1))
+        with pytest.raises(ConfigurationError, match=rf"schedule='{schedule}'\).*'looped-bfs' with FSDP, or "
+                           r"configure_model without its fully_shard calls"):  # fmt: skip
+            builder.stages_sharded(stage.sharded)
+    builder = PipelineBuilder(config(schedule="auto"))
+    assert builder.schedule.split_backward
+    builder.stages_sharded(stage.sharded)
+    assert not builder.schedule.split_backward  # the probe and the choice leave out zero-bubble and its kin
+    PipelineBuilder(config(schedule="1f1b")).stages_sharded(stage.sharded)  # a whole backward: FSDP runs it
+    v = PipelineBuilder(PipeStrategy(stages=4, virtual_stages=2, schedule="auto", microbatches=8).config)
+    assert v.rank_placement == "v"  # placed (before configure_model) for ZB-V, which splits its backward
+    with pytest.raises(ConfigurationError, match=r"placed the stages for .*'v'.*AutoSchedule\(split_backward=False\)"):
+        v.stages_sharded(stage.sharded)

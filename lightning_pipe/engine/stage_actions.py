@@ -102,8 +102,8 @@ class StageActions:
                 raise ConfigurationError(
                     "this schedule splits backwards into input and weight halves (zero-bubble, zbv, dualpipev), which "
                     "a stage sharded with FSDP cannot run (it frees a block's gathered parameters after its backward): "
-                    "use schedule='1f1b', 'gpipe', 'interleaved-1f1b' or 'looped-bfs' with data_parallel='fsdp', or "
-                    "data_parallel='ddp'"
+                    "use schedule='1f1b', 'gpipe', 'interleaved-1f1b' or 'looped-bfs' with FSDP; or hold each stage "
+                    "whole in its replicas: data_parallel='ddp', and a configure_model without fully_shard calls"
                 )
             early = self._early_input_grad(plan) if set_aside and not whole else None
             for action in order:  # each action's inputs are here: its record times the work, not the wait

@@ -90,22 +90,43 @@ def check_memory_arguments(data_parallel: str, weights: Any, save_distributed_ch
             f"PipeStrategy(data_parallel={data_parallel!r}): pass 'ddp' (each replica holds its whole stage) or "
             "'fsdp' (each stage sharded over its replicas)"
         )
-    if data_parallel == "fsdp" and not save_distributed_checkpoint:
-        raise ConfigurationError(
-            "PipeStrategy(data_parallel='fsdp', save_distributed_checkpoint=False): an FSDP stage is sharded over "
-            "its replicas, and one file would gather it; keep the sharded checkpoints (save_distributed_checkpoint="
-            "True) and make one file of a folder with `python -m lightning_pipe consolidate FOLDER OUT.ckpt`"
-        )
-    splits = not is_auto(schedule) and getattr(resolve_schedule(schedule), "splits_backward", False)
-    if data_parallel == "fsdp" and splits:
-        raise ConfigurationError(
-            f"PipeStrategy(data_parallel='fsdp', schedule={schedule!r}): this schedule splits backwards into an "
-            "input and a weight half, and FSDP frees a block's gathered parameters after its backward; use "
-            "schedule='1f1b', 'gpipe', 'interleaved-1f1b' or 'looped-bfs' with FSDP, or data_parallel='ddp' with "
-            f"{schedule!r}"
-        )
+    if data_parallel == "fsdp":  # known now; a module that shards itself is known at setup (`ProcessStage.sharded`)
+        check_sharded_stages(FSDP_ARGUMENT, save_distributed_checkpoint, schedule)
     if weights is not None:
         visible(weights, "PipeStrategy(weights=...):")
+
+
+#: what shards the stages (`check_sharded_stages`): the argument, or the module's own ``fully_shard`` calls
+FSDP_ARGUMENT, SELF_SHARDED = "data_parallel='fsdp'", "configure_model's fully_shard"
+#: for each: what the user gave, around the refused argument, and what else runs that argument
+SHARDED_BY = {
+    FSDP_ARGUMENT: ("PipeStrategy(data_parallel='fsdp', {})", "data_parallel='ddp'"),
+    SELF_SHARDED: (
+        "configure_model's fully_shard calls (each stage sharded over its replicas) with PipeStrategy({})",
+        'configure_model without its fully_shard calls under PipeStrategy (e.g. `if "pipeline" not in '
+        "self.device_mesh.mesh_dim_names`: each replica holds its stage whole, its gradients averaged)",
+    ),
+}
+
+
+def check_sharded_stages(cause: str, save_distributed_checkpoint: bool, schedule: Any) -> None:
+    """What stages sharded with FSDP over their replicas cannot do, refused naming the fix: be written as one file
+    (``save_distributed_checkpoint=False``), and run a schedule that splits its backwards. ``cause``: what shards
+    them, `FSDP_ARGUMENT` (checked when the strategy is made) or `SELF_SHARDED` (a ``configure_model`` that calls
+    ``fully_shard`` itself, with a second replica: checked at setup, once it ran, before any step)."""
+    given, other = SHARDED_BY[cause]
+    if not save_distributed_checkpoint:
+        raise ConfigurationError(
+            f"{given.format('save_distributed_checkpoint=False')}: an FSDP stage is sharded over its replicas, and "
+            "one file would gather it; keep the sharded checkpoints (save_distributed_checkpoint=True) and make one "
+            "file of a folder with `python -m lightning_pipe consolidate FOLDER OUT.ckpt`"
+        )
+    if not is_auto(schedule) and getattr(resolve_schedule(schedule), "splits_backward", False):
+        raise ConfigurationError(
+            f"{given.format(f'schedule={schedule!r}')}: this schedule splits backwards into an input and a weight "
+            "half, and FSDP frees a block's gathered parameters after its backward; use schedule='1f1b', 'gpipe', "
+            f"'interleaved-1f1b' or 'looped-bfs' with FSDP, or {other} with {schedule!r}"
+        )
 
 
 def fsdp_without_replicas(data_parallel: str, where: str, replicas: int) -> str | None:

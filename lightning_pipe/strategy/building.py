@@ -31,7 +31,7 @@ from lightning_pipe.pipeline import Pipeline, resolve_partitioner
 from lightning_pipe.rng import run_seed
 from lightning_pipe.runtime import BaseRuntime, runtime_registry
 from lightning_pipe.schedule import AutoChoice, placement_of, resolve_schedule
-from lightning_pipe.strategy.arguments import auto_schedule_of
+from lightning_pipe.strategy.arguments import auto_schedule_of, check_sharded_stages
 from lightning_pipe.strategy.config import PipeConfig
 from lightning_pipe.strategy.session import capture_call
 from lightning_pipe.weights import StageInit
@@ -115,6 +115,22 @@ class PipelineBuilder:
         if chooser is not None and chooser.choice is not None:
             return chooser.choice
         return self.schedule_choice
+
+    def stages_sharded(self, cause: str) -> None:
+        """At setup, where this fit's stages are sharded with FSDP (``cause``: what shards them,
+        `ProcessStage.sharded`): what they cannot run is refused naming the fix (`check_sharded_stages`), and
+        ``schedule="auto"`` leaves out the schedules that split the backward (its pipeline placed as before, or
+        refused naming the fix)."""
+        check_sharded_stages(cause, self.config.save_distributed_checkpoint, self.config.schedule)
+        if isinstance(self.schedule, AutoSchedule) and self.schedule.split_backward:
+            placed = self.rank_placement
+            self.schedule = replace(self.schedule, split_backward=False)
+            if self.rank_placement != placed:  # the processes were placed for a schedule that splits its backward
+                raise ConfigurationError(
+                    f"schedule='auto' placed the stages for a schedule that splits the backward ({placed!r}), which "
+                    f"the stages sharded by {cause} cannot run: pass schedule=AutoSchedule(split_backward=False) "
+                    "(lightning_pipe.auto_schedule), or a schedule such as '1f1b' or 'interleaved-1f1b'"
+                )
 
     def _chooser(self) -> ScheduleChooser:
         """A ``schedule="auto"`` chooser of this configuration: its probe and the placement it builds in (the loop

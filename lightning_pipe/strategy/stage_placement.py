@@ -26,6 +26,7 @@ from torch import nn
 from lightning_pipe.engine.fsdp_deferral import ShardUnit, deferred, unavailable
 from lightning_pipe.engine.stage_shards import StageShards
 from lightning_pipe.errors import ConfigurationError
+from lightning_pipe.strategy.arguments import FSDP_ARGUMENT, SELF_SHARDED
 from lightning_pipe.strategy.patch import patch
 from lightning_pipe.strategy.tensor_parallel import refuse_self_sharded
 from lightning_pipe.weights import adopt, free_to_meta
@@ -62,11 +63,14 @@ class ProcessStage:
         self._refused: ConfigurationError | None = None  # why a serving process's module cannot be cut (`bind`)
 
     @property
-    def sharded(self) -> bool:
-        """Whether this process's stages are sharded with FSDP over their replicas: ``data_parallel="fsdp"`` or
-        ``configure_model``'s own ``fully_shard`` calls (`units`, known once it ran), and a second replica to shard
-        over (`replicate_over`). What every check of what FSDP stages cannot do asks (one file, split backwards)."""
-        return self._group is not None and (self.data_parallel == "fsdp" or self.units is not None)
+    def sharded(self) -> str | None:
+        """What shards this process's stages with FSDP over their replicas: ``data_parallel="fsdp"`` (`FSDP_ARGUMENT`)
+        or ``configure_model``'s own ``fully_shard`` calls (`SELF_SHARDED`: `units`, known once it ran), where there is
+        a second replica to shard over (`replicate_over`); None: nothing. What every check of what FSDP stages cannot
+        do asks (`lightning_pipe.strategy.arguments.check_sharded_stages`: one file, split backwards)."""
+        if self._group is None:
+            return None
+        return FSDP_ARGUMENT if self.data_parallel == "fsdp" else SELF_SHARDED if self.units is not None else None
 
     @contextmanager
     def deferring(self, mesh: Any) -> Iterator[None]:
@@ -113,7 +117,7 @@ class ProcessStage:
         self._shards = None
         for shard in spec.shards:
             adopt(shard.module, self.pipelined)
-        if self.sharded:  # shard first: the worker makes shards real
+        if self.sharded is not None:  # shard first: the worker makes shards real
             policy = self.mixed_precision() if self.mixed_precision is not None else None
             self._shards = StageShards({s.index: s.module for s in spec.shards}, self._mesh, policy, self.units)
 

@@ -236,6 +236,8 @@ class PipeStrategy(ParallelStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
         self.lifecycle.begin(self.state.module)
+        if self.stage.sharded is not None:  # FSDP stages, known once configure_model ran: what they cannot run
+            self.builder.stages_sharded(self.stage.sharded)
         # one seed per run (seed_everything's, else torch's initial seed), the first coordinator's for every replica
         seed = self.builder.seed = self.random.seed = int(self.broadcast(run_seed()))
         autocast = autocast_of(self.precision_plugin)
