@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import functools
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import lightning as L
@@ -263,7 +265,8 @@ def strategy_of(case: str, processes: int) -> tuple[object, int]:
     over its replicas on top of tensor parallel; ``-bf16`` / ``-bf16true``: the Trainer's precision (`precision_of`);
     ``-save``: a checkpoint after the fit; ``-resume``: one more step from ``--resume`` (or, for
     ``<case>@<saving case>``, from that case's checkpoint); ``-momentum``: SGD with momentum; ``-eval``: validate,
-    test and predict after the fit."""
+    test and predict after the fit; ``-again``: validate the fitted module again (refused after an FSDP fit), then
+    a new module with the checkpoint (`again`)."""
     parts = case.split("-")
     numbers = {p[0]: int(p[1:]) for p in parts[1:] if p[1:].isdigit()}
     if parts[0] == "mps":
@@ -286,6 +289,28 @@ def evaluate(trainer: L.Trainer, model: Net, path: Path) -> None:
         "predict": trainer.predict(model, data),
     }
     torch.save(results, path)
+
+
+def again(trainer: L.Trainer, model: Net, fresh: Callable[[], Net], checkpoint: Path, out: Path) -> None:
+    """``-again`` (after ``-save``, its stages sharded with FSDP): ``trainer.validate`` of the fitted module is refused
+    naming the fix, in every process (a serving rank gets its coordinator's refusal; the message saved as
+    ``<out>.txt``), and the fix runs: ``validate``, ``test`` and ``predict`` each of a new module (``fresh()``) with
+    the saved checkpoint, on the training data in order (a replica's share of it); what each returns, saved."""
+    from lightning_pipe.errors import PipeError
+
+    data = DataLoader(make_data(), batch_size=GLOBAL_BATCH)
+    try:
+        trainer.validate(model, data, verbose=False)
+        refused = ""
+    except PipeError as error:
+        refused = str(error)
+    out.with_suffix(".txt").write_text(refused)
+    results = {
+        "validate": trainer.validate(fresh(), data, ckpt_path=checkpoint, verbose=False),
+        "test": trainer.test(fresh(), data, ckpt_path=checkpoint, verbose=False),
+        "predict": trainer.predict(fresh(), data, ckpt_path=checkpoint),
+    }
+    torch.save(results, out.with_suffix(".pt"))
 
 
 def main() -> None:
@@ -321,6 +346,9 @@ def main() -> None:
         torch.save(whole_values(model.model), out / f"{name}-rank{rank}.pt")
         if "eval" in options:
             evaluate(trainer, model, out / f"{name}-eval-rank{rank}.pt")
+        if "again" in options:
+            fresh = functools.partial(Net, "seq" in options, optimizer_of(options), shard_data=own_fsdp)
+            again(trainer, model, fresh, out / f"{case}.ckpt", out / f"{name}-again-rank{rank}")
         if isinstance(strategy, PipeStrategy) and strategy.layout is not None:
             layout = strategy.layout
             where = {"replica": layout.replica, "stage": layout.pipeline_rank, "tensor": layout.tensor_rank,

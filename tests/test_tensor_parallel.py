@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from launching import ROOT, Run, forked_ranks
 from tensor_parallel_train import CLIP, GLOBAL_BATCH, STEPS, Net, make_data, make_model, make_optimizer, optimizer_of
 from test_launched import assert_ok, in_order, shuffled
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Subset
 
 from lightning_pipe import PipeStrategy
 from lightning_pipe.checkpoint import consolidate
@@ -229,8 +229,11 @@ def local_resume(checkpoint: Path) -> dict[str, torch.Tensor]:
 
 #: 2 x 2 x 2 in 8 processes (SGD with momentum, clipping); its sharded checkpoint resumed in both launches
 EIGHT = "pipe-s2-t2-1f1b-clip-ddp-momentum-save"
-#: in the same launch: PipeStrategy(data_parallel="fsdp"), FSDP2 on top of tensor parallel (SGD, clipping)
-EIGHT_FSDP = "pipe-s2-t2-1f1b-clip-fsdp"
+#: in the same launch: PipeStrategy(data_parallel="fsdp"), FSDP2 on top of tensor parallel (SGD, clipping); and the
+#: module sharding itself (Lightning's TP x FSDP recipe, PipeStrategy's default data_parallel); after each, validate
+#: of the fitted module refused, and a new module with the saved checkpoint evaluated (``-again``)
+EIGHT_FSDP = "pipe-s2-t2-1f1b-clip-fsdp-save-again"
+EIGHT_SELF = "pipe-s2-t2-1f1b-clip-save-again"
 #: in the same 8-process launch, that checkpoint resumed as 2 x 4 x 1 (4 stages, no tensor parallel)
 EIGHT_AS_2X4X1 = f"pipe-s4-t1-1f1b-clip-momentum-resume@{EIGHT}"
 #: in the 4-process launch: the 2 x 2 x 2 checkpoint resumed as 1 x 2 x 2 and under ModelParallelStrategy (which
@@ -258,7 +261,7 @@ SCHEDULES = [
 def eight_processes(tmp_path_factory: pytest.TempPathFactory) -> tuple[Run, Path]:
     """The 8-process launch, once for the module (its checkpoint is resumed by the 4-process launch too)."""
     out = tmp_path_factory.mktemp("eight")
-    cases = ",".join([EIGHT, EIGHT_FSDP, EIGHT_AS_2X4X1])
+    cases = ",".join([EIGHT, EIGHT_FSDP, EIGHT_SELF, EIGHT_AS_2X4X1])
     return forked_ranks(SCRIPT, ["--devices", "8", "--cases", cases, "--out", str(out)], nproc=8, timeout=420), out
 
 
@@ -271,13 +274,14 @@ def assert_resumed(folder: Path, name: str, expected: dict[str, torch.Tensor], r
         assert diff < 1e-5, f"{name}: rank {rank} differs from the plain model trained one step more by {diff:.2e}"
 
 
-def plain_evaluation(weights: dict[str, torch.Tensor]) -> dict[str, Any]:
-    """``validate``, ``test`` and ``predict`` of a plain Trainer with the model holding ``weights``."""
+def plain_evaluation(weights: dict[str, torch.Tensor], rows: range | None = None) -> dict[str, Any]:
+    """``validate``, ``test`` and ``predict`` of a plain Trainer with the model holding ``weights`` (on ``rows`` of the
+    data: a replica's share, as Lightning's distributed sampler gives it; None: all)."""
     model = Net()
     model.model.load_state_dict(weights)
     trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
                         enable_model_summary=False)  # fmt: skip
-    data = DataLoader(make_data(), batch_size=GLOBAL_BATCH)
+    data = DataLoader(make_data() if rows is None else Subset(make_data(), rows), batch_size=GLOBAL_BATCH)
     return {
         "validate": trainer.validate(model, data, verbose=False), "test": trainer.test(model, data, verbose=False),
         "predict": trainer.predict(model, data),
@@ -409,6 +413,10 @@ def test_two_replicas_of_two_stages_of_two_tensor_ranks_train_like_the_plain_mod
         assert max((value - expected[key]).abs().max().item() for key, value in got.items()) < 1e-5, rank
         assert all(local == part for local, part in where["held"].values())  # DDP: each replica holds its whole part
     assert_sharded_over_replicas(out, fsdp, plain_trainer_model(fsdp), replicas=2)
+    assert_sharded_over_replicas(out, EIGHT_SELF, plain_trainer_model(EIGHT_SELF), replicas=2)
+    assert "configure_model sharded the model with fully_shard: PipeStrategy shards each stage over its 2" in run.output
+    for sharded_case in (fsdp, EIGHT_SELF):
+        assert_evaluated_again(out, sharded_case, plain_trainer_model(sharded_case))
     assert "8 processes = 2 replica(s) x 2 pipeline rank(s) x 2 tensor rank(s)" in run.output
     assert "8 processes = 2 replica(s) x 4 pipeline rank(s)" in run.output
     assert_resumed(out, EIGHT_AS_2X4X1, four_steps(shuffled, "momentum"), 8)
@@ -424,6 +432,25 @@ def test_two_replicas_of_two_stages_of_two_tensor_ranks_train_like_the_plain_mod
     expected = four_steps(in_order, "momentum")
     diff = max((value - expected[key]).abs().max().item() for key, value in model.model.state_dict().items())
     assert diff < 1e-5, f"the consolidated {case} resumed by a plain Trainer differs by {diff:.2e}"
+
+
+def assert_evaluated_again(folder: Path, case: str, weights: dict[str, torch.Tensor], replicas: int = 2) -> None:
+    """After a fit whose stages were sharded with FSDP (``-again``): ``trainer.validate`` of the fitted module was
+    refused in every process naming the fix, and the fix ran: a new module with the saved checkpoint gives, on each
+    coordinator, the plain Trainer's validate, test and predict of its replica's rows (``weights``: the plain
+    Trainer's trained model), to 1e-5."""
+    for rank in range(replicas * 4):
+        refused = (folder / f"{case}-again-rank{rank}.txt").read_text()
+        assert "sharded with FSDP over their replicas by an earlier fit" in refused, f"{case} rank {rank}: {refused!r}"
+        assert "trainer.validate(MyModule(), dataloader, ckpt_path=path)" in refused
+    layout = Layout.of(world_size=8, global_rank=0, stages=2, virtual_stages=1, devices_per_node=8, tensor_parallel=2)
+    rows = len(make_data())
+    for rank in layout.coordinator_ranks:
+        replica = Layout.of(world_size=8, global_rank=rank, stages=2, virtual_stages=1, devices_per_node=8,
+                            tensor_parallel=2).replica  # fmt: skip
+        expected = plain_evaluation(weights, range(replica, rows, replicas))
+        got = torch.load(folder / f"{case}-again-rank{rank}.pt", weights_only=False)
+        assert_evaluation_equal(got, expected, f"{case}: a new module with the checkpoint (rank {rank})")
 
 
 def assert_sharded_over_replicas(folder: Path, case: str, expected: dict[str, torch.Tensor], replicas: int) -> None:

@@ -41,14 +41,18 @@ class Lifecycle:
         self.ctrl_c = CtrlC()  # Ctrl-C works again after a fit it stopped
 
     def begin(self, module: pl.LightningModule) -> None:
-        """At the start of the strategy's setup: the fit can run (automatic optimization), and Ctrl-C's handler is
-        remembered."""
+        """At the start of the strategy's setup: the fit can run (automatic optimization; stages sharded with FSDP,
+        known once ``configure_model`` ran, run what they can: `PipelineBuilder.stages_sharded`), and Ctrl-C's
+        handler is remembered."""
         self.ctrl_c.remember()
         if not module.automatic_optimization:
             raise ConfigurationError(
                 "PipeStrategy runs the backward inside the pipeline and supports automatic optimization only; "
                 "set self.automatic_optimization = True"
             )
+        sharded = self.state.stage.sharded  # launched mode with R > 1: data_parallel="fsdp" or the module's own
+        if sharded is not None:
+            self.state.builder.stages_sharded(sharded)
 
     def start(self, trainer: pl.Trainer, mode: Mode, precision: Any, device: torch.device) -> None:
         """At the end of the strategy's setup (the optimizers made): the parts learn the fit, the pipelined module's

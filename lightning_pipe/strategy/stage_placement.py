@@ -58,7 +58,7 @@ class ProcessStage:
         self._shards: StageShards | None = None  # FSDP: the stage being built, sharded before it has values
         self.units: list[ShardUnit] | None = None  # configure_model's own fully_shard calls (None: it made none)
         self._said = False  # that the module shards itself is said once
-        #: the modules an earlier fit here sharded with FSDP (torch cannot undo it; a later fit cuts them anew)
+        #: the modules an earlier run here sharded with FSDP (torch cannot undo it; a later run cuts them anew)
         self._fsdp_before: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         self._refused: ConfigurationError | None = None  # why a serving process's module cannot be cut (`bind`)
 
@@ -145,18 +145,19 @@ class ProcessStage:
 
 
 def refuse_sharded_before(pipelined: nn.Module, before: weakref.WeakSet[nn.Module]) -> None:
-    """A pipelined module whose stages an earlier fit in this process sharded with FSDP is refused, naming the fix:
-    ``trainer.validate``, ``test``, ``predict`` or another ``fit`` cut the model into stages anew, and torch has no
+    """A pipelined module whose stages an earlier run in this process sharded with FSDP is refused, naming the fix:
+    each ``trainer.fit``, ``validate``, ``test`` and ``predict`` cuts the model into stages anew, and torch has no
     call that undoes ``fully_shard`` (its modules' class, hooks and DTensor shards)."""
     again = [name or "(the pipelined module)" for name, m in pipelined.named_modules() if m in before]
     if again:
         raise ConfigurationError(
             f"the pipelined module's stages ({', '.join(again[:3])}{' ...' if len(again) > 3 else ''}) were sharded "
-            "with FSDP over their replicas by an earlier fit in this process (data_parallel='fsdp', or "
-            "configure_model's fully_shard), which torch cannot undo, and each trainer.fit, validate, test and "
-            "predict cuts the model into stages anew: save the fit (trainer.save_checkpoint(path), in every process) "
-            "and pass a new LightningModule with it, e.g. trainer.validate(MyModule(), dataloader, ckpt_path=path) "
-            "(the same for test, predict and a further fit)"
+            "with FSDP over their replicas by an earlier fit, validate, test or predict in this process "
+            "(data_parallel='fsdp', or configure_model's fully_shard), which torch cannot undo, and each run cuts the "
+            "model into stages anew: save the fit (trainer.save_checkpoint(path), in every process) and give each "
+            "later run a new LightningModule with it, e.g. trainer.validate(MyModule(), dataloader, ckpt_path=path) "
+            "(the same for test, predict and a further fit); or validate inside the fit "
+            "(Trainer(val_check_interval=...))"
         )
 
 

@@ -31,9 +31,9 @@ from lightning_pipe.strategy.config import PipeConfig
 from lightning_pipe.strategy.layout import Layout
 from lightning_pipe.strategy.lifecycle import Lifecycle
 from lightning_pipe.strategy.mode import Mode
-from lightning_pipe.strategy.mode_choice import mode_of, process_count
 from lightning_pipe.strategy.model_state import ModelState
 from lightning_pipe.strategy.optimization import StageOptimization
+from lightning_pipe.strategy.processes import Processes
 from lightning_pipe.strategy.random_state import RandomStreams
 from lightning_pipe.strategy.stage_placement import ProcessStage, moving_own_to_cpu
 from lightning_pipe.strategy.steps import StepDriver
@@ -48,7 +48,8 @@ class PipeStrategy(ParallelStrategy):
 
     Lightning's hooks hand the work to the parts the strategy holds: ``mode`` (what differs between local, rpc
     and launched mode: the processes, the collectives, where the stages and optimizers live, how the training
-    state is written; chosen once, when Lightning sets the ranks), ``builder`` (the pipeline), ``steps`` (each
+    state is written; chosen once, when Lightning sets the ranks, by ``processes``, which also answers Lightning's
+    launcher and sets up each fit's environment), ``builder`` (the pipeline), ``steps`` (each
     step, microbatch by microbatch; ``steps.training``: flushed, or ``schedule="async"``'s stream),
     ``optimization`` (gradients and optimizer steps), ``random`` (generator states), ``state`` (the training state
     in Lightning's checkpoint hooks), ``stage`` (launched mode: this process's part of the model), ``lifecycle``
@@ -103,7 +104,7 @@ class PipeStrategy(ParallelStrategy):
         self.state = ModelState(self, checkpoints, self.builder, self.optimization, self.stage)
         self.pipe_trace = PipeTrace.of(config.trace)  # the timeline callback, if a trace is asked for
         self.lifecycle = Lifecycle(self.state, self.steps, self.random, self.pipe_trace)
-        self._mode: Mode | None = None  # chosen when Lightning sets the ranks (`set_world_ranks`)
+        self.processes = Processes(self, config, self.builder, self.stage, self.state)  # the mode, chosen later
 
     # what the parts hold, under the names users read
     @property
@@ -141,49 +142,29 @@ class PipeStrategy(ParallelStrategy):
     @property
     def mode(self) -> Mode:
         """The mode this run is in (`lightning_pipe.strategy.mode`), chosen when Lightning sets the ranks."""
-        if self._mode is None:
-            self._mode = self._choose_mode()
-        return self._mode
+        return self.processes.mode
 
     @property
     def layout(self) -> Layout | None:
         """Launched mode: the processes, replicas and pipeline ranks (None in one process)."""
         return self.mode.layout
 
-    def _choose_mode(self) -> Mode:
-        devices, placement = self.parallel_devices, self.builder.rank_placement
-        processes = process_count(devices, self.num_nodes, self.cluster_environment)  # devices x nodes, or WORLD_SIZE
-        global_rank = self.node_rank * len(devices or []) + self.local_rank
-        return mode_of(self.config, processes, devices, global_rank, placement, self.stage, self._mode)
-
     def set_world_ranks(self) -> None:  # called by Lightning's connector (as on DDPStrategy)
-        self._mode = self._choose_mode()
-        self._mode.set_ranks(self.cluster_environment)
+        self.processes.set_ranks()
 
     @override
     def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
-        devices = len(self.parallel_devices or [None])
-        self._launcher = self.mode.launcher(self.cluster_environment, devices, self.num_nodes, self._prepare_to_serve)
+        self._launcher = self.processes.launcher()
 
     @override
     def setup_environment(self) -> None:
-        assert self.accelerator is not None  # Lightning's: the accelerator sets up the root device (or its own kind's)
-        root, trainer_devices = self.root_device, self.parallel_devices
-        self.accelerator.setup_device(self.builder.accelerator_device(root, trainer_devices, self.resolve_devices()))
-        self.mode.start(self.cluster_environment, self.lightning_module)  # launched: join, hold the serving ranks
+        self.processes.start()  # the accelerator's device; launched: join, hold the serving ranks
 
     @property
     def device_mesh(self) -> Any:
         """Launched mode's DeviceMesh (as ``ModelParallelStrategy.device_mesh``; the LightningModule's
         ``self.device_mesh``): dims ``data_parallel`` x ``pipeline`` (x ``tensor_parallel`` with tensor parallel)."""
         return self.mode.joined_mesh()
-
-    def _prepare_to_serve(self, trainer: Any = None) -> None:
-        """A process that serves a stage instead of running the Trainer's loop: processes joined (the device mesh
-        exists when configure_model runs, as in the coordinator's fit), its model bound."""
-        self.setup_environment()
-        self.state.bind_to_serve(trainer, self.precision_plugin.convert_module)
 
     def resolve_devices(self) -> list[str]:
         """One device per stage: launched mode's processes (placed as the schedule says), or from ``devices``,
@@ -236,8 +217,6 @@ class PipeStrategy(ParallelStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
         self.lifecycle.begin(self.state.module)
-        if self.stage.sharded is not None:  # FSDP stages, known once configure_model ran: what they cannot run
-            self.builder.stages_sharded(self.stage.sharded)
         # one seed per run (seed_everything's, else torch's initial seed), the first coordinator's for every replica
         seed = self.builder.seed = self.random.seed = int(self.broadcast(run_seed()))
         autocast = autocast_of(self.precision_plugin)
