@@ -266,7 +266,7 @@ def strategy_of(case: str, processes: int) -> tuple[object, int]:
     ``-save``: a checkpoint after the fit; ``-resume``: one more step from ``--resume`` (or, for
     ``<case>@<saving case>``, from that case's checkpoint); ``-momentum``: SGD with momentum; ``-eval``: validate,
     test and predict after the fit; ``-again``: validate the fitted module again (refused after an FSDP fit), then
-    a new module with the checkpoint (`again`)."""
+    (with ``-save``) new modules with the checkpoint (`again`)."""
     parts = case.split("-")
     numbers = {p[0]: int(p[1:]) for p in parts[1:] if p[1:].isdigit()}
     if parts[0] == "mps":
@@ -291,11 +291,11 @@ def evaluate(trainer: L.Trainer, model: Net, path: Path) -> None:
     torch.save(results, path)
 
 
-def again(trainer: L.Trainer, model: Net, fresh: Callable[[], Net], checkpoint: Path, out: Path) -> None:
-    """``-again`` (after ``-save``, its stages sharded with FSDP): ``trainer.validate`` of the fitted module is refused
-    naming the fix, in every process (a serving rank gets its coordinator's refusal; the message saved as
-    ``<out>.txt``), and the fix runs: ``validate``, ``test`` and ``predict`` each of a new module (``fresh()``) with
-    the saved checkpoint, on the training data in order (a replica's share of it); what each returns, saved."""
+def again(trainer: L.Trainer, model: Net, fresh: Callable[[], Net], checkpoint: Path | None, out: Path) -> None:
+    """``-again`` (its stages sharded with FSDP): ``trainer.validate`` of the fitted module is refused naming the fix,
+    in every process (a serving rank gets its coordinator's refusal; the message saved as ``<out>.txt``); with
+    ``-save`` the fix runs too: ``validate`` and ``predict`` each of a new module (``fresh()``) with the saved
+    ``checkpoint``, on the training data in order (a replica's share of it); what each returns, saved."""
     from lightning_pipe.errors import PipeError
 
     data = DataLoader(make_data(), batch_size=GLOBAL_BATCH)
@@ -305,12 +305,12 @@ def again(trainer: L.Trainer, model: Net, fresh: Callable[[], Net], checkpoint: 
     except PipeError as error:
         refused = str(error)
     out.with_suffix(".txt").write_text(refused)
-    results = {
-        "validate": trainer.validate(fresh(), data, ckpt_path=checkpoint, verbose=False),
-        "test": trainer.test(fresh(), data, ckpt_path=checkpoint, verbose=False),
-        "predict": trainer.predict(fresh(), data, ckpt_path=checkpoint),
-    }
-    torch.save(results, out.with_suffix(".pt"))
+    if checkpoint is not None:
+        results = {
+            "validate": trainer.validate(fresh(), data, ckpt_path=checkpoint, verbose=False),
+            "predict": trainer.predict(fresh(), data, ckpt_path=checkpoint),  # test runs as validate does
+        }
+        torch.save(results, out.with_suffix(".pt"))
 
 
 def main() -> None:
@@ -348,7 +348,8 @@ def main() -> None:
             evaluate(trainer, model, out / f"{name}-eval-rank{rank}.pt")
         if "again" in options:
             fresh = functools.partial(Net, "seq" in options, optimizer_of(options), shard_data=own_fsdp)
-            again(trainer, model, fresh, out / f"{case}.ckpt", out / f"{name}-again-rank{rank}")
+            saved = out / f"{case}.ckpt" if "save" in options else None
+            again(trainer, model, fresh, saved, out / f"{name}-again-rank{rank}")
         if isinstance(strategy, PipeStrategy) and strategy.layout is not None:
             layout = strategy.layout
             where = {"replica": layout.replica, "stage": layout.pipeline_rank, "tensor": layout.tensor_rank,
