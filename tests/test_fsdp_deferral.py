@@ -84,6 +84,13 @@ def test_the_real_fully_shard_is_back_after_an_error_and_nothing_is_recorded_wit
     assert isinstance(net[1], FSDPModule)
     with pytest.raises(ConfigurationError, match=r"with fully_shard \(1\) before PipeStrategy cut it.*launched"):
         refuse_self_sharded(net)
+    # a process that serves a stage raises it when a stage is built there (its coordinator, refusing the same at
+    # setup, releases it first): raised at bind, the release would be left for the next run to read
+    with pytest.raises(ConfigurationError, match="before PipeStrategy cut it"):
+        stage.bind(net, net)
+    stage.bind(net, net, serving=True)
+    with pytest.raises(ConfigurationError, match="before PipeStrategy cut it"):
+        stage.prepare(None)
 
 
 @pytest.mark.parametrize("given", ["none", "whole", "tensor"])
