@@ -12,7 +12,28 @@ from collections.abc import Iterator
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
+from machine_share import machine_share  # noqa: E402
+
+#: the files whose launches take longest (most CPU), run first: under pytest-xdist (``-n 2``, a file per worker at a
+#: time, in this order) the workers then end together instead of one running a long launch alone at the end
+FIRST = (
+    "test_big_models.py", "test_tensor_parallel.py", "test_launched.py", "test_llama_3d.py", "test_example.py",
+    "test_docs_examples.py", "test_transparency.py", "test_local_exits.py", "test_state_contract.py",
+)  # fmt: skip
 warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """`FIRST`'s files first, the others in their order."""
+    rank = {name: index for index, name in enumerate(FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(FIRST)))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """A ``timed`` test has the machine to itself under pytest-xdist (`machine_share`)."""
+    with machine_share(item):
+        return (yield)
 
 
 def _pipe_threads() -> list[threading.Thread]:

@@ -294,6 +294,7 @@ class FailsInBackward(Timeline):
             raise RuntimeError("stage 0 broke")
 
 
+@pytest.mark.timed
 def test_a_stage_waiting_for_the_shared_weight_stops_when_its_owner_fails() -> None:
     """The error names stage 0 within seconds (not the 60 s timeout) and no stage thread is left waiting
     (the test guard fails on a leftover thread)."""

@@ -35,6 +35,8 @@ from lightning_pipe.strategy.session import TAKE_WAIT, Driver, DriverThreads, cu
 STOPPED_WITHIN = 10.0  # seconds from the Ctrl-C to fit's return ("a few seconds", on a loaded 2-core machine)
 STEPS = 3
 
+pytestmark = pytest.mark.timed  # bounds waits by the clock: alone under xdist (tests/machine_share.py)
+
 
 @pytest.fixture(autouse=True)
 def interrupts() -> Iterator[Interrupts]:

@@ -200,6 +200,7 @@ def test_two_slurm_nodes_simulated_on_one_machine(tmp_path: Path) -> None:
         check_trained(tmp_path, name, coordinators(name))
 
 
+@pytest.mark.timed
 def test_a_sigkilled_rank_ends_every_process_with_an_error_naming_it(tmp_path: Path) -> None:
     """Global rank 3 (stage 0 of replica 1) dies mid-step; the whole run ends within 30 s."""
     args = ["--devices", "4", "--cases", "s2-sgd-1f1b", "--out", str(tmp_path), "--kill-rank", "3", "--kill-call", "3"]

@@ -24,7 +24,7 @@ from processes import group_members, wait_group_gone
 SCRIPT = str(ROOT / "tests" / "launched_exits.py")
 STOPPED_WITHIN = 10.0  # seconds from Ctrl-C to the end of the run's shutdown ("a few", on a loaded 2-core machine)
 CRASHES = ("terminate called", "Fatal Python error", "Aborted", "core dumped")
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timed]  # bounds waits by the clock: alone under xdist
 
 
 def crash_lines(output: str) -> list[str]:

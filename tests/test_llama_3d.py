@@ -1,12 +1,13 @@
 """The 3-D example, ``examples/llama_3d.py``: a Llama-style model trained as replicas x stages x tensor ranks.
 
-``python examples/llama_3d.py --devices 8`` as the README says (Lightning's launcher starts the 8 processes:
-2 replicas x 2 stages x 2 tensor ranks over gloo), at the tiny size for 2 AdamW steps: the module's
-``configure_model`` is Lightning's TP x FSDP recipe (``fully_shard`` of each block, then of the whole model),
-which PipeStrategy applies per stage; every coordinator's loss is the plain model's on the global batch (one
+``examples/llama_3d.py --devices 8`` (8 processes: 2 replicas x 2 stages x 2 tensor ranks over gloo, started as
+torchrun starts them, forked after one import: `launching.forked_ranks`; the 2-process run of a tied head is started
+by Lightning's launcher, as the README's ``python examples/llama_3d.py ...``), at the tiny size for 2 AdamW steps:
+the module's ``configure_model`` is Lightning's TP x FSDP recipe (``fully_shard`` of each block, then of the whole
+model), which PipeStrategy applies per stage; every coordinator's loss is the plain model's on the global batch (one
 process, in this test's process) to 1e-5, and each process holds 1/(R x S x T) of the parameters, their gradients
-and the optimizer state. The same module under Lightning's ``ModelParallelStrategy`` gives the same losses; on
-CUDA (NCCL, one GPU a process) the run is the CUDA test below.
+and the optimizer state. The same module under Lightning's ``ModelParallelStrategy`` gives the same losses; on CUDA
+(NCCL, one GPU a process) the run is the CUDA test below.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 
 import pytest
 import torch
-from launching import ROOT, lightning_launch
+from launching import ROOT, forked_ranks, lightning_launch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 
@@ -81,7 +82,7 @@ def test_lightnings_tp_x_fsdp_recipe_trains_unchanged_2x2x2_as_the_plain_model(t
     the plain model's losses over 2 AdamW steps; after them a process holds an eighth, 1/(R x S x T), of the
     parameters, of their gradients and of the optimizer state (AdamW's two moments, and its step counters)."""
     args = ["--devices", "8", *STEPS, "--report", str(tmp_path)]
-    run = lightning_launch(EXAMPLE, args, timeout=600)
+    run = forked_ranks(EXAMPLE, args, nproc=8, timeout=600)
     assert run.ok, run.output[-6000:]
     assert "launched mode, 8 processes = 2 replica(s) x 2 pipeline rank(s) x 2 tensor rank(s)" in run.output
     assert "configure_model sharded the model with fully_shard: PipeStrategy shards each stage over its 2" in run.output
@@ -105,7 +106,7 @@ def test_model_parallel_strategy_runs_the_same_module_with_the_same_losses(tmp_p
     tensor_parallel_size=2), the module sharding itself with fully_shard over the data dimension, as it does under
     PipeStrategy; every rank runs the loop and logs the plain model's losses."""
     args = ["--devices", "4", "--strategy", "model-parallel", *STEPS, "--report", str(tmp_path)]
-    run = lightning_launch(EXAMPLE, args, timeout=600)
+    run = forked_ranks(EXAMPLE, args, nproc=4, timeout=600)
     assert run.ok, run.output[-6000:]
     check_coordinators(reports(tmp_path), [0, 1, 2, 3], plain_losses())
 

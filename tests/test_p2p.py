@@ -39,6 +39,8 @@ from lightning_pipe.comm.p2p.frames import (
 
 HELPER = Path(__file__).with_name("p2p_procs.py")
 
+pytestmark = pytest.mark.timed  # bounds waits by the clock: alone under xdist (tests/machine_share.py)
+
 
 def free_port() -> int:
     with socket.socket() as s:

@@ -19,6 +19,8 @@ from torch import nn
 from lightning_pipe import Pipeline, PipeTimeoutError, StageError, TransportError
 from lightning_pipe.comm.rpc import RpcCommunicator
 
+pytestmark = pytest.mark.timed  # bounds waits by the clock: alone under xdist (tests/machine_share.py)
+
 
 def free_port() -> int:
     with socket.socket() as s:

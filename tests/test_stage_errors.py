@@ -72,6 +72,7 @@ class Sleepy(nn.Module):
         return x
 
 
+@pytest.mark.timed
 def test_every_wait_is_bounded_by_timeout() -> None:
     model = nn.Sequential(nn.Linear(4, 4), Sleepy())
     with Pipeline(model, stages=2, partition=[1, 1], timeout=0.5) as pipe:
