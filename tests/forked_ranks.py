@@ -1,9 +1,10 @@
-"""Run a training script's ranks as torchrun starts them, each rank forked from this process.
+"""Run a training script's ranks as torchrun or SLURM starts them, each rank forked from this process.
 
-``python tests/forked_ranks.py --nproc N [--nodes M] script.py ARGS...`` sets in each of its N x M processes the
-variables torchrun (torchelastic) gives a worker (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``TORCHELASTIC_RUN_ID``,
-...), so Lightning finds a torchelastic environment and starts no process itself, and runs ``script.py`` as
-``__main__`` with ``ARGS``. The ranks are forked (``torch.multiprocessing.start_processes``) after torch, Lightning
+``python tests/forked_ranks.py --nproc N [--nodes M] [--cluster slurm] script.py ARGS...`` sets in each of its
+N x M processes the variables torchrun (torchelastic) gives a worker (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
+``TORCHELASTIC_RUN_ID``, ...), or with ``--cluster slurm`` those ``srun`` gives a task (``SLURM_PROCID``, ...), so
+Lightning finds that cluster environment and starts no process itself, and runs ``script.py`` as ``__main__`` with
+``ARGS``. The ranks are forked (``torch.multiprocessing.start_processes``) after torch, Lightning
 and lightning_pipe were imported here once: a process that imports them cold spends about 5 s of CPU doing it,
 most of a small launched test. Only tests whose subject is not the launcher use it (`launching.forked_ranks`);
 Lightning's launcher, torchrun and SLURM keep launches of their own. The M "nodes" are simulated on this machine
@@ -24,16 +25,34 @@ import torch.multiprocessing as mp
 import lightning_pipe  # noqa: F401
 
 
-def run_rank(index: int, script: str, args: list[str], nproc: int, nodes: int) -> None:
-    """Process ``index`` of ``nproc x nodes``: torchelastic's worker variables, then the script as ``__main__``."""
+def torchelastic(index: int, nproc: int, nodes: int) -> dict[str, str]:
+    """The variables torchrun gives worker ``index`` of ``nproc x nodes``."""
     node, local = divmod(index, nproc)
     world = nproc * nodes
-    os.environ.update(
+    return dict(
         RANK=str(index), LOCAL_RANK=str(local), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(nproc),
         GROUP_RANK=str(node), GROUP_WORLD_SIZE=str(nodes), ROLE_RANK=str(index), ROLE_WORLD_SIZE=str(world),
         ROLE_NAME="default", TORCHELASTIC_RUN_ID="forked-ranks", TORCHELASTIC_RESTART_COUNT="0",
         TORCHELASTIC_MAX_RESTARTS="0",
     )  # fmt: skip
+
+
+def slurm(index: int, nproc: int, nodes: int) -> dict[str, str]:
+    """The variables ``srun`` gives task ``index`` of ``nproc`` tasks per node on ``nodes`` nodes."""
+    node, local = divmod(index, nproc)
+    return dict(
+        SLURM_NTASKS=str(nproc * nodes), SLURM_NTASKS_PER_NODE=str(nproc), SLURM_NNODES=str(nodes),
+        SLURM_PROCID=str(index), SLURM_LOCALID=str(local), SLURM_NODEID=str(node), SLURM_JOB_ID="4242",
+        SLURM_JOB_NAME="train", SLURM_NODELIST="127.0.0.1",
+    )  # fmt: skip
+
+
+CLUSTERS = {"torchelastic": torchelastic, "slurm": slurm}
+
+
+def run_rank(index: int, script: str, args: list[str], nproc: int, nodes: int, cluster: str) -> None:
+    """Process ``index`` of ``nproc x nodes``: the cluster's variables, then the script as ``__main__``."""
+    os.environ.update(CLUSTERS[cluster](index, nproc, nodes))
     sys.argv = [script, *args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))  # as `python script.py` puts its folder first
     runpy.run_path(script, run_name="__main__")
@@ -43,13 +62,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nproc", type=int, required=True, help="processes per node")
     parser.add_argument("--nodes", type=int, default=1, help="nodes simulated on this machine")
+    parser.add_argument("--cluster", choices=sorted(CLUSTERS), default="torchelastic", help="whose variables")
     parser.add_argument("script")
     parser.add_argument("args", nargs=argparse.REMAINDER)
     options = parser.parse_args()
     if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
         sys.exit("forked_ranks.py: set MASTER_ADDR and MASTER_PORT (launching.forked_ranks does)")
     mp.start_processes(
-        run_rank, args=(options.script, options.args, options.nproc, options.nodes),
+        run_rank, args=(options.script, options.args, options.nproc, options.nodes, options.cluster),
         nprocs=options.nproc * options.nodes, start_method="fork",
     )  # fmt: skip
 

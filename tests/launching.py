@@ -100,14 +100,25 @@ def torchrun(script: str, args: list[str], nproc: int = 4, timeout: float = 240)
     return run_all([(cmd, base_env())], timeout)
 
 
-def forked_ranks(script: str, args: list[str], nproc: int, nodes: int = 1, timeout: float = 240) -> Run:
-    """The ranks as torchrun starts them (its variables), forked from one process that imported torch, Lightning and
-    lightning_pipe once (`forked_ranks.py`): for the tests whose subject is a run, not the launcher (a cold process
-    spends about 5 s of CPU importing them). ``nodes`` simulates that many nodes of ``nproc`` processes."""
+def forked_ranks(
+    script: str, args: list[str], nproc: int, nodes: int = 1, timeout: float = 240, cluster: str = "torchelastic"
+) -> Run:
+    """The ranks as torchrun (or ``cluster="slurm"``: srun) starts them, its variables, forked from one process that
+    imported torch, Lightning and lightning_pipe once (`forked_ranks.py`): for the tests whose subject is a run, not
+    the process launcher (a cold process spends about 5 s of CPU importing them). ``nodes`` simulates that many nodes
+    of ``nproc`` processes."""
+    return run_all([forked_command(script, args, nproc, nodes, cluster)], timeout)
+
+
+def forked_command(
+    script: str, args: list[str], nproc: int, nodes: int = 1, cluster: str = "torchelastic"
+) -> tuple[list[str], dict[str, str]]:
+    """`forked_ranks`' command and environment (a port of its own), for `run_all` beside other commands."""
     env = base_env()
     env["MASTER_PORT"] = str(free_port())
-    command = [sys.executable, str(ROOT / "tests" / "forked_ranks.py"), "--nproc", str(nproc), "--nodes", str(nodes)]
-    return run_all([([*command, script, *args], env)], timeout)
+    command = [sys.executable, str(ROOT / "tests" / "forked_ranks.py"), "--nproc", str(nproc), "--nodes", str(nodes),
+               "--cluster", cluster]  # fmt: skip
+    return [*command, script, *args], env
 
 
 def slurm(script: str, args: list[str], nodes: int = 2, tasks_per_node: int = 2, timeout: float = 240) -> Run:

@@ -1,5 +1,8 @@
 """Launched mode end to end: 4 real processes on 127.0.0.1 (gloo), started the three ways users start them.
 
+Lightning's launcher and torchrun start their own launches; SLURM's variables and the 2-process schedules' runs are
+given to processes forked after one import (`launching.forked_ranks`: their subject is the run, not the launcher).
+
 Each launch trains several cases (layouts R x P, optimizers, schedules, accumulation and clipping) in
 the same processes; the coordinators save what they trained, and here it must equal the unsplit
 model trained on the global batch (to 1e-5), on every replica. A checkpoint written under 2 x 2
@@ -17,7 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from launched_train import DROPOUT, GLOBAL_BATCH, STEPS, Net, make_data, make_model, masked_mse, parse_case
-from launching import ROOT, Run, lightning_launch, slurm, torchrun
+from launching import ROOT, Run, forked_ranks, lightning_launch, torchrun
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_pipe import PipeStrategy
@@ -178,7 +181,8 @@ def test_two_processes_run_the_v_shaped_interleaved_and_breadth_first_schedules(
     cases = ["s2-sgd-zbv-v2-m4-tok", "s2-adam-dualpipev-v2-m8", "s2-adam-interleaved_zero_bubble-v2-m8-tok",
              "s2-sgd-looped_bfs-v2-m4", "s2-adam-auto-v2-m4"]  # fmt: skip
     dropout = "s2-sgd-dualpipev-v2-m4-drop"
-    run = lightning_launch(SCRIPT, ["--devices", "2", "--cases", ",".join([*cases, dropout]), "--out", str(tmp_path)])
+    args = ["--devices", "2", "--cases", ",".join([*cases, dropout]), "--out", str(tmp_path)]
+    run = forked_ranks(SCRIPT, args, nproc=2)
     assert_ok(run)
     for name in cases:
         check_trained(tmp_path, name, coordinators(name, processes=2))
@@ -194,7 +198,7 @@ def test_two_slurm_nodes_simulated_on_one_machine(tmp_path: Path) -> None:
     """num_nodes=2, devices=2 under SLURM's variables: a pipeline per node (2 x 2), then plain DDP (4 x 1)."""
     cases = ["s2-adam-1f1b", "s1-sgd-gpipe"]
     args = ["--devices", "2", "--num-nodes", "2", "--cases", ",".join(cases), "--out", str(tmp_path)]
-    run = slurm(SCRIPT, args)
+    run = forked_ranks(SCRIPT, args, nproc=2, nodes=2, cluster="slurm")
     assert_ok(run)
     for name in cases:
         check_trained(tmp_path, name, coordinators(name))

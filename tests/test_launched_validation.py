@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from launching import ROOT, base_env, free_port, run_all
+from launching import ROOT, base_env, forked_command, free_port, run_all
 
 pytestmark = pytest.mark.slow
 SCRIPT = str(ROOT / "tests" / "launched_validation.py")
@@ -48,7 +48,7 @@ def in_order_reference(epochs: int = 2) -> dict[str, torch.Tensor]:
 
 def test_validation_between_launched_steps_equals_lightning_ddp(tmp_path: Path) -> None:
     """Values: the stages' trained parameters and every validation loss equal DDP's to 1e-5."""
-    pipe = ([sys.executable, SCRIPT, "--out", str(tmp_path)], base_env() | {"MASTER_PORT": str(free_port())})
+    pipe = forked_command(SCRIPT, ["--out", str(tmp_path)], nproc=2)
     ddp = ([sys.executable, SCRIPT, "--out", str(tmp_path), "--ddp"], base_env() | {"MASTER_PORT": str(free_port())})
     run = run_all([pipe, ddp], timeout=240)
     assert run.ok, run.output[-4000:]

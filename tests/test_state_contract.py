@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from launching import ROOT, lightning_launch
+from launching import ROOT, forked_ranks
 from state_contract import EXTRA, PART, RENAMED, STEPS, fit, tensors, write_files
 from torch import nn
 
@@ -124,7 +124,7 @@ def test_launched_modes_keep_the_contract(runs: dict, tmp_path: Path) -> None:
         out.mkdir()
         (out / "files.json").write_text(json.dumps(runs[build]["files"]))
         args += ["--mode", mode, "--files", str(out / "files.json"), "--out", str(out)]
-    run = lightning_launch(SCRIPT, args, timeout=400)
+    run = forked_ranks(SCRIPT, args, nproc=2, timeout=400)
     assert run.ok, run.output[-3000:]
     for mode, build in modes.items():
         check_launched(mode, tmp_path / mode, runs[build])
