@@ -14,25 +14,27 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 from machine_share import machine_share  # noqa: E402
 
-#: the files whose launches take longest (most CPU), run first: under pytest-xdist (``-n 2``, a file per worker at a
-#: time, in this order) the workers then end together instead of one running a long launch alone at the end
-FIRST = (
-    "test_big_models.py", "test_tensor_parallel.py", "test_launched.py", "test_llama_3d.py", "test_example.py",
-    "test_docs_examples.py", "test_transparency.py", "test_local_exits.py", "test_state_contract.py",
+#: the files that launch many processes, the most CPU first: they run first, so that under pytest-xdist (``-n 2``, a
+#: file per worker at a time, in this order) the workers end together instead of one running a long launch alone at
+#: the end, and never beside a ``timed`` test (`machine_share`)
+LAUNCHES = (
+    "test_big_models.py", "test_tensor_parallel.py", "test_launched.py", "test_example.py", "test_llama_3d.py",
+    "test_docs_examples.py", "test_local_exits.py", "test_launched_validation.py", "test_state_contract.py",
+    "test_rpc_first_contact.py",
 )  # fmt: skip
 warnings.filterwarnings("ignore", message=".*does not have many workers.*")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """`FIRST`'s files first, the others in their order."""
-    rank = {name: index for index, name in enumerate(FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(FIRST)))
+    """`LAUNCHES`' files first, the others in their order."""
+    rank = {name: index for index, name in enumerate(LAUNCHES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LAUNCHES)))
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
-    """A ``timed`` test has the machine to itself under pytest-xdist (`machine_share`)."""
-    with machine_share(item):
+    """A ``timed`` test runs beside no launch under pytest-xdist (`machine_share`)."""
+    with machine_share(item, launches=item.path.name in LAUNCHES):
         return (yield)
 
 

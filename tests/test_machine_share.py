@@ -1,4 +1,4 @@
-"""tests/machine_share.py: under xdist a ``timed`` test waits for the running tests and holds back the next ones.
+"""tests/machine_share.py: under xdist a ``timed`` test waits for a running launch and holds back the next one.
 
 Two "workers" are threads here, each opening the lock files itself (``flock`` locks belong to an open file, so
 two opens exclude each other as two processes' do)."""
@@ -21,13 +21,13 @@ def item(folder: Path, timed: bool, worker: str = "gw0") -> Any:
     return SimpleNamespace(config=config, get_closest_marker=lambda name: marker if name == "timed" else None)
 
 
-def test_a_timed_test_waits_for_the_running_test_and_holds_back_the_next(tmp_path: Path) -> None:
+def test_a_timed_test_waits_for_the_running_launch_and_holds_back_the_next(tmp_path: Path) -> None:
     events: list[str] = []
     running = threading.Event()
     release = threading.Event()
 
-    def ordinary(name: str, hold: threading.Event | None) -> None:
-        with machine_share(item(tmp_path, timed=False, worker="gw1")):
+    def launch(name: str, hold: threading.Event | None) -> None:
+        with machine_share(item(tmp_path, timed=False, worker="gw1"), launches=True):
             events.append(f"{name} start")
             running.set()
             if hold is not None:
@@ -35,36 +35,40 @@ def test_a_timed_test_waits_for_the_running_test_and_holds_back_the_next(tmp_pat
             events.append(f"{name} end")
 
     def timed() -> None:
-        with machine_share(item(tmp_path, timed=True)):
+        with machine_share(item(tmp_path, timed=True), launches=False):
             events.append("timed start")
             time.sleep(0.2)
             events.append("timed end")
 
-    first = threading.Thread(target=ordinary, args=("first", release))
+    first = threading.Thread(target=launch, args=("first", release))
     first.start()
     assert running.wait(10)
     waiting = threading.Thread(target=timed)
     waiting.start()
     time.sleep(0.3)  # the timed test now waits for the first to end, holding the turnstile
-    second = threading.Thread(target=ordinary, args=("second", None))
+    second = threading.Thread(target=launch, args=("second", None))
     second.start()
     time.sleep(0.3)
-    assert events == ["first start"], events  # neither the timed test nor the next ordinary one started
+    assert events == ["first start"], events  # neither the timed test nor the next launch started
+    with machine_share(item(tmp_path, timed=False, worker="gw2"), launches=False):
+        events.append("ordinary")  # a test that launches nothing waits for neither
+    assert events == ["first start", "ordinary"], events
     release.set()
     for thread in (first, waiting, second):
         thread.join(10)
         assert not thread.is_alive()
-    assert events == ["first start", "first end", "timed start", "timed end", "second start", "second end"], events
+    expected = ["first start", "ordinary", "first end", "timed start", "timed end", "second start", "second end"]
+    assert events == expected, events
 
 
-def test_ordinary_tests_share_the_machine_and_nothing_is_locked_without_xdist(tmp_path: Path) -> None:
+def test_launches_run_side_by_side_and_nothing_is_locked_without_xdist(tmp_path: Path) -> None:
     inside = threading.Barrier(2, timeout=10)  # both inside at once, or the barrier breaks
 
-    def ordinary(worker: str) -> None:
-        with machine_share(item(tmp_path, timed=False, worker=worker)):
+    def launch(worker: str) -> None:
+        with machine_share(item(tmp_path, timed=False, worker=worker), launches=True):
             inside.wait()
 
-    threads = [threading.Thread(target=ordinary, args=(w,)) for w in ("gw0", "gw1")]
+    threads = [threading.Thread(target=launch, args=(w,)) for w in ("gw0", "gw1")]
     for thread in threads:
         thread.start()
     for thread in threads:
