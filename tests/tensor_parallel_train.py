@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lightning_pipe import PipeStrategy  # noqa: E402
@@ -117,6 +117,29 @@ def make_data() -> TensorDataset:
     rows = STEPS * GLOBAL_BATCH
     x = torch.randn(rows, SEQUENCE, FEATURES, generator=g)
     return TensorDataset(x, torch.randn(rows, SEQUENCE, 1, generator=g))
+
+
+#: ``-varlen``: each step's batch has its own sequence length (even: the sequence-sharded plan splits it over 2
+#: tensor ranks)
+LENGTHS = (8, 6, 10)
+
+
+class VariableLengths(IterableDataset):
+    """``-varlen``: `STEPS` whole batches of `GLOBAL_BATCH` rows, the sequence `LENGTHS[step]` tokens long (a
+    replica reads every batch: the case runs one replica)."""
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed(2)
+        for length in LENGTHS:
+            x = torch.randn(GLOBAL_BATCH, length, FEATURES, generator=g)
+            yield x, torch.randn(GLOBAL_BATCH, length, 1, generator=g)
+
+
+def loader_of(options: list[str], batch_size: int) -> DataLoader:
+    """A case's training data: `VariableLengths` for ``-varlen``, else `make_data` in batches of ``batch_size``."""
+    if "varlen" in options:
+        return DataLoader(VariableLengths(), batch_size=None)
+    return DataLoader(make_data(), batch_size=batch_size)
 
 
 class Net(L.LightningModule):
@@ -255,7 +278,7 @@ def schedule_of(case: str) -> str:
     return max((name for name in available_schedules() if f"{rest}-".startswith(f"{name}-")), key=len)
 
 
-def strategy_of(case: str, processes: int) -> tuple[object, int]:
+def strategy_of(case: str, processes: int, out: Path | None = None) -> tuple[object, int]:
     """``mps-d2-t2``: ModelParallelStrategy(2, 2); ``pipe-s2-t2-gpipe``: PipeStrategy(stages=2, tensor_parallel=2),
     the schedule named after the numbers (`schedule_of`), ``-v2``: two stages per process (``virtual_stages=2``);
     with the number of replicas (each reads GLOBAL_BATCH / replicas rows a step). ``-seq``: the sequence-sharded
@@ -266,16 +289,19 @@ def strategy_of(case: str, processes: int) -> tuple[object, int]:
     ``-save``: a checkpoint after the fit; ``-resume``: one more step from ``--resume`` (or, for
     ``<case>@<saving case>``, from that case's checkpoint); ``-momentum``: SGD with momentum; ``-eval``: validate,
     test and predict after the fit; ``-again``: validate the fitted module again (refused after an FSDP fit), then
-    (with ``-save``) new modules with the checkpoint (`again`)."""
+    (with ``-save``) new modules with the checkpoint (`again`); ``-varlen``: each step's sequence length its own
+    (`VariableLengths`); ``-trace``: ``PipeStrategy(trace=<out>/<case>-trace.json)``, the timeline of steps 1-2."""
     parts = case.split("-")
     numbers = {p[0]: int(p[1:]) for p in parts[1:] if p[1:].isdigit()}
     if parts[0] == "mps":
         return ModelParallelStrategy(data_parallel_size=numbers["d"], tensor_parallel_size=numbers["t"]), numbers["d"]
     stages, tensor = numbers["s"], numbers["t"]
     data_parallel = "fsdp" if "fsdp" in parts else "ddp"
+    trace = out / f"{case}-trace.json" if "trace" in parts and out is not None else None
     strategy = PipeStrategy(stages=stages, tensor_parallel=tensor, schedule=schedule_of(case), microbatches=2,
                             partition="uniform", timeout=60, data_parallel=data_parallel,
-                            virtual_stages=numbers.get("v", 1))  # fmt: skip
+                            virtual_stages=numbers.get("v", 1),
+                            trace=trace)  # fmt: skip
     return strategy, processes // (stages // numbers.get("v", 1) * tensor)
 
 
@@ -324,7 +350,7 @@ def main() -> None:
     out = Path(args.out)
     for name in args.cases.split(","):
         case, _, source = name.partition("@")  # resume@<case>: from the checkpoint that case saved (--checkpoints)
-        strategy, replicas = strategy_of(case, args.devices)
+        strategy, replicas = strategy_of(case, args.devices, out)
         L.seed_everything(0, verbose=False)
         options = case.split("-")
         own_fsdp = not {"ddp", "fsdp"} & set(options)  # the module shards itself (Lightning's TP x FSDP recipe)
@@ -339,7 +365,7 @@ def main() -> None:
         if source:  # saved earlier in this launch, else by another launch (--checkpoints)
             saved = out / f"{source}.ckpt"
             resume = str(saved if saved.exists() or args.checkpoints is None else Path(args.checkpoints) / saved.name)
-        trainer.fit(model, DataLoader(make_data(), batch_size=GLOBAL_BATCH // replicas), ckpt_path=resume)
+        trainer.fit(model, loader_of(options, GLOBAL_BATCH // replicas), ckpt_path=resume)
         if "save" in options:
             trainer.save_checkpoint(out / f"{case}.ckpt")  # a sharded folder: every process writes its part
         rank = dist.get_rank()

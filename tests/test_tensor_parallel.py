@@ -192,7 +192,12 @@ def plain_trainer_model(case: str, precision: str = "32-true") -> dict[str, torc
         enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=CLIP if "clip" in options else None,
     )  # fmt: skip
     data = make_data()
-    trainer.fit(model, DataLoader(data, batch_size=GLOBAL_BATCH, sampler=shuffled(len(data), 0)))
+    if "varlen" in options:  # each step's sequence length its own, read in order as the launched case reads it
+        from tensor_parallel_train import loader_of
+
+        trainer.fit(model, loader_of(options, GLOBAL_BATCH))
+    else:
+        trainer.fit(model, DataLoader(data, batch_size=GLOBAL_BATCH, sampler=shuffled(len(data), 0)))
     return {k: v.detach().clone() for k, v in model.model.state_dict().items()}
 
 
@@ -259,6 +264,42 @@ SCHEDULES = [
 ]  # fmt: skip
 
 
+#: in the 4-process launch: each step's batch has its own sequence length (`LENGTHS`: 8, 6, 10 tokens) with the
+#: activations between stages sharded along the sequence (each tensor rank's half crosses, rebuilt as a DTensor of
+#: that step's whole shape), 1f1b with SGD; with ``PipeStrategy(trace=...)``: each coordinator's timeline file
+VARLEN = "pipe-s2-t2-1f1b-seq-varlen-trace"
+
+
+def assert_variable_lengths_and_timelines(folder: Path) -> None:
+    """`VARLEN`: every process's stage equals the plain Trainer's model trained on the same batches; each
+    coordinator (global ranks 0 and 1, one per tensor rank) wrote its own Chrome trace
+    (``<case>-trace-rank<g>.json``, no shared file): steps 1 and 2, a track per stage of its pipeline holding that
+    stage's forwards and backwards of both microbatches in 1f1b's order; the serving processes wrote none."""
+    from lightning_pipe.schedule import get_schedule
+
+    expected = plain_trainer_model(VARLEN)
+    for rank in range(4):
+        got = torch.load(folder / f"{VARLEN}-rank{rank}.pt")
+        assert got, f"{VARLEN}: rank {rank} holds nothing"
+        diff = max((value - expected[key]).abs().max().item() for key, value in got.items())
+        assert diff < 1e-5, f"{VARLEN}: rank {rank} differs from the plain Trainer's model by {diff:.2e}"
+    traces = sorted(p.name for p in folder.glob(f"{VARLEN}-trace*.json"))
+    assert traces == [f"{VARLEN}-trace-rank0.json", f"{VARLEN}-trace-rank1.json"], traces
+    order = [[str(a) for a in actions] for actions in get_schedule("1f1b")(2, 2, 1).actions()]
+    for name in traces:
+        events = json.loads((folder / name).read_text())["traceEvents"]
+        steps = [e["args"]["name"].split(":")[0] for e in events if e["name"] == "process_name"]
+        assert steps == ["step 1", "step 2"], (name, steps)
+        tracks: dict[tuple[int, int], list[tuple[float, str]]] = {}
+        for e in events:
+            if e["ph"] == "X" and e["cat"] in ("forward", "backward"):
+                assert e["args"]["stage"] == e["tid"] and e["args"]["microbatch"] in (0, 1), (name, e)
+                tracks.setdefault((e["pid"], e["tid"]), []).append((e["ts"], e["name"]))
+        assert sorted(tracks) == [(0, 0), (0, 1), (1, 0), (1, 1)], (name, sorted(tracks))
+        for (_, stage), slices in tracks.items():
+            assert [action for _, action in sorted(slices)] == order[stage], (name, stage, slices)
+
+
 @pytest.fixture(scope="module")
 def eight_processes(tmp_path_factory: pytest.TempPathFactory) -> tuple[Run, Path]:
     """The 8-process launch, once for the module (its checkpoint is resumed by the 4-process launch too)."""
@@ -317,7 +358,8 @@ def test_a_model_parallel_strategy_module_runs_unchanged_as_1x2x2(
     cases = ["mps-d2-t2-adamw-save", "pipe-s2-t2-gpipe-seq-adamw", *SCHEDULES, "pipe-s2-t2-1f1b-clip-save"]
     checkpoint = tmp_path / f"{cases[-1]}.ckpt"
     resumed = "pipe-s2-t2-gpipe-clip-resume"
-    args = ["--devices", "4", "--cases", ",".join([*cases, resumed, *RESUMES, *BF16]), "--resume", str(checkpoint)]
+    launched = [*cases, resumed, *RESUMES, *BF16, VARLEN]
+    args = ["--devices", "4", "--cases", ",".join(launched), "--resume", str(checkpoint)]
     run = forked_ranks(SCRIPT, [*args, "--out", str(tmp_path), "--checkpoints", str(eight_out)], nproc=4, timeout=600)
     assert_ok(run)
     plain = {option: plain_trainer_model(option) for option in ("sgd", "adamw", "clip")}
@@ -356,6 +398,7 @@ def test_a_model_parallel_strategy_module_runs_unchanged_as_1x2x2(
     expected = four_steps(in_order)  # one process reads the data in order (no distributed sampler)
     assert max((value - expected[key]).abs().max().item() for key, value in local.items()) < 1e-5
     assert_like_plain_in_bf16(tmp_path, plain["sgd"])
+    assert_variable_lengths_and_timelines(tmp_path)
     assert sorted(p.name for p in tmp_path.glob("done-*")) == [f"done-rank{r}" for r in range(4)]
     # PipeStrategy's and ModelParallelStrategy's checkpoints resumed by each other, optimizer state included
     for name, (optimizer, clipped) in RESUMES.items():

@@ -7,12 +7,18 @@
 The file is a Chrome trace (open it in https://ui.perfetto.dev or chrome://tracing): one row per
 stage, a slice per forward and backward with the idle, receive and send time around it. For each
 recorded step the measured bubble is logged beside the schedule's theoretical one.
+
+In launched mode each coordinator (one per replica and tensor rank) records its own pipeline: every stage's
+actions, the serving processes' included. With one coordinator the file is ``path``; with several each writes
+``<path's stem>-rank<its global rank><suffix>`` (``pipeline_trace-rank1.json``), the PNG likewise, so no two
+processes write one file.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -22,12 +28,19 @@ from typing_extensions import override
 from lightning_pipe.timeline import StepTimeline, render_png, write_chrome_trace
 
 
+def own_path(path: str | os.PathLike[str], global_rank: int) -> Path:
+    """``path`` for the coordinator of global rank ``global_rank``: ``trace.json`` -> ``trace-rank3.json``."""
+    path = Path(path)
+    return path.with_name(f"{path.stem}-rank{global_rank}{path.suffix}")
+
+
 class PipeTrace(pl.Callback):
     """Record the timeline of training steps ``steps`` (counted from 0 within each ``fit``).
 
     Args:
         path: where the Chrome trace JSON goes; written when the last chosen step is recorded (or
-            when training ends earlier).
+            when training ends earlier). In launched mode with several coordinators each writes its own
+            file, its global rank in the name (`own_path`).
         steps: which training steps to record; the first step includes warm-up, so the default
             records steps 1, 2 and 3.
         png: also draw the steps as a Gantt chart into this PNG (needs matplotlib, extra ``plot``).
@@ -45,6 +58,7 @@ class PipeTrace(pl.Callback):
         self.timelines: list[StepTimeline] = []
         self._step = 0
         self._written = False
+        self._rank: int | None = None  # launched mode with several coordinators: this one's global rank
 
     @classmethod
     def of(cls, trace: PipeTrace | str | os.PathLike[str] | None) -> PipeTrace | None:
@@ -54,6 +68,15 @@ class PipeTrace(pl.Callback):
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._step, self.timelines, self._written = 0, [], False
+        layout = getattr(trainer.strategy, "layout", None)  # launched mode's processes (None in one process)
+        several = layout is not None and len(layout.coordinator_ranks) > 1
+        self._rank = layout.global_rank if several else None
+
+    def paths(self) -> tuple[str | os.PathLike[str], str | os.PathLike[str] | None]:
+        """Where this process writes the trace and the PNG (`own_path` where several coordinators write)."""
+        if self._rank is None:
+            return self.path, self.png
+        return own_path(self.path, self._rank), None if self.png is None else own_path(self.png, self._rank)
 
     @override
     def on_train_batch_end(
@@ -80,9 +103,12 @@ class PipeTrace(pl.Callback):
         if self._written or not self.timelines:
             return
         self._written = True
-        write_chrome_trace(self.path, self.timelines)
-        message = f"PipeTrace: wrote {len(self.timelines)} step(s) to {os.fspath(self.path)}"
-        if self.png is not None:
-            render_png(self.png, self.timelines)
-            message += f" and {os.fspath(self.png)}"
+        path, png = self.paths()
+        write_chrome_trace(path, self.timelines)
+        message = f"PipeTrace: wrote {len(self.timelines)} step(s) to {os.fspath(path)}"
+        if png is not None:
+            render_png(png, self.timelines)
+            message += f" and {os.fspath(png)}"
+        if self._rank is not None:
+            message += " (each coordinator writes its pipeline's, its global rank in the name)"
         rank_zero_info(message)
