@@ -78,7 +78,8 @@ class PipeConfig:
         runner: ``"parallel"`` (a thread per worker, fixed order), ``"dataflow"`` (each worker runs
             whichever action is ready) or ``"linear"`` (one thread walks one global order).
         trace: a path for the Chrome trace (pipeline timeline) of training steps 1-3, or a `PipeTrace`
-            (chosen steps, a PNG Gantt chart).
+            (chosen steps, a PNG Gantt chart). In launched mode with several coordinators (replicas, tensor ranks)
+            each writes its pipeline's to ``<stem>-rank<global rank><suffix>``.
         microbatch_weight: a function of a microbatch (what the step receives) returning its weight, a
             number or 0-d tensor; default: its rows. Losses, ``self.log`` values and the step's returned
             values combine with the weights normalised over the batch: return what the loss averages

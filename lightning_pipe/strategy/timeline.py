@@ -69,8 +69,8 @@ class PipeTrace(pl.Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._step, self.timelines, self._written = 0, [], False
         layout = getattr(trainer.strategy, "layout", None)  # launched mode's processes (None in one process)
-        several = layout is not None and len(layout.coordinator_ranks) > 1
-        self._rank = layout.global_rank if several else None
+        several = layout is not None and len(layout.coordinator_ranks) > 1  # each writes a file of its own
+        self._rank = layout.global_rank if several and layout is not None else None
 
     def paths(self) -> tuple[str | os.PathLike[str], str | os.PathLike[str] | None]:
         """Where this process writes the trace and the PNG (`own_path` where several coordinators write)."""
