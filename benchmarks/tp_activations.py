@@ -170,6 +170,7 @@ def summarize(args: argparse.Namespace, records: list[list[tuple[int, int, str, 
                     "ratio_b_a": statistics.median(ratios["broadcast"]),
                     "ratio_c_a": statistics.median(ratios["scatter_gather"]),
                     "ratio_range": {w: [min(v), max(v)] for w, v in ratios.items()},
+                    "rounds_faster_than_a": {w: sum(x < 1 for x in v) for w, v in ratios.items()},
                     "round_ms": rounds,
                 }
             )
@@ -179,14 +180,15 @@ def summarize(args: argparse.Namespace, records: list[list[tuple[int, int, str, 
 def table(rows: list[dict], tensors: int) -> str:
     lines = [
         f"| KiB | batch x seq x hidden | direction | a: per tensor rank ms ({tensors}x bytes) | b: once + broadcast ms "
-        "| c: scatter + all-gather ms | b/a | c/a |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| c: scatter + all-gather ms | b/a | c/a | rounds b < a | rounds c < a |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
-        ms = r["median_ms"]
+        ms, faster, rounds = r["median_ms"], r["rounds_faster_than_a"], len(r["round_ms"]["per_rank"])
         lines.append(
             f"| {r['kib']} | {' x '.join(map(str, r['shape']))} | {r['direction']} | {ms['per_rank']:.3f} | "
-            f"{ms['broadcast']:.3f} | {ms['scatter_gather']:.3f} | {r['ratio_b_a']:.2f} | {r['ratio_c_a']:.2f} |"
+            f"{ms['broadcast']:.3f} | {ms['scatter_gather']:.3f} | {r['ratio_b_a']:.2f} | {r['ratio_c_a']:.2f} | "
+            f"{faster['broadcast']}/{rounds} | {faster['scatter_gather']}/{rounds} |"
         )
     return "\n".join(lines)
 
@@ -203,7 +205,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="batch x seq of each size (comma-separated; default 64 KiB to 16 MiB at hidden 1024)",
     )
     parser.add_argument("--rounds", type=int, default=12)
-    parser.add_argument("--reps", type=int, default=3, help="transfers per way, size and direction in a round")
+    parser.add_argument("--reps", type=int, default=9, help="transfers per way, size and direction in a round")
     parser.add_argument("--timeout", type=float, default=1200.0, help="seconds the whole measurement may take")
     parser.add_argument("--json", default=str(REPO / "benchmarks" / "results" / "tp_activations.json"))
     args = parser.parse_args(argv)
