@@ -26,9 +26,26 @@ warnings.filterwarnings("ignore", message=".*does not have many workers.*")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """`LAUNCHES`' files first, the others in their order."""
-    rank = {name: index for index, name in enumerate(LAUNCHES)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(LAUNCHES)))
+    """`LAUNCHES`' files first, then the others in their order, the files with a ``timed`` test spread over their last
+    half: under xdist a timed test waits for the other worker's running launch (at the start that may take minutes)
+    or timed test, but not for an ordinary test, which so runs beside it."""
+    launches = [name for name in LAUNCHES if any(item.path.name == name for item in items)]
+    timed = {item.path.name for item in items if item.get_closest_marker("timed") is not None} - set(launches)
+    others = list(dict.fromkeys(item.path.name for item in items if item.path.name not in {*launches, *timed}))
+    half = len(others) // 2
+    order = [*launches, *others[:half], *_spread(sorted(timed), others[half:])]
+    rank = {name: index for index, name in enumerate(order)}
+    items.sort(key=lambda item: rank[item.path.name])
+
+
+def _spread(few: list[str], many: list[str]) -> list[str]:
+    """``many`` cut into ``len(few) + 1`` runs, one of ``few`` between each two."""
+    out: list[str] = []
+    runs = len(few) + 1
+    for index in range(runs):
+        out += many[index * len(many) // runs : (index + 1) * len(many) // runs]
+        out += few[index : index + 1]
+    return out
 
 
 @pytest.hookimpl(wrapper=True)
