@@ -27,7 +27,6 @@ tensor's bytes between the stages, which only a slow link between the stages' no
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import statistics
@@ -44,7 +43,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from benchmarks.bench_procs import free_port  # noqa: E402
+from benchmarks.bench_procs import free_port, write_json  # noqa: E402
 
 WAYS = ("per_rank", "broadcast", "scatter_gather")
 STAGES = 2
@@ -221,10 +220,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "rows": rows,
         "table": text,
     }
-    path = Path(args.json)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=2))
-    print(f"wrote {path}", file=sys.stderr)
+    write_json(args.json, out)
     return out
 
 
