@@ -8,8 +8,10 @@ serving ranks of launched mode), which are measured and ended all the same.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import socket
+import sys
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -147,6 +149,14 @@ def spawn_silent(
     with environment(env):
         process.start()
     contender.silent.append(process)
+
+
+def write_json(path: str | Path, document: Any) -> None:
+    """Write a benchmark's results to ``path`` (its folder made), and say where on stderr."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(document, indent=2))
+    print(f"wrote {path}", file=sys.stderr)
 
 
 def free_port() -> int:

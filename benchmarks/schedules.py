@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import multiprocessing as mp
 import os
 import statistics
@@ -35,7 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from benchmarks.bench_procs import Config, Contender, free_port, reply, serve, spawn  # noqa: E402
+from benchmarks.bench_procs import Config, Contender, free_port, reply, serve, spawn, write_json  # noqa: E402
 from benchmarks.compare import compare_params  # noqa: E402
 from benchmarks.contenders_launched import start_launched  # noqa: E402
 from benchmarks.contenders_torch import TORCH_SCHEDULES, TorchPipeRunner  # noqa: E402
@@ -227,10 +226,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     text = table(results)
     print(text)
     out = {"date": started, "args": vars(args), "cpus": os.cpu_count(), "results": results, "table": text}
-    path = Path(args.json)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=2))
-    print(f"wrote {path}", file=sys.stderr)
+    write_json(args.json, out)
     return out
 
 

@@ -2,7 +2,8 @@
 
 With tensor parallel in a stage (launched mode, ``PipeStrategy(tensor_parallel=T)``) tensor rank t of stage p
 sends what crosses to stage p + 1 (and the gradient back) to tensor rank t of that stage, over the pipeline of
-tensor rank t. A plain tensor (a tensor parallel plan's replicated output) goes as it is, once per tensor rank. A
+tensor rank t. A plain tensor (a tensor parallel plan's replicated output) goes as it is, once per tensor rank
+(measured against once-and-broadcast and scatter-gather: `benchmarks/tp_activations.py`, docs/launched.md). A
 DTensor goes as its local part, and its layout (`DTensorLayout`: placements, whole shape and stride) rides in
 the frame's `TensorHeader`; the receiver makes it a DTensor again over its own stage's tensor mesh
 (`use_tensor_mesh`, set once by launched mode when it makes its groups), with the same placements: the tensor
