@@ -8,10 +8,8 @@ The file is a Chrome trace (open it in https://ui.perfetto.dev or chrome://traci
 stage, a slice per forward and backward with the idle, receive and send time around it. For each
 recorded step the measured bubble is logged beside the schedule's theoretical one.
 
-In launched mode each coordinator (one per replica and tensor rank) records its own pipeline: every stage's
-actions, the serving processes' included. With one coordinator the file is ``path``; with several each writes
-``<path's stem>-rank<its global rank><suffix>`` (``pipeline_trace-rank1.json``), the PNG likewise, so no two
-processes write one file.
+In launched mode each coordinator writes its own file, named by its global rank where there are several
+(docs/internals.md).
 """
 
 from __future__ import annotations
