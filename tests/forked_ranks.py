@@ -21,33 +21,9 @@ import sys
 
 import lightning.pytorch  # noqa: F401  (imported once, before the ranks are forked)
 import torch.multiprocessing as mp
+from launching import CLUSTERS
 
 import lightning_pipe  # noqa: F401
-
-
-def torchelastic(index: int, nproc: int, nodes: int) -> dict[str, str]:
-    """The variables torchrun gives worker ``index`` of ``nproc x nodes``."""
-    node, local = divmod(index, nproc)
-    world = nproc * nodes
-    return dict(
-        RANK=str(index), LOCAL_RANK=str(local), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(nproc),
-        GROUP_RANK=str(node), GROUP_WORLD_SIZE=str(nodes), ROLE_RANK=str(index), ROLE_WORLD_SIZE=str(world),
-        ROLE_NAME="default", TORCHELASTIC_RUN_ID="forked-ranks", TORCHELASTIC_RESTART_COUNT="0",
-        TORCHELASTIC_MAX_RESTARTS="0",
-    )  # fmt: skip
-
-
-def slurm(index: int, nproc: int, nodes: int) -> dict[str, str]:
-    """The variables ``srun`` gives task ``index`` of ``nproc`` tasks per node on ``nodes`` nodes."""
-    node, local = divmod(index, nproc)
-    return dict(
-        SLURM_NTASKS=str(nproc * nodes), SLURM_NTASKS_PER_NODE=str(nproc), SLURM_NNODES=str(nodes),
-        SLURM_PROCID=str(index), SLURM_LOCALID=str(local), SLURM_NODEID=str(node), SLURM_JOB_ID="4242",
-        SLURM_JOB_NAME="train", SLURM_NODELIST="127.0.0.1",
-    )  # fmt: skip
-
-
-CLUSTERS = {"torchelastic": torchelastic, "slurm": slurm}
 
 
 def run_rank(index: int, script: str, args: list[str], nproc: int, nodes: int, cluster: str) -> None:

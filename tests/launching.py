@@ -126,12 +126,32 @@ def slurm(script: str, args: list[str], nodes: int = 2, tasks_per_node: int = 2,
     port = str(free_port())
     commands = []
     for rank in range(nodes * tasks_per_node):
-        env = base_env()
-        env.update(
-            SLURM_NTASKS=str(nodes * tasks_per_node), SLURM_NTASKS_PER_NODE=str(tasks_per_node),
-            SLURM_NNODES=str(nodes), SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank % tasks_per_node),
-            SLURM_NODEID=str(rank // tasks_per_node), SLURM_JOB_ID="4242", SLURM_JOB_NAME="train",
-            SLURM_NODELIST="127.0.0.1", MASTER_PORT=port,
-        )  # fmt: skip
+        env = base_env() | slurm_variables(rank, tasks_per_node, nodes) | {"MASTER_PORT": port}
         commands.append(([sys.executable, script, *args], env))
     return run_all(commands, timeout)
+
+
+def torchelastic_variables(index: int, nproc: int, nodes: int) -> dict[str, str]:
+    """The variables torchrun gives worker ``index`` of ``nproc x nodes``."""
+    node, local = divmod(index, nproc)
+    world = nproc * nodes
+    return dict(
+        RANK=str(index), LOCAL_RANK=str(local), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(nproc),
+        GROUP_RANK=str(node), GROUP_WORLD_SIZE=str(nodes), ROLE_RANK=str(index), ROLE_WORLD_SIZE=str(world),
+        ROLE_NAME="default", TORCHELASTIC_RUN_ID="forked-ranks", TORCHELASTIC_RESTART_COUNT="0",
+        TORCHELASTIC_MAX_RESTARTS="0",
+    )  # fmt: skip
+
+
+def slurm_variables(index: int, nproc: int, nodes: int) -> dict[str, str]:
+    """The variables ``srun`` gives task ``index`` of ``nproc`` tasks per node on ``nodes`` nodes."""
+    node, local = divmod(index, nproc)
+    return dict(
+        SLURM_NTASKS=str(nproc * nodes), SLURM_NTASKS_PER_NODE=str(nproc), SLURM_NNODES=str(nodes),
+        SLURM_PROCID=str(index), SLURM_LOCALID=str(local), SLURM_NODEID=str(node), SLURM_JOB_ID="4242",
+        SLURM_JOB_NAME="train", SLURM_NODELIST="127.0.0.1",
+    )  # fmt: skip
+
+
+#: the variables of each cluster environment `forked_ranks.py` simulates, by name
+CLUSTERS = {"torchelastic": torchelastic_variables, "slurm": slurm_variables}
