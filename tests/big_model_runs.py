@@ -2,7 +2,7 @@
 
 ``RUNS.json`` is a list of command lines, ``[script, *arguments]`` with script ``big_model.py``,
 ``fsdp_build.py`` or ``hf_weights_train.py`` (tests/), run one after the other in the same processes:
-the launch starts them (tests/forked_ranks.py) and every run reuses them, as a user's script with
+Lightning's launcher starts them at the first ``fit`` and the later runs reuse them, as a user's script with
 several fits does. Each run's report is its script's own (big_model.py: its losses, its peak resident memory).
 
 Memory per run: before each run every process hands its freed memory back to the system (``gc``, glibc's

@@ -1,11 +1,10 @@
 """Big models: memory splits like compute (examples/big_model.py, real processes on 127.0.0.1 over gloo).
 
-Every launch runs ``examples/big_model.py``'s training as a user's script does (its ranks started as torchrun
-starts them, forked after one import: `launching.forked_ranks`), several runs one after another in the same
-processes (`big_model_runs.py`: a launch costs every process its imports); each process reports each run's losses
-and peak resident memory. The plain Trainer's runs are the references. Every launched run of this module is in one
-of two launches side by side (the `launched` fixture, tests/big_launch.py: 4 processes and 2); each test checks its
-runs' folders.
+Every launch runs ``examples/big_model.py``'s training as a user's script does (Lightning's launcher starts the
+processes), several runs one after another in the same processes (`big_model_runs.py`: a launch costs every
+process its imports); each process reports each run's losses and peak resident memory. The plain Trainer's
+runs are the references. Every launched run of this module is in one of two launches side by side (the
+`launched` fixture, tests/big_launch.py: 4 processes and 2); each test checks its runs' folders.
 """
 
 from __future__ import annotations
