@@ -14,6 +14,7 @@ own stage's trained tensors, as FSDP's and ModelParallelStrategy's sharded modul
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -31,6 +32,10 @@ from lightning_pipe.strategy.tensor_parallel import refuse_self_sharded
 from lightning_pipe.weights import adopt, free_to_meta
 
 DATA_PARALLEL = ("ddp", "fsdp")
+#: the stage modules a run in this process sharded with FSDP, by stage index, for each pipelined module (torch cannot
+#: undo ``fully_shard``: a later run of the module, under this strategy or another, whose cut gives this process the
+#: same stage runs those again, `reuse`); an entry lives as long as its pipelined module
+SHARDED_BEFORE: weakref.WeakKeyDictionary[nn.Module, dict[int, nn.Module]] = weakref.WeakKeyDictionary()
 
 
 class ProcessStage:
@@ -57,9 +62,6 @@ class ProcessStage:
         self._shards: StageShards | None = None  # FSDP: the stage being built, sharded before it has values
         self.units: list[ShardUnit] | None = None  # configure_model's own fully_shard calls (None: it made none)
         self._said = False  # that the module shards itself is said once
-        #: the stage modules an earlier run here sharded with FSDP, by stage index (torch cannot undo it: a later run
-        #: whose cut gives this process the same stage runs those again, `reuse`)
-        self._sharded_before: dict[int, nn.Module] = {}
         self._refused: ConfigurationError | None = None  # why a serving process's module cannot be cut (`bind`)
 
     @property
@@ -94,7 +96,7 @@ class ProcessStage:
         unread, for the next fit's serving to find)."""
         self._refused = None
         try:
-            refuse_self_sharded(pipelined, unavailable(), ours=self._fsdp_modules())
+            refuse_self_sharded(pipelined, unavailable(), ours=self._fsdp_modules(pipelined))
         except ConfigurationError as error:
             if not serving:
                 raise
@@ -116,7 +118,8 @@ class ProcessStage:
         self._shards = None
         for shard in spec.shards:
             adopt(shard.module, self.pipelined)
-        earlier = reuse(spec.shards, self._sharded_before)  # an earlier run here sharded them: they run as they are
+        # an earlier run here sharded these stages: they run as they are
+        earlier = reuse(spec.shards, SHARDED_BEFORE.get(self.pipelined, {}))
         if self.sharded is not None or earlier:  # shard first: the worker makes shards real
             fresh = {s.index: s.module for s in spec.shards if s.index not in earlier} if self.sharded else {}
             policy = self.mixed_precision() if self.mixed_precision is not None and fresh else None
@@ -126,7 +129,8 @@ class ProcessStage:
         """After: spread over the replicas, and remember what it holds (`release` keeps that)."""
         if self._shards is not None:
             worker.sharded(self._shards)
-            self._sharded_before = dict(self._shards.modules)
+            assert self.pipelined is not None  # `prepare` ran
+            SHARDED_BEFORE[self.pipelined] = dict(self._shards.modules)
             self._shards = None
         elif self._group is not None:
             worker.replicate(self._group)
@@ -144,9 +148,9 @@ class ProcessStage:
         return free_to_meta(self.lightning_module, [*self.kept, *keep])
 
 
-    def _fsdp_modules(self) -> set[int]:
-        """The ids of the modules the stages an earlier run here sharded hold (FSDP's, not the user's own)."""
-        return {id(m) for root in self._sharded_before.values() for m in root.modules()}
+    def _fsdp_modules(self, pipelined: nn.Module) -> set[int]:
+        """The ids of the modules of the stages an earlier run here sharded (FSDP's, not the user's own)."""
+        return {id(m) for root in SHARDED_BEFORE.get(pipelined, {}).values() for m in root.modules()}
 
 
 def reuse(shards: list[Any], before: dict[int, nn.Module]) -> dict[int, nn.Module]:

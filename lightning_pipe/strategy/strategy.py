@@ -222,6 +222,7 @@ class PipeStrategy(ParallelStrategy):
         autocast = autocast_of(self.precision_plugin)
         placement = Placement(self.resolve_devices(), self.root_device, autocast, self.mode.transport, self._built)
         pipelined = self.state.prepare(placement, seed)
+        self.mode.continue_from(self.state, placement)
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()  # the stages place the pipelined module: no wrapper (Lightning's _setup_model)
