@@ -14,7 +14,6 @@ own stage's trained tensors, as FSDP's and ModelParallelStrategy's sharded modul
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -32,10 +31,17 @@ from lightning_pipe.strategy.tensor_parallel import refuse_self_sharded
 from lightning_pipe.weights import adopt, free_to_meta
 
 DATA_PARALLEL = ("ddp", "fsdp")
-#: the stage modules a run in this process sharded with FSDP, by stage index, for each pipelined module (torch cannot
-#: undo ``fully_shard``: a later run of the module, under this strategy or another, whose cut gives this process the
-#: same stage runs those again, `reuse`); an entry lives as long as its pipelined module
-SHARDED_BEFORE: weakref.WeakKeyDictionary[nn.Module, dict[int, nn.Module]] = weakref.WeakKeyDictionary()
+#: where a pipelined module holds the stage modules a run in this process sharded with FSDP, by stage index (torch
+#: cannot undo ``fully_shard``: a later run of the module, under this strategy or another, whose cut gives this process
+#: the same stage runs those again, `reuse`). In the module's ``__dict__``, not a submodule (its state dict and modules
+#: are as they were): the stages go with the module, in the same collection (a registry beside it kept them for a
+#: collection more, alive into the next run: 0.44 of a later run's state against 0.28)
+SHARDED_BEFORE = "_lightning_pipe_sharded_stages"
+
+
+def sharded_before(pipelined: nn.Module | None) -> dict[int, nn.Module]:
+    """The stage modules an earlier run in this process sharded with FSDP that ``pipelined`` holds, by stage index."""
+    return {} if pipelined is None else pipelined.__dict__.get(SHARDED_BEFORE, {})
 
 
 class ProcessStage:
@@ -119,7 +125,7 @@ class ProcessStage:
         for shard in spec.shards:
             adopt(shard.module, self.pipelined)
         # an earlier run here sharded these stages: they run as they are
-        earlier = reuse(spec.shards, SHARDED_BEFORE.get(self.pipelined, {}))
+        earlier = reuse(spec.shards, sharded_before(self.pipelined))
         if self.sharded is not None or earlier:  # shard first: the worker makes shards real
             fresh = {s.index: s.module for s in spec.shards if s.index not in earlier} if self.sharded else {}
             policy = self.mixed_precision() if self.mixed_precision is not None and fresh else None
@@ -130,7 +136,7 @@ class ProcessStage:
         if self._shards is not None:
             worker.sharded(self._shards)
             assert self.pipelined is not None  # `prepare` ran
-            SHARDED_BEFORE[self.pipelined] = dict(self._shards.modules)
+            self.pipelined.__dict__[SHARDED_BEFORE] = dict(self._shards.modules)
             self._shards = None
         elif self._group is not None:
             worker.replicate(self._group)
@@ -150,7 +156,7 @@ class ProcessStage:
 
     def _fsdp_modules(self, pipelined: nn.Module) -> set[int]:
         """The ids of the modules of the stages an earlier run here sharded (FSDP's, not the user's own)."""
-        return {id(m) for root in SHARDED_BEFORE.get(pipelined, {}).values() for m in root.modules()}
+        return {id(m) for root in sharded_before(pipelined).values() for m in root.modules()}
 
 
 def reuse(shards: list[Any], before: dict[int, nn.Module]) -> dict[int, nn.Module]:
