@@ -1,13 +1,15 @@
 """Processes of a helper script forked after one import: ``python tests/forked_processes.py SPEC.json``.
 
-SPEC: ``{"script": path, "timeout": seconds, "processes": [[log, arg, ...], ...]}``. Each process runs ``script``
+SPEC: ``{"script": path, "timeout": seconds, "processes": [[log, arg, ...], ...], "all_succeed": bool}``. Each
+process runs ``script``
 as ``__main__`` with its arguments and its output (stdout and stderr) into its ``log`` file, as
 ``python script arg ... > log 2>&1`` does, but forked from this process after torch and lightning_pipe were
 imported here once (a process that imports them cold spends seconds of CPU doing it; `launching.forked_ranks`
 does the same for a training script's ranks). A process that fails or is killed ends no other (a scenario that
-kills one checks that the others notice); what still runs ``timeout`` seconds after the start is SIGKILLed. The
-processes report through their own files; this process exits with 0 once every one of them has ended by itself,
-with 1 if one had to be killed.
+kills one checks that the others notice); what still runs ``timeout`` seconds after the start is SIGKILLed. This
+process exits with 0 once every one of them has ended by itself, with 1 if one had to be killed or, where
+``all_succeed`` is set, ended with another code than 0 (it prints which); else the processes report through
+their own files.
 """
 
 from __future__ import annotations
@@ -57,11 +59,12 @@ def main() -> None:
             run_child(spec["script"], args, log)
         children.append(pid)
     until = time.monotonic() + spec["timeout"]
-    left = set(children)
+    left, codes = set(children), {}
     while left and time.monotonic() < until:
-        pid, _ = os.waitpid(-1, os.WNOHANG)
+        pid, status = os.waitpid(-1, os.WNOHANG)
         if pid:
             left.discard(pid)
+            codes[pid] = os.waitstatus_to_exitcode(status)
         else:
             time.sleep(0.05)
     for pid in left:
@@ -69,7 +72,11 @@ def main() -> None:
         os.waitpid(pid, 0)
     if left:
         print(f"forked_processes.py: {len(left)} process(es) still running after {spec['timeout']} s, killed")
-    sys.exit(1 if left else 0)
+    logs = [log for log, *_ in spec["processes"]]
+    failed = [f"{log} ({codes[pid]})" for pid, log in zip(children, logs, strict=True) if codes.get(pid, 0)]
+    if spec.get("all_succeed") and failed:
+        print(f"forked_processes.py: ended with another code than 0: {', '.join(failed)}")
+    sys.exit(1 if left or (spec.get("all_succeed") and failed) else 0)
 
 
 if __name__ == "__main__":
