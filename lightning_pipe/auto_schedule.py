@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from lightning_pipe.engine.stage_protocol import StageProtocol
 from lightning_pipe.errors import ConfigurationError, ScheduleError
-from lightning_pipe.recompute import HEADROOM
+from lightning_pipe.memory.recompute import HEADROOM
 from lightning_pipe.runtime import DeviceMemory
 from lightning_pipe.schedule import (
     LOOP,

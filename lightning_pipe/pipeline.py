@@ -31,6 +31,7 @@ from lightning_pipe.engine.runners import worker_of_stages
 from lightning_pipe.engine.stream import AsyncRun, train_stream
 from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.loss import Criterion, Loss, WeightedLoss, as_loss
+from lightning_pipe.memory.recompute import AutoCheckpoint, checkpoint_flags
 from lightning_pipe.microbatch import batch_size, gather
 from lightning_pipe.microbatch_weights import MicrobatchWeight, check_weight_function
 from lightning_pipe.optim import StageOptimizers
@@ -40,7 +41,6 @@ from lightning_pipe.partition.tied import tied_parameters
 from lightning_pipe.partition.traced import TracedPartitioner
 from lightning_pipe.pipeline_choices import PipelineChoices
 from lightning_pipe.pipeline_inputs import PipelineInputs
-from lightning_pipe.recompute import AutoCheckpoint, checkpoint_flags
 from lightning_pipe.rng import run_seed
 from lightning_pipe.runtime import BaseRuntime
 from lightning_pipe.schedule import placement_of, resolve_schedule

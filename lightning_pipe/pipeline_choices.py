@@ -2,7 +2,7 @@
 
 ``schedule="auto"`` (`lightning_pipe.auto_schedule`) measures the first training step and chooses the schedule
 (with ``microbatches="auto"``, the count too) before the second, moving the stages where the choice places them
-(`lightning_pipe.stage_moves`); ``checkpoint="auto"`` (`lightning_pipe.recompute`) decides before the second step
+(`lightning_pipe.stage_moves`); ``checkpoint="auto"`` (`lightning_pipe.memory.recompute`) decides before the second step
 which stages recompute. A pipeline with neither decides nothing: the given count runs.
 """
 
@@ -15,7 +15,7 @@ from typing import Any
 from lightning_pipe.auto_schedule import AUTO, ScheduleChooser, StageMoves, first_microbatches
 from lightning_pipe.engine import Coordinator, StepResult
 from lightning_pipe.errors import ConfigurationError
-from lightning_pipe.recompute import AutoCheckpoint, RecomputePlan
+from lightning_pipe.memory.recompute import AutoCheckpoint, RecomputePlan
 
 log = logging.getLogger("lightning_pipe")
 

@@ -15,7 +15,7 @@ from lightning_pipe.auto_schedule import StageMoves
 from lightning_pipe.backends import ExecutionTrace
 from lightning_pipe.comm import Communicator
 from lightning_pipe.engine import Coordinator, StageProtocol, StageSpec
-from lightning_pipe.recompute import AutoCheckpoint
+from lightning_pipe.memory.recompute import AutoCheckpoint
 from lightning_pipe.schedule import PLACEMENTS
 from lightning_pipe.stage_layout import stage_devices
 from lightning_pipe.stage_state import StageState

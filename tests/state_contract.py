@@ -96,15 +96,19 @@ def fit(
     strict: bool = True,
     replicas: int = 1,
     seed: int | None = 0,
+    net: Net | None = None,
     **trainer: Any,
 ) -> tuple[L.Trainer, Net, Losses]:
     """One fit of ``steps`` optimizer steps (``build``: "eager", "init_module" (empty_init) or "configure_model");
-    ``seed`` None: no seed_everything (the run's seed is torch's initial seed)."""
+    ``seed`` None: no seed_everything (the run's seed is torch's initial seed); ``net``: a module an earlier fit
+    trained, fitted again (a new Trainer, a new optimizer) from where that fit left it."""
     if seed is not None:
         L.seed_everything(seed, verbose=False)
     losses = Losses()
     t = L.Trainer(strategy=strategy, max_steps=steps, callbacks=[losses], **{**QUIET, **trainer})
-    if build == "init_module":
+    if net is not None:
+        pass
+    elif build == "init_module":
         with t.init_module(empty_init=True):
             net = Net(strict=strict)
     else:
@@ -206,6 +210,8 @@ def launched_cases(mode: str, files: dict[str, str], out: Path) -> None:
                 run(f"{fmt}-{kind}", 1, weights=files[f"{fmt}-{kind}"])
             else:
                 run(f"{fmt}-{kind}", STEPS, ckpt=files[f"{fmt}-{kind}"])
+    _, net, _ = fit(PipeStrategy(**options), build, PART, replicas=replicas, devices=2)
+    run("again", PART, net=net)  # a later fit of the same module (FSDP: its stages as the first fit sharded them)
     run("lenient-file", PART + 1, ckpt=files["file-renamed"], strict=False)
     run("lenient-weights", 1, weights=files["weights-extra"], strict=False)
     if mode == "fsdp":  # no seed_everything: each process's torch seed differs; the run's seed is rank 0's

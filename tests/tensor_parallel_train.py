@@ -288,8 +288,8 @@ def strategy_of(case: str, processes: int, out: Path | None = None) -> tuple[obj
     over its replicas on top of tensor parallel; ``-bf16`` / ``-bf16true``: the Trainer's precision (`precision_of`);
     ``-save``: a checkpoint after the fit; ``-resume``: one more step from ``--resume`` (or, for
     ``<case>@<saving case>``, from that case's checkpoint); ``-momentum``: SGD with momentum; ``-eval``: validate,
-    test and predict after the fit; ``-again``: validate the fitted module again (refused after an FSDP fit), then
-    (with ``-save``) new modules with the checkpoint (`again`); ``-varlen``: each step's sequence length its own
+    test and predict after the fit; ``-again``: validate and predict with the fitted module after the fit, then
+    (with ``-save``) with new modules from the checkpoint (`again`); ``-varlen``: each step's sequence length its own
     (`VariableLengths`); ``-trace``: ``PipeStrategy(trace=<out>/<case>-trace.json)``, the timeline of steps 1-2."""
     parts = case.split("-")
     numbers = {p[0]: int(p[1:]) for p in parts[1:] if p[1:].isdigit()}
@@ -318,25 +318,20 @@ def evaluate(trainer: L.Trainer, model: Net, path: Path) -> None:
 
 
 def again(trainer: L.Trainer, model: Net, fresh: Callable[[], Net], checkpoint: Path | None, out: Path) -> None:
-    """``-again`` (its stages sharded with FSDP): ``trainer.validate`` of the fitted module is refused naming the fix,
-    in every process (a serving rank gets its coordinator's refusal; the message saved as ``<out>.txt``); with
-    ``-save`` the fix runs too: ``validate`` and ``predict`` each of a new module (``fresh()``) with the saved
-    ``checkpoint``, on the training data in order (a replica's share of it); what each returns, saved."""
-    from lightning_pipe.errors import PipeError
-
+    """``-again`` (its stages sharded with FSDP): ``trainer.validate`` and ``predict`` of the fitted module itself
+    (its stages, sharded by the fit, run again as they are), on the training data in order (a replica's share of
+    it), saved as ``<out>.pt``; with ``-save`` also of a new module (``fresh()``) with the saved ``checkpoint``, saved
+    as ``<out>-new.pt``."""
     data = DataLoader(make_data(), batch_size=GLOBAL_BATCH)
-    try:
-        trainer.validate(model, data, verbose=False)
-        refused = ""
-    except PipeError as error:
-        refused = str(error)
-    out.with_suffix(".txt").write_text(refused)
+    runs = [(model, None, out.with_suffix(".pt"))]
     if checkpoint is not None:
+        runs.append((fresh(), checkpoint, out.parent / f"{out.name}-new.pt"))
+    for module, path, saved in runs:
         results = {
-            "validate": trainer.validate(fresh(), data, ckpt_path=checkpoint, verbose=False),
-            "predict": trainer.predict(fresh(), data, ckpt_path=checkpoint),  # test runs as validate does
+            "validate": trainer.validate(module, data, ckpt_path=path, verbose=False),
+            "predict": trainer.predict(module, data, ckpt_path=path),  # test runs as validate does
         }
-        torch.save(results, out.with_suffix(".pt"))
+        torch.save(results, saved)
 
 
 def main() -> None:

@@ -196,3 +196,33 @@ def test_what_a_self_sharded_module_cannot_run_is_refused_at_setup_naming_the_fi
     assert v.rank_placement == "v"  # placed (before configure_model) for ZB-V, which splits its backward
     with pytest.raises(ConfigurationError, match=r"placed the stages for .*'v'.*AutoSchedule\(split_backward=False\)"):
         v.stages_sharded(stage.sharded)
+
+
+def test_a_later_run_runs_the_stages_a_run_sharded_again_and_refuses_another_cut_naming_the_fix(mesh: Any) -> None:
+    """After a run sharded this process's stage (FSDP units and root), a later run (validate, test, predict, a further
+    fit) cuts the module anew: a stage holding the same modules gets the earlier root in its place (FSDP's units and
+    shards as they are; torch cannot undo ``fully_shard``), with the earlier values; a cut that moves a sharded module
+    into another stage is refused naming the fix; a stage of modules FSDP never touched is left to be sharded."""
+    from types import SimpleNamespace
+
+    from lightning_pipe.strategy.stage_placement import reuse
+
+    net, data = model(), mesh["data_parallel"]
+    earlier = nn.Sequential(net[0], net[1])
+    StageShards({0: earlier}, data)
+    assert isinstance(earlier, FSDPModule) and isinstance(net[1], FSDPModule)
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        before = earlier(x)
+    again = SimpleNamespace(index=0, module=nn.Sequential(net[0], net[1]))  # the later run's cut, bound here
+    assert reuse([again], {0: earlier}) == {0: earlier} and again.module is earlier
+    with torch.no_grad():
+        assert torch.equal(StageShards({}, data, earlier={0: earlier}).modules[0](x), before)
+    other = SimpleNamespace(index=1, module=nn.Sequential(net[2], net[3]))
+    assert reuse([other], {0: earlier}) == {} and not isinstance(other.module, FSDPModule)
+    moved = SimpleNamespace(index=0, module=nn.Sequential(net[1], net[2]))  # another partition: net[1] elsewhere
+    with pytest.raises(ConfigurationError, match=r"trainer.validate\(MyModule\(\), dataloader, ckpt_path=path\)"):
+        reuse([moved], {0: earlier})
+    refuse_self_sharded(net, ours={id(m) for m in earlier.modules()})  # the earlier run's own units: not refused
+    with pytest.raises(ConfigurationError, match="before PipeStrategy cut it"):
+        refuse_self_sharded(net)

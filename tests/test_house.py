@@ -38,6 +38,13 @@ NEVER: dict[str, tuple[str, ...]] = {
     **{p: ("lightning_pipe.engine", "lightning_pipe.comm", STRATEGY, *PIPELINE) for p in (*BOTTOM, CHECKPOINT)},
 }
 NEVER["lightning_pipe.weights"] += (CHECKPOINT,)
+# memory code has one home, lightning_pipe.memory, and each of its modules keeps the rules of the level it serves:
+# the process's allocator, pages given back (weights/) and the stash walk (schedule/) those of the parts a stage
+# runs; the stash and a worker's meter those of the engine; recomputation and the static plan import the engine
+# (its per-rank action lists, the stage protocol) and stay below the pipeline and the strategy that use them
+MEMORY = "lightning_pipe.memory"
+NEVER |= {f"{MEMORY}.{m}": NEVER["lightning_pipe.weights"] for m in ("allocator", "pages", "walk")}
+NEVER |= {f"{MEMORY}.{m}": NEVER["lightning_pipe.engine"] for m in ("stash", "stage", "recompute", "plan")}
 # ``import lightning_pipe`` registers the strategy name with Lightning's StrategyRegistry (DESIGN.md):
 # the package's own __init__ is the one place outside strategy/ that may name Lightning.
 LIGHTNING_ALLOWED = ("lightning_pipe",)

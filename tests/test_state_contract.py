@@ -4,7 +4,8 @@ Modes: local mode built eagerly and on meta (``init_module(empty_init=True)``), 
 built eagerly) and 2 x 1 FSDP (built in ``configure_model``); formats: a single-file checkpoint, a sharded
 folder, safetensors ``weights=``. A run resumed from the checkpoint of the uninterrupted run's first 2 steps
 equals it (losses and parameters, 1e-5); a renamed key and an unexpected key raise before the first step
-naming them; ``strict_loading = False`` trains and says what it initialised. The files come from a local run
+naming them; ``strict_loading = False`` trains and says what it initialised; a second fit of the same module
+continues from where the first left it, as local mode's does. The files come from a local run
 (any layout resumes any other); one launch does every case of both launched modes in sequence.
 """
 
@@ -127,7 +128,9 @@ def test_launched_modes_keep_the_contract(runs: dict, tmp_path: Path) -> None:
     run = forked_ranks(SCRIPT, args, nproc=2, timeout=400)
     assert run.ok, run.output[-3000:]
     for mode, build in modes.items():
-        check_launched(mode, tmp_path / mode, runs[build])
+        _, net, _ = fit(strategy(), build, PART)
+        _, _, again = fit(strategy(), build, PART, net=net)  # local mode: a later fit of the same module
+        check_launched(mode, tmp_path / mode, runs[build] | {"again": again.values})
 
 
 def check_launched(mode: str, out: Path, ref: dict[str, Any]) -> None:
@@ -147,6 +150,7 @@ def check_launched(mode: str, out: Path, ref: dict[str, Any]) -> None:
         assert losses(f"resume-{fmt}") == pytest.approx(ref["losses"][PART:], abs=1e-5)
         close(tensors(out / f"resume-{fmt}"), ref["tensors"])
     assert losses("resume-weights") == pytest.approx(ref["losses"][PART : PART + 1], abs=1e-5)
+    assert losses("again") == pytest.approx(ref["again"], abs=1e-5)  # fitted again from where its first fit left it
     for fmt in FORMATS:
         for kind, name in (("renamed", RENAMED[1]), ("extra", EXTRA)):
             key = name.removeprefix("model.") if fmt == "weights" else name

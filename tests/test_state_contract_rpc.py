@@ -7,6 +7,7 @@
   (``ModelCheckpoint``) and after ``fit`` hold the trained values, equal to local mode's with the same seed,
   and load into a plain model; the script's process never gathers the stages' values or optimizer state
   (the calls that would are made to fail here) and clones no optimizer state on resume;
+- a later fit of a module built on meta starts where its rpc fit left it (the workers' folder), as local mode's;
 - local mode with several devices: each stage's tensors (and their optimizer state) are its own device's.
 
 Each rpc fit starts a worker process (seconds on a busy machine), so one fit checks several things.
@@ -120,7 +121,8 @@ def test_meta_model_checkpoints_during_and_after_fit_hold_the_trained_values_and
     tmp_path: Path, nothing_gathered: None
 ) -> None:
     """One uninterrupted rpc fit saving a folder every 2 steps and after the fit; local mode with the same seed;
-    a resume of the rpc run from its step-2 folder writing single files: all the same values."""
+    a resume of the rpc run from its step-2 folder writing single files; a later fit of each fitted module: all the
+    same values."""
     local_trainer, local = fit("local", tmp_path, saves=tmp_path / "local")
     trainer, piped = fit("rpc", tmp_path, saves=tmp_path / "rpc", more=(WeightsOnly(tmp_path / "weights"),))
     trainer.save_checkpoint(tmp_path / "after.ckpt")
@@ -157,6 +159,15 @@ def test_meta_model_checkpoints_during_and_after_fit_hold_the_trained_values_and
     for saved in (tmp_path / "again" / f"epoch=1-step={STEPS}.ckpt", tmp_path / "resumed.ckpt"):
         assert saved.is_file()
         assert_trained(torch.load(saved, weights_only=False), local, local_trainer.optimizers[0])
+
+    # a later fit of the fitted module (a new Trainer, a new optimizer) starts where its fit left it, as local mode's
+    # does: the script's process holds none of its stages' values; the workers' folder holds them
+    for module, transport in ((local, "local"), (piped, "rpc")):
+        module.losses = {}
+        strategy = PipeStrategy(stages=2, microbatches=2, transport=transport, timeout=120)
+        later = L.Trainer(**QUIET, max_steps=EVERY, strategy=strategy, default_root_dir=tmp_path)
+        later.fit(module, loader(dataset(rows=32), 16))
+    assert piped.losses == pytest.approx(local.losses, abs=1e-5) and len(piped.losses) == EVERY
 
 
 def test_single_file_resume_and_strict_loading(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -14,13 +14,13 @@ from lightning_pipe.engine.plan import ASYNC, TRAIN, StageSpec, StepPlan
 from lightning_pipe.engine.replicas import DataParallel, StageReplicas
 from lightning_pipe.engine.stage_actions import StageActions, StepFailed
 from lightning_pipe.engine.stage_inbox import StageInbox, StepAborted
-from lightning_pipe.engine.stage_memory import StageMemory
 from lightning_pipe.engine.stage_protocol import StageProtocol
 from lightning_pipe.engine.stage_shards import StageShards
 from lightning_pipe.engine.stage_state import StageStateCalls
 from lightning_pipe.engine.tensor_replicas import TensorStageReplicas, has_dtensors
 from lightning_pipe.engine.versions import WorkerVersions
 from lightning_pipe.errors import StageError
+from lightning_pipe.memory.stage import StageMemory
 from lightning_pipe.rng import StageRandom, run_seed
 from lightning_pipe.runtime import BaseRuntime, runtime_registry
 from lightning_pipe.weights import Materialized

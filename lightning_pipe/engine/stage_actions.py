@@ -24,11 +24,11 @@ from lightning_pipe.engine.plan import EVAL, TRAIN, LossPlan, StageSpec, StepPla
 from lightning_pipe.engine.replicas import DataParallel
 from lightning_pipe.engine.split_backward import WeightGradient, backward_input, backward_weight
 from lightning_pipe.engine.stage_inbox import StageInbox, StepAborted
-from lightning_pipe.engine.stage_memory import StageMemory
 from lightning_pipe.engine.step_result import Record
 from lightning_pipe.engine.versions import WorkerVersions
 from lightning_pipe.errors import ConfigurationError, StageError
 from lightning_pipe.executors import Activation, BackwardModule, output_grads, recompute
+from lightning_pipe.memory.stage import StageMemory
 from lightning_pipe.rng import StageRandom
 from lightning_pipe.runtime import BaseRuntime
 from lightning_pipe.schedule import Action, Kind

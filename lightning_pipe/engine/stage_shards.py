@@ -21,7 +21,8 @@ from lightning_pipe.engine.fsdp_internals import post_backward
 
 class StageShards:
     """FSDP2 of each shard module of a stage worker over ``mesh`` (the 1-D mesh of its stage's replicas): each repeated
-    block a unit, or ``units`` (the user's ``fully_shard`` calls, `stage_units`), the shard module the root.
+    block a unit, or ``units`` (the user's ``fully_shard`` calls, `stage_units`), the shard module the root; and
+    ``earlier``: the root modules (by stage index) of stages an earlier run in this process sharded, as they are.
 
     FSDP runs a block's backward with its gathered parameters and frees them after: a weight gradient computed
     after the input gradient (a split backward) would miss them. So a stage sharded here never splits a
@@ -37,6 +38,7 @@ class StageShards:
         mesh: Any,
         mixed_precision: Any = None,
         units: list[ShardUnit] | None = None,
+        earlier: dict[int, nn.Module] | None = None,
     ) -> None:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -54,8 +56,10 @@ class StageShards:
                 for unit in inside:
                     fully_shard(unit.target, **{"mp_policy": policy, **unit.kwargs})
                 root = fully_shard(module, **{"mesh": mesh, "mp_policy": policy, **(root_kwargs or {})})
-            root.set_requires_gradient_sync(False)  # reduced once per step, in `reduce`
             self.modules[index] = root
+        self.modules.update(earlier or {})  # sharded by an earlier run in this process: run again as they are
+        for root in self.modules.values():
+            root.set_requires_gradient_sync(False)  # reduced once per step, in `reduce`
 
     def reduce(self, stages: Iterable[int]) -> None:
         """Reduce-scatter the step's accumulated gradients of ``stages`` (after their last backward)."""

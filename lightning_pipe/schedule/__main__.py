@@ -98,8 +98,13 @@ def _grid(schedule: Schedule, durations: Durations) -> str:
 
 
 def main(argv: list[str]) -> None:
-    ranks = int(argv[0]) if argv else 4
-    microbatches = int(argv[1]) if len(argv) > 1 else 8
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m lightning_pipe.schedule", description=__doc__.splitlines()[0])
+    parser.add_argument("ranks", type=int, nargs="?", default=4, help="pipeline ranks (default 4)")
+    parser.add_argument("microbatches", type=int, nargs="?", default=8, help="microbatches (default 8)")
+    args = parser.parse_args(argv)
+    ranks, microbatches = args.ranks, args.microbatches
     sys.stdout.write(page(ranks, microbatches))
 
 

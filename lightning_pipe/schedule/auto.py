@@ -16,9 +16,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from lightning_pipe.errors import ScheduleError
+from lightning_pipe.memory.walk import walk
 from lightning_pipe.schedule.action import Action, Kind
 from lightning_pipe.schedule.base import Schedule, makespan
-from lightning_pipe.schedule.memory_walk import walk
 from lightning_pipe.schedule.placement import LOOP, placement_of
 from lightning_pipe.units import size_text
 

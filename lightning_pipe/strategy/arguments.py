@@ -13,8 +13,8 @@ from lightning_pipe.backends import BackendArg, resolve_backends
 from lightning_pipe.comm.compress import resolve_codec
 from lightning_pipe.engine.runners import check_runner
 from lightning_pipe.errors import ConfigurationError
+from lightning_pipe.memory.recompute import checkpoint_flags
 from lightning_pipe.microbatch_weights import check_weight_function
-from lightning_pipe.recompute import checkpoint_flags
 from lightning_pipe.runtime import BaseRuntime, runtime_registry
 from lightning_pipe.schedule import resolve_schedule
 from lightning_pipe.strategy.layout import check_transport

@@ -328,7 +328,7 @@ class PipelineBuilder:
     def plan(self, model: nn.Module, sample_batch: Any, stages: int, microbatches: int | str, verbose: bool) -> Any:
         """Predict each stage's activation memory for one training step (see `PipeStrategy.plan`); ``schedule="auto"``
         is planned as its first, measured step runs."""
-        from lightning_pipe.memory import plan as memory_plan
+        from lightning_pipe.memory.plan import plan as memory_plan
 
         schedule = self.schedule
         if is_auto(schedule):

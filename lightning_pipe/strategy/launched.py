@@ -24,11 +24,11 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from typing_extensions import override
 
-from lightning_pipe.allocator import give_back_large_blocks
 from lightning_pipe.checkpoint.stage_part import CoordinatorPart
 from lightning_pipe.comm import P2PCommunicator, serve_stages
 from lightning_pipe.comm.p2p.dtensor_frames import use_tensor_mesh
 from lightning_pipe.engine.runners import worker_of_stages
+from lightning_pipe.memory.allocator import give_back_large_blocks
 from lightning_pipe.pipeline import Pipeline
 from lightning_pipe.schedule import LOOP
 from lightning_pipe.strategy.arguments import fsdp_without_replicas

@@ -26,6 +26,7 @@ from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.pipeline import Pipeline
 from lightning_pipe.schedule import LOOP
 from lightning_pipe.strategy.arguments import fsdp_without_replicas
+from lightning_pipe.strategy.building import Placement
 from lightning_pipe.strategy.config import PipeConfig
 from lightning_pipe.strategy.layout import LOCAL, Layout
 from lightning_pipe.strategy.model_state import ModelState
@@ -156,6 +157,10 @@ class Mode:
         """A pipeline was built: each optimizer steps the stages' parameters where they live (here: on the stages,
         each optimizer with its per-stage parts)."""
         state.optimization.step_on_stages(pipeline, state.host.optimizers, device, by_name=False)
+
+    def continue_from(self, state: ModelState, placement: Placement) -> None:
+        """At setup, after `ModelState.prepare`: where a later run of a module an earlier run here trained finds the
+        values its stages start from, where the module does not hold them (``placement.init``)."""
 
     def install(self, state: ModelState, patches: Patches) -> None:
         """At setup, after the optimizers: what this mode sets on the user's objects for the fit."""

@@ -52,6 +52,18 @@ def write_folder(folder: Path, prefix: str, meta: dict[str, Any] | None, part: C
         torch.save(meta, folder / META_FILE)
 
 
+#: the folder of each LightningModule built on meta whose last rpc fit in this process kept its trained stages
+#: (`RpcCheckpoints.keep`): what a later run of the same module, under this strategy or another, starts from
+#: (`trained_folder`); an entry lives as long as its module, its folder until the module's next fit here
+KEPT: weakref.WeakKeyDictionary[Any, tuple[Path, weakref.finalize]] = weakref.WeakKeyDictionary()
+
+
+def trained_folder(module: Any) -> Path | None:
+    """The folder where the last rpc fit of ``module`` (built on meta) left its trained stages; None: none."""
+    entry = KEPT.get(module)
+    return entry[0] if entry is not None and entry[0].exists() else None
+
+
 class RpcCheckpoints:
     """Writes rpc mode's checkpoints (see the module's docstring); holds the folder a meta-built model's fit left."""
 
@@ -80,16 +92,21 @@ class RpcCheckpoints:
         else:
             save(path)
 
-    def keep(self, pipeline: Pipeline, prefix: str, part: CoordinatorPart, under: Path) -> None:
-        """At the end of a fit of a model built on meta: the workers write their trained stages (before they stop)
-        into a private folder under ``under`` (the Trainer's ``default_root_dir``, where its checkpoints go: a
-        folder that workers on other machines share), removed at the next fit or when this process exits."""
+    def keep(self, module: Any, pipeline: Pipeline, prefix: str, part: CoordinatorPart, under: Path) -> None:
+        """At the end of a fit of ``module`` (built on meta): the workers write their trained stages (before they
+        stop) into a private folder under ``under`` (the Trainer's ``default_root_dir``, where its checkpoints go: a
+        folder that workers on other machines share), removed at the module's next fit here, when the module is
+        gone, or when this process exits; a later run of the module starts from it (`KEPT`)."""
         self.forget()
+        earlier = KEPT.pop(module, None)
+        if earlier is not None:  # the module's last fit under another strategy
+            earlier[1]()
         under.mkdir(parents=True, exist_ok=True)
         root = Path(tempfile.mkdtemp(prefix=".lightning_pipe-trained-", dir=under))
-        self._cleanup = weakref.finalize(self, shutil.rmtree, root, True)
+        self._cleanup = weakref.finalize(module, shutil.rmtree, root, True)
         self.kept = root / "trained"
         write_folder(self.kept, prefix, None, part, pipeline)
+        KEPT[module] = (self.kept, self._cleanup)
 
     def write_kept(self, path: Path, meta: dict[str, Any], single_file: bool) -> None:
         """A checkpoint after the fit: the kept folder with Lightning's state ``meta``, copied or made one file."""

@@ -16,12 +16,13 @@ from typing import Any
 from typing_extensions import override
 
 from lightning_pipe.errors import ConfigurationError
+from lightning_pipe.strategy.building import Placement
 from lightning_pipe.strategy.config import PipeConfig
 from lightning_pipe.strategy.layout import RPC
 from lightning_pipe.strategy.mode import Mode, Write
 from lightning_pipe.strategy.model_state import ModelState
-from lightning_pipe.strategy.rpc_checkpoints import RpcCheckpoints
-from lightning_pipe.weights import on_meta
+from lightning_pipe.strategy.rpc_checkpoints import RpcCheckpoints, trained_folder
+from lightning_pipe.weights import StageInit, on_meta
 
 
 class RpcMode(Mode):
@@ -50,7 +51,19 @@ class RpcMode(Mode):
         if on_meta(module):
             prefix = state.prefix()
             under = Path(module.trainer.default_root_dir)
-            self.checkpoints.keep(pipeline, prefix, state.coordinator_part(prefix), under)
+            self.checkpoints.keep(module, pipeline, prefix, state.coordinator_part(prefix), under)
+
+    @override
+    def continue_from(self, state: ModelState, placement: Placement) -> None:
+        """A module built on meta that an earlier rpc fit here trained holds none of its stages' values (its workers
+        wrote them to a folder as they stopped, `RpcCheckpoints.keep`): a later run without a checkpoint or weights
+        starts its stages from that folder, as a module built eagerly starts from the values it holds."""
+        module, init = state.module, placement.init
+        kept = trained_folder(module)
+        if kept is None or init is None or init.path is not None or not on_meta(state.builder.split_module):
+            return
+        placement.init = StageInit(path=str(kept), checkpoint=True, prefix=state.prefix(), seed=init.seed,
+                                   overwrite=False, strict=True)  # fmt: skip
 
     @override
     def module_state(self, state: ModelState, lightning: Callable[[], dict[str, Any]]) -> dict[str, Any]:

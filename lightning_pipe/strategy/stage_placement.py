@@ -32,6 +32,10 @@ from lightning_pipe.strategy.tensor_parallel import refuse_self_sharded
 from lightning_pipe.weights import adopt, free_to_meta
 
 DATA_PARALLEL = ("ddp", "fsdp")
+#: the stage modules a run in this process sharded with FSDP, by stage index, for each pipelined module (torch cannot
+#: undo ``fully_shard``: a later run of the module, under this strategy or another, whose cut gives this process the
+#: same stage runs those again, `reuse`); an entry lives as long as its pipelined module
+SHARDED_BEFORE: weakref.WeakKeyDictionary[nn.Module, dict[int, nn.Module]] = weakref.WeakKeyDictionary()
 
 
 class ProcessStage:
@@ -58,8 +62,6 @@ class ProcessStage:
         self._shards: StageShards | None = None  # FSDP: the stage being built, sharded before it has values
         self.units: list[ShardUnit] | None = None  # configure_model's own fully_shard calls (None: it made none)
         self._said = False  # that the module shards itself is said once
-        #: the modules an earlier run here sharded with FSDP (torch cannot undo it; a later run cuts them anew)
-        self._fsdp_before: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         self._refused: ConfigurationError | None = None  # why a serving process's module cannot be cut (`bind`)
 
     @property
@@ -94,8 +96,7 @@ class ProcessStage:
         unread, for the next fit's serving to find)."""
         self._refused = None
         try:
-            refuse_sharded_before(pipelined, self._fsdp_before)
-            refuse_self_sharded(pipelined, unavailable())
+            refuse_self_sharded(pipelined, unavailable(), ours=self._fsdp_modules(pipelined))
         except ConfigurationError as error:
             if not serving:
                 raise
@@ -117,16 +118,19 @@ class ProcessStage:
         self._shards = None
         for shard in spec.shards:
             adopt(shard.module, self.pipelined)
-        if self.sharded is not None:  # shard first: the worker makes shards real
-            policy = self.mixed_precision() if self.mixed_precision is not None else None
-            self._shards = StageShards({s.index: s.module for s in spec.shards}, self._mesh, policy, self.units)
+        # an earlier run here sharded these stages: they run as they are
+        earlier = reuse(spec.shards, SHARDED_BEFORE.get(self.pipelined, {}))
+        if self.sharded is not None or earlier:  # shard first: the worker makes shards real
+            fresh = {s.index: s.module for s in spec.shards if s.index not in earlier} if self.sharded else {}
+            policy = self.mixed_precision() if self.mixed_precision is not None and fresh else None
+            self._shards = StageShards(fresh, self._mesh, policy, self.units, earlier=earlier)
 
     def built(self, worker: Any) -> None:
         """After: spread over the replicas, and remember what it holds (`release` keeps that)."""
         if self._shards is not None:
             worker.sharded(self._shards)
-            for root in self._shards.modules.values():
-                self._fsdp_before.update(root.modules())
+            assert self.pipelined is not None  # `prepare` ran
+            SHARDED_BEFORE[self.pipelined] = dict(self._shards.modules)
             self._shards = None
         elif self._group is not None:
             worker.replicate(self._group)
@@ -144,21 +148,50 @@ class ProcessStage:
         return free_to_meta(self.lightning_module, [*self.kept, *keep])
 
 
-def refuse_sharded_before(pipelined: nn.Module, before: weakref.WeakSet[nn.Module]) -> None:
-    """A pipelined module whose stages an earlier run in this process sharded with FSDP is refused, naming the fix:
-    each ``trainer.fit``, ``validate``, ``test`` and ``predict`` cuts the model into stages anew, and torch has no
-    call that undoes ``fully_shard`` (its modules' class, hooks and DTensor shards)."""
-    again = [name or "(the pipelined module)" for name, m in pipelined.named_modules() if m in before]
-    if again:
-        raise ConfigurationError(
-            f"the pipelined module's stages ({', '.join(again[:3])}{' ...' if len(again) > 3 else ''}) were sharded "
-            "with FSDP over their replicas by an earlier fit, validate, test or predict in this process "
-            "(data_parallel='fsdp', or configure_model's fully_shard), which torch cannot undo, and each run cuts the "
-            "model into stages anew: save the fit (trainer.save_checkpoint(path), in every process) and give each "
-            "later run a new LightningModule with it, e.g. trainer.validate(MyModule(), dataloader, ckpt_path=path) "
-            "(the same for test, predict and a further fit); or validate inside the fit "
-            "(Trainer(val_check_interval=...))"
-        )
+    def _fsdp_modules(self, pipelined: nn.Module) -> set[int]:
+        """The ids of the modules of the stages an earlier run here sharded (FSDP's, not the user's own)."""
+        return {id(m) for root in SHARDED_BEFORE.get(pipelined, {}).values() for m in root.modules()}
+
+
+def reuse(shards: list[Any], before: dict[int, nn.Module]) -> dict[int, nn.Module]:
+    """The stage modules an earlier run here sharded with FSDP (``before``, by stage index) that ``shards`` (a later
+    run's stages, bound to this process's modules) hold again, each put in its shard's place: FSDP's units and their
+    shards are the earlier ones (torch has no call that undoes ``fully_shard``, and none is needed: the same stage
+    runs again). A stage cut otherwise than before (another layout, another partition) over modules FSDP sharded is
+    refused, naming the fix."""
+    if not before:
+        return {}
+    reused: dict[int, nn.Module] = {}
+    ours = {id(m) for root in before.values() for m in root.modules()}
+    for shard in shards:
+        earlier = before.get(shard.index)
+        if earlier is not None and _same_stage(shard.module, earlier):
+            shard.module = reused[shard.index] = earlier
+        elif any(id(m) in ours for m in shard.module.modules()):
+            raise ConfigurationError(_cut_anew(shard.index))
+    return reused
+
+
+def _same_stage(cut: nn.Module, earlier: nn.Module) -> bool:
+    """Whether ``cut`` (a later run's stage module) holds the very modules and tensors ``earlier`` held, by name."""
+    mine = dict(cut.named_modules(remove_duplicate=False))
+    theirs = dict(earlier.named_modules(remove_duplicate=False))
+    if mine.keys() != theirs.keys() or any(mine[k] is not theirs[k] for k in mine if k):
+        return False
+    return [id(t) for t in (*cut.parameters(), *cut.buffers())] == [
+        id(t) for t in (*earlier.parameters(), *earlier.buffers())
+    ]
+
+
+def _cut_anew(index: int) -> str:
+    return (
+        f"stage {index} of this run holds modules an earlier fit, validate, test or predict in this process sharded "
+        "with FSDP over their replicas as part of another stage (data_parallel='fsdp', or configure_model's "
+        "fully_shard), which torch cannot undo: a later run of the same module runs with the same stages (the same "
+        "PipeStrategy stages, partition and number of processes). Otherwise save the fit "
+        "(trainer.save_checkpoint(path), in every process) and give the later run a new LightningModule with it, e.g. "
+        "trainer.validate(MyModule(), dataloader, ckpt_path=path)"
+    )
 
 
 def _over(data: Any) -> Callable[[dict[str, Any]], None]:

@@ -222,6 +222,7 @@ class PipeStrategy(ParallelStrategy):
         autocast = autocast_of(self.precision_plugin)
         placement = Placement(self.resolve_devices(), self.root_device, autocast, self.mode.transport, self._built)
         pipelined = self.state.prepare(placement, seed)
+        self.mode.continue_from(self.state, placement)
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()  # the stages place the pipelined module: no wrapper (Lightning's _setup_model)
@@ -374,7 +375,7 @@ class PipeStrategy(ParallelStrategy):
         ``model`` is the LightningModule (its ``training_step`` runs on ``sample_batch`` up to the
         pipelined call, to find the pipeline's input) or the pipelined module itself (then
         ``sample_batch`` is its input). Prints the per-stage table unless ``verbose=False``; returns a
-        `lightning_pipe.memory.MemoryPlan`. ``checkpoint="auto"`` is planned without recomputation: the
+        `lightning_pipe.memory.plan.MemoryPlan`. ``checkpoint="auto"`` is planned without recomputation: the
         plan it starts from (it recomputes where a device's free memory is short of it).
         """
         return self.builder.plan(model, sample_batch, len(self.resolve_devices()), self.microbatches, verbose)

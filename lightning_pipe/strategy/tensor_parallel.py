@@ -72,7 +72,7 @@ def check_tensor_parallel_arguments(
         )
 
 
-def refuse_self_sharded(pipelined: Any, why: str | None = None) -> None:
+def refuse_self_sharded(pipelined: Any, why: str | None = None, ours: set[int] = frozenset()) -> None:  # type: ignore[assignment]
     """A pipelined module sharded with ``fully_shard`` before PipeStrategy cut it is refused, naming what to do.
 
     In launched mode a ``configure_model``'s ``fully_shard`` calls (Lightning's TP x FSDP recipe) are recorded, not
@@ -82,7 +82,11 @@ def refuse_self_sharded(pipelined: Any, why: str | None = None) -> None:
     several stages, gathered in a forward no stage runs, and torch has no public call that undoes ``fully_shard``."""
     from torch.distributed.fsdp import FSDPModule
 
-    sharded = [name or "(the pipelined module)" for name, m in pipelined.named_modules() if isinstance(m, FSDPModule)]
+    sharded = [
+        name or "(the pipelined module)"
+        for name, m in pipelined.named_modules()
+        if isinstance(m, FSDPModule) and id(m) not in ours  # ``ours``: an earlier run's stages here (ProcessStage)
+    ]
     if sharded:
         where = (
             f"PipeStrategy defers the fully_shard calls of configure_model, but {why}"

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_pipe.weights.pages import PAGE, can_give_back, give_back
+from lightning_pipe.memory.pages import PAGE, can_give_back, give_back
 
 
 def is_sharded(tensor: torch.Tensor) -> bool:

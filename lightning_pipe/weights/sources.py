@@ -19,8 +19,8 @@ from typing import Any
 import torch
 
 from lightning_pipe.errors import ConfigurationError
+from lightning_pipe.memory.pages import PAGE, can_give_back, give_back
 from lightning_pipe.weights.keys import visible
-from lightning_pipe.weights.pages import PAGE, can_give_back, give_back
 
 PathLike = str | os.PathLike[str]
 MODEL = "state_dict"  # the key of the module's tensors in a Lightning checkpoint

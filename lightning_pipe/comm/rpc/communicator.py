@@ -21,7 +21,6 @@ from typing import Any
 
 import torch.distributed.rpc as rpc
 
-from lightning_pipe.allocator import give_back_large_blocks
 from lightning_pipe.comm.base import COORDINATOR, Communicator, Endpoint, deadline, remaining
 from lightning_pipe.comm.compress import resolve_codec
 from lightning_pipe.comm.control import ControlServer, Slot, parse_address
@@ -34,6 +33,7 @@ from lightning_pipe.comm.rpc.plane import DataPlane
 from lightning_pipe.comm.rpc.stages import stage_stats, stop_stage
 from lightning_pipe.comm.slot import TOKEN_ENV
 from lightning_pipe.errors import PipeTimeoutError, TransportError
+from lightning_pipe.memory.allocator import give_back_large_blocks
 
 log = logging.getLogger("lightning_pipe")
 

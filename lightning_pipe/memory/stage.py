@@ -1,6 +1,6 @@
 """`StageMemory`: a stage worker's memory accounting: its stash meter and which of its stages recompute.
 
-For ``checkpoint="auto"`` the coordinator decides (`lightning_pipe.recompute`); the worker measures where
+For ``checkpoint="auto"`` the coordinator decides (`lightning_pipe.memory.recompute`); the worker measures where
 the device is: what a microbatch of each stage keeps alive with and without recomputation, and the free
 memory of its device.
 """
@@ -12,9 +12,9 @@ from typing import Any
 import torch
 
 from lightning_pipe.engine.plan import StageSpec
-from lightning_pipe.engine.stash import StageBytes, StashMeter, signature
 from lightning_pipe.engine.versions import WorkerVersions
 from lightning_pipe.executors import Activation, recompute
+from lightning_pipe.memory.stash import StageBytes, StashMeter, signature
 from lightning_pipe.runtime import BaseRuntime, DeviceMemory
 
 

@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING, Any
 
 from lightning_pipe.engine.runners import worker_lists
 from lightning_pipe.engine.stage_protocol import StageProtocol
-from lightning_pipe.engine.stash import StageBytes
 from lightning_pipe.errors import ConfigurationError
+from lightning_pipe.memory.stash import StageBytes
+from lightning_pipe.memory.walk import walk
 from lightning_pipe.runtime import DeviceMemory
 from lightning_pipe.schedule import Action, Kind
-from lightning_pipe.schedule.memory_walk import walk as walk  # re-exported: memory.py
 from lightning_pipe.units import size_text
 
 if TYPE_CHECKING:

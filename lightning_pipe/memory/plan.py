@@ -20,12 +20,13 @@ from torch import nn
 from lightning_pipe import tree
 from lightning_pipe.engine.runners import worker_lists, worker_of_stages
 from lightning_pipe.engine.split_backward import backward_input
-from lightning_pipe.engine.stash import stash_bytes
 from lightning_pipe.executors import Activation, call_module
+from lightning_pipe.memory.recompute import checkpoint_flags
+from lightning_pipe.memory.stash import stash_bytes
+from lightning_pipe.memory.walk import walk
 from lightning_pipe.microbatch import split
 from lightning_pipe.partition import Partitioner, ShardedTask
 from lightning_pipe.partition.selection import resolve_partitioner
-from lightning_pipe.recompute import checkpoint_flags, walk
 from lightning_pipe.schedule import Action, Kind, placement_of, resolve_schedule
 from lightning_pipe.units import size_text
 
