@@ -101,23 +101,36 @@ def torchrun(script: str, args: list[str], nproc: int = 4, timeout: float = 240)
 
 
 def forked_ranks(
-    script: str, args: list[str], nproc: int, nodes: int = 1, timeout: float = 240, cluster: str = "torchelastic"
+    script: str,
+    args: list[str],
+    nproc: int,
+    nodes: int = 1,
+    timeout: float = 240,
+    cluster: str = "torchelastic",
+    on_failure: str = "stop",
 ) -> Run:
     """The ranks as torchrun (or ``cluster="slurm"``: srun) starts them, its variables, forked from one process that
     imported torch, Lightning and lightning_pipe once (`forked_ranks.py`): for the tests whose subject is a run, not
     the process launcher (a cold process spends about 5 s of CPU importing them). ``nodes`` simulates that many nodes
-    of ``nproc`` processes."""
-    return run_all([forked_command(script, args, nproc, nodes, cluster)], timeout)
+    of ``nproc`` processes. ``on_failure="wait"``: a failing rank ends no other, each must end by itself (a test of
+    a lost rank); ``"stop"`` ends them, as torchrun does."""
+    return run_all([forked_command(script, args, nproc, nodes, cluster, on_failure, timeout)], timeout)
 
 
 def forked_command(
-    script: str, args: list[str], nproc: int, nodes: int = 1, cluster: str = "torchelastic"
+    script: str,
+    args: list[str],
+    nproc: int,
+    nodes: int = 1,
+    cluster: str = "torchelastic",
+    on_failure: str = "stop",
+    timeout: float = 600,
 ) -> tuple[list[str], dict[str, str]]:
     """`forked_ranks`' command and environment (a port of its own), for `run_all` beside other commands."""
     env = base_env()
     env["MASTER_PORT"] = str(free_port())
     command = [sys.executable, str(ROOT / "tests" / "forked_ranks.py"), "--nproc", str(nproc), "--nodes", str(nodes),
-               "--cluster", cluster]  # fmt: skip
+               "--cluster", cluster, "--on-failure", on_failure, "--timeout", str(timeout)]  # fmt: skip
     return [*command, script, *args], env
 
 

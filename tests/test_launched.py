@@ -1,7 +1,8 @@
 """Launched mode end to end: 4 real processes on 127.0.0.1 (gloo), started the three ways users start them.
 
-Lightning's launcher and torchrun start their own launches; SLURM's variables and the 2-process schedules' runs are
-given to processes forked after one import (`launching.forked_ranks`: their subject is the run, not the launcher).
+Lightning's launcher and torchrun start their own launches; SLURM's variables, the 2-process schedules' runs and the
+run that loses a rank are given to processes forked after one import (`launching.forked_ranks`: their subject is the
+run, not the launcher).
 
 Each launch trains several cases (layouts R x P, optimizers, schedules, accumulation and clipping) in
 the same processes; the coordinators save what they trained, and here it must equal the unsplit
@@ -206,9 +207,10 @@ def test_two_slurm_nodes_simulated_on_one_machine(tmp_path: Path) -> None:
 
 @pytest.mark.timed
 def test_a_sigkilled_rank_ends_every_process_with_an_error_naming_it(tmp_path: Path) -> None:
-    """Global rank 3 (stage 0 of replica 1) dies mid-step; the whole run ends within 30 s."""
+    """Global rank 3 (stage 0 of replica 1) dies mid-step; the whole run ends within 30 s. No launcher ends the
+    others (`forked_ranks`' ``on_failure="wait"``): each process ends by itself, with the error."""
     args = ["--devices", "4", "--cases", "s2-sgd-1f1b", "--out", str(tmp_path), "--kill-rank", "3", "--kill-call", "3"]
-    run = lightning_launch(SCRIPT, args, timeout=120)
+    run = forked_ranks(SCRIPT, args, nproc=4, timeout=120, on_failure="wait")
     assert not run.ok
     killed = float((tmp_path / "killed-at").read_text())
     assert run.ended - killed < 30, run.output[-4000:]

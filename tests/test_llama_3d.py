@@ -1,8 +1,8 @@
 """The 3-D example, ``examples/llama_3d.py``: a Llama-style model trained as replicas x stages x tensor ranks.
 
 ``examples/llama_3d.py --devices 8`` (8 processes: 2 replicas x 2 stages x 2 tensor ranks over gloo, started as
-torchrun starts them, forked after one import: `launching.forked_ranks`; the 2-process run of a tied head is started
-by Lightning's launcher, as the README's ``python examples/llama_3d.py ...``), at the tiny size for 2 AdamW steps:
+torchrun starts them, forked after one import: `launching.forked_ranks`, as are the other runs here: their subject is
+the run, not the launcher, which tests/test_launched.py covers), at the tiny size for 2 AdamW steps:
 the module's ``configure_model`` is Lightning's TP x FSDP recipe (``fully_shard`` of each block, then of the whole
 model), which PipeStrategy applies per stage; every coordinator's loss is the plain model's on the global batch (one
 process, in this test's process) to 1e-5, and each process holds 1/(R x S x T) of the parameters, their gradients
@@ -65,7 +65,7 @@ def test_a_head_tied_to_the_embedding_across_processes_trains_as_the_plain_model
     assert model[0].weight is model[-1].weight
     steps = ["--max-steps", "3", "--tie-embeddings"]
     args = ["--devices", "2", "--tensor-parallel", "1", *steps, "--report", str(tmp_path)]
-    run = lightning_launch(EXAMPLE, args, timeout=600)
+    run = forked_ranks(EXAMPLE, args, nproc=2, timeout=600)
     assert run.ok, run.output[-6000:]
     from llama_3d import main
 

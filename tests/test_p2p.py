@@ -12,12 +12,12 @@ import json
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from launching import kill
 from rpc_models import worker_env
 
 from lightning_pipe.comm.base import Message, MessageKind
@@ -37,7 +37,8 @@ from lightning_pipe.comm.p2p.frames import (
     unbundle,
 )
 
-HELPER = Path(__file__).with_name("p2p_procs.py")
+HERE = Path(__file__).parent
+HELPER = HERE / "p2p_procs.py"
 
 pytestmark = pytest.mark.timed  # bounds waits by the clock: alone under xdist (tests/machine_share.py)
 
@@ -55,33 +56,35 @@ WORLDS = {"two": (2, "train,last,kill_stage"), "three": (3, "train,kill_coordina
 @pytest.fixture(scope="module")
 def worlds(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Every world of WORLDS at once (each its processes, each process several scenarios), within ``timeout``;
-    every process waited for and killed if still running. Each world's results are under ``<folder>/<name>``. The
-    timeout guards against a hang: the six launches of 50 s each that these worlds replace."""
+    the processes are forked after one import (`forked_processes.py`: a cold process spends seconds importing torch
+    and lightning_pipe), each waited for and killed if still running. Each world's results are under
+    ``<folder>/<name>``. The timeout guards against a hang: the six launches of 50 s each that these worlds
+    replace."""
     folder, timeout = tmp_path_factory.mktemp("p2p"), 300.0
     env = worker_env() | {"LIGHTNING_PIPE_WORKER": "1", "OMP_NUM_THREADS": "1"}
-    processes, logs = [], []
-    try:
-        for name, (world, scenarios) in WORLDS.items():
-            (folder / name).mkdir()
-            port = str(free_port())
-            for rank in range(world):
-                logs.append(open(folder / name / f"{rank}.log", "wb"))  # noqa: SIM115
-                command = [sys.executable, str(HELPER), scenarios, str(rank), str(world), port, str(folder / name)]
-                processes.append(subprocess.Popen(command, stdout=logs[-1], stderr=subprocess.STDOUT, env=env))
-        until = time.monotonic() + timeout
-        for process in processes:
-            try:
-                process.wait(max(0.1, until - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                tails = "\n".join(world_tails(folder, name) for name in WORLDS)
-                pytest.fail(f"a process of the p2p worlds ran past {timeout} s\n{tails}")
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-                process.wait(10)
-        for log in logs:
-            log.close()
+    processes = []
+    for name, (world, scenarios) in WORLDS.items():
+        (folder / name).mkdir()
+        port = str(free_port())
+        for rank in range(world):
+            log = str(folder / name / f"{rank}.log")
+            processes.append([log, scenarios, str(rank), str(world), port, str(folder / name)])
+    spec = folder / "processes.json"
+    spec.write_text(json.dumps({"script": str(HELPER), "timeout": timeout, "processes": processes}))
+    with open(folder / "forked.log", "wb") as log:
+        command = [sys.executable, str(HERE / "forked_processes.py"), str(spec)]
+        parent = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            parent.wait(timeout + 60)  # it kills what runs past ``timeout`` itself
+        except subprocess.TimeoutExpired:
+            pass
+        finally:
+            kill(parent)  # its session: the forked processes too
+            parent.wait(10)
+    if parent.returncode != 0:
+        tails = "\n".join(world_tails(folder, name) for name in WORLDS)
+        ended = f"forked_processes.py ended with {parent.returncode} (1: a process ran past {timeout} s)"
+        pytest.fail(f"{ended}\n{(folder / 'forked.log').read_text()}{tails}")
     return folder
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -186,9 +187,13 @@ def two_processes(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[
     its folder and each rank's results."""
     out = tmp_path_factory.mktemp("fsdp")
     env = base_env() | {"MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
-    script = str(HERE / "weights_procs.py")
-    run = run_all([([sys.executable, script, str(r), "2", str(out)], env) for r in range(2)], 120)
-    assert run.ok, run.output[-4000:]
+    # its 2 processes forked after one import (tests/forked_processes.py), each writing its output to a log
+    processes = [[str(out / f"rank{r}.log"), str(r), "2", str(out)] for r in range(2)]
+    spec = {"script": str(HERE / "weights_procs.py"), "timeout": 110, "processes": processes, "all_succeed": True}
+    (out / "processes.json").write_text(json.dumps(spec))
+    run = run_all([([sys.executable, str(HERE / "forked_processes.py"), str(out / "processes.json")], env)], 120)
+    logs = "".join(f"--- rank {r} ---\n{(out / f'rank{r}.log').read_text()[-2000:]}" for r in range(2))
+    assert run.ok, run.output[-2000:] + logs
     return out, [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 
