@@ -102,7 +102,7 @@ class ProcessStage:
         unread, for the next fit's serving to find)."""
         self._refused = None
         try:
-            refuse_self_sharded(pipelined, unavailable(), ours=self._fsdp_modules(pipelined))
+            refuse_self_sharded(pipelined, unavailable(), ours=_held(sharded_before(pipelined)))
         except ConfigurationError as error:
             if not serving:
                 raise
@@ -154,11 +154,6 @@ class ProcessStage:
         return free_to_meta(self.lightning_module, [*self.kept, *keep])
 
 
-    def _fsdp_modules(self, pipelined: nn.Module) -> set[int]:
-        """The ids of the modules of the stages an earlier run here sharded (FSDP's, not the user's own)."""
-        return {id(m) for root in sharded_before(pipelined).values() for m in root.modules()}
-
-
 def reuse(shards: list[Any], before: dict[int, nn.Module]) -> dict[int, nn.Module]:
     """The stage modules an earlier run here sharded with FSDP (``before``, by stage index) that ``shards`` (a later
     run's stages, bound to this process's modules) hold again, each put in its shard's place: FSDP's units and their
@@ -168,7 +163,7 @@ def reuse(shards: list[Any], before: dict[int, nn.Module]) -> dict[int, nn.Modul
     if not before:
         return {}
     reused: dict[int, nn.Module] = {}
-    ours = {id(m) for root in before.values() for m in root.modules()}
+    ours = _held(before)
     for shard in shards:
         earlier = before.get(shard.index)
         if earlier is not None and _same_stage(shard.module, earlier):
@@ -176,6 +171,11 @@ def reuse(shards: list[Any], before: dict[int, nn.Module]) -> dict[int, nn.Modul
         elif any(id(m) in ours for m in shard.module.modules()):
             raise ConfigurationError(_cut_anew(shard.index))
     return reused
+
+
+def _held(before: dict[int, nn.Module]) -> set[int]:
+    """The ids of the modules the stages an earlier run here sharded hold (``before``: their roots)."""
+    return {id(m) for root in before.values() for m in root.modules()}
 
 
 def _same_stage(cut: nn.Module, earlier: nn.Module) -> bool:

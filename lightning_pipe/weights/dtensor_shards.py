@@ -26,6 +26,15 @@ def is_sharded(tensor: torch.Tensor) -> bool:
     return isinstance(tensor, DTensor)
 
 
+def is_fsdp_module(module: nn.Module) -> bool:
+    """Whether ``module`` was sharded with FSDP2's ``fully_shard`` (its class then FSDP's subclass of its own)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - a torch built without distributed support has no FSDP
+        return False
+    return isinstance(module, FSDPModule)
+
+
 def empty_shard_like(like: Any, device: torch.device) -> torch.Tensor:
     """A DTensor laid out as ``like`` (a meta one) whose local shard is allocated, without values, on ``device``."""
     from torch.distributed.tensor import DTensor

@@ -16,7 +16,15 @@ from torch import nn
 
 from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.rng import derive_seed
-from lightning_pipe.weights.dtensor_shards import Wholes, copy_shard, empty_shard_like, is_sharded, shard_of, whole_like
+from lightning_pipe.weights.dtensor_shards import (
+    Wholes,
+    copy_shard,
+    empty_shard_like,
+    is_fsdp_module,
+    is_sharded,
+    shard_of,
+    whole_like,
+)
 from lightning_pipe.weights.sources import WeightSource
 
 Slot = tuple[nn.Module, str, bool]  # (owner module, attribute name, is a parameter)
@@ -193,21 +201,13 @@ def _same_class(local: nn.Module, sent: nn.Module) -> bool:
     """Whether ``sent`` (a module another process cut and sent) is ``local``'s class: the same class, or the same
     name where the class came by value from the training script (``__main__``), a new class object here."""
     a, b = type(local), type(sent)
-    if _fsdp_class(a):  # an earlier run here sharded it: FSDP2 made its class a subclass of the user's
+    if is_fsdp_module(local):  # an earlier run here sharded it: FSDP2 made its class a subclass of the user's
         return any(_same_class_type(base, b) for base in a.__bases__)
     return _same_class_type(a, b)
 
 
 def _same_class_type(a: type, b: type) -> bool:
     return a is b or (a.__module__, a.__qualname__) == (b.__module__, b.__qualname__)
-
-
-def _fsdp_class(cls: type) -> bool:
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover - a torch built without distributed support
-        return False
-    return issubclass(cls, FSDPModule)
 
 
 def aliases_of(module: nn.Module) -> dict[str, list[str]]:

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from lightning_pipe.weights.dtensor_shards import is_sharded
+from lightning_pipe.weights.dtensor_shards import is_fsdp_module, is_sharded
 from lightning_pipe.weights.keys import STRICT_FIX, WEIGHTS_FIX, compare_keys
 from lightning_pipe.weights.materialize import Materialized, aliases_of, materialize, on_meta
 from lightning_pipe.weights.sources import MODEL, Prefixed, WeightSource, is_distributed_checkpoint, open_source
@@ -117,8 +117,8 @@ def meta_copy(obj: T, modules: Iterable[nn.Module] | None = None) -> T:
     held = [obj] if modules is None and isinstance(obj, nn.Module) else list(modules or ())
     memo: dict[int, Any] = {}
     for module in held:
-        for kept in _sharded_modules(module):  # an earlier run here sharded it with FSDP: it cannot be copied
-            memo[id(kept)] = kept
+        for kept in filter(is_fsdp_module, module.modules()):  # sharded by an earlier run here: FSDP refuses a
+            memo[id(kept)] = kept  # deep copy, and only this process, which holds it, builds a stage from it
         for tensor in [*module.parameters(), *module.buffers()]:
             if id(tensor) not in memo:
                 empty = torch.empty_like(tensor, device="meta") if not is_sharded(tensor) else _whole_meta(tensor, memo)
@@ -126,16 +126,6 @@ def meta_copy(obj: T, modules: Iterable[nn.Module] | None = None) -> T:
                     nn.Parameter(empty, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else empty
                 )
     return copy.deepcopy(obj, memo)
-
-
-def _sharded_modules(module: nn.Module) -> list[nn.Module]:
-    """The modules of ``module`` that FSDP2 sharded (an earlier run in this process): they stay themselves in a
-    `meta_copy`, for the process that holds them (FSDP refuses a deep copy; they are never sent elsewhere)."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover - a torch built without distributed support
-        return []
-    return [m for m in module.modules() if isinstance(m, FSDPModule)]
 
 
 def _whole_meta(tensor: Any, memo: dict[int, Any]) -> torch.Tensor:
