@@ -16,11 +16,11 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from lightning_pipe.checkpoint.reader import OptimizerLayout, open_checkpoint
 from lightning_pipe.checkpoint.sharded import OptimizerPart, save_sharded, sharded_state
 from lightning_pipe.checkpoint.sharded_steps import FolderPart
+from lightning_pipe.weights.dtensor_shards import is_sharded
 
 
 @dataclass
@@ -133,7 +133,8 @@ def _like(param: torch.Tensor, value: Any) -> Any:
     the parameter is a shard of a whole (FSDP), the same shard of the saved whole."""
     if not isinstance(value, torch.Tensor):
         return value
-    if isinstance(param, DTensor) and tuple(value.shape) == tuple(param.shape):
+    if is_sharded(param) and tuple(value.shape) == tuple(param.shape):
+        from torch.distributed.tensor import DTensor
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
         shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)

@@ -12,25 +12,24 @@ the same way, without the division.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Replicate
 
+from lightning_pipe.weights.dtensor_shards import is_sharded
 
-def local_part(grad: torch.Tensor) -> torch.Tensor:
-    """This process's part of a gradient: its local part where it is a DTensor, else all of it."""
-    return grad.to_local() if isinstance(grad, DTensor) else grad
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 
 def norm_share(grads: Sequence[torch.Tensor], norm_type: float, infinite: bool) -> torch.Tensor:
     """This process's share of the norm of ``grads`` (the sum of ``|g|^p``; the max of ``|g|`` for inf), each
     gradient counted whole and once over the processes that hold its parts; on the CPU."""
-    plain = _share([(g, 1) for g in grads if not isinstance(g, DTensor)], norm_type, infinite)
+    plain = _share([(g, 1) for g in grads if not is_sharded(g)], norm_type, infinite)
     by_mesh: dict[Any, list[tuple[torch.Tensor, int]]] = {}
     for grad in grads:
-        if isinstance(grad, DTensor):
+        if is_sharded(grad):
             by_mesh.setdefault(grad.device_mesh, []).append((grad.to_local(), _copies(grad)))
     shares = [plain]
     for mesh, parts in by_mesh.items():  # the same meshes in the same order in every process of the stage
@@ -43,7 +42,7 @@ def norm_share(grads: Sequence[torch.Tensor], norm_type: float, infinite: bool) 
 def any_over_meshes(flag: bool, grads: Sequence[torch.Tensor]) -> bool:
     """Whether ``flag`` holds in any process that holds a part of ``grads`` (a GradScaler's inf/nan check)."""
     value = torch.tensor(float(flag))
-    meshes = {g.device_mesh: g.to_local().device for g in grads if isinstance(g, DTensor)}
+    meshes = {g.device_mesh: g.to_local().device for g in grads if is_sharded(g)}
     for mesh, device in meshes.items():
         value = over_mesh(value, mesh, "max", device)
     return bool(value)
@@ -60,6 +59,8 @@ def over_mesh(value: torch.Tensor, mesh: Any, op: str, device: torch.device) -> 
 
 def _copies(grad: DTensor) -> int:
     """How many processes of ``grad``'s mesh hold the same local part (its replicated dimensions' sizes)."""
+    from torch.distributed.tensor import Replicate
+
     copies = 1
     for dim, placement in enumerate(grad.placements):
         if isinstance(placement, Replicate):

@@ -17,11 +17,12 @@ import torch
 from torch import nn
 
 from lightning_pipe.backends import StageTrace
-from lightning_pipe.engine.grad_norms import any_over_meshes, local_part, norm_share
+from lightning_pipe.engine.grad_norms import any_over_meshes, norm_share
 from lightning_pipe.errors import PipeError
 from lightning_pipe.grads import GradStash
 from lightning_pipe.rng import StageRandom
 from lightning_pipe.runtime import BaseRuntime
+from lightning_pipe.weights.dtensor_shards import local_of
 
 GroupSpec = dict[str, Any]  # {"hparams": {...}, "names": [...]}: one param group, this rank's part of it
 
@@ -156,7 +157,7 @@ class StageStateCalls:
         found = False
         for g in grads:
             g.detach().mul_(inv_scale)
-            found = found or not bool(torch.isfinite(local_part(g)).all())
+            found = found or not bool(torch.isfinite(local_of(g)).all())
         return any_over_meshes(found, grads)
 
     # the optimizer

@@ -12,9 +12,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch import nn
+
+from lightning_pipe.weights.dtensor_shards import is_sharded, local_of
 
 
 class TensorStageReplicas:
@@ -43,13 +44,4 @@ class TensorStageReplicas:
 
 def has_dtensors(modules: Iterable[nn.Module]) -> bool:
     """Whether any parameter of ``modules`` is a DTensor (a tensor parallel plan split it)."""
-    from torch.distributed.tensor import DTensor
-
-    return any(isinstance(p, DTensor) for module in modules for p in module.parameters())
-
-
-def local_of(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local part (the tensor itself otherwise), to reduce in place."""
-    from torch.distributed.tensor import DTensor
-
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return any(is_sharded(p) for module in modules for p in module.parameters())

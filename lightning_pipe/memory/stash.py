@@ -13,10 +13,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from lightning_pipe import tree
 from lightning_pipe.executors import Activation
+from lightning_pipe.weights.dtensor_shards import local_of
 
 Key = tuple[int, int]  # (stage, microbatch)
 
@@ -70,7 +70,7 @@ def unique_bytes(tensors: Iterable[torch.Tensor], exclude: set[int] = frozenset(
 def _storage(tensor: torch.Tensor) -> int | None:
     """Where ``tensor``'s memory starts; None where it holds none of its own here: freed (FSDP gathers a block's
     parameters for its forward and frees them after) or a shard's wrapper (a DTensor: its local tensor counts)."""
-    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    local = local_of(tensor)
     try:
         storage = local.untyped_storage()
         return storage.data_ptr() if storage.nbytes() else None

@@ -8,22 +8,30 @@ of whole tensors held at once (docs/internals.md).
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 from torch import nn
 
 from lightning_pipe.memory.pages import PAGE, can_give_back, give_back
 
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor as ADTensor  # for annotations: the functions import it lazily
 
-def is_sharded(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` is a DTensor (a shard of a tensor spread over processes)."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - a torch built without distributed support has no DTensors
-        return False
-    return isinstance(tensor, DTensor)
+
+def is_sharded(tensor: Any) -> TypeGuard[ADTensor]:
+    """Whether ``tensor`` is a DTensor (a shard of a tensor spread over processes). Asked without importing
+    ``torch.distributed.tensor`` (a third of a second of CPU in every stage worker process, which most pipelines never
+    need): no tensor is a DTensor before that module is imported."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(tensor, module.DTensor)
+
+
+def local_of(tensor: torch.Tensor) -> torch.Tensor:
+    """This process's part of ``tensor``: a DTensor's local tensor, else ``tensor`` itself."""
+    return tensor.to_local() if is_sharded(tensor) else tensor
 
 
 def is_fsdp_module(module: nn.Module) -> bool:

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from lightning_pipe.errors import TransportError
+from lightning_pipe.weights.dtensor_shards import is_sharded
 
 _MESH: list[Any] = [None]  # this process's tensor mesh (one per launched world), set by `use_tensor_mesh`
 
@@ -38,9 +39,7 @@ class DTensorLayout:
 
 def local_part(tensor: torch.Tensor) -> tuple[torch.Tensor, DTensorLayout | None]:
     """What a link sends of ``tensor``: itself (no layout), or a DTensor's local part and its layout."""
-    from torch.distributed.tensor import DTensor
-
-    if not isinstance(tensor, DTensor):
+    if not is_sharded(tensor):  # asked without importing DTensor: most pipelines never make one
         return tensor, None
     layout = DTensorLayout(tuple(tensor.placements), tuple(tensor.shape), tuple(tensor.stride()))
     return tensor.to_local(), layout
