@@ -22,30 +22,35 @@ LAUNCHES = (
     "test_docs_examples.py", "test_local_exits.py", "test_launched_validation.py", "test_state_contract.py",
     "test_rpc_first_contact.py",
 )  # fmt: skip
+#: the files that take longest of the others (``--durations``), next: the last units of work are then short ones, so
+#: the workers end together
+LONG = (
+    "test_transparency.py", "test_async.py", "test_traced_hf.py", "test_state_contract_rpc.py", "test_rpc_lightning.py",
+    "test_traced_rpc.py", "test_compress.py", "test_stage_rng.py", "test_rpc.py",
+)  # fmt: skip
+TIMED = "timed"  # the unit of work of every ``timed`` test
 warnings.filterwarnings("ignore", message=".*does not have many workers.*")
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """`LAUNCHES`' files first, then the others in their order, the files with a ``timed`` test spread over their last
-    half: under xdist a timed test waits for the other worker's running launch (at the start that may take minutes)
-    or timed test, but not for an ordinary test, which so runs beside it."""
+    """`LAUNCHES`' files first, then `LONG`'s, then the others. Under pytest-xdist (``--dist loadgroup``) a file is
+    one unit of work, except the ``timed`` tests: they are one unit together, `TIMED`, so one worker runs them one
+    after another. Apart, each waited for the other worker's (`machine_share`), which left a core idle; together they
+    still never run beside a launch. `TIMED` comes after the first `LONG` files, when no launch is left to wait for."""
     launches = [name for name in LAUNCHES if any(item.path.name == name for item in items)]
-    timed = {item.path.name for item in items if item.get_closest_marker("timed") is not None} - set(launches)
-    others = list(dict.fromkeys(item.path.name for item in items if item.path.name not in {*launches, *timed}))
-    half = len(others) // 2
-    order = [*launches, *others[:half], *_spread(sorted(timed), others[half:])]
+    long = [name for name in LONG if any(item.path.name == name for item in items)]
+    others = [name for name in dict.fromkeys(item.path.name for item in items) if name not in {*launches, *long}]
+    order = [*launches, *long[:2], TIMED, *long[2:], *others]
     rank = {name: index for index, name in enumerate(order)}
-    items.sort(key=lambda item: rank[item.path.name])
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(_unit(item)))
+    items.sort(key=lambda item: rank[_unit(item)])
 
 
-def _spread(few: list[str], many: list[str]) -> list[str]:
-    """``many`` cut into ``len(few) + 1`` runs, one of ``few`` between each two."""
-    out: list[str] = []
-    runs = len(few) + 1
-    for index in range(runs):
-        out += many[index * len(many) // runs : (index + 1) * len(many) // runs]
-        out += few[index : index + 1]
-    return out
+def _unit(item: pytest.Item) -> str:
+    """The unit of work ``item`` belongs to under pytest-xdist: `TIMED`, or its file."""
+    return TIMED if item.get_closest_marker("timed") is not None else item.path.name
 
 
 @pytest.hookimpl(wrapper=True)
