@@ -71,7 +71,7 @@ def worker_specs(
                 autocast=autocast,
                 backend=backend,
                 seed=seed,
-                init=init,
+                init=init.for_shards(shards[s].module for s in held) if init is not None else None,
             )
         )
     return specs

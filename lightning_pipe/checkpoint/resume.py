@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_pipe.checkpoint.lazy_state import lazy_state_dict
 from lightning_pipe.checkpoint.reader import (
     CheckpointReader,
     FileCheckpoint,
@@ -24,7 +25,8 @@ from lightning_pipe.checkpoint.reader import (
     open_checkpoint,
 )
 from lightning_pipe.weights import StageInit, materialize
-from lightning_pipe.weights.sources import PathLike, is_distributed_checkpoint
+from lightning_pipe.weights.edited import EditedSource, StateEdits
+from lightning_pipe.weights.sources import MODEL, PathLike, WeightSource, is_distributed_checkpoint
 
 
 class Resume:
@@ -35,35 +37,53 @@ class Resume:
         self.sharded = is_distributed_checkpoint(path)
         self.weights_only = weights_only  # every process opens the file as the coordinator did
         self.reader: CheckpointReader = open_checkpoint(path, weights_only=weights_only)
+        self.stored: dict[str, Any] = {}  # the state_dict handed to the checkpoint hooks, as stored
+        self.edits: StateEdits | None = None  # what ``on_load_checkpoint`` did to it (`edited`)
 
     def for_lightning(self, optimizers: int) -> dict[str, Any]:
         """What Lightning restores itself; the tensors are placeholders the strategy's hooks read through.
 
-        A single file's ``state_dict`` is its mapped dictionary (nothing is read until a key is): a user's
-        ``on_load_checkpoint`` sees the keys as usual.
+        The ``state_dict`` a user's ``on_load_checkpoint`` sees holds every tensor unread: a single file's mapped
+        tensors, a folder's `LazyTensor` s; what the hook leaves in it is what the stages read (`edited`).
         """
         checkpoint = self.reader.lightning_state()
         if isinstance(self.reader, FileCheckpoint):
-            checkpoint["state_dict"] = self.reader.content.get("state_dict", {})
-        else:
-            checkpoint.setdefault("state_dict", {})
+            self.stored = dict(self.reader.content.get(MODEL, {}))
+        elif isinstance(self.reader, ShardedCheckpoint):
+            self.stored = lazy_state_dict(self.reader.folder, MODEL)
+        checkpoint[MODEL] = dict(self.stored)  # the hooks' to edit; ``stored`` stays as the checkpoint holds it
         count = self.reader.optimizer_count()
         if count:  # none (a weights-only checkpoint): Lightning's own restore says so when a fit needs them
             saved = self.reader.content.get("optimizer_states") if isinstance(self.reader, FileCheckpoint) else None
             checkpoint["optimizer_states"] = saved if saved is not None else [{} for _ in range(count)]
         return checkpoint
 
+    def edited(self, state_dict: Any) -> None:
+        """The checkpoint's ``state_dict`` as the checkpoint hooks left it: what every reading of the model's state
+        reads from now on (its keys, the stages' tensors, the optimizers' states by name)."""
+        self.edits = StateEdits.between(self.stored, state_dict) if isinstance(state_dict, dict) else None
+        self.stored = {}
+
+    def model(self) -> WeightSource:
+        """The module's tensors by the LightningModule's keys, as the checkpoint hooks left them."""
+        source = self.reader.model()
+        return source if self.edits is None else EditedSource(source, self.edits)
+
     def stage_init(self, prefix: str, seed: int, strict: bool) -> StageInit:
         """How each stage reads its tensors from this checkpoint (``prefix``: the pipelined module's path)."""
         return StageInit(
             path=self.path, checkpoint=True, prefix=prefix, seed=seed, overwrite=True, strict=strict,
-            weights_only=self.weights_only,
+            weights_only=self.weights_only, edits=self.edits,
         )  # fmt: skip
 
     def load_outside(self, lightning_module: nn.Module, pipelined: nn.Module, device: torch.device, seed: int) -> None:
         """The LightningModule's tensors outside the pipelined module, read (or made real) on ``device``."""
         inside = {id(m) for m in pipelined.modules()}
-        materialize(lightning_module, device, self.reader.model(), seed, overwrite=True, skip=inside)
+        materialize(lightning_module, device, self.model(), seed, overwrite=True, skip=inside)
+
+    def stored_name(self, key: str) -> str:
+        """The name the checkpoint stores the parameter ``key``'s tensors under (a hook may have renamed it)."""
+        return key if self.edits is None else self.edits.stored_name(key)
 
     def set_layouts(self, layouts: list[OptimizerLayout]) -> None:
         """The optimizers' parameter orders: what a single file's positions stand for (a folder names them)."""
@@ -96,7 +116,7 @@ class Resume:
     def _check_names(self, index: int, saved: OptimizerLayout, layout: OptimizerLayout) -> None:
         """The parameters a folder saved optimizer ``index``'s state for are the optimizer's (by key): a state saved
         under a name the optimizer does not have would not be read, and is not dropped silently."""
-        stored, ours = {k for keys in saved for k in keys}, {k for keys in layout for k in keys}
+        stored, ours = {k for keys in saved for k in keys}, {self.stored_name(k) for keys in layout for k in keys}
         if stored == ours:
             return
         extra, missing = sorted(stored - ours), sorted(ours - stored)
@@ -117,7 +137,7 @@ class Resume:
             position = 0
             for keys in layout:
                 for key in keys:
-                    saved = self.reader.optimizer_state(index, key)
+                    saved = self.optimizer_state(index, key)
                     if saved:
                         state[position] = {n: v.clone() if isinstance(v, torch.Tensor) else v for n, v in saved.items()}
                     position += 1
@@ -127,6 +147,32 @@ class Resume:
                 start += len(keys)
             states.append({"state": state, "param_groups": groups})
         return states
+
+    def optimizer_state(self, index: int, key: str) -> dict[str, torch.Tensor]:
+        """The state optimizer ``index`` saved for the parameter the model names ``key`` (a single file stores it by
+        position, a folder by the name the checkpoint hooks may have changed)."""
+        named = isinstance(self.reader, ShardedCheckpoint)
+        return self.reader.optimizer_state(index, self.stored_name(key) if named else key)
+
+    def stage_aliases(self, prefix: str, aliases: dict[str, list[str]], keys: list[str]) -> dict[str, list[str]]:
+        """``aliases`` (the pipelined module's other names of tied tensors) with, for each parameter the checkpoint
+        hooks renamed (``keys``: the pipelined module's), the name a folder stores its optimizer state under: what
+        a stage reads its optimizer state by."""
+        if self.edits is None or not isinstance(self.reader, ShardedCheckpoint):
+            return aliases
+        found = {k: list(v) for k, v in aliases.items()}
+        for key in keys:
+            stored = self.stored_name(prefix + key)
+            if stored == prefix + key:
+                continue
+            if not stored.startswith(prefix):
+                raise ValueError(
+                    f"on_load_checkpoint moved {stored!r} of {self.path} to {prefix + key!r}, into the pipelined "
+                    f"module from outside it ({prefix!r}): its optimizer state cannot be read there; consolidate the "
+                    "folder into one file (lightning-pipe consolidate) and resume from the file"
+                )
+            found[key] = [stored[len(prefix) :], *found.get(key, [])]
+        return found
 
     def groups(self, index: int) -> list[dict[str, Any]]:
         return self.reader.optimizer_groups(index)

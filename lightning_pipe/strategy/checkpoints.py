@@ -71,12 +71,18 @@ class Checkpoints:
         self.loaded(checkpoint)
         return checkpoint
 
+    def hooks_ran(self, checkpoint: dict[str, Any]) -> None:
+        """Lightning ran the checkpoint hooks (``on_load_checkpoint``): what they left in the opened checkpoint's
+        ``state_dict`` is what its keys, the stages and the optimizers' states are read by."""
+        if self.resume is not None:
+            self.resume.edited(checkpoint.get("state_dict", {}))
+
     def check_keys(self, lightning_module: nn.Module, checkpoint: dict[str, Any], strict: bool) -> None:
         """Lightning's strict loading for every way a checkpoint is read (Lightning loads it, or it is opened): the
         checkpoint's keys against the LightningModule's, before any tensor is read; raises naming them
         (``strict``), else says once how many tensors start from their initial values."""
         if self.resume is not None:
-            stored, where = self.resume.reader.model().keys(), f"the checkpoint {self.resume.path}"
+            stored, where = self.resume.model().keys(), f"the checkpoint {self.resume.path}"
         else:
             stored, where = checkpoint.get("state_dict", {}).keys(), "the checkpoint"
         report = compare_keys(lightning_module.state_dict(keep_vars=True), stored)
@@ -143,13 +149,16 @@ class Checkpoints:
                     continue
                 hparams = resume.groups(index)
                 keys = [k for group in layout for k in group]
-                outside = {p: resume.reader.optimizer_state(index, keys[p]) for p in view.stages.outside_positions()}
+                outside = {p: resume.optimizer_state(index, keys[p]) for p in view.stages.outside_positions()}
+                names = resume.stage_aliases(prefix, aliases, [k[len(prefix) :] for k in keys if k.startswith(prefix)])
 
-                def on_stages(groups: list[dict[str, Any]], layout: list[list[str]] = layout) -> None:
+                def on_stages(
+                    groups: list[dict[str, Any]], layout: list[list[str]] = layout, names: dict = names
+                ) -> None:
                     pipeline = self.builder.pipeline
                     assert pipeline is not None
                     pipeline.coordinator.stages.call(
-                        StageProtocol.load_optimizer_from, resume.path, prefix, layout, groups, aliases
+                        StageProtocol.load_optimizer_from, resume.path, prefix, layout, groups, names
                     )
 
                 view.stages.load_where_saved(on_stages, hparams, {p: s for p, s in outside.items() if s})

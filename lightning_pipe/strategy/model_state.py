@@ -114,6 +114,7 @@ class ModelState:
     def load_model_state_dict(self, checkpoint: Any, strict: bool, lightning: Callable[..., None]) -> None:
         """Lightning's strict loading in every mode; the tensors: ``lightning`` loads them, or (an opened checkpoint)
         each stage reads its own when it is built, the coordinator the rest at setup."""
+        self.checkpoints.hooks_ran(checkpoint)
         self.checkpoints.check_keys(self.module, checkpoint, strict)
         if self.checkpoints.resume is None:
             lightning(checkpoint, strict=strict)

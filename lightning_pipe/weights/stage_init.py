@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from lightning_pipe.weights.dtensor_shards import is_fsdp_module, is_sharded
+from lightning_pipe.weights.edited import EditedSource, StateEdits
 from lightning_pipe.weights.keys import STRICT_FIX, WEIGHTS_FIX, compare_keys
 from lightning_pipe.weights.materialize import Materialized, aliases_of, materialize, on_meta
 from lightning_pipe.weights.sources import MODEL, Prefixed, WeightSource, is_distributed_checkpoint, open_source
@@ -35,7 +36,8 @@ class StageInit:
     configuration, on meta, that initialises modules without ``reset_parameters`` (HuggingFace's ``_init_weights``).
     ``strict`` (the LightningModule's ``strict_loading``): a tensor of the stage the path does not hold raises
     before anything is read, in every process (`lightning_pipe.weights.keys`); ``weights_only`` is how a
-    ``torch.save`` file is opened (None: torch's default, never retried unsafely).
+    ``torch.save`` file is opened (None: torch's default, never retried unsafely); ``edits``: what the user's
+    ``on_load_checkpoint`` did to the checkpoint's ``state_dict`` (`StateEdits`), read through.
     """
 
     path: str | None = None
@@ -47,6 +49,7 @@ class StageInit:
     init_owner: nn.Module | None = None
     strict: bool = False
     weights_only: bool | None = None
+    edits: StateEdits | None = None
 
     def for_module(self, module: nn.Module) -> StageInit:
         """This description for the pipelined ``module``: with the names its tied tensors share, and (for a model
@@ -56,6 +59,17 @@ class StageInit:
             owner = _model_like(module)
         return replace(self, aliases=self.aliases or aliases_of(module), init_owner=owner)
 
+    def for_shards(self, modules: Iterable[nn.Module]) -> StageInit:
+        """This description for a worker holding ``modules`` (shards of the pipelined module): the values the
+        checkpoint hook gave travel to the worker whose tensors they are, no other."""
+        if self.edits is None or not self.edits.given:
+            return self
+        keys: set[str] = set()
+        for module in modules:
+            for key in module.state_dict(keep_vars=True):
+                keys.update(self.prefix + name for name in (key, *self.aliases.get(key, ())))
+        return replace(self, edits=self.edits.only(keys))
+
     def source(self) -> WeightSource | None:
         """The opened source, its keys those of the pipelined module (None: nothing to read)."""
         if self.path is None:
@@ -63,7 +77,9 @@ class StageInit:
         opened = open_source(self.path, self.weights_only)
         if self.checkpoint:
             section = f"{MODEL}." if is_distributed_checkpoint(self.path) else ""
-            return Prefixed(opened, section + self.prefix)
+            if self.edits is None:
+                return Prefixed(opened, section + self.prefix)
+            return Prefixed(EditedSource(Prefixed(opened, section), self.edits), self.prefix)
         return Prefixed(opened, self.prefix) if self.prefix else opened
 
     def apply(self, modules: list[tuple[nn.Module, torch.device]]) -> Materialized:
