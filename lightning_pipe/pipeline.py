@@ -168,6 +168,8 @@ class Pipeline:
             virtual_stages=self.virtual_stages,
             runner=self.runner,
         )
+        if self.init.edits is not None:  # each worker's spec holds the values the checkpoint hook gave it
+            self.init.edits.handed_over()
         self._stage_state = StageState(
             self._coordinator, self.module, self.shards, tied, self.communicator, self.seed
         )

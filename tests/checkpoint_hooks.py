@@ -5,8 +5,9 @@ tests/test_checkpoint_hooks.py (local and rpc mode, in the test's process) and i
 A checkpoint of an older version of the model: one key under its old name, a tensor stored in half precision, one
 stored scaled by 2, one missing (the module gained it since). The LightningModule's ``on_load_checkpoint`` migrates
 it: renames the key back, converts the half tensor, undoes the scale, adds the missing tensor, and (``drop``) drops
-one more key, which ``strict_loading = False`` then initialises. A plain Trainer resuming the same file with the
-same hook is the reference.
+one more key, which ``strict_loading = False`` then initialises. Its ``on_save_checkpoint`` exports the state
+under other keys (one renamed, one dropped, one added). A plain Trainer resuming the same file with the same hooks
+is the reference: its losses and the checkpoint it writes.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from lightning_pipe import PipeStrategy  # noqa: E402
 BATCH, PART, STEPS = 16, 2, 4
 OLD_NAME, NEW_NAME = "model.legacy.weight", "model.2.weight"  # renamed since the checkpoint was written
 HALF, SCALED, ADDED, DROPPED = "model.0.weight", "model.4.weight", "model.3.bias", "model.3.weight"
+EXPORTED, NOT_SAVED, VERSION = ("model.4.weight", "model.head.weight"), "model.3.bias", "model.version"
 QUIET: dict[str, Any] = dict(
     accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
     enable_model_summary=False,
@@ -65,6 +67,7 @@ class Net(L.LightningModule):
     def __init__(self, build: str = "eager", drop: bool = False) -> None:
         super().__init__()
         self.build, self.drop = build, drop
+        self.export = False  # on_save_checkpoint exports under other keys (a resumed run's)
         self.strict_loading = not drop
         self.model: nn.Module | None = None if build == "configure_model" else make_model()
 
@@ -83,6 +86,24 @@ class Net(L.LightningModule):
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         migrate(checkpoint["state_dict"], self.drop)
 
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if self.export:
+            state = checkpoint["state_dict"]
+            state[EXPORTED[1]] = state.pop(EXPORTED[0])
+            del state[NOT_SAVED]
+            state[VERSION] = torch.tensor(2.0)
+
+
+class SaveAt(L.Callback):
+    """``trainer.save_checkpoint(path)`` after optimizer step ``step``, while the fit runs."""
+
+    def __init__(self, path: str | Path, step: int) -> None:
+        self.path, self.step = path, step
+
+    def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step == self.step:
+            trainer.save_checkpoint(self.path)
+
 
 class Losses(L.Callback):
     def __init__(self) -> None:
@@ -99,17 +120,21 @@ def fit(
     ckpt: str | None = None,
     drop: bool = False,
     replicas: int = 1,
+    save: str | Path | None = None,
     **trainer: Any,
 ) -> tuple[L.Trainer, Net, Losses]:
-    """``steps`` optimizer steps from ``ckpt`` (``build``: "eager", "init_module" or "configure_model")."""
+    """``steps`` optimizer steps from ``ckpt`` (``build``: "eager", "init_module" or "configure_model"); ``save``: a
+    checkpoint written after the last step while the fit runs (through the export hook)."""
     L.seed_everything(0, verbose=False)
     losses = Losses()
-    t = L.Trainer(strategy=strategy, max_steps=steps, callbacks=[losses], **{**QUIET, **trainer})
+    callbacks: list[L.Callback] = [losses] + ([SaveAt(save, steps)] if save is not None else [])
+    t = L.Trainer(strategy=strategy, max_steps=steps, callbacks=callbacks, **{**QUIET, **trainer})
     if build == "init_module":
         with t.init_module(empty_init=True):
             net = Net(build, drop)
     else:
         net = Net(build, drop)
+    net.export = ckpt is not None
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
         t.fit(net, DataLoader(make_data(), batch_size=BATCH // replicas), ckpt_path=ckpt)
@@ -148,7 +173,8 @@ LAUNCHED = [  # (name, build, stages, replicas, data_parallel)
 
 def launched_cases(files: dict[str, str], out: Path) -> None:
     """Every launched case in these 2 processes: each build x file and folder x the two hooks; each process
-    writes its losses and the checkpoint the fit ends with."""
+    writes its losses; the checkpoint is written while the fit runs (``migrate``) or after it (``drop``: every
+    process saves its own part)."""
     for name, build, stages, replicas, data_parallel in LAUNCHED:
         for fmt, path in files.items():
             for drop in (False, True):
@@ -157,9 +183,13 @@ def launched_cases(files: dict[str, str], out: Path) -> None:
                 result: dict[str, Any] = {}
                 began = time.monotonic()
                 try:
-                    t, _, losses = fit(strategy, build, STEPS, ckpt=path, drop=drop, replicas=replicas, devices=2)
+                    during = None if drop else out / case
+                    t, _, losses = fit(
+                        strategy, build, STEPS, ckpt=path, drop=drop, replicas=replicas, devices=2, save=during
+                    )
                     result = {"losses": losses.values, "said": t.said}  # type: ignore[attr-defined]
-                    t.save_checkpoint(out / case)
+                    if drop:
+                        t.save_checkpoint(out / case)
                 except Exception as error:  # noqa: BLE001 - what each process raised is the result
                     result = {"error": f"{type(error).__name__}: {error}"}
                 result["seconds"] = time.monotonic() - began

@@ -5,7 +5,9 @@ half precision, one stored scaled, one missing) is migrated by the LightningModu
 ``drop``: the hook also drops a key, which ``strict_loading = False`` initialises. In local mode (built eagerly and
 on meta), rpc mode (built on meta) and launched mode (DDP built eagerly and in configure_model, FSDP in
 configure_model), from a single file and from a sharded folder, the resumed run equals a plain Trainer resuming
-the single file with the same hook: its losses and its trained tensors.
+the single file with the same hook: its losses and its trained tensors. Its ``on_save_checkpoint`` exports the
+trained state under other keys: what every mode writes (a file, or each process its part of a folder) equals what
+the plain Trainer writes with the same hook, the optimizer state under the parameter's new name.
 """
 
 from __future__ import annotations
@@ -17,13 +19,15 @@ from typing import Any
 
 import pytest
 import torch
-from checkpoint_hooks import DROPPED, LAUNCHED, STEPS, fit, model_tensors, write_old_files
+from checkpoint_hooks import DROPPED, EXPORTED, LAUNCHED, STEPS, fit, write_old_files
 from launching import ROOT, forked_ranks
 from processes import leftover_processes
 from state_contract import tensors
 
 from lightning_pipe import PipeStrategy
 from lightning_pipe.checkpoint.lazy_state import LazyTensor
+from lightning_pipe.checkpoint.reader import open_checkpoint
+from lightning_pipe.errors import ConfigurationError
 
 SCRIPT = str(ROOT / "tests" / "checkpoint_hooks.py")
 LENIENT = f"1 tensor initialised instead of read ('{DROPPED}')"
@@ -36,9 +40,25 @@ def old(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     files = write_old_files(out)
     plain = {}
     for drop in (False, True):
-        _, net, losses = fit("auto", "eager", STEPS, ckpt=files["file"], drop=drop)
-        plain[drop] = {"losses": losses.values, "tensors": model_tensors(net)}
+        saved = out / f"plain-{drop}.ckpt"
+        _, _, losses = fit("auto", "eager", STEPS, ckpt=files["file"], drop=drop, save=saved)
+        momentum = torch.load(saved, weights_only=True)["optimizer_states"][0]["state"][6]["momentum_buffer"]
+        plain[drop] = {"losses": losses.values, "tensors": tensors(saved), "momentum": momentum}
     return {"files": files, "plain": plain, "out": out}
+
+
+def written(path: Path, want: dict[str, Any], what: str) -> None:
+    """The checkpoint at ``path`` holds what the plain Trainer's does, the exported parameter's momentum too."""
+    same(tensors(path), want["tensors"], what)
+    reader = open_checkpoint(path)
+    try:
+        if path.is_dir():  # by name: the state follows the parameter's exported key
+            momentum = reader.optimizer_state(0, EXPORTED[1])["momentum_buffer"]
+        else:  # by position, as torch saves it
+            momentum = reader.content["optimizer_states"][0]["state"][6]["momentum_buffer"]  # type: ignore[attr-defined]
+        torch.testing.assert_close(momentum, want["momentum"], rtol=0, atol=1e-6, msg=what)
+    finally:
+        reader.close()
 
 
 def same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> None:
@@ -58,11 +78,12 @@ def lenient_said(said: list[str], drop: bool) -> None:
 @pytest.mark.parametrize("drop", [False, True], ids=["migrate", "drop"])
 @pytest.mark.parametrize("fmt", ["file", "folder"])
 @pytest.mark.parametrize("build", ["eager", "init_module"])
-def test_local_mode_reads_what_the_hook_left(old: dict, build: str, fmt: str, drop: bool) -> None:
-    t, net, losses = fit(PipeStrategy(stages=2, microbatches=2), build, STEPS, ckpt=old["files"][fmt], drop=drop)
+def test_local_mode_reads_what_the_hook_left(old: dict, build: str, fmt: str, drop: bool, tmp_path: Path) -> None:
+    strategy = PipeStrategy(stages=2, microbatches=2)
+    t, _, losses = fit(strategy, build, STEPS, ckpt=old["files"][fmt], drop=drop, save=tmp_path / "saved.ckpt")
     want = old["plain"][drop]
     assert losses.values == pytest.approx(want["losses"], abs=1e-6)
-    same(model_tensors(net), want["tensors"], f"local {build} {fmt}")
+    written(tmp_path / "saved.ckpt", want, f"local {build} {fmt}")
     lenient_said(t.said, drop)  # type: ignore[attr-defined]
 
 
@@ -77,12 +98,15 @@ def test_rpc_mode_reads_what_the_hook_left(
     old: dict, fmt: str, drop: bool, tmp_path: Path, no_worker_left: None
 ) -> None:
     strategy = PipeStrategy(stages=2, microbatches=2, transport="rpc", timeout=120)
-    t, _, losses = fit(strategy, "init_module", STEPS, ckpt=old["files"][fmt], drop=drop, default_root_dir=tmp_path)
+    saved = tmp_path / "saved"  # a folder: the workers write their stages, this process the rest
+    t, _, losses = fit(strategy, "init_module", STEPS, ckpt=old["files"][fmt], drop=drop, default_root_dir=tmp_path,
+                       save=saved)  # fmt: skip
     want = old["plain"][drop]
     assert losses.values == pytest.approx(want["losses"], abs=1e-6)
-    t.save_checkpoint(tmp_path / "after.ckpt")  # the workers write their stages: the trained values
-    same(tensors(tmp_path / "after.ckpt"), want["tensors"], f"rpc {fmt}")
+    written(saved, want, f"rpc {fmt}")
     lenient_said(t.said, drop)  # type: ignore[attr-defined]
+    with pytest.raises(ConfigurationError, match="on_save_checkpoint changed the state_dict"):
+        t.save_checkpoint(tmp_path / "after")  # after the fit: the folder the workers left, written before the hook
 
 
 def test_launched_modes_read_what_the_hook_left(old: dict, tmp_path: Path) -> None:
@@ -102,7 +126,7 @@ def test_launched_modes_read_what_the_hook_left(old: dict, tmp_path: Path) -> No
                 mean = [sum(step) / len(step) for step in zip(*each, strict=True)]  # equal halves of the batch
                 want = old["plain"][drop]
                 assert mean == pytest.approx(want["losses"], abs=1e-6), case
-                same(tensors(tmp_path / case), want["tensors"], case)
+                written(tmp_path / case, want, case)
                 lenient_said(results[0]["said"], drop)
 
 

@@ -21,6 +21,7 @@ from lightning_pipe.checkpoint.reader import OptimizerLayout, open_checkpoint
 from lightning_pipe.checkpoint.sharded import OptimizerPart, save_sharded, sharded_state
 from lightning_pipe.checkpoint.sharded_steps import FolderPart
 from lightning_pipe.weights.dtensor_shards import is_sharded
+from lightning_pipe.weights.edited import StateEdits
 
 
 @dataclass
@@ -34,6 +35,18 @@ class CoordinatorPart:
     groups: list[dict[str, Any]] | None = None
     layout: OptimizerLayout | None = None
     meta: dict[str, Any] | None = None
+
+    def edited(self, edits: StateEdits) -> CoordinatorPart:
+        """This part as the ``on_save_checkpoint`` hooks left the checkpoint: keys renamed or dropped (the optimizer
+        state follows its parameter's name), and the values the hooks gave, which this process holds."""
+        layout = None if self.layout is None else [[edits.new_name(k) for k in group] for group in self.layout]
+        return CoordinatorPart(
+            model={**edits.apply(self.model), **edits.given},
+            optimizer_state={edits.new_name(k): s for k, s in self.optimizer_state.items()},
+            groups=self.groups,
+            layout=layout,
+            meta=self.meta,
+        )
 
 
 class WorkerOptimizer(Protocol):
@@ -58,32 +71,40 @@ class StageCheckpoint:
         self.state = state
         self.part: FolderPart | None = None  # a folder being written step by step (between plan_part and write_part)
 
-    def _model(self, prefix: str) -> dict[str, torch.Tensor]:
-        return {prefix + k: v for shard in self.shards.values() for k, v in shard.module.state_dict().items()}
+    def _model(self, prefix: str, edits: StateEdits | None) -> dict[str, torch.Tensor]:
+        model = {prefix + k: v for shard in self.shards.values() for k, v in shard.module.state_dict().items()}
+        return model if edits is None else edits.apply(model)
 
-    def _optimizer_state(self, prefix: str) -> dict[str, dict[str, Any]]:
+    def _optimizer_state(self, prefix: str, edits: StateEdits | None) -> dict[str, dict[str, Any]]:
         if not self.state.has_optimizer():
             return {}
         optimizer, names = self.state.optimizer()
-        flat = [n for group in names for n in group]
-        return {prefix + flat[i]: s for i, s in optimizer.state_dict()["state"].items()}
+        flat = [prefix + n for group in names for n in group]
+        rename = edits.new_name if edits is not None else str
+        return {rename(flat[i]): s for i, s in optimizer.state_dict()["state"].items()}
 
-    def call_save_sharded(self, path: str, prefix: str, coordinator: CoordinatorPart | None = None) -> None:
-        """Write this process's part of the folder ``path`` (every process of the world at once)."""
+    def call_save_sharded(
+        self, path: str, prefix: str, coordinator: CoordinatorPart | None = None, edits: StateEdits | None = None
+    ) -> None:
+        """Write this process's part of the folder ``path`` (every process of the world at once), under the keys
+        the ``on_save_checkpoint`` hooks left (``edits``; the coordinator's part has them already)."""
         part = coordinator or CoordinatorPart()
-        model = {**part.model, **self._model(prefix)}
+        model = {**part.model, **self._model(prefix, edits)}
         optimizers = []
         if self.state.has_optimizer() or part.layout is not None:
-            state = {**self._optimizer_state(prefix), **part.optimizer_state}
+            state = {**self._optimizer_state(prefix, edits), **part.optimizer_state}
             optimizers.append(OptimizerPart(state, part.groups, part.layout))
         save_sharded(path, model, optimizers, part.meta)
 
-    def call_plan_part(self, path: str, prefix: str, optimizer: bool, index: int) -> Any:
+    def call_plan_part(
+        self, path: str, prefix: str, optimizer: bool, index: int, edits: StateEdits | None = None
+    ) -> Any:
         """Plan this rank's part of the folder ``path`` as participant ``index`` (DCP's local plan, returned), with
-        its optimizer state unless ``optimizer`` is False (``trainer.save_checkpoint(weights_only=True)``)."""
+        its optimizer state unless ``optimizer`` is False (``trainer.save_checkpoint(weights_only=True)``), under
+        the keys the ``on_save_checkpoint`` hooks left (``edits``)."""
         with_state = optimizer and self.state.has_optimizer()
-        optimizers = [OptimizerPart(self._optimizer_state(prefix))] if with_state else []
-        self.part = FolderPart(path, sharded_state(self._model(prefix), optimizers), index)
+        optimizers = [OptimizerPart(self._optimizer_state(prefix, edits))] if with_state else []
+        self.part = FolderPart(path, sharded_state(self._model(prefix, edits), optimizers), index)
         return self.part.plan()
 
     def call_write_part(self, plan: Any) -> list[Any]:

@@ -91,6 +91,8 @@ class Coordinator:
     # lifetime
     def start(self) -> Coordinator:
         self.link.open(self.communicator.launch(self.specs, self._worker_cls))
+        for spec in self.specs:  # every worker made its tensors: what they were made from (values a checkpoint
+            spec.init = None  # hook gave, a stage's) is not kept here for the fit
         return self
 
     def close(self) -> None:

@@ -54,6 +54,7 @@ class StageWorker:
             self.materialized = spec.init.apply(
                 [(s.module, self.runtimes[i].torch_device) for i, s in self.shards.items()]
             )
+            spec.init = None  # made: the values it held (a checkpoint hook's) are the shards' now
         for index, shard in self.shards.items():
             shard.module = self.runtimes[index].move_module(shard.module)
             shard.module._pipe_runtime = self.runtimes[index]

@@ -23,6 +23,7 @@ from lightning_pipe.errors import PipeError
 from lightning_pipe.memory.stage import StageMemory
 from lightning_pipe.memory.stash import StageBytes
 from lightning_pipe.runtime import DeviceMemory
+from lightning_pipe.weights.edited import StateEdits
 
 StateDict = dict[str, torch.Tensor]
 Hparams = list[dict[str, Any]]
@@ -175,14 +176,17 @@ class StageProtocol:
         return self._versions.call_async_stats()
 
     # sharded checkpoints
-    def save_sharded(self, path: str, prefix: str, coordinator: CoordinatorPart | None = None) -> None:
-        """Write this process's part of the folder ``path`` (every process of the world at once)."""
-        self._checkpoint.call_save_sharded(path, prefix, coordinator)
+    def save_sharded(
+        self, path: str, prefix: str, coordinator: CoordinatorPart | None = None, edits: StateEdits | None = None
+    ) -> None:
+        """Write this process's part of the folder ``path`` (every process of the world at once), under the keys
+        the ``on_save_checkpoint`` hooks left (``edits``)."""
+        self._checkpoint.call_save_sharded(path, prefix, coordinator, edits)
 
-    def plan_part(self, path: str, prefix: str, optimizer: bool, index: int) -> Any:
+    def plan_part(self, path: str, prefix: str, optimizer: bool, index: int, edits: StateEdits | None = None) -> Any:
         """Plan this rank's part of the folder ``path`` as participant ``index`` (rpc: DCP's local plan, returned),
-        with its optimizer state unless ``optimizer`` is False."""
-        return self._checkpoint.call_plan_part(path, prefix, optimizer, index)
+        with its optimizer state unless ``optimizer`` is False, under the keys the hooks left (``edits``)."""
+        return self._checkpoint.call_plan_part(path, prefix, optimizer, index, edits)
 
     def write_part(self, plan: Any) -> list[Any]:
         """Write the part `plan_part` planned, as the global ``plan`` says; DCP's write results."""

@@ -23,6 +23,7 @@ from lightning_pipe.checkpoint.stage_part import CoordinatorPart
 from lightning_pipe.engine.stage_protocol import StageProtocol
 from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.pipeline import Pipeline
+from lightning_pipe.weights.edited import StateEdits
 
 
 def write_sharded(
@@ -34,18 +35,21 @@ def write_sharded(
     pipeline: Pipeline | None,
     here: int,
     worker: Any,
+    edits: StateEdits | None = None,
 ) -> None:
     """This process's part of the folder ``path``: in a fit, the coordinator asks its pipeline's processes to
     write theirs (``here``: the pipeline rank in this process, which adds ``coordinator``'s part); after a fit
     every process writes its own (each calls ``trainer.save_checkpoint``, as with DDP) from its last stage
     ``worker``. ``first`` (global rank 0) prepares the folder and writes Lightning's state: what
-    ``checkpoint`` holds besides tensors.
+    ``checkpoint`` holds besides tensors. ``edits``: what the ``on_save_checkpoint`` hooks did to the state_dict
+    (``coordinator`` has them applied already; every process applies them to its own part).
     """
     if first:
         prepare_folder(path)  # before any process writes: each waits for all in DCP's planning
         coordinator.meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
     if pipeline is not None:
-        each = [(coordinator if rank == here else None,) for rank in range(pipeline.coordinator.num_ranks)]
+        names = edits.only(()) if edits is not None else None  # the values the hooks gave: the coordinator's part
+        each = [(coordinator if rank == here else None, names) for rank in range(pipeline.coordinator.num_ranks)]
         pipeline.coordinator.stages.call_each(StageProtocol.save_sharded, each, str(path), prefix)
         return
     if worker is None:
@@ -53,7 +57,7 @@ def write_sharded(
             "trainer.save_checkpoint(...) in launched mode writes each process's stage, and no stage was built in "
             "this process yet: save during or after a fit"
         )
-    worker.checkpoints.call_save_sharded(str(path), prefix, coordinator)
+    worker.checkpoints.call_save_sharded(str(path), prefix, coordinator, edits)
 
 
 def write_single_file(save: Callable[[Path], None], path: Path, first: bool) -> None:

@@ -259,7 +259,7 @@ class LaunchedMode(Mode):
     # the training state: every process writes its own stage, nothing is gathered
     @override
     def module_state(self, state: ModelState, lightning: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-        return {}  # each process writes its own stage (`save_checkpoint`)
+        return state.shapes()  # each process writes its own stage (`save_checkpoint`): the hooks see shapes
 
     @override
     def optimizer_state(
@@ -278,11 +278,15 @@ class LaunchedMode(Mode):
         path = Path(self.broadcast(str(path)))
         first = self.layout.global_rank == 0
         prefix = state.prefix()
-        part = state.coordinator_part(prefix) if self.layout.coordinates else CoordinatorPart()
+        edits = state.save_edits(checkpoint)  # what the on_save_checkpoint hooks did to the shapes they saw
+        if self.layout.coordinates:
+            part = state.coordinator_part(prefix, edits)
+        else:  # a process serving a stage saves after the fit: the values its hooks added too
+            part = CoordinatorPart(model=dict(edits.given) if edits is not None else {})
         pipeline, here, worker = state.builder.pipeline, self.layout.coordinator, self.stage.worker
 
         def save(folder: Path) -> None:
-            write_sharded(folder, prefix, checkpoint, part, first, pipeline, here, worker)
+            write_sharded(folder, prefix, checkpoint, part, first, pipeline, here, worker, edits)
 
         if self.config.save_distributed_checkpoint:
             save(path)

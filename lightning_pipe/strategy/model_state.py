@@ -22,10 +22,12 @@ from lightning.fabric.plugins import CheckpointIO
 from torch import nn
 
 from lightning_pipe.checkpoint.stage_part import CoordinatorPart
+from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.strategy.building import PipelineBuilder, Placement, prefix_of
 from lightning_pipe.strategy.checkpoints import Checkpoints
 from lightning_pipe.strategy.optimization import StageOptimization
 from lightning_pipe.strategy.stage_placement import ProcessStage
+from lightning_pipe.weights.edited import StateEdits
 from lightning_pipe.weights.keys import visible
 
 
@@ -62,6 +64,7 @@ class ModelState:
         self.builder = builder
         self.optimization = optimization
         self.stage = stage
+        self._shapes: dict[str, Any] = {}  # the last `shapes` the save hooks were handed
 
     def prepare(self, placement: Placement, seed: int) -> nn.Module:
         """At setup: the pipelined module found and placed, how its stages make their tensors (the opened checkpoint,
@@ -134,9 +137,36 @@ class ModelState:
         state = self.checkpoints.optimizer_state(optimizer)
         return state if state is not None else lightning(optimizer)
 
-    def coordinator_part(self, prefix: str) -> CoordinatorPart:
+    # writing, where the stages write their own
+    def shapes(self) -> dict[str, Any]:
+        """The LightningModule's state as shapes (meta tensors): what Lightning's ``on_save_checkpoint`` hooks see
+        where each stage writes its own tensors in its own process; `save_edits` reads what they did to it."""
+        state = self.module.state_dict()
+        self._shapes = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in state.items()}
+        return dict(self._shapes)
+
+    def save_edits(self, checkpoint: dict[str, Any]) -> StateEdits | None:
+        """What the ``on_save_checkpoint`` hooks did to the `shapes` in ``checkpoint``: what every process writing its
+        part of it applies (renamed and dropped keys; values the hooks added, written by the coordinator)."""
+        shapes, self._shapes = self._shapes, {}
+        edits = StateEdits.between(shapes, checkpoint.get("state_dict", {}))
+        if edits is None:
+            return None
+        changed = [k for k, v in edits.given.items() if not isinstance(v, torch.Tensor) or v.is_meta]
+        if changed:
+            raise ConfigurationError(
+                f"on_save_checkpoint changed the values of {', '.join(map(repr, changed[:5]))}: where each stage "
+                "writes its own part of a checkpoint (launched and rpc mode) the state_dict the hook sees holds the "
+                "tensors' shapes only (meta tensors), their values are in the stages' processes. A hook may rename "
+                "and drop keys and add tensors with values here; convert values in on_load_checkpoint instead, or "
+                "after consolidating the checkpoint into one file (lightning-pipe consolidate)"
+            )
+        return edits
+
+    def coordinator_part(self, prefix: str, edits: StateEdits | None = None) -> CoordinatorPart:
         """What this coordinator's process adds to a sharded checkpoint: the tensors outside the pipelined module,
-        their optimizer state, and each optimizer's groups and parameter order."""
+        their optimizer state, and each optimizer's groups and parameter order; with the save hooks' ``edits``
+        (the values they added too)."""
         outside = {k: v for k, v in self.module.state_dict().items() if not k.startswith(prefix) and not v.is_meta}
         part = CoordinatorPart(model=outside)
         optimizers, layouts = self.host.optimizers, self.optimization.layouts
@@ -147,7 +177,7 @@ class ModelState:
             part.optimizer_state = {flat[i]: s for i, s in saved["state"].items() if not flat[i].startswith(prefix)}
             part.groups = [{k: v for k, v in g.items() if k != "params"} for g in template.param_groups]
             part.layout = layouts[0]
-        return part
+        return part if edits is None else part.edited(edits)
 
     def remove(self, path: Path, lightning: Callable[[Path], None]) -> None:
         """A checkpoint goes: a sharded folder here, a file as ``lightning`` (Lightning's removal) removes it."""

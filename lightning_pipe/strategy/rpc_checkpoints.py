@@ -23,8 +23,10 @@ from lightning_pipe.checkpoint.sharded import OptimizerPart, prepare_folder, sha
 from lightning_pipe.checkpoint.sharded_steps import FolderPart
 from lightning_pipe.checkpoint.stage_part import CoordinatorPart
 from lightning_pipe.engine import StageProtocol
+from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.pipeline import Pipeline
 from lightning_pipe.strategy.checkpoint_writer import write_single_file
+from lightning_pipe.weights.edited import StateEdits
 
 
 def lightning_state(checkpoint: dict[str, Any]) -> dict[str, Any]:
@@ -33,17 +35,19 @@ def lightning_state(checkpoint: dict[str, Any]) -> dict[str, Any]:
 
 
 def write_folder(folder: Path, prefix: str, meta: dict[str, Any] | None, part: CoordinatorPart,
-                 pipeline: Pipeline, optimizer: bool = True) -> None:  # fmt: skip
+                 pipeline: Pipeline, optimizer: bool = True, edits: StateEdits | None = None) -> None:  # fmt: skip
     """The sharded folder ``folder``: each rank of ``pipeline`` writes its stage (keys after ``prefix``), this
     process ``part`` and ``meta`` (Lightning's state; None: none); the optimizers' state too unless ``optimizer``
-    is False (``trainer.save_checkpoint(weights_only=True)``)."""
+    is False (``trainer.save_checkpoint(weights_only=True)``); each rank under the keys the ``on_save_checkpoint``
+    hooks left (``edits``; ``part`` has them already)."""
     prepare_folder(folder)
     with_state = optimizer and part.layout is not None
     optimizers = [OptimizerPart(part.optimizer_state, part.groups, part.layout)] if with_state else []
     own = FolderPart(folder, sharded_state(part.model, optimizers), 0)
     mine = own.plan()
     coordinator = pipeline.coordinator
-    each = [(r + 1,) for r in range(coordinator.num_ranks)]
+    names = edits.only(()) if edits is not None else None  # the values the hooks gave are in ``part``
+    each = [(r + 1, names) for r in range(coordinator.num_ranks)]
     theirs = coordinator.stages.call_each(StageProtocol.plan_part, each, str(folder), prefix, optimizer)
     plans, metadata = own.global_plan([mine, *theirs])
     written = coordinator.stages.call_each(StageProtocol.write_part, [(plan,) for plan in plans[1:]])
@@ -76,16 +80,24 @@ class RpcCheckpoints:
         return pipeline is not None or self.kept is not None
 
     def save(self, checkpoint: dict[str, Any], path: Path, prefix: str, part: CoordinatorPart,
-             pipeline: Pipeline | None, single_file: bool) -> None:  # fmt: skip
-        """``checkpoint`` (Lightning's state; its tensors are the stages') at ``path``: a folder, or one file."""
+             pipeline: Pipeline | None, single_file: bool, edits: StateEdits | None = None) -> None:  # fmt: skip
+        """``checkpoint`` (Lightning's state; its tensors are the stages') at ``path``: a folder, or one file, under
+        the keys the ``on_save_checkpoint`` hooks left (``edits``)."""
         meta = lightning_state(checkpoint)
         optimizer = "optimizer_states" in checkpoint  # Lightning leaves them out for weights_only=True
         if pipeline is None:
+            if edits is not None:
+                raise ConfigurationError(
+                    f"on_save_checkpoint changed the state_dict ({edits.describe()}) of a checkpoint written after an "
+                    "rpc fit of a model built on meta: that checkpoint is the folder the workers left as they stopped, "
+                    "written before the hook ran. Save it during the fit (ModelCheckpoint, or trainer.save_checkpoint "
+                    "in a callback), where the hook's edits are written, or edit it when loading (on_load_checkpoint)"
+                )
             self.write_kept(path, meta, single_file)
             return
 
         def save(folder: Path) -> None:
-            write_folder(folder, prefix, meta, part, pipeline, optimizer)
+            write_folder(folder, prefix, meta, part, pipeline, optimizer, edits)
 
         if single_file:
             write_single_file(save, path, first=True)

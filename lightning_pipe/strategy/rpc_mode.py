@@ -68,7 +68,7 @@ class RpcMode(Mode):
     @override
     def module_state(self, state: ModelState, lightning: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         if self._workers_write(state, check_meta=False):
-            return {}  # each worker writes its own stage (`save_checkpoint`); nothing is gathered here
+            return state.shapes()  # each worker writes its own stage (`save_checkpoint`): the hooks see shapes
         return super().module_state(state, lightning)
 
     @override
@@ -90,8 +90,9 @@ class RpcMode(Mode):
             return
         prefix = state.prefix()
         single_file = not self.config.save_distributed_checkpoint
-        pipeline = state.builder.pipeline
-        self.checkpoints.save(checkpoint, path, prefix, state.coordinator_part(prefix), pipeline, single_file)
+        pipeline, edits = state.builder.pipeline, state.save_edits(checkpoint)
+        part = state.coordinator_part(prefix, edits)
+        self.checkpoints.save(checkpoint, path, prefix, part, pipeline, single_file, edits)
 
     @override
     def remove_checkpoint(self, state: ModelState, path: Path, lightning: Write) -> None:

@@ -57,6 +57,29 @@ class StateEdits:
         """These edits with the given values of ``keys`` only (what one stage reads: no process holds another's)."""
         return StateEdits(self.moved, self.dropped, {k: v for k, v in self.given.items() if k in keys})
 
+    def apply(self, state: Mapping[str, Any]) -> dict[str, Any]:
+        """``state`` (values by stored key; a part of the checkpoint) under the keys these edits give: a moved value
+        under its new key too, a dropped one left out. Given values are not added (the process holding them
+        writes them)."""
+        out = {k: v for k, v in state.items() if k not in self.dropped}
+        for new, old in self.moved.items():
+            if old in state:
+                out[new] = state[old]
+        return out
+
+    def new_name(self, key: str) -> str:
+        """The key a parameter stored as ``key`` is written under (its optimizer state follows its tensor)."""
+        if key in self.dropped:
+            for new, old in self.moved.items():
+                if old == key:
+                    return new
+        return key
+
+    def handed_over(self) -> None:
+        """The workers' specs hold the given values they read (`only`): let go of them here (the coordinator would
+        otherwise keep every stage's converted tensors for the whole fit)."""
+        self.given.clear()
+
     def stored_name(self, key: str) -> str:
         """The name the checkpoint stores ``key``'s tensor under (its optimizer state too)."""
         return self.moved.get(key, key)
