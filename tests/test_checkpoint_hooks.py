@@ -140,11 +140,11 @@ def test_a_folder_hook_sees_every_tensor_unread_and_reads_only_what_it_touches(o
         state = resume.for_lightning(1)["state_dict"]
         file = torch.load(old["files"]["file"], weights_only=True)["state_dict"]
         assert state.keys() == file.keys()
-        assert all(isinstance(v, LazyTensor) and v._value is None for v in state.values())
+        assert all(isinstance(v, LazyTensor) and v.loaded is None for v in state.values())
         assert all(state[k].shape == file[k].shape and state[k].dtype == file[k].dtype for k in file)
         key = next(iter(file))
         torch.testing.assert_close(state[key] * 1, file[key])
-        assert [k for k, v in state.items() if v._value is not None] == [key]
+        assert [k for k, v in state.items() if v.loaded is not None] == [key]
     finally:
         resume.close()
 

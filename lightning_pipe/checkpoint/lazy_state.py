@@ -22,24 +22,24 @@ from lightning_pipe.weights.sources import DcpSource
 class LazyTensor(torch.Tensor):
     """A tensor of ``key`` in a checkpoint, read by ``read(key)`` when an operation first needs its values."""
 
-    _key: str
-    _read: Callable[[str], torch.Tensor]
-    _value: torch.Tensor | None
+    stored_key: str  # its key in the checkpoint
+    reader: Callable[[str], torch.Tensor]
+    loaded: torch.Tensor | None  # its values, once read
 
     @staticmethod
     def __new__(cls, key: str, shape: torch.Size, dtype: torch.dtype, read: Callable[[str], torch.Tensor]) -> Any:
         tensor = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=torch.device("cpu"))
-        tensor._key, tensor._read, tensor._value = key, read, None
+        tensor.stored_key, tensor.reader, tensor.loaded = key, read, None
         return tensor
 
     def value(self) -> torch.Tensor:
         """The tensor's values (read now, the first time)."""
-        if self._value is None:
-            self._value = self._read(self._key)
-        return self._value
+        if self.loaded is None:
+            self.loaded = self.reader(self.stored_key)
+        return self.loaded
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
-        return f"LazyTensor({self._key!r}, shape={tuple(self.shape)}, dtype={self.dtype})"
+        return f"LazyTensor({self.stored_key!r}, shape={tuple(self.shape)}, dtype={self.dtype})"
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:  # type: ignore[override]
