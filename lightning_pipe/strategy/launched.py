@@ -284,7 +284,7 @@ class LaunchedMode(Mode):
         def save(folder: Path) -> None:
             write_sharded(folder, prefix, checkpoint, part, first, pipeline, here, worker)
 
-        if self.config.save_distributed_checkpoint:
+        if self.config.save_distributed_checkpoint is not False:  # None (the default) or True: a folder
             save(path)
         else:
             write_single_file(save, path, first)

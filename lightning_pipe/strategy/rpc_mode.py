@@ -89,7 +89,7 @@ class RpcMode(Mode):
             super().save_checkpoint(state, checkpoint, path, storage_options, lightning)
             return
         prefix = state.prefix()
-        single_file = not self.config.save_distributed_checkpoint
+        single_file = self.config.save_distributed_checkpoint is False  # None (the default) or True: a folder
         pipeline = state.builder.pipeline
         self.checkpoints.save(checkpoint, path, prefix, state.coordinator_part(prefix), pipeline, single_file)
 
