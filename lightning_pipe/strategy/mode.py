@@ -65,7 +65,8 @@ class Mode:
             self._described = True
             rank_zero_info(self.describe())
             alone = self.fsdp_warning()
-            for said in [*([alone] if alone is not None else []), *unread_arguments(self.config, self.name, checkpoint_io)]:
+            unread = unread_arguments(self.config, self.name, checkpoint_io)
+            for said in [*([alone] if alone is not None else []), *unread]:
                 rank_zero_warn(said)
 
     @property
