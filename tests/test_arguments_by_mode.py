@@ -1,4 +1,4 @@
-"""Every `PipeStrategy` argument in every mode: read (it takes effect), a warning once, or refused; docs/usage.md agrees.
+"""Every `PipeStrategy` argument in every mode: read (it takes effect), warned once, or refused; docs/usage.md agrees.
 
 `TABLE` says, per argument and mode, what happens to a value other than the default. Local mode runs tiny Trainers
 and looks at what ran (the pipeline's stages, devices, flags, the checkpoint file written, the stage values against
@@ -31,7 +31,6 @@ from lightning_pipe.partition import TracedPartitioner
 from lightning_pipe.runtime.pytorch import PyTorchRuntime
 from lightning_pipe.strategy import building
 from lightning_pipe.strategy.building import Placement
-from lightning_pipe.strategy.unread import unread_arguments
 from lightning_pipe.weights import StageInit
 from lightning_pipe.weights.keys import KeyMismatchError
 
@@ -203,7 +202,8 @@ def test_local_mode_reads_module_split_points_virtual_stages_and_schedule_auto(m
     assert any("2" in n for n in first) and not any("4" in n or "6" in n for n in first)  # cut before layer 4
 
     with pytest.warns(UserWarning, match=r"save_distributed_checkpoint=True\) in local mode"):
-        seen = fit(PipeStrategy(stages=4, virtual_stages=2, schedule="interleaved-1f1b", save_distributed_checkpoint=True))
+        interleaved = {"stages": 4, "virtual_stages": 2, "schedule": "interleaved-1f1b"}
+        seen = fit(PipeStrategy(**interleaved, save_distributed_checkpoint=True))
     assert seen.pipeline.worker_of_stage == [0, 1, 0, 1]
 
     logged: list[str] = []
@@ -307,6 +307,7 @@ def pipeline_given(strategy: PipeStrategy, model: L.LightningModule, monkeypatch
     return {**pipeline.kwargs, "model": model}  # type: ignore[attr-defined]
 
 
+BF16 = MixedPrecision("bf16-mixed", "cpu")
 #: per argument: a value other than the default, and where the mode's parts have it (``given``: the Pipeline's kwargs)
 READ_BY: dict[str, tuple[Any, Any]] = {
     "stages": (4, lambda s, given: given["stages"] == 4),
@@ -326,7 +327,7 @@ READ_BY: dict[str, tuple[Any, Any]] = {
     "compress": ("bf16", lambda s, given: given["compress"] == "bf16"),
     "split_points": (["4"], lambda s, given: given["partition"].split_points == ["4"]),
     "accelerator": (CPUAccelerator(), lambda s, given: isinstance(s.accelerator, CPUAccelerator)),
-    "precision_plugin": (MixedPrecision("bf16-mixed", "cpu"), lambda s, given: s.precision_plugin.precision == "bf16-mixed"),
+    "precision_plugin": (BF16, lambda s, given: s.precision_plugin is BF16),
     "virtual_stages": (2, lambda s, given: given["virtual_stages"] == 2),
     "runner": ("dataflow", lambda s, given: given["runner"] == "dataflow"),
     "trace": ("trace.json", lambda s, given: str(s.pipe_trace.path) == "trace.json"),
@@ -355,7 +356,7 @@ def test_rpc_and_launched_mode_read_refuse_or_warn(mode: str, monkeypatch: pytes
         strategy, _ = made(mode, **options)
         given = pipeline_given(strategy, TwoChildren(), monkeypatch)
         assert reads(strategy, given), f"{mode} mode: {name}={value!r} is not where it is read"
-        said = unread_arguments(strategy.config, mode, strategy.checkpoint_io)
+        said = [text for text in strategy.mode.unread(strategy.checkpoint_io) if text is not None]
         assert (outcome == WARNS) == bool(said), f"{mode} mode: {name}={value!r}: {said}"
     # what a file, a layout or the mode's start decides
     torch.save(mlp().state_dict(), tmp_path / "weights.pt")
@@ -363,8 +364,8 @@ def test_rpc_and_launched_mode_read_refuse_or_warn(mode: str, monkeypatch: pytes
     assert (strategy.state.checkpoints.weights, strategy.state.checkpoints.weights_only) == (
         str(tmp_path / "weights.pt"), True
     )
-    said = unread_arguments(made(mode)[0].config, mode, RecordingIO())
-    assert len(said) == 1 and f"{mode} mode with checkpoint_io=RecordingIO" in said[0]
+    said = made(mode)[0].mode.unread(RecordingIO())
+    assert len(said) == 1 and f"{mode} mode with checkpoint_io=RecordingIO" in str(said[0])
     fsdp, _ = made(mode, data_parallel="fsdp")
     if mode == "rpc":
         assert "nothing is sharded" in str(fsdp.mode.fsdp_warning())

@@ -31,7 +31,7 @@ from lightning_pipe.strategy.config import PipeConfig
 from lightning_pipe.strategy.layout import LOCAL, Layout
 from lightning_pipe.strategy.model_state import ModelState
 from lightning_pipe.strategy.patch import Patches
-from lightning_pipe.strategy.unread import unread_arguments
+from lightning_pipe.strategy.unread import folder_in_local_mode
 from lightning_pipe.weights import on_meta
 
 Write = Callable[..., None]  # Lightning's own way of writing or removing a checkpoint (the strategy's base class's)
@@ -65,9 +65,14 @@ class Mode:
             self._described = True
             rank_zero_info(self.describe())
             alone = self.fsdp_warning()
-            unread = unread_arguments(self.config, self.name, checkpoint_io)
-            for said in [*([alone] if alone is not None else []), *unread]:
-                rank_zero_warn(said)
+            for said in [alone, *self.unread(checkpoint_io)]:
+                if said is not None:
+                    rank_zero_warn(said)
+
+    def unread(self, checkpoint_io: Any) -> list[str | None]:
+        """The warnings for the arguments this mode does not read (`lightning_pipe.strategy.unread`; ``checkpoint_io``:
+        the strategy's); None where one does not apply."""
+        return []
 
     @property
     def layout(self) -> Layout | None:
@@ -225,6 +230,10 @@ class LocalMode(Mode):
     @override
     def describe(self) -> str:
         return f"{super().describe()}, stages in threads of this process"
+
+    @override
+    def unread(self, checkpoint_io: Any) -> list[str | None]:
+        return [folder_in_local_mode(self.config)]  # Lightning writes one file
 
     @override
     def built(self, state: ModelState, pipeline: Pipeline, device: torch.device) -> None:
