@@ -110,6 +110,16 @@ def test_the_table_walks_every_argument_and_the_docs_agree() -> None:
         assert modes == modes_cell(TABLE[name]), f"{name}: the docs say {modes!r}, the code {modes_cell(TABLE[name])!r}"
 
 
+def test_pipe_configs_docstring_names_the_schedules_tensor_parallel_runs() -> None:
+    from lightning_pipe.strategy.config import PipeConfig
+    from lightning_pipe.strategy.tensor_parallel import TENSOR_PARALLEL_SCHEDULES
+
+    described = " ".join((PipeConfig.__doc__ or "").split("tensor_parallel:", 1)[1].split())
+    for name in TENSOR_PARALLEL_SCHEDULES:
+        assert f'``"{name}"``' in described, name
+    assert '``"interleaved-1f1b"`` with ``virtual_stages=2``' in described
+
+
 # local mode: tiny Trainers, what ran
 class Seen(L.Callback):
     """What the pipeline of a fit was (after its first training batch), and its stage 0 weight before it."""

@@ -97,8 +97,11 @@ class PipeConfig:
         tensor_parallel: launched mode: processes per stage of a replica (T). ``devices x num_nodes`` processes run
             R replicas x ``stages`` x T; the LightningModule's ``configure_model`` parallelises its blocks over
             ``self.device_mesh["tensor_parallel"]`` as under Lightning's ``ModelParallelStrategy``
-            (`lightning_pipe.strategy.tensor_parallel`; schedules ``"gpipe"`` and ``"1f1b"``; ``data_parallel="fsdp"``
-            shards each stage's tensor-parallel parts over its replicas with FSDP2).
+            (`lightning_pipe.strategy.tensor_parallel`; ``data_parallel="fsdp"`` shards each stage's tensor-parallel
+            parts over its replicas with FSDP2). The schedules it runs (``TENSOR_PARALLEL_SCHEDULES``, each tested in a
+            launch): ``"gpipe"``, ``"1f1b"``, ``"zero-bubble"``, ``"looped-bfs"`` and ``"interleaved-zero-bubble"`` with
+            ``virtual_stages=1``, ``"interleaved-1f1b"`` with ``virtual_stages=2``; runner ``"parallel"``. Others are
+            refused, as is ``tensor_parallel > 1`` in one process (local or rpc mode).
         memory_budget: ``schedule="auto"``: most bytes of stashed activations a rank may hold; default 90% of the
             device's free memory (no limit on cpu).
         save_distributed_checkpoint: where the stages live in other processes (launched and rpc mode), a checkpoint
