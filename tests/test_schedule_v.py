@@ -120,6 +120,9 @@ def test_grids_of_the_v_shaped_schedules() -> None:
     assert lines[0].startswith("rank 0 | 0F0 0F1 0F2 3F0 3I0 3W0")
     assert lines[1].startswith("rank 1 |     1F0 2F0 1F1 2F1 2I0 2W0")
     assert Action.parse("3F0") in schedule.actions()[0]  # the last stage sits on rank 0
+    for name in ("zbv", "dualpipev"):  # the grid each docstring draws is the schedule's own, whole
+        built = get_schedule(name)(2, 4, 2)
+        assert "\n".join(f"        {line}" for line in built.grid().splitlines()) in (type(built).__doc__ or "")
 
 
 def test_bubbles_follow_their_formulas() -> None:

@@ -21,7 +21,8 @@ class DualPipeV(Schedule):
     (the same gradients). The last backwards are split into ``I`` and ``W`` so that the weight gradients
     fill the drain. Needs ``microbatches >= 2 x ranks``. 2 ranks x 4 microbatches, unit times::
 
-        rank 0 | 0F0 0F1 ...
+        rank 0 | 0F0 0F1 0F2 3F0 3I0 3W0 3F1 0F3 3B1 3F2 0B0 3B2 3F3 0B1 3B3 0I2 0W2 0I3 0W3
+        rank 1 |     1F0 2F0 1F1 2F1 1F2 2B0 2F2 1B0 1F3 2B1 2F3 1B1 2B2 1B2 2I3 1I3 2W3 1W3
 
     A rank holds at most ``2R + 1`` half-size activations; the step is as long as ZB-V's when the
     forward, input-backward and weight-backward cost the same.

@@ -8,13 +8,14 @@ from typing import Any
 
 import torch
 
-from lightning_pipe.auto_schedule import AUTO, AutoSchedule, is_auto
+from lightning_pipe.auto_schedule import AUTO, AutoSchedule, is_auto, registered_schedules
 from lightning_pipe.backends import BackendArg, resolve_backends
 from lightning_pipe.comm.compress import resolve_codec
 from lightning_pipe.engine.runners import check_runner
 from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.memory.recompute import checkpoint_flags
 from lightning_pipe.microbatch_weights import check_weight_function
+from lightning_pipe.partition import Partitioner, TracedPartitioner
 from lightning_pipe.runtime import BaseRuntime, runtime_registry
 from lightning_pipe.schedule import resolve_schedule
 from lightning_pipe.strategy.layout import check_transport
@@ -83,8 +84,21 @@ def check_arguments(
     return stages, device_names, streams, options
 
 
-def check_memory_arguments(data_parallel: str, weights: Any, save_distributed_checkpoint: bool, schedule: Any) -> None:
-    """``data_parallel``, ``weights`` and ``save_distributed_checkpoint``: known values, weights that exist."""
+def check_memory_arguments(
+    data_parallel: str,
+    weights: Any,
+    save_distributed_checkpoint: bool | None,
+    schedule: Any,
+    weights_only: bool | None = None,
+) -> None:
+    """``data_parallel``, ``weights``, ``weights_only`` and ``save_distributed_checkpoint``: known values, weights
+    that exist, ``weights_only`` only with the ``weights`` it opens."""
+    if weights_only is not None and weights is None:
+        raise ConfigurationError(
+            f"PipeStrategy(weights_only={weights_only}) says how a weights= file written by torch.save is opened, and "
+            "no weights= is given; pass weights=PATH with it, or, for a checkpoint, "
+            f"trainer.fit(..., ckpt_path=PATH, weights_only={weights_only})"
+        )
     if data_parallel not in ("ddp", "fsdp"):
         raise ConfigurationError(
             f"PipeStrategy(data_parallel={data_parallel!r}): pass 'ddp' (each replica holds its whole stage) or "
@@ -109,13 +123,13 @@ SHARDED_BY = {
 }
 
 
-def check_sharded_stages(cause: str, save_distributed_checkpoint: bool, schedule: Any) -> None:
+def check_sharded_stages(cause: str, save_distributed_checkpoint: bool | None, schedule: Any) -> None:
     """What stages sharded with FSDP over their replicas cannot do, refused naming the fix: be written as one file
     (``save_distributed_checkpoint=False``), and run a schedule that splits its backwards. ``cause``: what shards
     them, `FSDP_ARGUMENT` (checked when the strategy is made) or `SELF_SHARDED` (a ``configure_model`` that calls
     ``fully_shard`` itself, with a second replica: checked at setup, once it ran, before any step)."""
     given, other = SHARDED_BY[cause]
-    if not save_distributed_checkpoint:
+    if save_distributed_checkpoint is False:
         raise ConfigurationError(
             f"{given.format('save_distributed_checkpoint=False')}: an FSDP stage is sharded over its replicas, and "
             "one file would gather it; keep the sharded checkpoints (save_distributed_checkpoint=True) and make one "
@@ -127,6 +141,44 @@ def check_sharded_stages(cause: str, save_distributed_checkpoint: bool, schedule
             "half, and FSDP frees a block's gathered parameters after its backward; use schedule='1f1b', 'gpipe', "
             f"'interleaved-1f1b' or 'looped-bfs' with FSDP, or {other} with {schedule!r}"
         )
+
+
+def check_split_points(split_points: Sequence[str] | None, partition: Any) -> None:
+    """``split_points`` say where each stage starts, so a ``partition`` that says it too would go unread: refused (the
+    default ``"params"`` and a `TracedPartitioner`, which takes the split points, pass)."""
+    if not split_points:
+        return
+    if isinstance(partition, TracedPartitioner):
+        return
+    custom = isinstance(partition, Partitioner) and type(partition) is not Partitioner
+    method = partition.method if isinstance(partition, Partitioner) else partition
+    if custom or method != "params":
+        shown = type(partition).__name__ + "(...)" if isinstance(partition, Partitioner) else repr(partition)
+        raise ConfigurationError(
+            f"PipeStrategy(split_points={list(split_points)}, partition={shown}): the split points decide where each "
+            "stage starts, so the partition would not be read; pass one of them (a TracedPartitioner(split_points="
+            "...) for a partitioner of your own)"
+        )
+
+
+def leaves_out_split_backward(config: Any) -> bool:
+    """Whether ``config``'s ``schedule="auto"`` leaves out the schedules that split the backward because of
+    ``data_parallel="fsdp"`` (`auto_schedule_of`; not where the user's `AutoSchedule` leaves them out itself)."""
+    schedule = config.schedule
+    asked = schedule.split_backward if isinstance(schedule, AutoSchedule) else True
+    return is_auto(schedule) and asked and config.data_parallel == "fsdp"
+
+
+def split_backward_left_out(cause: str) -> str:
+    """What ``schedule="auto"`` says once where stages sharded with FSDP (``cause``) leave out the schedules that split
+    the backward."""
+    names = sorted(n for n in registered_schedules() if getattr(resolve_schedule(n), "splits_backward", False))
+    return (
+        f"PipeStrategy(schedule='auto') with {cause}: the schedules that split the backward into an input and a "
+        f"weight half ({', '.join(names)}) are left out of the choice, because FSDP frees a block's gathered "
+        "parameters after its backward and the weight half would need them again; "
+        f"{SHARDED_BY[cause][1]} lets schedule='auto' consider them"
+    )
 
 
 def fsdp_without_replicas(data_parallel: str, where: str, replicas: int) -> str | None:

@@ -31,7 +31,13 @@ from lightning_pipe.pipeline import Pipeline, resolve_partitioner
 from lightning_pipe.rng import run_seed
 from lightning_pipe.runtime import BaseRuntime, runtime_registry
 from lightning_pipe.schedule import AutoChoice, placement_of, resolve_schedule
-from lightning_pipe.strategy.arguments import auto_schedule_of, check_sharded_stages
+from lightning_pipe.strategy.arguments import (
+    FSDP_ARGUMENT,
+    auto_schedule_of,
+    check_sharded_stages,
+    leaves_out_split_backward,
+    split_backward_left_out,
+)
 from lightning_pipe.strategy.config import PipeConfig
 from lightning_pipe.strategy.session import capture_call
 from lightning_pipe.weights import StageInit
@@ -89,6 +95,9 @@ class PipelineBuilder:
         self.schedule = auto_schedule_of(
             config.schedule, config.microbatches, config.memory_budget, config.data_parallel, agree
         )
+        #: what left the schedules that split the backward out of ``schedule="auto"``'s choice (said once, `say`)
+        self.left_out: str | None = FSDP_ARGUMENT if leaves_out_split_backward(config) else None
+        self._said_left_out = False
         self.seed: int | None = None  # the run's seed, decided once per fit by the strategy (None: `run_seed`)
         self.checkpoint = config.checkpoint
         self.pipeline: Pipeline | None = None
@@ -125,12 +134,19 @@ class PipelineBuilder:
         if isinstance(self.schedule, AutoSchedule) and self.schedule.split_backward:
             placed = self.rank_placement
             self.schedule = replace(self.schedule, split_backward=False)
+            self.left_out = cause
             if self.rank_placement != placed:  # the processes were placed for a schedule that splits its backward
                 raise ConfigurationError(
                     f"schedule='auto' placed the stages for a schedule that splits the backward ({placed!r}), which "
                     f"the stages sharded by {cause} cannot run: pass schedule=AutoSchedule(split_backward=False) "
                     "(lightning_pipe.auto_schedule), or a schedule such as '1f1b' or 'interleaved-1f1b'"
                 )
+
+    def say_left_out(self) -> None:
+        """At setup: which schedules ``schedule="auto"`` leaves out for stages sharded with FSDP, and why (once)."""
+        if self.left_out is not None and not self._said_left_out:
+            self._said_left_out = True
+            rank_zero_info(split_backward_left_out(self.left_out))
 
     def _chooser(self) -> ScheduleChooser:
         """A ``schedule="auto"`` chooser of this configuration: its probe and the placement it builds in (the loop

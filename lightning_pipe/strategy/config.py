@@ -20,7 +20,7 @@ from lightning_pipe.backends import BackendArg
 from lightning_pipe.microbatch_weights import MicrobatchWeight
 from lightning_pipe.partition import Partitioner
 from lightning_pipe.runtime import BaseRuntime
-from lightning_pipe.strategy.arguments import check_arguments, check_memory_arguments
+from lightning_pipe.strategy.arguments import check_arguments, check_memory_arguments, check_split_points
 from lightning_pipe.strategy.tensor_parallel import check_tensor_parallel_arguments
 
 
@@ -97,12 +97,17 @@ class PipeConfig:
         tensor_parallel: launched mode: processes per stage of a replica (T). ``devices x num_nodes`` processes run
             R replicas x ``stages`` x T; the LightningModule's ``configure_model`` parallelises its blocks over
             ``self.device_mesh["tensor_parallel"]`` as under Lightning's ``ModelParallelStrategy``
-            (`lightning_pipe.strategy.tensor_parallel`; schedules ``"gpipe"`` and ``"1f1b"``; ``data_parallel="fsdp"``
-            shards each stage's tensor-parallel parts over its replicas with FSDP2).
+            (`lightning_pipe.strategy.tensor_parallel`; ``data_parallel="fsdp"`` shards each stage's tensor-parallel
+            parts over its replicas with FSDP2). The schedules it runs (``TENSOR_PARALLEL_SCHEDULES``, each tested in a
+            launch): ``"gpipe"``, ``"1f1b"``, ``"zero-bubble"``, ``"looped-bfs"`` and ``"interleaved-zero-bubble"`` with
+            ``virtual_stages=1``, ``"interleaved-1f1b"`` with ``virtual_stages=2``; runner ``"parallel"``. Others are
+            refused, as is ``tensor_parallel > 1`` in one process (local or rpc mode).
         memory_budget: ``schedule="auto"``: most bytes of stashed activations a rank may hold; default 90% of the
             device's free memory (no limit on cpu).
-        save_distributed_checkpoint: launched mode writes a checkpoint as a folder, every process its own stage
-            (True), or as one file, written a tensor at a time (False); see `lightning_pipe.weights`.
+        save_distributed_checkpoint: where the stages live in other processes (launched and rpc mode), a checkpoint
+            is a folder, every process (worker) writing its own stage (None, the default, or True), or one file,
+            written a tensor at a time (False); see `lightning_pipe.weights`. Local mode writes one file, as
+            Lightning does (the stages share the LightningModule's tensors): True there warns once.
     """
 
     stages: int | None = None
@@ -127,7 +132,7 @@ class PipeConfig:
     microbatch_weight: MicrobatchWeight | None = None
     data_parallel: str = "ddp"
     weights: str | os.PathLike[str] | None = None
-    save_distributed_checkpoint: bool = True
+    save_distributed_checkpoint: bool | None = None
     memory_budget: int | None = None
     weights_only: bool | None = None
     tensor_parallel: int = 1
@@ -147,8 +152,10 @@ class PipeConfig:
             config.split_points, config.virtual_stages, config.runner, config.microbatch_weight, config.compress,
         )  # fmt: skip
         check_memory_arguments(
-            config.data_parallel, config.weights, config.save_distributed_checkpoint, config.schedule
+            config.data_parallel, config.weights, config.save_distributed_checkpoint, config.schedule,
+            config.weights_only,
         )  # fmt: skip
+        check_split_points(config.split_points, config.partition)
         check_tensor_parallel_arguments(
             config.tensor_parallel, config.transport, config.schedule, config.virtual_stages, config.data_parallel,
             config.runner,

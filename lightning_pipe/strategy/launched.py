@@ -41,6 +41,7 @@ from lightning_pipe.strategy.model_state import ModelState
 from lightning_pipe.strategy.patch import Patches
 from lightning_pipe.strategy.process_groups import PROCESS_GROUP_TIMEOUT, ProcessGroups
 from lightning_pipe.strategy.stage_placement import ProcessStage
+from lightning_pipe.strategy.unread import checkpoint_io_unused
 
 
 class LaunchedMode(Mode):
@@ -128,6 +129,11 @@ class LaunchedMode(Mode):
     def fsdp_warning(self) -> str | None:
         where = "launched mode with one replica (devices x num_nodes == stages)"
         return fsdp_without_replicas(self.config.data_parallel, where, self.layout.replicas)
+
+    @override
+    def unread(self, checkpoint_io: Any) -> list[str | None]:
+        writers = "every process writes its own stage (torch.distributed.checkpoint, or one file made of the parts)"
+        return [checkpoint_io_unused(self.name, writers, checkpoint_io)]
 
     @override
     def stage_devices(self, trainer_devices: Sequence[torch.device] | None = None, placement: str = LOOP) -> list[str]:
@@ -288,7 +294,7 @@ class LaunchedMode(Mode):
         def save(folder: Path) -> None:
             write_sharded(folder, prefix, checkpoint, part, first, pipeline, here, worker, edits)
 
-        if self.config.save_distributed_checkpoint:
+        if self.config.save_distributed_checkpoint is not False:  # None (the default) or True: a folder
             save(path)
         else:
             write_single_file(save, path, first)

@@ -13,6 +13,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.strategy.hooks import RuntimeHooks, install
@@ -23,6 +24,7 @@ from lightning_pipe.strategy.patch import Patches
 from lightning_pipe.strategy.random_state import RandomStreams
 from lightning_pipe.strategy.steps import StepDriver, StepSetting
 from lightning_pipe.strategy.timeline import PipeTrace
+from lightning_pipe.strategy.unread import resuming_over_weights
 
 
 class Lifecycle:
@@ -39,6 +41,7 @@ class Lifecycle:
         self.runtime_hooks = RuntimeHooks(steps.runtime_hook)  # the stages' runtime callbacks at Lightning's hooks
         self.patches = Patches()  # attributes set on the user's objects for this fit, restored exactly
         self.ctrl_c = CtrlC()  # Ctrl-C works again after a fit it stopped
+        self._said_resuming = False  # that ckpt_path= wins over weights= is said once
 
     def begin(self, module: pl.LightningModule) -> None:
         """At the start of the strategy's setup: the fit can run (automatic optimization; stages sharded with FSDP,
@@ -53,6 +56,19 @@ class Lifecycle:
         sharded = self.state.stage.sharded  # launched mode with R > 1: data_parallel="fsdp" or the module's own
         if sharded is not None:
             self.state.builder.stages_sharded(sharded)
+        self.state.builder.say_left_out()  # schedule="auto": the schedules FSDP leaves out, and why
+
+    def resuming(self) -> None:
+        """``ckpt_path=`` is read for this fit (Lightning reads it before setup): it resumes a run that started from
+        ``PipeStrategy(weights=...)``, so the checkpoint's values win and the weights are not read in this fit (said
+        once; a later fit without ``ckpt_path`` reads them again)."""
+        checkpoints = self.state.checkpoints
+        if checkpoints.weights is None:
+            return
+        if not self._said_resuming:
+            self._said_resuming = True
+            rank_zero_warn(resuming_over_weights(checkpoints.weights))
+        self.patches.set(checkpoints, "weights", None)  # restored when the fit ends (`shutdown`)
 
     def start(self, trainer: pl.Trainer, mode: Mode, precision: Any, device: torch.device) -> None:
         """At the end of the strategy's setup (the optimizers made): the parts learn the fit, the pipelined module's

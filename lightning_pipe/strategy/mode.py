@@ -31,6 +31,7 @@ from lightning_pipe.strategy.config import PipeConfig
 from lightning_pipe.strategy.layout import LOCAL, Layout
 from lightning_pipe.strategy.model_state import ModelState
 from lightning_pipe.strategy.patch import Patches
+from lightning_pipe.strategy.unread import folder_in_local_mode
 from lightning_pipe.weights import on_meta
 
 Write = Callable[..., None]  # Lightning's own way of writing or removing a checkpoint (the strategy's base class's)
@@ -50,10 +51,11 @@ class Mode:
         self.config = config
         self._described = False  # the line saying what runs is logged once
 
-    def start(self, environment: Any, lightning_module: Any = None) -> None:
+    def start(self, environment: Any, lightning_module: Any = None, checkpoint_io: Any = None) -> None:
         """Lightning sets up the environment (each fit): join the processes (`connect`), give the LightningModule
         their `device_mesh` for ``configure_model`` (as Lightning's ``ModelParallelStrategy`` does), hold the serving
-        ranks for this fit (whatever fails before setup), and say once what runs."""
+        ranks for this fit (whatever fails before setup), and say once what runs and which arguments it does not read
+        (`lightning_pipe.strategy.unread`; ``checkpoint_io``: the strategy's)."""
         self.connect(environment)
         mesh = self.device_mesh
         if mesh is not None and lightning_module is not None:
@@ -63,8 +65,14 @@ class Mode:
             self._described = True
             rank_zero_info(self.describe())
             alone = self.fsdp_warning()
-            if alone is not None:
-                rank_zero_warn(alone)
+            for said in [alone, *self.unread(checkpoint_io)]:
+                if said is not None:
+                    rank_zero_warn(said)
+
+    def unread(self, checkpoint_io: Any) -> list[str | None]:
+        """The warnings for the arguments this mode does not read (`lightning_pipe.strategy.unread`; ``checkpoint_io``:
+        the strategy's); None where one does not apply."""
+        return []
 
     @property
     def layout(self) -> Layout | None:
@@ -222,6 +230,10 @@ class LocalMode(Mode):
     @override
     def describe(self) -> str:
         return f"{super().describe()}, stages in threads of this process"
+
+    @override
+    def unread(self, checkpoint_io: Any) -> list[str | None]:
+        return [folder_in_local_mode(self.config)]  # Lightning writes one file
 
     @override
     def built(self, state: ModelState, pipeline: Pipeline, device: torch.device) -> None:

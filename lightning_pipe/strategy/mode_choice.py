@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.strategy.config import PipeConfig
 from lightning_pipe.strategy.launched import LaunchedMode
 from lightning_pipe.strategy.layout import LOCAL, RPC, Layout, check_launched, choose_mode
@@ -28,6 +29,18 @@ def process_count(devices: Sequence[torch.device] | None, num_nodes: int, enviro
     return count
 
 
+def check_one_process(config: PipeConfig, processes: int) -> None:
+    """What one Lightning process cannot run is refused when the Trainer is built (``transport="local"`` and
+    ``"rpc"`` are refused with ``tensor_parallel`` when the strategy is made; here: no transport, one process)."""
+    if config.tensor_parallel > 1:
+        raise ConfigurationError(
+            f"PipeStrategy(tensor_parallel={config.tensor_parallel}) runs in launched mode, one process per stage and "
+            f"tensor rank, but this Trainer runs {processes} process (devices x num_nodes = {processes}); start "
+            f"devices x num_nodes = replicas x stages x {config.tensor_parallel} processes (e.g. "
+            f"Trainer(devices={2 * config.tensor_parallel}) with stages=2), or leave tensor_parallel out"
+        )
+
+
 def mode_of(
     config: PipeConfig,
     processes: int,
@@ -43,6 +56,7 @@ def mode_of(
     name = choose_mode(config.transport, processes)
     one_process = {LOCAL: LocalMode, RPC: RpcMode}.get(name)
     if one_process is not None:
+        check_one_process(config, processes)
         return held if type(held) is one_process else one_process(config)
     check_launched(processes, config.stage_devices, config.runner, config.asynchronous)
     assert devices is not None

@@ -50,6 +50,9 @@ class StrategyView(Protocol):
     @property
     def precision_plugin(self) -> Any: ...
 
+    @property
+    def checkpoint_io(self) -> Any: ...
+
     def setup_environment(self) -> None: ...
 
     def resolve_devices(self) -> list[str]: ...
@@ -102,7 +105,7 @@ class Processes:
         assert host.accelerator is not None  # Lightning's: the accelerator sets up the root device (or its own kind's)
         root, trainer_devices = host.root_device, host.parallel_devices
         host.accelerator.setup_device(self.builder.accelerator_device(root, trainer_devices, host.resolve_devices()))
-        self.mode.start(host.cluster_environment, host.lightning_module)
+        self.mode.start(host.cluster_environment, host.lightning_module, host.checkpoint_io)
 
     def prepare_to_serve(self, trainer: Any = None) -> None:
         """A process that serves a stage instead of running the Trainer's loop: processes joined (the device mesh

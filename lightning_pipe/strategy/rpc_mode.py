@@ -22,6 +22,7 @@ from lightning_pipe.strategy.layout import RPC
 from lightning_pipe.strategy.mode import Mode, Write
 from lightning_pipe.strategy.model_state import ModelState
 from lightning_pipe.strategy.rpc_checkpoints import RpcCheckpoints, trained_folder
+from lightning_pipe.strategy.unread import checkpoint_io_unused
 from lightning_pipe.weights import StageInit, on_meta
 
 
@@ -37,6 +38,11 @@ class RpcMode(Mode):
     @override
     def describe(self) -> str:
         return f"{super().describe()}, stages in rpc worker processes"
+
+    @override
+    def unread(self, checkpoint_io: Any) -> list[str | None]:
+        writers = "the stage workers write their own stages during and after a fit (a folder, or one file made of it)"
+        return [checkpoint_io_unused(self.name, writers, checkpoint_io)]
 
     @override
     def keep_stages(self, state: ModelState) -> None:
@@ -89,7 +95,7 @@ class RpcMode(Mode):
             super().save_checkpoint(state, checkpoint, path, storage_options, lightning)
             return
         prefix = state.prefix()
-        single_file = not self.config.save_distributed_checkpoint
+        single_file = self.config.save_distributed_checkpoint is False  # None (the default) or True: a folder
         pipeline, edits = state.builder.pipeline, state.save_edits(checkpoint)
         part = state.coordinator_part(prefix, edits)
         self.checkpoints.save(checkpoint, path, prefix, part, pipeline, single_file, edits)

@@ -85,7 +85,7 @@ class PipeStrategy(ParallelStrategy):
         microbatch_weight: MicrobatchWeight | None = None,
         data_parallel: str = "ddp",
         weights: str | os.PathLike[str] | None = None,
-        save_distributed_checkpoint: bool = True,
+        save_distributed_checkpoint: bool | None = None,
         memory_budget: int | None = None,
         weights_only: bool | None = None,
         tensor_parallel: int = 1,
@@ -329,6 +329,7 @@ class PipeStrategy(ParallelStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         own = self.mode.stages_own_parameters
+        self.lifecycle.resuming()  # ckpt_path= wins over weights= (docs/usage.md)
         return self.state.load_checkpoint(checkpoint_path, weights_only, own, super().load_checkpoint)
 
     @override

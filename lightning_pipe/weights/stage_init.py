@@ -47,7 +47,7 @@ class StageInit:
     overwrite: bool = True
     aliases: dict[str, list[str]] = field(default_factory=dict)
     init_owner: nn.Module | None = None
-    strict: bool = False
+    strict: bool = True  # as Lightning's strict_loading: a tensor the path does not hold raises
     weights_only: bool | None = None
     edits: StateEdits | None = None
 
