@@ -12,13 +12,15 @@ same. Keys are the LightningModule's: ``prefix`` (the pipelined module's path, `
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 from torch import nn
 
+from lightning_pipe.checkpoint.background import BackgroundWrites
 from lightning_pipe.checkpoint.reader import OptimizerLayout, open_checkpoint
-from lightning_pipe.checkpoint.sharded import OptimizerPart, save_sharded, sharded_state
+from lightning_pipe.checkpoint.sharded import OptimizerPart, save_sharded, save_sharded_in_background, sharded_state
 from lightning_pipe.checkpoint.sharded_steps import FolderPart
 from lightning_pipe.weights.dtensor_shards import is_sharded
 
@@ -56,6 +58,7 @@ class StageCheckpoint:
     def __init__(self, shards: dict[int, Any], state: WorkerOptimizer) -> None:
         self.shards = shards
         self.state = state
+        self.writes = BackgroundWrites()  # this process's writes (launched mode gives its own: async_checkpoint)
         self.part: FolderPart | None = None  # a folder being written step by step (between plan_part and write_part)
 
     def _model(self, prefix: str) -> dict[str, torch.Tensor]:
@@ -69,14 +72,21 @@ class StageCheckpoint:
         return {prefix + flat[i]: s for i, s in optimizer.state_dict()["state"].items()}
 
     def call_save_sharded(self, path: str, prefix: str, coordinator: CoordinatorPart | None = None) -> None:
-        """Write this process's part of the folder ``path`` (every process of the world at once)."""
+        """Write this process's part of the folder ``path`` (every process of the world at once), after its previous
+        one; in the background where ``writes`` is asynchronous."""
+        self.writes.wait()
         part = coordinator or CoordinatorPart()
         model = {**part.model, **self._model(prefix)}
         optimizers = []
         if self.state.has_optimizer() or part.layout is not None:
             state = {**self._optimizer_state(prefix), **part.optimizer_state}
             optimizers.append(OptimizerPart(state, part.groups, part.layout))
-        save_sharded(path, model, optimizers, part.meta)
+        if self.writes.asynchronous:
+            written = save_sharded_in_background(path, model, optimizers, part.meta, self.writes.group)
+            self.writes.started(written, Path(path))
+        else:
+            save_sharded(path, model, optimizers, part.meta)
+            self.writes.completed(Path(path))
 
     def call_plan_part(self, path: str, prefix: str, optimizer: bool, index: int) -> Any:
         """Plan this rank's part of the folder ``path`` as participant ``index`` (DCP's local plan, returned), with

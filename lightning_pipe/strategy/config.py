@@ -103,6 +103,12 @@ class PipeConfig:
             device's free memory (no limit on cpu).
         save_distributed_checkpoint: launched mode writes a checkpoint as a folder, every process its own stage
             (True), or as one file, written a tensor at a time (False); see `lightning_pipe.weights`.
+        async_checkpoint: write checkpoints in the background during a fit (ModelCheckpoint's and
+            ``trainer.save_checkpoint``'s): each process copies its part to CPU memory and training goes on while a
+            thread writes it (torch.distributed.checkpoint's ``async_save`` in launched mode; local mode writes
+            Lightning's file from a copy); the next save and the end of ``fit`` wait for it. Every checkpoint, in
+            the background or not, is written under a temporary name and renamed to its path once complete
+            (docs/launched.md, "Checkpoints"). ``transport="rpc"`` writes synchronously (it says so once).
     """
 
     stages: int | None = None
@@ -128,6 +134,7 @@ class PipeConfig:
     data_parallel: str = "ddp"
     weights: str | os.PathLike[str] | None = None
     save_distributed_checkpoint: bool = True
+    async_checkpoint: bool = False
     memory_budget: int | None = None
     weights_only: bool | None = None
     tensor_parallel: int = 1

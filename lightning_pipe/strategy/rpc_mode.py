@@ -13,8 +13,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
+from lightning_pipe.checkpoint.background import BackgroundWrites
 from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.strategy.building import Placement
 from lightning_pipe.strategy.config import PipeConfig
@@ -33,6 +35,8 @@ class RpcMode(Mode):
     def __init__(self, config: PipeConfig) -> None:
         super().__init__(config)
         self.checkpoints = RpcCheckpoints()  # the checkpoints the workers write, and what a fit left for them
+        self.writes = BackgroundWrites()  # the workers write synchronously (`save_checkpoint`)
+        self._said_synchronous = False
 
     @override
     def describe(self) -> str:
@@ -88,6 +92,13 @@ class RpcMode(Mode):
         if state.host.lightning_module is None or not self._workers_write(state, check_meta=True):
             super().save_checkpoint(state, checkpoint, path, storage_options, lightning)
             return
+        if self.config.async_checkpoint and not self._said_synchronous:
+            self._said_synchronous = True
+            rank_zero_warn(
+                "PipeStrategy(transport='rpc', async_checkpoint=True): the stage workers write their parts of a "
+                "checkpoint synchronously (the training loop waits for them); async_checkpoint applies to local and "
+                "launched mode"
+            )
         prefix = state.prefix()
         single_file = not self.config.save_distributed_checkpoint
         pipeline = state.builder.pipeline
@@ -95,7 +106,7 @@ class RpcMode(Mode):
 
     @override
     def remove_checkpoint(self, state: ModelState, path: Path, lightning: Write) -> None:
-        state.remove(path, lightning)
+        self.writes.then(lambda: state.remove(path, lightning))
 
     def _workers_write(self, state: ModelState, check_meta: bool) -> bool:
         """Whether the stage workers write this checkpoint (`RpcCheckpoints`); ``check_meta``: a model built on meta

@@ -1,0 +1,128 @@
+"""`BackgroundWrites`: a process's checkpoint write that runs while training goes on, and what follows it.
+
+``PipeStrategy(async_checkpoint=True)``: a save stages its tensors (a copy in CPU memory) and returns; the write runs
+in a thread (torch.distributed.checkpoint's ``async_save`` for a sharded folder, a thread of this process for one
+file). What must follow the write (`then`: publish the checkpoint at its path, remove the one it replaces) runs when
+it completes, in that order. At most one write is in flight: the next save and the end of ``fit`` `wait` for it, and
+raise its error there. A synchronous save goes through the same steps with a write that is already complete.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from lightning_pipe.errors import PipeError, PipeTimeoutError
+
+#: how long the next save or the end of fit waits for a write in flight (a collective's own timeout, 30 minutes
+#: for the strategy's process groups, ends a write whose peer is gone before this does)
+WRITE_TIMEOUT = timedelta(minutes=40)
+
+
+class CheckpointWriteError(PipeError):
+    """A checkpoint written in the background failed; raised at the next save or at the end of fit."""
+
+
+class _Write:
+    """One write and the steps that follow it (in order, once it completed, if it succeeded)."""
+
+    def __init__(self, written: Future[Any], path: Path) -> None:
+        self.path = path
+        self.lock = threading.Lock()
+        self.steps: list[Callable[[], None]] = []
+        self.written = False
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+        written.add_done_callback(self._on_written)
+
+    def _on_written(self, written: Future[Any]) -> None:
+        error = written.exception()
+        with self.lock:
+            self.written, steps, self.steps = True, self.steps, []
+        self.error = error
+        self._run(steps)
+        self.done.set()
+
+    def _run(self, steps: list[Callable[[], None]]) -> None:
+        for step in steps:
+            if self.error is not None:
+                return  # the write or an earlier step failed: what follows it (a removal) must not run
+            try:
+                step()
+            except BaseException as error:  # noqa: BLE001 - raised to the caller by `wait`
+                self.error = error
+
+    def then(self, step: Callable[[], None]) -> None:
+        with self.lock:
+            if not self.written:
+                self.steps.append(step)
+                return
+        self.done.wait()  # the steps queued before run first
+        self._run([step])
+
+
+class BackgroundWrites:
+    """This process's checkpoint write in flight (at most one) and the steps after it (see the module).
+
+    ``group``: the process group of ``async_save``'s collectives, a gloo group that nothing else uses (None: one
+    process writes alone); ``asynchronous``: whether saves return before their write completes.
+    """
+
+    def __init__(self, asynchronous: bool = False, group: Any = None) -> None:
+        self.asynchronous = asynchronous
+        self.group = group
+        self._current: _Write | None = None
+        self._executor: ThreadPoolExecutor | None = None
+
+    def started(self, written: Future[Any], path: Path) -> None:
+        """A write of the checkpoint at ``path`` began (``written`` completes when it is written)."""
+        self._current = _Write(written, path)
+
+    def completed(self, path: Path) -> None:
+        """A write of ``path`` that already completed (a synchronous save): its steps run at once."""
+        written: Future[Any] = Future()
+        written.set_result(None)
+        self.started(written, path)
+
+    def run(self, write: Callable[[], None], path: Path) -> None:
+        """Run ``write`` (of the checkpoint at ``path``) in this process's writing thread, or here if synchronous."""
+        if not self.asynchronous:
+            write()
+            self.completed(path)
+            return
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="lightning_pipe-checkpoint")
+        self.started(self._executor.submit(write), path)
+
+    def then(self, step: Callable[[], None]) -> None:
+        """Run ``step`` after the write in flight and the steps before it (now, where none is in flight)."""
+        current = self._current
+        if current is None:
+            step()
+        else:
+            current.then(step)
+
+    def wait(self) -> None:
+        """Until the write in flight and its steps are done; its error, raised once."""
+        current, self._current = self._current, None
+        if current is None:
+            return
+        if not current.done.wait(WRITE_TIMEOUT.total_seconds()):
+            raise PipeTimeoutError(
+                f"the checkpoint {current.path} was still being written after {WRITE_TIMEOUT}; its write in the "
+                "background hangs (a process of the run gone?)"
+            )
+        if current.error is not None:
+            raise CheckpointWriteError(
+                f"writing the checkpoint {current.path} failed: {type(current.error).__name__}: {current.error}; "
+                "the checkpoint that was at that path before is still there"
+            ) from current.error
+
+    def abandon(self) -> None:
+        """After a failed fit: the write in flight is left to finish by itself (a peer it waits for may be gone);
+        it is published only if it completes."""
+        self._current = None
