@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -76,7 +76,6 @@ class BackgroundWrites:
         self.asynchronous = asynchronous
         self.group = group
         self._current: _Write | None = None
-        self._executor: ThreadPoolExecutor | None = None
 
     def started(self, written: Future[Any], path: Path) -> None:
         """A write of the checkpoint at ``path`` began (``written`` completes when it is written)."""
@@ -89,14 +88,24 @@ class BackgroundWrites:
         self.started(written, path)
 
     def run(self, write: Callable[[], None], path: Path) -> None:
-        """Run ``write`` (of the checkpoint at ``path``) in this process's writing thread, or here if synchronous."""
+        """Run ``write`` (of the checkpoint at ``path``) in a thread of its own, or here if synchronous."""
         if not self.asynchronous:
             write()
             self.completed(path)
             return
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(1, thread_name_prefix="lightning_pipe-checkpoint")
-        self.started(self._executor.submit(write), path)
+        written: Future[Any] = Future()
+
+        def run() -> None:
+            try:
+                write()
+            except BaseException as error:  # noqa: BLE001 - raised to the caller by `wait`
+                written.set_exception(error)
+            else:
+                written.set_result(None)
+
+        self.started(written, path)
+        # not a daemon: the interpreter waits for a write in flight before it exits
+        threading.Thread(target=run, name=f"lightning_pipe-checkpoint {path.name}").start()
 
     def then(self, step: Callable[[], None]) -> None:
         """Run ``step`` after the write in flight and the steps before it (now, where none is in flight)."""
