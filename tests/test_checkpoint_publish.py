@@ -101,7 +101,7 @@ def test_publish_replaces_files_and_folders_in_one_step(tmp_path: Path) -> None:
 
 
 def test_steps_after_a_failed_write_do_not_run_and_its_error_is_raised_at_the_next_wait(tmp_path: Path) -> None:
-    writes = BackgroundWrites(asynchronous=True)
+    writes = BackgroundWrites()
     ran: list[str] = []
 
     def fails() -> None:

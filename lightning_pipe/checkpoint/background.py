@@ -1,4 +1,4 @@
-"""`BackgroundWrites`: a process's checkpoint write that runs while training goes on, and what follows it.
+"""`CheckpointWrites`: a process's checkpoint write, and what follows it; `BackgroundWrites`: while training goes on.
 
 ``PipeStrategy(async_checkpoint=True)``: a save stages its tensors (a copy in CPU memory) and returns; the write runs
 in a thread (torch.distributed.checkpoint's ``async_save`` for a sharded folder, a thread of this process for one
@@ -16,7 +16,12 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import torch
+from typing_extensions import override
+
+from lightning_pipe.checkpoint.sharded import OptimizerPart, save_sharded, save_sharded_in_background
 from lightning_pipe.errors import PipeError, PipeTimeoutError
+from lightning_pipe.weights.sources import PathLike
 
 #: how long the next save or the end of fit waits for a write in flight (a collective's own timeout, 30 minutes
 #: for the strategy's process groups, ends a write whose peer is gone before this does)
@@ -65,47 +70,42 @@ class _Write:
         self._run([step])
 
 
-class BackgroundWrites:
-    """This process's checkpoint write in flight (at most one) and the steps after it (see the module).
+class CheckpointWrites:
+    """This process's checkpoint writes, synchronous: each is complete when its save returns; then its steps run.
 
-    ``group``: the process group of ``async_save``'s collectives, a gloo group that nothing else uses (None: one
-    process writes alone); ``asynchronous``: whether saves return before their write completes.
+    `BackgroundWrites` runs them in the background instead; `writes_for` chooses, once.
     """
 
-    def __init__(self, asynchronous: bool = False, group: Any = None) -> None:
-        self.asynchronous = asynchronous
-        self.group = group
+    def __init__(self) -> None:
         self._current: _Write | None = None
+
+    def connect(self, group: Callable[[], Any]) -> None:
+        """The processes joined: ``group`` makes the process group for writes in the background (unused here)."""
+
+    def stage(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
+        """What the write of ``checkpoint`` reads: the checkpoint itself (it is written before training goes on)."""
+        return checkpoint
+
+    def save_sharded(self, path: PathLike, model: dict[str, Any], optimizers: list[OptimizerPart],
+                     extra: dict[str, Any] | None) -> None:  # fmt: skip
+        """This process's part of the folder ``path`` (`lightning_pipe.checkpoint.sharded.save_sharded`)."""
+        save_sharded(path, model, optimizers, extra)
+        self.completed(Path(path))
+
+    def run(self, write: Callable[[], None], path: Path) -> None:
+        """Run ``write`` (of the checkpoint at ``path``)."""
+        write()
+        self.completed(path)
 
     def started(self, written: Future[Any], path: Path) -> None:
         """A write of the checkpoint at ``path`` began (``written`` completes when it is written)."""
         self._current = _Write(written, path)
 
     def completed(self, path: Path) -> None:
-        """A write of ``path`` that already completed (a synchronous save): its steps run at once."""
+        """A write of ``path`` that already completed: its steps run at once."""
         written: Future[Any] = Future()
         written.set_result(None)
         self.started(written, path)
-
-    def run(self, write: Callable[[], None], path: Path) -> None:
-        """Run ``write`` (of the checkpoint at ``path``) in a thread of its own, or here if synchronous."""
-        if not self.asynchronous:
-            write()
-            self.completed(path)
-            return
-        written: Future[Any] = Future()
-
-        def run() -> None:
-            try:
-                write()
-            except BaseException as error:  # noqa: BLE001 - raised to the caller by `wait`
-                written.set_exception(error)
-            else:
-                written.set_result(None)
-
-        self.started(written, path)
-        # not a daemon: the interpreter waits for a write in flight before it exits
-        threading.Thread(target=run, name=f"lightning_pipe-checkpoint {path.name}").start()
 
     def then(self, step: Callable[[], None]) -> None:
         """Run ``step`` after the write in flight and the steps before it (now, where none is in flight)."""
@@ -135,3 +135,61 @@ class BackgroundWrites:
         """After a failed fit: the write in flight is left to finish by itself (a peer it waits for may be gone);
         it is published only if it completes."""
         self._current = None
+
+
+class BackgroundWrites(CheckpointWrites):
+    """Writes in the background (``async_checkpoint``): a save copies its tensors to CPU memory and returns; a thread
+    writes them (DCP's ``async_save`` for a sharded folder, over ``group``: a gloo group that nothing else uses, so
+    its collectives never interleave with another thread's on one group)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.group: Any = None
+
+    @override
+    def connect(self, group: Callable[[], Any]) -> None:
+        self.group = group()
+
+    @override
+    def stage(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
+        """``checkpoint`` with a copy of each tensor in CPU memory, which training goes on without touching."""
+        staged: dict[str, Any] = _copied(checkpoint)
+        return staged
+
+    @override
+    def save_sharded(self, path: PathLike, model: dict[str, Any], optimizers: list[OptimizerPart],
+                     extra: dict[str, Any] | None) -> None:  # fmt: skip
+        self.started(save_sharded_in_background(path, model, optimizers, extra, self.group), Path(path))
+
+    @override
+    def run(self, write: Callable[[], None], path: Path) -> None:
+        """Run ``write`` (of the checkpoint at ``path``) in a thread of its own."""
+        written: Future[Any] = Future()
+
+        def run() -> None:
+            try:
+                write()
+            except BaseException as error:  # noqa: BLE001 - raised to the caller by `wait`
+                written.set_exception(error)
+            else:
+                written.set_result(None)
+
+        self.started(written, path)
+        # not a daemon: the interpreter waits for a write in flight before it exits
+        threading.Thread(target=run, name=f"lightning_pipe-checkpoint {path.name}").start()
+
+
+def writes_for(in_background: bool) -> CheckpointWrites:
+    """``PipeStrategy(async_checkpoint=...)``'s writes: in the background, or synchronous."""
+    return BackgroundWrites() if in_background else CheckpointWrites()
+
+
+def _copied(value: Any) -> Any:
+    """``value`` with every tensor in it (in dicts, lists, tuples) copied to CPU memory."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return type(value)((k, _copied(v)) for k, v in value.items())  # an OrderedDict stays one
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        return type(value)(_copied(v) for v in value)
+    return value

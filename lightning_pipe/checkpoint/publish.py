@@ -1,17 +1,13 @@
 """Publishing a checkpoint: written under a temporary name next to its path, renamed to it once every part is written.
 
-A reader (``trainer.fit(ckpt_path="last")``, ModelCheckpoint's ``last.ckpt``, a path the user passes) never finds an
+A reader (``fit(ckpt_path="last")``, ModelCheckpoint's ``last.ckpt``, a path the user passes) never finds an
 incomplete checkpoint at a checkpoint's path: a save writes ``.<name>.partial`` in the same folder (a name that
-ModelCheckpoint never takes for a checkpoint: it ends in no ``.ckpt``), and `publish` renames it to ``<name>`` only
-after the last part is written (in launched mode: after every process wrote its part, DCP's own finish). A save
-killed before that leaves the checkpoint that was at ``<name>`` as it was, and its ``.partial`` leftover, which the
-next save to that path replaces.
-
-Replacing a folder (a sharded checkpoint) or a file by a folder is one atomic step on Linux (``renameat2`` with
-``RENAME_EXCHANGE``: the two names swap, then the old one goes); where the system cannot swap, the old checkpoint
-moves aside first (``.<name>.old``), so a crash between the two renames leaves the new one complete at
-``.<name>.partial`` and the old one at ``.<name>.old``, neither at ``<name>``.
-"""
+ModelCheckpoint never takes for a checkpoint: no ``.ckpt`` at its end), and `publish` renames it to ``<name>`` once
+the last part is written (in launched mode: every process's, DCP's own finish). A save killed before that leaves
+the checkpoint at ``<name>`` as it was, and a ``.partial`` leftover that the next save to that path replaces.
+A folder replaces a folder or a file in one step on Linux (``renameat2(RENAME_EXCHANGE)`` swaps the names, then
+the old one goes); elsewhere the old one moves aside first (``.<name>.old``): a crash between the two renames
+leaves the new one complete at ``.<name>.partial`` and nothing at ``<name>``."""
 
 from __future__ import annotations
 

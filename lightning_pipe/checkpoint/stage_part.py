@@ -12,15 +12,14 @@ same. Keys are the LightningModule's: ``prefix`` (the pipelined module's path, `
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 from torch import nn
 
-from lightning_pipe.checkpoint.background import BackgroundWrites
+from lightning_pipe.checkpoint.background import CheckpointWrites
 from lightning_pipe.checkpoint.reader import OptimizerLayout, open_checkpoint
-from lightning_pipe.checkpoint.sharded import OptimizerPart, save_sharded, save_sharded_in_background, sharded_state
+from lightning_pipe.checkpoint.sharded import OptimizerPart, sharded_state
 from lightning_pipe.checkpoint.sharded_steps import FolderPart
 from lightning_pipe.weights.dtensor_shards import is_sharded
 
@@ -58,7 +57,7 @@ class StageCheckpoint:
     def __init__(self, shards: dict[int, Any], state: WorkerOptimizer) -> None:
         self.shards = shards
         self.state = state
-        self.writes = BackgroundWrites()  # this process's writes (launched mode gives its own: async_checkpoint)
+        self.writes = CheckpointWrites()  # this process's writes (launched mode gives its own: async_checkpoint)
         self.part: FolderPart | None = None  # a folder being written step by step (between plan_part and write_part)
 
     def _model(self, prefix: str) -> dict[str, torch.Tensor]:
@@ -81,12 +80,7 @@ class StageCheckpoint:
         if self.state.has_optimizer() or part.layout is not None:
             state = {**self._optimizer_state(prefix), **part.optimizer_state}
             optimizers.append(OptimizerPart(state, part.groups, part.layout))
-        if self.writes.asynchronous:
-            written = save_sharded_in_background(path, model, optimizers, part.meta, self.writes.group)
-            self.writes.started(written, Path(path))
-        else:
-            save_sharded(path, model, optimizers, part.meta)
-            self.writes.completed(Path(path))
+        self.writes.save_sharded(path, model, optimizers, part.meta)
 
     def call_plan_part(self, path: str, prefix: str, optimizer: bool, index: int) -> Any:
         """Plan this rank's part of the folder ``path`` as participant ``index`` (DCP's local plan, returned), with

@@ -8,12 +8,8 @@
 - `write_single_file` (``save_distributed_checkpoint=False``): one ``torch.save``-compatible file: the folder
   first, then global rank 0 makes one file of it a tensor at a time (`lightning_pipe.checkpoint.consolidate`): no
   process holds the whole model or optimizer state.
-- `write_file`: one file written by Lightning's ``checkpoint_io`` (local mode; rpc mode after a fit of a model built
-  eagerly).
-
-Every one is written under a temporary name and published at its path once complete
-(`lightning_pipe.checkpoint.publish`); with ``PipeStrategy(async_checkpoint=True)`` the write runs in the background
-and the publishing after it (`lightning_pipe.checkpoint.background`).
+- `write_file`: one file written by Lightning's ``checkpoint_io`` (local mode, rpc mode after a fit). Each is
+  published once complete (`lightning_pipe.checkpoint.publish`; ``async_checkpoint``: written in the background).
 """
 
 from __future__ import annotations
@@ -23,12 +19,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
 from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
-from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.pytorch.trainer.states import TrainerStatus
 
-from lightning_pipe.checkpoint.background import BackgroundWrites
+from lightning_pipe.checkpoint.background import CheckpointWrites
 from lightning_pipe.checkpoint.consolidate import consolidate
 from lightning_pipe.checkpoint.publish import is_local, prepare, publish
 from lightning_pipe.checkpoint.sharded import prepare_folder
@@ -69,7 +63,7 @@ def write_sharded(
     worker.checkpoints.call_save_sharded(str(path), prefix, coordinator)
 
 
-def write_single_file(save: Callable[[Path], None], path: Path, first: bool, writes: BackgroundWrites) -> None:
+def write_single_file(save: Callable[[Path], None], path: Path, first: bool, writes: CheckpointWrites) -> None:
     """The checkpoint as one file at ``path``: written as a sharded folder next to it (``save(folder)``, every
     process its part), then made one file by global rank 0 (``first``) a tensor at a time and published, the folder
     removed; with ``writes`` asynchronous, after the folder's write completes, in the background."""
@@ -94,7 +88,7 @@ def publishes(checkpoint_io: CheckpointIO, path: Path) -> bool:
 
 
 def write_file(
-    writes: BackgroundWrites,
+    writes: CheckpointWrites,
     lightning: Callable[..., None],
     checkpoint: dict[str, Any],
     path: Path,
@@ -108,15 +102,9 @@ def write_file(
         lightning(checkpoint, path, storage_options=storage_options)
         return
     temporary = prepare(path)
-    if writes.asynchronous:
-        checkpoint = apply_to_collection(checkpoint, torch.Tensor, _staged)
+    checkpoint = writes.stage(checkpoint)
     writes.run(lambda: lightning(checkpoint, temporary, storage_options=storage_options), path)
     writes.then(lambda: publish(temporary, path))
-
-
-def _staged(tensor: torch.Tensor) -> torch.Tensor:
-    """A tensor's copy in CPU memory, which training goes on without touching."""
-    return tensor.detach().to("cpu", copy=True)
 
 
 def in_fit(module: Any) -> bool:

@@ -150,8 +150,7 @@ class LaunchedMode(Mode):
             _init_dist_connection(cluster_environment, backend, timeout=PROCESS_GROUP_TIMEOUT)
             ProcessGroups.made_default_group()
         self._groups = groups = ProcessGroups.of(self.layout, device.type)
-        if self.writes.asynchronous:  # async_save's collectives run in its thread, on a gloo group of their own
-            self.writes.group = groups.checkpoint_writes()
+        self.writes.connect(groups.checkpoint_writes)  # async_checkpoint: the group of async_save's collectives
         if self.layout.replicas > 1:  # this process's stage is spread over them (`ProcessStage.sharded`)
             self.stage.replicate_over(groups.replicas, groups.mesh["data_parallel"])
         if self.layout.tensor_parallel > 1:  # DTensors crossing between stages are rebuilt over the stage's ranks

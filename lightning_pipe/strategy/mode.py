@@ -21,7 +21,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_pipe.checkpoint.background import BackgroundWrites
+from lightning_pipe.checkpoint.background import writes_for
 from lightning_pipe.comm import Communicator
 from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.pipeline import Pipeline
@@ -51,7 +51,7 @@ class Mode:
     def __init__(self, config: PipeConfig) -> None:
         self.config = config
         self._described = False  # the line saying what runs is logged once
-        self.writes = BackgroundWrites(config.async_checkpoint)  # this process's checkpoint write in flight
+        self.writes = writes_for(config.async_checkpoint)  # this process's checkpoint write in flight
 
     def start(self, environment: Any, lightning_module: Any = None) -> None:
         """Lightning sets up the environment (each fit): join the processes (`connect`), give the LightningModule

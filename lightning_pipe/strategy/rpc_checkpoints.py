@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from lightning_pipe.checkpoint.background import BackgroundWrites
+from lightning_pipe.checkpoint.background import CheckpointWrites
 from lightning_pipe.checkpoint.consolidate import consolidate
 from lightning_pipe.checkpoint.publish import prepare, publish
 from lightning_pipe.checkpoint.reader import META_FILE
@@ -91,7 +91,7 @@ class RpcCheckpoints:
             write_folder(folder, prefix, meta, part, pipeline, optimizer)
 
         if single_file:
-            write_single_file(save, path, True, BackgroundWrites())  # synchronous: the file is made at once
+            write_single_file(save, path, True, CheckpointWrites())  # synchronous: the file is made at once
         else:
             temporary = prepare(path)
             save(temporary)

@@ -16,7 +16,7 @@ from typing import Any
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from lightning_pipe.checkpoint.background import BackgroundWrites
+from lightning_pipe.checkpoint.background import CheckpointWrites
 from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.strategy.building import Placement
 from lightning_pipe.strategy.config import PipeConfig
@@ -35,7 +35,7 @@ class RpcMode(Mode):
     def __init__(self, config: PipeConfig) -> None:
         super().__init__(config)
         self.checkpoints = RpcCheckpoints()  # the checkpoints the workers write, and what a fit left for them
-        self.writes = BackgroundWrites()  # the workers write synchronously (`save_checkpoint`)
+        self.writes = CheckpointWrites()  # the workers write synchronously (`save_checkpoint`)
         self._said_synchronous = False
 
     @override
