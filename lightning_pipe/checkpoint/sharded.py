@@ -14,6 +14,7 @@ other's folders.
 from __future__ import annotations
 
 import shutil
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,27 @@ def save_sharded(
     dcp.save(sharded_state(model, optimizers), checkpoint_id=folder, process_group=group)
     if extra is not None:
         torch.save(extra, folder / META_FILE)
+
+
+def save_sharded_in_background(
+    path: PathLike,
+    model: dict[str, Any],
+    optimizers: list[OptimizerPart],
+    extra: dict[str, Any] | None,
+    group: Any,
+) -> Future[Any]:
+    """`save_sharded` in the background (DCP's ``async_save``): the tensors are copied to CPU memory before it
+    returns, then written in a thread; the future completes when this process's part is written (on ``group``'s
+    rank 0: every process's, the folder's metadata too). ``group``: a gloo group that nothing else uses while the
+    write runs (its collectives run in that thread)."""
+    import torch.distributed.checkpoint as dcp
+
+    folder = Path(path)
+    if extra is not None:
+        torch.save(extra, folder / META_FILE)
+    written = dcp.async_save(sharded_state(model, optimizers), checkpoint_id=folder, process_group=group)
+    assert isinstance(written, Future), "async_save with its default stager returns one future"
+    return written
 
 
 def sharded_state(model: dict[str, Any], optimizers: list[OptimizerPart]) -> dict[str, Any]:

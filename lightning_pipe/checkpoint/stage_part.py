@@ -17,8 +17,9 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from lightning_pipe.checkpoint.background import CheckpointWrites
 from lightning_pipe.checkpoint.reader import OptimizerLayout, open_checkpoint
-from lightning_pipe.checkpoint.sharded import OptimizerPart, save_sharded, sharded_state
+from lightning_pipe.checkpoint.sharded import OptimizerPart, sharded_state
 from lightning_pipe.checkpoint.sharded_steps import FolderPart
 from lightning_pipe.weights.dtensor_shards import is_sharded
 from lightning_pipe.weights.edited import StateEdits
@@ -69,6 +70,7 @@ class StageCheckpoint:
     def __init__(self, shards: dict[int, Any], state: WorkerOptimizer) -> None:
         self.shards = shards
         self.state = state
+        self.writes = CheckpointWrites()  # this process's writes (launched mode gives its own: async_checkpoint)
         self.part: FolderPart | None = None  # a folder being written step by step (between plan_part and write_part)
 
     def _model(self, prefix: str, edits: StateEdits | None) -> dict[str, torch.Tensor]:
@@ -88,13 +90,14 @@ class StageCheckpoint:
     ) -> None:
         """Write this process's part of the folder ``path`` (every process of the world at once), under the keys
         the ``on_save_checkpoint`` hooks left (``edits``; the coordinator's part has them already)."""
+        self.writes.wait()
         part = coordinator or CoordinatorPart()
         model = {**part.model, **self._model(prefix, edits)}
         optimizers = []
         if self.state.has_optimizer() or part.layout is not None:
             state = {**self._optimizer_state(prefix, edits), **part.optimizer_state}
             optimizers.append(OptimizerPart(state, part.groups, part.layout))
-        save_sharded(path, model, optimizers, part.meta)
+        self.writes.save_sharded(path, model, optimizers, part.meta)
 
     def call_plan_part(
         self, path: str, prefix: str, optimizer: bool, index: int, edits: StateEdits | None = None

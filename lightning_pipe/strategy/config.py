@@ -108,6 +108,12 @@ class PipeConfig:
             is a folder, every process (worker) writing its own stage (None, the default, or True), or one file,
             written a tensor at a time (False); see `lightning_pipe.weights`. Local mode writes one file, as
             Lightning does (the stages share the LightningModule's tensors): True there warns once.
+        async_checkpoint: write checkpoints in the background during a fit (ModelCheckpoint's and
+            ``trainer.save_checkpoint``'s): each process copies its part to CPU memory and training goes on while a
+            thread writes it (torch.distributed.checkpoint's ``async_save`` in launched mode; local mode writes
+            Lightning's file from a copy); the next save and the end of ``fit`` wait for it. Every checkpoint, in
+            the background or not, is written under a temporary name and renamed to its path once complete
+            (docs/launched.md, "Checkpoints"). ``transport="rpc"`` writes synchronously (it says so once).
     """
 
     stages: int | None = None
@@ -133,6 +139,7 @@ class PipeConfig:
     data_parallel: str = "ddp"
     weights: str | os.PathLike[str] | None = None
     save_distributed_checkpoint: bool | None = None
+    async_checkpoint: bool = False
     memory_budget: int | None = None
     weights_only: bool | None = None
     tensor_parallel: int = 1

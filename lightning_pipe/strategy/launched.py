@@ -24,6 +24,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from typing_extensions import override
 
+from lightning_pipe.checkpoint.publish import prepare, publish, temporary_path
 from lightning_pipe.checkpoint.stage_part import CoordinatorPart
 from lightning_pipe.comm import P2PCommunicator, serve_stages
 from lightning_pipe.comm.p2p.dtensor_frames import use_tensor_mesh
@@ -32,7 +33,7 @@ from lightning_pipe.memory.allocator import give_back_large_blocks
 from lightning_pipe.pipeline import Pipeline
 from lightning_pipe.schedule import LOOP
 from lightning_pipe.strategy.arguments import fsdp_without_replicas
-from lightning_pipe.strategy.checkpoint_writer import write_sharded, write_single_file
+from lightning_pipe.strategy.checkpoint_writer import in_fit, write_sharded, write_single_file
 from lightning_pipe.strategy.config import PipeConfig
 from lightning_pipe.strategy.launcher import PipeLauncher
 from lightning_pipe.strategy.layout import LAUNCHED, Layout
@@ -155,6 +156,7 @@ class LaunchedMode(Mode):
             _init_dist_connection(cluster_environment, backend, timeout=PROCESS_GROUP_TIMEOUT)
             ProcessGroups.made_default_group()
         self._groups = groups = ProcessGroups.of(self.layout, device.type)
+        self.writes.connect(groups.checkpoint_writes)  # async_checkpoint: the group of async_save's collectives
         if self.layout.replicas > 1:  # this process's stage is spread over them (`ProcessStage.sharded`)
             self.stage.replicate_over(groups.replicas, groups.mesh["data_parallel"])
         if self.layout.tensor_parallel > 1:  # DTensors crossing between stages are rebuilt over the stage's ranks
@@ -187,10 +189,17 @@ class LaunchedMode(Mode):
     def serve(self) -> None:
         """What a process that does not coordinate runs instead of the Trainer's loop (after `connect`)."""
         serve_stages(**{**self._pipeline(), "on_build": self._built_to_serve})
+        self.writes.wait()  # the fit's last checkpoint: this process's part written
+
+    def _built(self, worker: Any) -> None:
+        """A stage built in this process: it binds to this process's model and writes its checkpoints' parts through
+        this process's `writes`."""
+        worker.checkpoints.writes = self.writes
+        self.stage.built(worker)
 
     def _built_to_serve(self, worker: Any) -> None:
         """A stage built in a serving process: this process keeps that stage of its model and nothing else."""
-        self.stage.built(worker)
+        self._built(worker)
         self.stage.release()
 
     def _pipeline(self) -> dict[str, Any]:
@@ -202,7 +211,7 @@ class LaunchedMode(Mode):
             "group": groups.pipeline,
             "ranks": self.layout.pipeline_ranks(),
             "describe": self.layout.describe,
-            "on_build": self.stage.built,
+            "on_build": self._built,
             "prepare": self.stage.prepare,
             "timeout": self.config.timeout,
             "coordinator": self.layout.coordinator,
@@ -277,12 +286,15 @@ class LaunchedMode(Mode):
     def save_checkpoint(
         self, state: ModelState, checkpoint: dict[str, Any], path: Path, storage_options: Any, lightning: Write
     ) -> None:
-        """A folder every process writes its part of (`write_sharded`), or one file made of it a tensor at a time."""
+        """A folder every process writes its part of (`write_sharded`), or one file made of it a tensor at a time;
+        written under a temporary name that global rank 0 publishes once DCP finished (every part written), in the
+        background with ``async_checkpoint`` (the save before it written and published first)."""
         if state.host.lightning_module is None:
             super().save_checkpoint(state, checkpoint, path, storage_options, lightning)
             return
         path = Path(self.broadcast(str(path)))
-        first = self.layout.global_rank == 0
+        self.writes.wait()  # this process's previous save: written (and on global rank 0 published) before this one
+        first = self.first_process
         prefix = state.prefix()
         edits = state.save_edits(checkpoint)  # what the on_save_checkpoint hooks did to the shapes they saw
         if self.layout.coordinates:
@@ -295,15 +307,25 @@ class LaunchedMode(Mode):
             write_sharded(folder, prefix, checkpoint, part, first, pipeline, here, worker, edits)
 
         if self.config.save_distributed_checkpoint is not False:  # None (the default) or True: a folder
-            save(path)
+            temporary = prepare(path) if first else temporary_path(path)
+            save(temporary)
+            if first:
+                self.writes.then(lambda: publish(temporary, path))
         else:
-            write_single_file(save, path, first)
+            write_single_file(save, path, first, self.writes)
+        if not in_fit(state.host.lightning_module):
+            self.writes.wait()  # no training to overlap: the checkpoint is there when save_checkpoint returns
         self.barrier()
+
+    @property
+    @override
+    def first_process(self) -> bool:
+        return self.layout.global_rank == 0
 
     @override
     def remove_checkpoint(self, state: ModelState, path: Path, lightning: Write) -> None:
-        if self.layout.global_rank == 0:
-            state.remove(path, lightning)
+        if self.first_process:
+            self.writes.then(lambda: state.remove(path, lightning))  # once the checkpoint replacing it is published
         else:
             lightning(path)  # Lightning's removal: on global rank 0 only
 

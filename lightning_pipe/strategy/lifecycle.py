@@ -90,6 +90,7 @@ class Lifecycle:
         """At teardown: what the next fit and the checkpoints after this one need of the stages, then `shutdown`."""
         builder = self.state.builder
         try:
+            mode.end_fit()  # its last checkpoint written and published before fit returns
             builder.keep_trace()  # execution_trace() after this fit/validate/test/predict
             self.steps.end_stream()
             self.random.keep(builder.pipeline)
@@ -100,6 +101,7 @@ class Lifecycle:
     def abort(self, mode: Mode, error: BaseException) -> None:
         """After ``error``: the stages may be gone, nothing to gather from them nor to drain."""
         self.state.optimization.forget_stages()
+        mode.end_fit(error)  # a checkpoint still being written is published only if it completes
         self.steps.training.abort()
         self.shutdown(mode, error)
 

@@ -21,12 +21,14 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lightning_pipe.checkpoint.background import writes_for
 from lightning_pipe.comm import Communicator
 from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.pipeline import Pipeline
 from lightning_pipe.schedule import LOOP
 from lightning_pipe.strategy.arguments import fsdp_without_replicas
 from lightning_pipe.strategy.building import Placement
+from lightning_pipe.strategy.checkpoint_writer import in_fit, write_file
 from lightning_pipe.strategy.config import PipeConfig
 from lightning_pipe.strategy.layout import LOCAL, Layout
 from lightning_pipe.strategy.model_state import ModelState
@@ -50,6 +52,7 @@ class Mode:
     def __init__(self, config: PipeConfig) -> None:
         self.config = config
         self._described = False  # the line saying what runs is logged once
+        self.writes = writes_for(config.async_checkpoint)  # this process's checkpoint write in flight
 
     def start(self, environment: Any, lightning_module: Any = None, checkpoint_io: Any = None) -> None:
         """Lightning sets up the environment (each fit): join the processes (`connect`), give the LightningModule
@@ -197,12 +200,32 @@ class Mode:
         self, state: ModelState, checkpoint: dict[str, Any], path: Path, storage_options: Any, lightning: Write
     ) -> None:
         """``save_checkpoint``: ``checkpoint`` (with the stages' generator states) at ``path``; ``lightning``:
-        Lightning's writing, one file."""
-        lightning(checkpoint, path, storage_options=storage_options)
+        Lightning's writing, one file, under a temporary name and then published (`write_file`; with
+        ``async_checkpoint``, in the background during a fit)."""
+        self.writes.wait()
+        if not self.first_process:  # Lightning writes a file from global rank 0 only
+            lightning(checkpoint, path, storage_options=storage_options)
+            return
+        write_file(self.writes, lightning, checkpoint, path, storage_options, state.host.checkpoint_io)
+        if not in_fit(state.host.lightning_module):
+            self.writes.wait()  # no training to overlap: the checkpoint is there when save_checkpoint returns
+
+    @property
+    def first_process(self) -> bool:
+        """Whether this process is global rank 0: the one that publishes a checkpoint and removes one."""
+        return True
 
     def remove_checkpoint(self, state: ModelState, path: Path, lightning: Write) -> None:
-        """``remove_checkpoint``: as Lightning removes it (``lightning``)."""
-        lightning(path)
+        """``remove_checkpoint``: as Lightning removes it (``lightning``), once the checkpoint being written is
+        published."""
+        self.writes.then(lambda: lightning(path))
+
+    def end_fit(self, error: BaseException | None = None) -> None:
+        """The fit ends: its last checkpoint written and published first (or, after ``error``, left to finish)."""
+        if error is None:
+            self.writes.wait()
+        else:
+            self.writes.abandon()
 
     # Lightning's collectives: nothing to agree on in one process
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:

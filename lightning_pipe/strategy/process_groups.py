@@ -47,6 +47,15 @@ class ProcessGroups:
         self.replicas = mesh.get_group("data_parallel")
         self.tensor = mesh.get_group("tensor_parallel") if layout.tensor_parallel > 1 else None  # a stage's T ranks
         self.coordinators = dist.new_group(layout.coordinator_ranks)
+        self._writes: dist.ProcessGroup | None = None
+
+    def checkpoint_writes(self) -> dist.ProcessGroup:
+        """A gloo group of every process for the collectives of checkpoints written in the background (made at the
+        first ask, which every process makes at once: ``async_checkpoint``); nothing else uses it, so a write's
+        collectives in its thread never interleave with a stage's on the same group."""
+        if self._writes is None:
+            self._writes = dist.new_group(backend="gloo")
+        return self._writes
 
     @classmethod
     def of(cls, layout: Layout, device_type: str) -> ProcessGroups:
@@ -66,7 +75,8 @@ class ProcessGroups:
         """Destroy this layout's groups (a dimension that spans the world is the default group: kept; a process
         outside the coordinators' group holds no such group)."""
         default = dist.distributed_c10d._get_default_group()
-        for group in {id(g): g for g in (self.pipeline, self.replicas, self.tensor, self.coordinators)}.values():
+        groups = (self.pipeline, self.replicas, self.tensor, self.coordinators, self._writes)
+        for group in {id(g): g for g in groups}.values():
             if isinstance(group, dist.ProcessGroup) and group is not default:
                 dist.destroy_process_group(group)
 

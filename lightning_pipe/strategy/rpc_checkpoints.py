@@ -2,8 +2,9 @@
 
 As in launched mode, every worker writes its stage and optimizer state and the script's process the rest into
 one torch.distributed.checkpoint folder (the coordinator carries DCP's plans: `checkpoint.sharded_steps`);
-``save_distributed_checkpoint=False`` makes one file of it a tensor at a time. A model built on meta keeps its
-trained stages in a private folder at the end of fit, for a checkpoint written after it (`keep`,
+``save_distributed_checkpoint=False`` makes one file of it a tensor at a time. Either is written under a temporary
+name and published once every part is written (`lightning_pipe.checkpoint.publish`), synchronously. A model built on
+meta keeps its trained stages in a private folder at the end of fit, for a checkpoint written after it (`keep`,
 `write_kept`). Every path the workers write must be one they reach (docs/internals.md).
 """
 
@@ -17,7 +18,9 @@ from typing import Any
 
 import torch
 
+from lightning_pipe.checkpoint.background import CheckpointWrites
 from lightning_pipe.checkpoint.consolidate import consolidate
+from lightning_pipe.checkpoint.publish import prepare, publish
 from lightning_pipe.checkpoint.reader import META_FILE
 from lightning_pipe.checkpoint.sharded import OptimizerPart, prepare_folder, sharded_state
 from lightning_pipe.checkpoint.sharded_steps import FolderPart
@@ -100,9 +103,11 @@ class RpcCheckpoints:
             write_folder(folder, prefix, meta, part, pipeline, optimizer, edits)
 
         if single_file:
-            write_single_file(save, path, first=True)
+            write_single_file(save, path, True, CheckpointWrites())  # synchronous: the file is made at once
         else:
-            save(path)
+            temporary = prepare(path)
+            save(temporary)
+            publish(temporary, path)  # every worker's part written: the leader finished the folder
 
     def keep(self, module: Any, pipeline: Pipeline, prefix: str, part: CoordinatorPart, under: Path) -> None:
         """At the end of a fit of ``module`` (built on meta): the workers write their trained stages (before they
@@ -124,16 +129,12 @@ class RpcCheckpoints:
         """A checkpoint after the fit: the kept folder with Lightning's state ``meta``, copied or made one file."""
         assert self.kept is not None
         torch.save(meta, self.kept / META_FILE)
+        temporary = prepare(path)
         if single_file:
-            if path.is_dir():
-                shutil.rmtree(path)
-            elif path.exists():
-                path.unlink()
-            path.parent.mkdir(parents=True, exist_ok=True)
-            consolidate(self.kept, path)
+            consolidate(self.kept, temporary)
         else:
-            prepare_folder(path)
-            shutil.copytree(self.kept, path, dirs_exist_ok=True)
+            shutil.copytree(self.kept, temporary)
+        publish(temporary, path)
 
     def forget(self) -> None:
         """A new fit: the last fit's folder goes."""

@@ -15,6 +15,7 @@ from typing import Any
 
 from typing_extensions import override
 
+from lightning_pipe.checkpoint.background import CheckpointWrites
 from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.strategy.building import Placement
 from lightning_pipe.strategy.config import PipeConfig
@@ -22,7 +23,7 @@ from lightning_pipe.strategy.layout import RPC
 from lightning_pipe.strategy.mode import Mode, Write
 from lightning_pipe.strategy.model_state import ModelState
 from lightning_pipe.strategy.rpc_checkpoints import RpcCheckpoints, trained_folder
-from lightning_pipe.strategy.unread import checkpoint_io_unused
+from lightning_pipe.strategy.unread import checkpoint_io_unused, synchronous_in_rpc_mode
 from lightning_pipe.weights import StageInit, on_meta
 
 
@@ -34,6 +35,7 @@ class RpcMode(Mode):
     def __init__(self, config: PipeConfig) -> None:
         super().__init__(config)
         self.checkpoints = RpcCheckpoints()  # the checkpoints the workers write, and what a fit left for them
+        self.writes = CheckpointWrites()  # the workers write synchronously (`save_checkpoint`)
 
     @override
     def describe(self) -> str:
@@ -42,7 +44,7 @@ class RpcMode(Mode):
     @override
     def unread(self, checkpoint_io: Any) -> list[str | None]:
         writers = "the stage workers write their own stages during and after a fit (a folder, or one file made of it)"
-        return [checkpoint_io_unused(self.name, writers, checkpoint_io)]
+        return [checkpoint_io_unused(self.name, writers, checkpoint_io), synchronous_in_rpc_mode(self.config)]
 
     @override
     def keep_stages(self, state: ModelState) -> None:
@@ -102,7 +104,7 @@ class RpcMode(Mode):
 
     @override
     def remove_checkpoint(self, state: ModelState, path: Path, lightning: Write) -> None:
-        state.remove(path, lightning)
+        self.writes.then(lambda: state.remove(path, lightning))
 
     def _workers_write(self, state: ModelState, check_meta: bool) -> bool:
         """Whether the stage workers write this checkpoint (`RpcCheckpoints`); ``check_meta``: a model built on meta

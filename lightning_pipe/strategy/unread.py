@@ -47,3 +47,13 @@ def resuming_over_weights(weights: str) -> str:
         "trained values of a run that started from those weights, so the weights are not read in this fit (the "
         "checkpoint's keys are checked as strict_loading says). To start from the weights, leave ckpt_path out"
     )
+
+
+def synchronous_in_rpc_mode(config: PipeConfig) -> str | None:
+    """rpc mode: ``async_checkpoint=True`` is not read (the stage workers write their parts synchronously)."""
+    if not config.async_checkpoint:
+        return None
+    return (
+        "PipeStrategy(transport='rpc', async_checkpoint=True): the stage workers write their parts of a checkpoint "
+        "synchronously (the training loop waits for them); async_checkpoint applies to local and launched mode"
+    )
