@@ -8,14 +8,13 @@ the run's seed and the module's name, so the initial model does not depend on ho
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from lightning_pipe.errors import ConfigurationError
-from lightning_pipe.rng import derive_seed
 from lightning_pipe.weights.dtensor_shards import (
     Wholes,
     copy_shard,
@@ -25,9 +24,8 @@ from lightning_pipe.weights.dtensor_shards import (
     shard_of,
     whole_like,
 )
+from lightning_pipe.weights.module_init import Slot, initialize
 from lightning_pipe.weights.sources import WeightSource
-
-Slot = tuple[nn.Module, str, bool]  # (owner module, attribute name, is a parameter)
 
 
 @dataclass
@@ -83,31 +81,33 @@ def materialize(
         slots = [(key, slot, _get(slot)) for key, slot in _own_slots(qualified, owner) if _get(slot).is_meta]
         if not slots:
             continue
-        fresh: dict[int, tuple[str, torch.Tensor]] = {}
-        for key, _, old in slots:
+        fresh: dict[int, tuple[str, Slot, torch.Tensor]] = {}  # tensors this module is the first to hold
+        for key, slot, old in slots:
             if id(old) not in made:
-                fresh.setdefault(id(old), (key, old))
-        found = {key: _find(key, source, aliases) for key, _ in fresh.values()}
-        needs_init = [key for key, _ in fresh.values() if found[key] is None]
-        staging = torch.device("cpu") if needs_init else device  # initialisation draws on the CPU, as everywhere
-        for tid, (_, old) in fresh.items():
-            made[tid] = _staged(old, staging, bool(needs_init), done.wholes)
+                fresh.setdefault(id(old), (key, slot, old))
+        found = {key: _find(key, source, aliases) for key, _, _ in fresh.values()}
+        unset = {key: slot for key, slot, _ in fresh.values() if found[key] is None}
+        staging = torch.device("cpu") if unset else device  # initialisation draws on the CPU, as everywhere
+        for tid, (_, _, old) in fresh.items():
+            made[tid] = _staged(old, staging, bool(unset), done.wholes)
+        for _, slot, old in slots:
+            if id(old) in fresh:
+                _set(slot, made[id(old)])
+        if unset:
+            # a tensor an earlier module made (a tied one: read or initialised there) stays on meta here while this
+            # module initialises, and one with values is set aside: its reset_parameters() writes neither again
+            held = _set_aside(owner, {id(made[tid]) for tid in fresh})
+            try:
+                initialize(owner, qualified, seed, init_owner, unset)
+            finally:
+                for slot, tensor in held:
+                    _set(slot, tensor)
+            for tid, (_, slot, old) in fresh.items():  # an initialisation that assigned a new tensor: it is the value
+                made[tid] = _moved(_get(slot), device, old, done.wholes)
+            done.initialized.append(qualified or "<root>")
         for _, slot, old in slots:
             _set(slot, made[id(old)])
-        if needs_init:
-            unset = {tid: key for tid, (key, _) in fresh.items() if found[key] is None}
-            for tid in unset:
-                _poison(made[tid])
-            _initialize(owner, qualified, seed, init_owner, needs_init)
-            for _, slot, old in slots:  # an initialisation that assigned a new tensor: that one is the value
-                made[id(old)] = _get(slot)
-            _check_set(owner, qualified, [key for tid, key in unset.items() if _poisoned(made[tid])])
-            done.initialized.append(qualified or "<root>")
-            for tid, (_, old) in fresh.items():
-                made[tid] = _moved(made[tid], device, old, done.wholes)
-            for _, slot, old in slots:
-                _set(slot, made[id(old)])
-        for tid, (key, _) in fresh.items():
+        for tid, (key, _, _) in fresh.items():
             name = found[key]
             if name is None or source is None:
                 continue
@@ -278,6 +278,19 @@ def _moved(tensor: torch.Tensor, device: torch.device, like: torch.Tensor, whole
     return tensor.to(device)
 
 
+def _set_aside(owner: nn.Module, keep: set[int]) -> list[tuple[Slot, torch.Tensor]]:
+    """Put a meta tensor in place of each tensor with values of ``owner`` and its submodules whose id is not in
+    ``keep``; returns each (slot, tensor) to put back."""
+    held = []
+    for _, module in owner.named_modules(remove_duplicate=False):
+        for _, slot in _own_slots("", module):
+            tensor = _get(slot)
+            if not tensor.is_meta and id(tensor) not in keep:
+                held.append((slot, tensor))
+                _set(slot, _empty_like(tensor, torch.device("meta")))
+    return held
+
+
 def _find(key: str, source: WeightSource | None, aliases: Mapping[str, Sequence[str]]) -> str | None:
     if source is None:
         return None
@@ -285,58 +298,6 @@ def _find(key: str, source: WeightSource | None, aliases: Mapping[str, Sequence[
         if name in source:
             return name
     return None
-
-
-def _initialize(owner: nn.Module, qualified: str, seed: int, init_owner: nn.Module | None, keys: list[str]) -> None:
-    init = _init_function(owner, init_owner)
-    if init is None:
-        raise ConfigurationError(
-            f"{', '.join(keys[:3])} of {type(owner).__name__} ({qualified or 'the root module'}) have no values "
-            "(built on the meta device), are not in the weights or checkpoint given, and the module has no "
-            "reset_parameters() to initialise them: give it a reset_parameters(), pass weights= or ckpt_path= "
-            "holding them, or build the model without init_module(empty_init=True) / configure_model"
-        )
-    with torch.random.fork_rng(devices=[]), torch.no_grad():
-        torch.manual_seed(derive_seed(seed, "init", qualified) % (2**63))
-        init()
-
-
-def _poison(tensor: torch.Tensor) -> None:
-    """Fill a tensor about to be initialised with what no initialisation writes (NaN; an integer's minimum)."""
-    with torch.no_grad():
-        if tensor.is_floating_point() or tensor.is_complex():
-            tensor.fill_(float("nan"))
-        elif tensor.dtype != torch.bool:
-            tensor.fill_(torch.iinfo(tensor.dtype).min)
-
-
-def _poisoned(tensor: torch.Tensor) -> bool:
-    """Whether an initialisation left (part of) ``tensor`` as `_poison` filled it: memory nothing wrote."""
-    if tensor.numel() == 0 or tensor.is_meta or tensor.dtype == torch.bool:
-        return tensor.is_meta
-    if tensor.is_floating_point() or tensor.is_complex():
-        return bool(torch.isnan(tensor).any())
-    return bool((tensor == torch.iinfo(tensor.dtype).min).all())
-
-
-def _check_set(owner: nn.Module, qualified: str, unset: list[str]) -> None:
-    if unset:
-        raise ConfigurationError(
-            f"{', '.join(unset[:5])} of {type(owner).__name__} ({qualified or 'the root module'}) still hold "
-            "uninitialised memory after its initialisation (reset_parameters() / _init_weights): the model was "
-            "built without values (init_module(empty_init=True) / configure_model) and the checkpoint or weights "
-            "do not hold them. Make the module's reset_parameters() set every parameter and buffer (non-persistent "
-            "buffers too), or give their values in ckpt_path= / weights="
-        )
-
-
-def _init_function(owner: nn.Module, init_owner: nn.Module | None) -> Callable[[], object] | None:
-    """A HuggingFace model initialises its modules itself (``_init_weights``); other modules reset themselves."""
-    hf_init = getattr(init_owner, "_init_weights", None)
-    if callable(hf_init):
-        return lambda: hf_init(owner)
-    reset = getattr(owner, "reset_parameters", None)
-    return reset if callable(reset) else None
 
 
 def _submodule(root: nn.Module, path: str) -> nn.Module | None:
