@@ -24,8 +24,10 @@ from lightning_pipe.weights.dtensor_shards import (
     shard_of,
     whole_like,
 )
-from lightning_pipe.weights.module_init import Slot, initialize
+from lightning_pipe.weights.module_init import initialize
+from lightning_pipe.weights.slots import Slot, empty_like, get, own_slots, put
 from lightning_pipe.weights.sources import WeightSource
+from lightning_pipe.weights.tied import FirstHolder, initialize_as_first
 
 
 @dataclass
@@ -54,6 +56,7 @@ def materialize(
     made: dict[int, torch.Tensor] | None = None,
     wholes: Wholes | None = None,
     skip: set[int] | None = None,
+    firsts: Mapping[str, FirstHolder] | None = None,
 ) -> Materialized:
     """Make every meta tensor of ``module`` real on ``device``; its keys are those of ``module.state_dict()``.
 
@@ -61,8 +64,13 @@ def materialize(
     ``transformer.wte.weight``); ``init_owner`` is the unsplit model whose ``_init_weights`` initialises modules
     without ``reset_parameters`` (HuggingFace). Tensors that are real already are left as they are, or, with
     ``overwrite``, get the source's values where it holds them. ``made`` (meta tensor's id -> its real
-    tensor) carries what one call made to the next, for modules that share tensors. Modules whose ids are in
-    ``skip`` are left alone.
+    tensor) carries what one call made to the next, for modules that share tensors: a tied tensor is read or
+    initialised once, and no later module's initialisation writes it. ``firsts`` (`tied.first_holders` of the
+    unsplit model) initialises a tied tensor whose first holder is not here as that holder does. Modules whose
+    ids are in ``skip`` are left alone.
+
+    Initialisation is accounted for (`module_init.initialize`): a tensor it was to set and left fully or partly
+    unwritten raises, naming it.
 
     A sharded tensor (a DTensor: the stage was sharded with FSDP on meta) gets only this process's shard: read
     as a shard where the source can, else read or initialised whole, one module at a time, and cut to its shard
@@ -75,10 +83,11 @@ def materialize(
     if overwrite and source is not None:
         done.loaded += _overwrite(module, source, aliases, skip, done.wholes)
     made = {} if made is None else made  # id of a meta tensor -> its real one (a tied tensor is made once)
+    firsts = firsts or {}
     for qualified, owner in module.named_modules(remove_duplicate=False):
         if id(owner) in skip:
             continue
-        slots = [(key, slot, _get(slot)) for key, slot in _own_slots(qualified, owner) if _get(slot).is_meta]
+        slots = [(key, slot, get(slot)) for key, slot in own_slots(qualified, owner) if get(slot).is_meta]
         if not slots:
             continue
         fresh: dict[int, tuple[str, Slot, torch.Tensor]] = {}  # tensors this module is the first to hold
@@ -92,21 +101,30 @@ def materialize(
             made[tid] = _staged(old, staging, bool(unset), done.wholes)
         for _, slot, old in slots:
             if id(old) in fresh:
-                _set(slot, made[id(old)])
+                put(slot, made[id(old)])
         if unset:
+            own = set(fresh)
+            for tid, (key, slot, _) in fresh.items():  # a tied tensor whose first holder is elsewhere: as it does
+                first = firsts.get(key)
+                if key in unset and first is not None and first.qualified != qualified:
+                    made[tid] = initialize_as_first(first, made[tid], seed, init_owner)
+                    put(slot, made[tid])
+                    own.discard(tid)
+                    del unset[key]
             # a tensor an earlier module made (a tied one: read or initialised there) stays on meta here while this
             # module initialises, and one with values is set aside: its reset_parameters() writes neither again
-            held = _set_aside(owner, {id(made[tid]) for tid in fresh})
-            try:
-                initialize(owner, qualified, seed, init_owner, unset)
-            finally:
-                for slot, tensor in held:
-                    _set(slot, tensor)
+            if unset:
+                held = _set_aside(owner, {id(made[tid]) for tid in own})
+                try:
+                    initialize(owner, qualified, seed, init_owner, unset)
+                finally:
+                    for slot, tensor in held:
+                        put(slot, tensor)
             for tid, (_, slot, old) in fresh.items():  # an initialisation that assigned a new tensor: it is the value
-                made[tid] = _moved(_get(slot), device, old, done.wholes)
+                made[tid] = _moved(get(slot), device, old, done.wholes)
             done.initialized.append(qualified or "<root>")
         for _, slot, old in slots:
-            _set(slot, made[id(old)])
+            put(slot, made[id(old)])
         for tid, (key, _, _) in fresh.items():
             name = found[key]
             if name is None or source is None:
@@ -124,8 +142,8 @@ def _overwrite(
     for qualified, owner in module.named_modules(remove_duplicate=False):
         if id(owner) in skip:
             continue
-        for key, slot in _own_slots(qualified, owner):
-            tensor = _get(slot)
+        for key, slot in own_slots(qualified, owner):
+            tensor = get(slot)
             name = _find(key, source, aliases)
             if tensor.is_meta or id(tensor) in seen or name is None:
                 continue
@@ -160,13 +178,13 @@ def free_to_meta(module: nn.Module, keep: Iterable[torch.Tensor]) -> dict[int, t
     kept = {id(t) for t in keep}
     replaced: dict[int, torch.Tensor] = {}
     for qualified, owner in module.named_modules(remove_duplicate=False):
-        for _, slot in _own_slots(qualified, owner):
-            tensor = _get(slot)
+        for _, slot in own_slots(qualified, owner):
+            tensor = get(slot)
             if id(tensor) in kept or tensor.is_meta:
                 continue
             if id(tensor) not in replaced:
-                replaced[id(tensor)] = _empty_like(tensor, torch.device("meta"))
-            _set(slot, replaced[id(tensor)])
+                replaced[id(tensor)] = empty_like(tensor, torch.device("meta"))
+            put(slot, replaced[id(tensor)])
     return replaced
 
 
@@ -214,50 +232,18 @@ def aliases_of(module: nn.Module) -> dict[str, list[str]]:
     """For each key of a tensor that several names share (tied weights), the other names of it."""
     names: dict[int, list[str]] = {}
     for qualified, owner in module.named_modules(remove_duplicate=False):
-        for key, slot in _own_slots(qualified, owner):
-            names.setdefault(id(_get(slot)), []).append(key)
+        for key, slot in own_slots(qualified, owner):
+            names.setdefault(id(get(slot)), []).append(key)
     return {
         key: [other for other in group if other != key] for group in names.values() if len(group) > 1 for key in group
     }
-
-
-# helpers
-def _own_slots(qualified: str, owner: nn.Module) -> list[tuple[str, Slot]]:
-    prefix = f"{qualified}." if qualified else ""
-    slots: list[tuple[str, Slot]] = [
-        (prefix + n, (owner, n, True)) for n, p in owner._parameters.items() if p is not None
-    ]
-    slots += [(prefix + n, (owner, n, False)) for n, b in owner._buffers.items() if b is not None]
-    return slots
-
-
-def _get(slot: Slot) -> torch.Tensor:
-    owner, name, is_param = slot
-    value = owner._parameters[name] if is_param else owner._buffers[name]
-    assert value is not None
-    return value
-
-
-def _set(slot: Slot, value: torch.Tensor) -> None:
-    owner, name, is_param = slot
-    if is_param:
-        owner._parameters[name] = value  # type: ignore[assignment]
-    else:
-        owner._buffers[name] = value
-
-
-def _empty_like(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    empty = torch.empty_like(tensor, device=device)
-    if isinstance(tensor, nn.Parameter):
-        return nn.Parameter(empty, requires_grad=tensor.requires_grad)
-    return empty
 
 
 def _staged(old: torch.Tensor, device: torch.device, whole: bool, wholes: Wholes) -> torch.Tensor:
     """Where ``old`` (a meta tensor) gets its values: a tensor like it on ``device``; for a sharded one, its shard,
     or (``whole``: its module initialises it) the whole tensor, cut to its shard once initialised (`_moved`)."""
     if not is_sharded(old):
-        return _empty_like(old, device)
+        return empty_like(old, device)
     if not whole:
         return empty_shard_like(old, device)
     staged = whole_like(old, device)
@@ -283,11 +269,11 @@ def _set_aside(owner: nn.Module, keep: set[int]) -> list[tuple[Slot, torch.Tenso
     ``keep``; returns each (slot, tensor) to put back."""
     held = []
     for _, module in owner.named_modules(remove_duplicate=False):
-        for _, slot in _own_slots("", module):
-            tensor = _get(slot)
+        for _, slot in own_slots("", module):
+            tensor = get(slot)
             if not tensor.is_meta and id(tensor) not in keep:
                 held.append((slot, tensor))
-                _set(slot, _empty_like(tensor, torch.device("meta")))
+                put(slot, empty_like(tensor, torch.device("meta")))
     return held
 
 

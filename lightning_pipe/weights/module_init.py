@@ -15,9 +15,8 @@ from torch import nn
 
 from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.rng import derive_seed
+from lightning_pipe.weights.slots import Slot, get
 from lightning_pipe.weights.written import Writes
-
-Slot = tuple[nn.Module, str, bool]  # (owner module, attribute name, is a parameter)
 
 
 def initialize(
@@ -33,13 +32,13 @@ def initialize(
             "reset_parameters() to initialise them: give it a reset_parameters(), pass weights= or ckpt_path= "
             "holding them, or build the model without init_module(empty_init=True) / configure_model"
         )
-    with Writes(_get(slot) for slot in unset.values()) as writes:
+    with Writes(get(slot) for slot in unset.values()) as writes:
         with torch.random.fork_rng(devices=[]), torch.no_grad():
             torch.manual_seed(derive_seed(seed, "init", qualified) % (2**63))
             init()
     left = {}
     for key, slot in unset.items():
-        tensor = _get(slot)
+        tensor = get(slot)
         written = None if tensor.is_meta else writes.written(tensor)  # None, not meta: assigned a new tensor
         if tensor.is_meta or (written is not None and written < tensor.numel()):
             left[key] = (tensor, written or 0)
@@ -74,10 +73,3 @@ def _unwritten(owner: nn.Module, qualified: str, left: Mapping[str, tuple[torch.
         "mask made in __init__), register the buffer as persistent so that the checkpoint holds it, or give its "
         "values in ckpt_path= / weights="
     )
-
-
-def _get(slot: Slot) -> torch.Tensor:
-    owner, name, is_param = slot
-    value = owner._parameters[name] if is_param else owner._buffers[name]
-    assert value is not None
-    return value

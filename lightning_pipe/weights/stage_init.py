@@ -7,6 +7,8 @@ an open file: each process opens the checkpoint or the weights itself and reads 
 from __future__ import annotations
 
 import copy
+import threading
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
@@ -18,6 +20,7 @@ from lightning_pipe.weights.dtensor_shards import is_fsdp_module, is_sharded
 from lightning_pipe.weights.keys import STRICT_FIX, WEIGHTS_FIX, compare_keys
 from lightning_pipe.weights.materialize import Materialized, aliases_of, materialize, on_meta
 from lightning_pipe.weights.sources import MODEL, Prefixed, WeightSource, is_distributed_checkpoint, open_source
+from lightning_pipe.weights.tied import FirstHolder, first_holders
 
 T = TypeVar("T")
 
@@ -31,8 +34,11 @@ class StageInit:
     the pipelined module's path in the checkpoint's keys (``"model."``). Tensors it holds are read from it
     (also into tensors that have values already, with ``overwrite``: a resumed run); tensors without values
     (built on meta) that it does not hold are initialised by their modules under ``seed`` and their names.
-    ``aliases`` are the other names of tied tensors; ``init_owner`` a model of the pipelined module's class and
+    ``aliases`` are the other names of tied tensors, ``firsts`` their first holders (`tied.first_holders`: a stage
+    without it initialises the tensor as it does); ``init_owner`` a model of the pipelined module's class and
     configuration, on meta, that initialises modules without ``reset_parameters`` (HuggingFace's ``_init_weights``).
+    The stages one process builds from one description (local mode's) make a tensor they share once: the later
+    ones hold what the first made.
     ``strict`` (the LightningModule's ``strict_loading``): a tensor of the stage the path does not hold raises
     before anything is read, in every process (`lightning_pipe.weights.keys`); ``weights_only`` is how a
     ``torch.save`` file is opened (None: torch's default, never retried unsafely).
@@ -47,6 +53,18 @@ class StageInit:
     init_owner: nn.Module | None = None
     strict: bool = False
     weights_only: bool | None = None
+    firsts: dict[str, FirstHolder] = field(default_factory=dict)
+    #: this process's tensors made from this description: id of a meta tensor -> (it, its real one); not sent
+    _made: dict[int, tuple[torch.Tensor, weakref.ref[torch.Tensor]]] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k not in ("_made", "_lock")}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _made={}, _lock=threading.Lock())
 
     def for_module(self, module: nn.Module) -> StageInit:
         """This description for the pipelined ``module``: with the names its tied tensors share, and (for a model
@@ -54,7 +72,8 @@ class StageInit:
         owner = self.init_owner
         if owner is None and callable(getattr(module, "_init_weights", None)) and on_meta(module):
             owner = _model_like(module)
-        return replace(self, aliases=self.aliases or aliases_of(module), init_owner=owner)
+        firsts = self.firsts or (first_holders(module) if on_meta(module) else {})
+        return replace(self, aliases=self.aliases or aliases_of(module), init_owner=owner, firsts=firsts)
 
     def source(self) -> WeightSource | None:
         """The opened source, its keys those of the pipelined module (None: nothing to read)."""
@@ -75,18 +94,33 @@ class StageInit:
         if source is not None and self.strict:
             self._check(source, [module for module, _ in modules])
         done = Materialized()
-        made: dict[int, torch.Tensor] = {}
-        try:
-            for module, device in modules:
-                part = materialize(
-                    module, device, source, self.seed, self.aliases, self.init_owner, self.overwrite, made, done.wholes
-                )
-                done.loaded += part.loaded
-                done.initialized += part.initialized
-        finally:
-            if source is not None:
-                source.close()
+        with self._lock:
+            made = self._earlier()
+            metas = {id(t): t for module, _ in modules for t in _tensors(module) if t.is_meta}
+            try:
+                for module, device in modules:
+                    part = materialize(
+                        module, device, source, self.seed, self.aliases, self.init_owner, self.overwrite, made,
+                        done.wholes, firsts=self.firsts,
+                    )  # fmt: skip
+                    done.loaded += part.loaded
+                    done.initialized += part.initialized
+            finally:
+                if source is not None:
+                    source.close()
+            self._made.update({tid: (metas[tid], weakref.ref(made[tid])) for tid in metas if tid in made})
         return done
+
+    def _earlier(self) -> dict[int, torch.Tensor]:
+        """What earlier stages of this process made from this description and still hold, by meta tensor's id."""
+        made = {}
+        for tid, (_, ref) in list(self._made.items()):
+            tensor = ref()
+            if tensor is None:
+                del self._made[tid]
+            else:
+                made[tid] = tensor
+        return made
 
     def _check(self, source: WeightSource, modules: list[nn.Module]) -> None:
         """Every tensor of ``modules`` is in ``source`` (by a name of it): else raise before reading, naming them.
@@ -134,3 +168,8 @@ def _whole_meta(tensor: Any, memo: dict[int, Any]) -> torch.Tensor:
     that receives the copy binds it to its own modules, meshes and hooks (`adopt`)."""
     memo[id(tensor.device_mesh)] = None
     return torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+
+
+def _tensors(module: nn.Module) -> Iterable[torch.Tensor]:
+    yield from module.parameters()
+    yield from module.buffers()
