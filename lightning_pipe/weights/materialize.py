@@ -103,18 +103,17 @@ def materialize(
             if id(old) in fresh:
                 put(slot, made[id(old)])
         if unset:
-            own = set(fresh)
             for tid, (key, slot, _) in fresh.items():  # a tied tensor whose first holder is elsewhere: as it does
                 first = firsts.get(key)
                 if key in unset and first is not None and first.qualified != qualified:
                     made[tid] = initialize_as_first(first, made[tid], seed, init_owner)
                     put(slot, made[tid])
-                    own.discard(tid)
                     del unset[key]
-            # a tensor an earlier module made (a tied one: read or initialised there) stays on meta here while this
-            # module initialises, and one with values is set aside: its reset_parameters() writes neither again
+            # the module's initialisation writes only what it is to initialise: a tensor an earlier module made (a
+            # tied one) stays on meta meanwhile, and one read from the source or with values is set aside, so what
+            # it draws does not depend on where the model was cut, and what was read or made is not written again
             if unset:
-                held = _set_aside(owner, {id(made[tid]) for tid in own})
+                held = _set_aside(owner, {id(made[tid]) for tid, (key, _, _) in fresh.items() if key in unset})
                 try:
                     initialize(owner, qualified, seed, init_owner, unset)
                 finally:
@@ -273,7 +272,8 @@ def _set_aside(owner: nn.Module, keep: set[int]) -> list[tuple[Slot, torch.Tenso
             tensor = get(slot)
             if not tensor.is_meta and id(tensor) not in keep:
                 held.append((slot, tensor))
-                put(slot, empty_like(tensor, torch.device("meta")))
+                empty = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")  # a DTensor's: its whole shape
+                put(slot, nn.Parameter(empty, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else empty)
     return held
 
 
