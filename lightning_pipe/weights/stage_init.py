@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import threading
-import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
@@ -19,6 +18,7 @@ from torch import nn
 from lightning_pipe.weights.dtensor_shards import is_fsdp_module, is_sharded
 from lightning_pipe.weights.keys import STRICT_FIX, WEIGHTS_FIX, compare_keys
 from lightning_pipe.weights.materialize import Materialized, aliases_of, materialize, on_meta
+from lightning_pipe.weights.slots import Slot, get, own_slots
 from lightning_pipe.weights.sources import MODEL, Prefixed, WeightSource, is_distributed_checkpoint, open_source
 from lightning_pipe.weights.tied import FirstHolder, first_holders
 
@@ -54,8 +54,10 @@ class StageInit:
     strict: bool = False
     weights_only: bool | None = None
     firsts: dict[str, FirstHolder] = field(default_factory=dict)
-    #: this process's tensors made from this description: id of a meta tensor -> (it, its real one); not sent
-    _made: dict[int, tuple[torch.Tensor, weakref.ref[torch.Tensor]]] = field(
+    #: where this process put the tensors it made from this description: id of a meta tensor -> (it, a slot holding
+    #: its real one); not sent. Slots, not tensors: a reference to a tensor would keep it, and FSDP's swap of a
+    #: module's tensors refuses one that has a weak reference
+    _made: dict[int, tuple[torch.Tensor, Slot]] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
@@ -96,7 +98,7 @@ class StageInit:
         done = Materialized()
         with self._lock:
             made = self._earlier()
-            metas = {id(t): t for module, _ in modules for t in _tensors(module) if t.is_meta}
+            metas = _meta_slots(module for module, _ in modules)
             try:
                 for module, device in modules:
                     part = materialize(
@@ -108,15 +110,15 @@ class StageInit:
             finally:
                 if source is not None:
                     source.close()
-            self._made.update({tid: (metas[tid], weakref.ref(made[tid])) for tid in metas if tid in made})
+            self._made.update({tid: metas[tid] for tid in metas if tid in made})
         return done
 
     def _earlier(self) -> dict[int, torch.Tensor]:
         """What earlier stages of this process made from this description and still hold, by meta tensor's id."""
         made = {}
-        for tid, (_, ref) in list(self._made.items()):
-            tensor = ref()
-            if tensor is None:
+        for tid, (_, slot) in list(self._made.items()):
+            tensor = get(slot)
+            if tensor.is_meta:  # freed since
                 del self._made[tid]
             else:
                 made[tid] = tensor
@@ -170,6 +172,13 @@ def _whole_meta(tensor: Any, memo: dict[int, Any]) -> torch.Tensor:
     return torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
 
 
-def _tensors(module: nn.Module) -> Iterable[torch.Tensor]:
-    yield from module.parameters()
-    yield from module.buffers()
+def _meta_slots(modules: Iterable[nn.Module]) -> dict[int, tuple[torch.Tensor, Slot]]:
+    """Each meta tensor of ``modules`` by id, with a slot holding it."""
+    found: dict[int, tuple[torch.Tensor, Slot]] = {}
+    for module in modules:
+        for qualified, owner in module.named_modules(remove_duplicate=False):
+            for _, slot in own_slots(qualified, owner):
+                tensor = get(slot)
+                if tensor.is_meta:
+                    found.setdefault(id(tensor), (tensor, slot))
+    return found
