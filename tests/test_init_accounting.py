@@ -38,12 +38,13 @@ def test_writes_are_counted_by_element_whatever_the_dtype_or_value() -> None:
         half[::2].fill_(torch.iinfo(torch.int64).min)  # the value an old check took for "never written"
         zeros.zero_()
         mask.t()[0].copy_(torch.tensor([True, False, True]))  # one column, through a transposed view
-        floats.view(torch.int32).fill_(0)  # another dtype of the same size
-        floats.view(torch.uint8)[:4].fill_(1)  # another size: the first element's 4 bytes
+        floats.view(torch.int32)[0].fill_(0)  # another dtype of the same size: the first row
+        floats.view(-1).view(torch.uint8)[8:12].fill_(1)  # another size: the third element's 4 bytes
+        floats.view(-1).view(torch.uint8)[12:14].fill_(1)  # half of the fourth's: not written in full
         torch.add(torch.ones(5), 1, out=out)
         assigned.data = torch.ones(3)  # other memory: what was assigned is the value
     assert writes.written(half) == 3 and writes.written(zeros) == 4 and writes.written(mask) == 3
-    assert writes.written(floats) == 4 and writes.written(out) == 5 and writes.written(assigned) is None
+    assert writes.written(floats) == 3 and writes.written(out) == 5 and writes.written(assigned) is None
 
 
 @pytest.fixture(scope="module")
