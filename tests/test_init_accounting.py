@@ -77,6 +77,21 @@ def test_local_a_tensor_initialisation_leaves_unwritten_raises_naming_it(broken:
     assert said in str(raised.value) and "reset_parameters() set every element" in str(raised.value)
 
 
+class Masked(nn.Module):
+    """A causal mask made in ``__init__`` and no ``reset_parameters()``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("mask", torch.tril(torch.ones(3, 3, dtype=torch.bool)), persistent=False)
+
+
+def test_a_mask_of_a_module_without_reset_parameters_raises_naming_it() -> None:
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(3, 3), Masked())
+    with pytest.raises(ConfigurationError, match=r"1\.mask of Masked \(1\) have no values .* a reset_parameters"):
+        materialize(model, "cpu")
+
+
 def test_local_every_tensor_initialised_trains_as_a_plain_trainer() -> None:
     _, _, piped = fit(strategy(), 3)
     eager = dict(Net().named_buffers())
