@@ -8,14 +8,13 @@ the run's seed and the module's name, so the initial model does not depend on ho
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from lightning_pipe.errors import ConfigurationError
-from lightning_pipe.rng import derive_seed
 from lightning_pipe.weights.dtensor_shards import (
     Wholes,
     copy_shard,
@@ -25,9 +24,10 @@ from lightning_pipe.weights.dtensor_shards import (
     shard_of,
     whole_like,
 )
+from lightning_pipe.weights.module_init import initialize
+from lightning_pipe.weights.slots import Slot, empty_like, get, own_slots, put
 from lightning_pipe.weights.sources import WeightSource
-
-Slot = tuple[nn.Module, str, bool]  # (owner module, attribute name, is a parameter)
+from lightning_pipe.weights.tied import FirstHolder, initialize_as_first
 
 
 @dataclass
@@ -56,6 +56,7 @@ def materialize(
     made: dict[int, torch.Tensor] | None = None,
     wholes: Wholes | None = None,
     skip: set[int] | None = None,
+    firsts: Mapping[str, FirstHolder] | None = None,
 ) -> Materialized:
     """Make every meta tensor of ``module`` real on ``device``; its keys are those of ``module.state_dict()``.
 
@@ -63,8 +64,13 @@ def materialize(
     ``transformer.wte.weight``); ``init_owner`` is the unsplit model whose ``_init_weights`` initialises modules
     without ``reset_parameters`` (HuggingFace). Tensors that are real already are left as they are, or, with
     ``overwrite``, get the source's values where it holds them. ``made`` (meta tensor's id -> its real
-    tensor) carries what one call made to the next, for modules that share tensors. Modules whose ids are in
-    ``skip`` are left alone.
+    tensor) carries what one call made to the next, for modules that share tensors: a tied tensor is read or
+    initialised once, and no later module's initialisation writes it. ``firsts`` (`tied.first_holders` of the
+    unsplit model) initialises a tied tensor whose first holder is not here as that holder does. Modules whose
+    ids are in ``skip`` are left alone.
+
+    Initialisation is accounted for (`module_init.initialize`): a tensor it was to set and left fully or partly
+    unwritten raises, naming it.
 
     A sharded tensor (a DTensor: the stage was sharded with FSDP on meta) gets only this process's shard: read
     as a shard where the source can, else read or initialised whole, one module at a time, and cut to its shard
@@ -77,37 +83,48 @@ def materialize(
     if overwrite and source is not None:
         done.loaded += _overwrite(module, source, aliases, skip, done.wholes)
     made = {} if made is None else made  # id of a meta tensor -> its real one (a tied tensor is made once)
+    firsts = firsts or {}
     for qualified, owner in module.named_modules(remove_duplicate=False):
         if id(owner) in skip:
             continue
-        slots = [(key, slot, _get(slot)) for key, slot in _own_slots(qualified, owner) if _get(slot).is_meta]
+        slots = [(key, slot, get(slot)) for key, slot in own_slots(qualified, owner) if get(slot).is_meta]
         if not slots:
             continue
-        fresh: dict[int, tuple[str, torch.Tensor]] = {}
-        for key, _, old in slots:
+        fresh: dict[int, tuple[str, Slot, torch.Tensor]] = {}  # tensors this module is the first to hold
+        for key, slot, old in slots:
             if id(old) not in made:
-                fresh.setdefault(id(old), (key, old))
-        found = {key: _find(key, source, aliases) for key, _ in fresh.values()}
-        needs_init = [key for key, _ in fresh.values() if found[key] is None]
-        staging = torch.device("cpu") if needs_init else device  # initialisation draws on the CPU, as everywhere
-        for tid, (_, old) in fresh.items():
-            made[tid] = _staged(old, staging, bool(needs_init), done.wholes)
+                fresh.setdefault(id(old), (key, slot, old))
+        found = {key: _find(key, source, aliases) for key, _, _ in fresh.values()}
+        unset = {key: slot for key, slot, _ in fresh.values() if found[key] is None}
+        staging = torch.device("cpu") if unset else device  # initialisation draws on the CPU, as everywhere
+        for tid, (_, _, old) in fresh.items():
+            made[tid] = _staged(old, staging, bool(unset), done.wholes)
         for _, slot, old in slots:
-            _set(slot, made[id(old)])
-        if needs_init:
-            unset = {tid: key for tid, (key, _) in fresh.items() if found[key] is None}
-            for tid in unset:
-                _poison(made[tid])
-            _initialize(owner, qualified, seed, init_owner, needs_init)
-            for _, slot, old in slots:  # an initialisation that assigned a new tensor: that one is the value
-                made[id(old)] = _get(slot)
-            _check_set(owner, qualified, [key for tid, key in unset.items() if _poisoned(made[tid])])
+            if id(old) in fresh:
+                put(slot, made[id(old)])
+        if unset:
+            for tid, (key, slot, _) in fresh.items():  # a tied tensor whose first holder is elsewhere: as it does
+                first = firsts.get(key)
+                if key in unset and first is not None and first.qualified != qualified:
+                    made[tid] = initialize_as_first(first, made[tid], seed, init_owner)
+                    put(slot, made[tid])
+                    del unset[key]
+            # the module's initialisation writes only what it is to initialise: a tensor an earlier module made (a
+            # tied one) stays on meta meanwhile, and one read from the source or with values is set aside, so what
+            # it draws does not depend on where the model was cut, and what was read or made is not written again
+            if unset:
+                held = _set_aside(owner, {id(made[tid]) for tid, (key, _, _) in fresh.items() if key in unset})
+                try:
+                    initialize(owner, qualified, seed, init_owner, unset)
+                finally:
+                    for slot, tensor in held:
+                        put(slot, tensor)
+            for tid, (_, slot, old) in fresh.items():  # an initialisation that assigned a new tensor: it is the value
+                made[tid] = _moved(get(slot), device, old, done.wholes)
             done.initialized.append(qualified or "<root>")
-            for tid, (_, old) in fresh.items():
-                made[tid] = _moved(made[tid], device, old, done.wholes)
-            for _, slot, old in slots:
-                _set(slot, made[id(old)])
-        for tid, (key, _) in fresh.items():
+        for _, slot, old in slots:
+            put(slot, made[id(old)])
+        for tid, (key, _, _) in fresh.items():
             name = found[key]
             if name is None or source is None:
                 continue
@@ -124,8 +141,8 @@ def _overwrite(
     for qualified, owner in module.named_modules(remove_duplicate=False):
         if id(owner) in skip:
             continue
-        for key, slot in _own_slots(qualified, owner):
-            tensor = _get(slot)
+        for key, slot in own_slots(qualified, owner):
+            tensor = get(slot)
             name = _find(key, source, aliases)
             if tensor.is_meta or id(tensor) in seen or name is None:
                 continue
@@ -160,13 +177,13 @@ def free_to_meta(module: nn.Module, keep: Iterable[torch.Tensor]) -> dict[int, t
     kept = {id(t) for t in keep}
     replaced: dict[int, torch.Tensor] = {}
     for qualified, owner in module.named_modules(remove_duplicate=False):
-        for _, slot in _own_slots(qualified, owner):
-            tensor = _get(slot)
+        for _, slot in own_slots(qualified, owner):
+            tensor = get(slot)
             if id(tensor) in kept or tensor.is_meta:
                 continue
             if id(tensor) not in replaced:
-                replaced[id(tensor)] = _empty_like(tensor, torch.device("meta"))
-            _set(slot, replaced[id(tensor)])
+                replaced[id(tensor)] = empty_like(tensor, torch.device("meta"))
+            put(slot, replaced[id(tensor)])
     return replaced
 
 
@@ -214,50 +231,18 @@ def aliases_of(module: nn.Module) -> dict[str, list[str]]:
     """For each key of a tensor that several names share (tied weights), the other names of it."""
     names: dict[int, list[str]] = {}
     for qualified, owner in module.named_modules(remove_duplicate=False):
-        for key, slot in _own_slots(qualified, owner):
-            names.setdefault(id(_get(slot)), []).append(key)
+        for key, slot in own_slots(qualified, owner):
+            names.setdefault(id(get(slot)), []).append(key)
     return {
         key: [other for other in group if other != key] for group in names.values() if len(group) > 1 for key in group
     }
-
-
-# helpers
-def _own_slots(qualified: str, owner: nn.Module) -> list[tuple[str, Slot]]:
-    prefix = f"{qualified}." if qualified else ""
-    slots: list[tuple[str, Slot]] = [
-        (prefix + n, (owner, n, True)) for n, p in owner._parameters.items() if p is not None
-    ]
-    slots += [(prefix + n, (owner, n, False)) for n, b in owner._buffers.items() if b is not None]
-    return slots
-
-
-def _get(slot: Slot) -> torch.Tensor:
-    owner, name, is_param = slot
-    value = owner._parameters[name] if is_param else owner._buffers[name]
-    assert value is not None
-    return value
-
-
-def _set(slot: Slot, value: torch.Tensor) -> None:
-    owner, name, is_param = slot
-    if is_param:
-        owner._parameters[name] = value  # type: ignore[assignment]
-    else:
-        owner._buffers[name] = value
-
-
-def _empty_like(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    empty = torch.empty_like(tensor, device=device)
-    if isinstance(tensor, nn.Parameter):
-        return nn.Parameter(empty, requires_grad=tensor.requires_grad)
-    return empty
 
 
 def _staged(old: torch.Tensor, device: torch.device, whole: bool, wholes: Wholes) -> torch.Tensor:
     """Where ``old`` (a meta tensor) gets its values: a tensor like it on ``device``; for a sharded one, its shard,
     or (``whole``: its module initialises it) the whole tensor, cut to its shard once initialised (`_moved`)."""
     if not is_sharded(old):
-        return _empty_like(old, device)
+        return empty_like(old, device)
     if not whole:
         return empty_shard_like(old, device)
     staged = whole_like(old, device)
@@ -278,6 +263,20 @@ def _moved(tensor: torch.Tensor, device: torch.device, like: torch.Tensor, whole
     return tensor.to(device)
 
 
+def _set_aside(owner: nn.Module, keep: set[int]) -> list[tuple[Slot, torch.Tensor]]:
+    """Put a meta tensor in place of each tensor with values of ``owner`` and its submodules whose id is not in
+    ``keep``; returns each (slot, tensor) to put back."""
+    held = []
+    for _, module in owner.named_modules(remove_duplicate=False):
+        for _, slot in own_slots("", module):
+            tensor = get(slot)
+            if not tensor.is_meta and id(tensor) not in keep:
+                held.append((slot, tensor))
+                empty = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")  # a DTensor's: its whole shape
+                put(slot, nn.Parameter(empty, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else empty)
+    return held
+
+
 def _find(key: str, source: WeightSource | None, aliases: Mapping[str, Sequence[str]]) -> str | None:
     if source is None:
         return None
@@ -285,58 +284,6 @@ def _find(key: str, source: WeightSource | None, aliases: Mapping[str, Sequence[
         if name in source:
             return name
     return None
-
-
-def _initialize(owner: nn.Module, qualified: str, seed: int, init_owner: nn.Module | None, keys: list[str]) -> None:
-    init = _init_function(owner, init_owner)
-    if init is None:
-        raise ConfigurationError(
-            f"{', '.join(keys[:3])} of {type(owner).__name__} ({qualified or 'the root module'}) have no values "
-            "(built on the meta device), are not in the weights or checkpoint given, and the module has no "
-            "reset_parameters() to initialise them: give it a reset_parameters(), pass weights= or ckpt_path= "
-            "holding them, or build the model without init_module(empty_init=True) / configure_model"
-        )
-    with torch.random.fork_rng(devices=[]), torch.no_grad():
-        torch.manual_seed(derive_seed(seed, "init", qualified) % (2**63))
-        init()
-
-
-def _poison(tensor: torch.Tensor) -> None:
-    """Fill a tensor about to be initialised with what no initialisation writes (NaN; an integer's minimum)."""
-    with torch.no_grad():
-        if tensor.is_floating_point() or tensor.is_complex():
-            tensor.fill_(float("nan"))
-        elif tensor.dtype != torch.bool:
-            tensor.fill_(torch.iinfo(tensor.dtype).min)
-
-
-def _poisoned(tensor: torch.Tensor) -> bool:
-    """Whether an initialisation left (part of) ``tensor`` as `_poison` filled it: memory nothing wrote."""
-    if tensor.numel() == 0 or tensor.is_meta or tensor.dtype == torch.bool:
-        return tensor.is_meta
-    if tensor.is_floating_point() or tensor.is_complex():
-        return bool(torch.isnan(tensor).any())
-    return bool((tensor == torch.iinfo(tensor.dtype).min).all())
-
-
-def _check_set(owner: nn.Module, qualified: str, unset: list[str]) -> None:
-    if unset:
-        raise ConfigurationError(
-            f"{', '.join(unset[:5])} of {type(owner).__name__} ({qualified or 'the root module'}) still hold "
-            "uninitialised memory after its initialisation (reset_parameters() / _init_weights): the model was "
-            "built without values (init_module(empty_init=True) / configure_model) and the checkpoint or weights "
-            "do not hold them. Make the module's reset_parameters() set every parameter and buffer (non-persistent "
-            "buffers too), or give their values in ckpt_path= / weights="
-        )
-
-
-def _init_function(owner: nn.Module, init_owner: nn.Module | None) -> Callable[[], object] | None:
-    """A HuggingFace model initialises its modules itself (``_init_weights``); other modules reset themselves."""
-    hf_init = getattr(init_owner, "_init_weights", None)
-    if callable(hf_init):
-        return lambda: hf_init(owner)
-    reset = getattr(owner, "reset_parameters", None)
-    return reset if callable(reset) else None
 
 
 def _submodule(root: nn.Module, path: str) -> nn.Module | None:
