@@ -22,6 +22,7 @@ split backward of a tensor-parallel block against the plain block's).
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import one_thread
 from launching import ROOT, Run, forked_ranks
 from tensor_parallel_train import CLIP, GLOBAL_BATCH, STEPS, Net, make_data, make_model, make_optimizer, optimizer_of
 from test_launched import assert_ok, in_order, shuffled
@@ -40,6 +42,13 @@ from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.strategy.layout import Layout
 
 SCRIPT = str(ROOT / "tests" / "tensor_parallel_train.py")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def plain_references_in_one_thread() -> Iterator[None]:
+    """The plain Trainer's references run here, beside the launches' processes: `one_thread`."""
+    with one_thread():
+        yield
 
 
 def test_tensor_ranks_are_innermost_and_each_tensor_rank_is_a_pipeline_of_its_own() -> None:
