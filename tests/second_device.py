@@ -7,16 +7,15 @@ what it returns, so models train on it (autograd, optimizers) as on any device, 
 a machine with a GPU. Tensors made on it with ``torch.tensor(scalar, device=...)`` fail (a pytorch internal
 assert), so the coordinator's device (the last stage's, where Lightning makes such tensors) stays the CPU.
 
-Registering renames PrivateUse1 for the life of the process and makes torch see an accelerator: `in_fork`
-runs a function in a forked child of the test process (milliseconds: nothing is imported again), which
-registers it there, so the test process and the tests after it see no change.
+Registering renames PrivateUse1 for the life of the process and makes torch see an accelerator, and torch's
+autograd engine takes a new device only before the process's first backward: `in_fresh_process` runs a test's
+function in a new process that registers it first, so the test process and the tests after it see no change.
 """
 
 from __future__ import annotations
 
-import multiprocessing
-import traceback
-from collections.abc import Callable
+import importlib
+import sys
 from typing import Any
 
 import torch
@@ -90,33 +89,23 @@ def register() -> None:
     _registered.append(library)
 
 
-def _child(function: Callable[[], None], report: Any) -> None:
-    torch.set_num_threads(1)  # OpenMP's threads do not survive a fork
-    try:
-        register()
-        function()
-        report.send(None)
-    except BaseException:  # noqa: BLE001 - what the child raised is the result
-        report.send(traceback.format_exc())
+def in_fresh_process(target: str, devices: list[str], timeout: float = 120) -> None:
+    """``target`` (``"module:function"``, a module of tests/) called with ``devices`` in a new process where `register`
+    ran first; its output in the AssertionError if it fails. A new process, not a fork of the test process: torch's
+    autograd engine sizes its device queues at the first backward, so a process that ran one cannot take a device
+    registered after it."""
+    from launching import ROOT, base_env, run_all
+
+    run = run_all([([sys.executable, str(ROOT / "tests" / "second_device.py"), target, *devices], base_env())], timeout)
+    assert run.ok, f"{target}({devices}) with a second device '{NAME}' failed:\n{run.output[-4000:]}"
 
 
-def in_fork(function: Callable[[], None], timeout: float = 120) -> None:
-    """Run ``function`` in a forked child with `register`ed; re-raise what it raised (its traceback) here."""
-    context = multiprocessing.get_context("fork")
-    receive, send = context.Pipe(duplex=False)
-    child = context.Process(target=_child, args=(function, send), daemon=True)
-    child.start()
-    send.close()
-    try:
-        if not receive.poll(timeout):
-            raise AssertionError(f"the forked child did not finish within {timeout} s")
-        failure = receive.recv()
-    except EOFError:
-        failure = "the forked child ended without a report"
-    finally:
-        child.join(10)
-        if child.is_alive():
-            child.kill()
-            child.join()
-    if failure is not None:
-        raise AssertionError(f"in the forked child (a second device '{NAME}'):\n{failure}")
+def main() -> None:
+    """``python tests/second_device.py MODULE:FUNCTION DEVICE...``: `register`, then ``FUNCTION([DEVICE, ...])``."""
+    register()
+    module, _, function = sys.argv[1].partition(":")
+    getattr(importlib.import_module(module), function)(sys.argv[2:])
+
+
+if __name__ == "__main__":
+    main()

@@ -27,7 +27,7 @@ import torch
 from helpers import QUIET, Classifier, dataset, loader, mlp
 from lightning.pytorch.callbacks import ModelCheckpoint
 from processes import leftover_processes
-from second_device import in_fork
+from second_device import in_fresh_process
 
 from lightning_pipe import PipeStrategy
 from lightning_pipe.checkpoint.consolidate import consolidate
@@ -240,7 +240,7 @@ class StageDevices(L.Callback):
         self.checked += 1
 
 
-def check_stage_devices(devices: list[str]) -> None:
+def check_stage_devices(devices: list[str]) -> None:  # also run by tests/second_device.py
     """A local fit of 2 steps on ``devices`` (a model built on meta), checked after each step."""
     strategy = PipeStrategy(stages=2, microbatches=2, devices=devices)
     checks = StageDevices()
@@ -254,8 +254,8 @@ def check_stage_devices(devices: list[str]) -> None:
 
 def test_local_stages_hold_their_tensors_on_their_own_devices() -> None:
     """Stage 0 on a second device (tests/second_device.py: the CPU's values under another device's name), stage 1
-    on the CPU: a tensor of either on the other's device fails. In a forked child: the device is the child's only."""
-    in_fork(lambda: check_stage_devices([second_device.DEVICE, "cpu"]))
+    on the CPU: a tensor of either on the other's device fails. In a process of its own, where that device exists."""
+    in_fresh_process("test_state_contract_rpc:check_stage_devices", [second_device.DEVICE, "cpu"])
 
 
 @pytest.mark.cuda
