@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from collections.abc import Iterator
 from typing import Any
 
 import lightning as L
@@ -67,6 +69,18 @@ def dataset(rows: int = 64, inputs: int = 8, classes: int = 3, seed: int = 1) ->
 
 def loader(ds: TensorDataset | None = None, batch_size: int = 16) -> DataLoader:
     return DataLoader(ds if ds is not None else dataset(), batch_size=batch_size)
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """A plain reference run's tiny ops in one intra-op thread: on a loaded 2-core machine two OpenMP threads wait
+    on each other (a few hundred steps of a tiny MLP: 0.04 s alone, 0.5-2 s beside other processes)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def twins(module: L.LightningModule) -> tuple[L.LightningModule, L.LightningModule]:

@@ -81,7 +81,7 @@ class Losses(L.Callback):
         self.start: dict[str, torch.Tensor] = {}
 
     def on_train_start(self, trainer: Any, module: Any) -> None:
-        if trainer.strategy.layout is None:
+        if getattr(trainer.strategy, "layout", None) is None:  # local mode, or a plain Trainer
             self.start = {k: v.detach().clone() for k, v in module.state_dict().items()}
 
     def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:

@@ -9,6 +9,7 @@ Lightning's ``ModelParallelStrategy`` and under ``PipeStrategy(stages=S, tensor_
 (``<out>/<case>-rank<g>.pt``) for the test to compare.
 
     torchrun --nproc-per-node 4 tests/tensor_parallel_train.py --cases mps-d2-t2,pipe-s2-t2-gpipe --out /tmp/x
+    torchrun --nproc-per-node 4 tests/tensor_parallel_train.py --cases "" --units --out /tmp/x  # the units alone
 """
 
 from __future__ import annotations
@@ -341,9 +342,10 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--resume", default=None, help="the checkpoint that cases marked 'resume' continue")
     parser.add_argument("--checkpoints", default=None, help="where cases named <case>@<saving case> find its save")
+    parser.add_argument("--units", action="store_true", help="after the cases: tests/tensor_parallel_units.py")
     args = parser.parse_args()
     out = Path(args.out)
-    for name in args.cases.split(","):
+    for name in filter(None, args.cases.split(",")):
         case, _, source = name.partition("@")  # resume@<case>: from the checkpoint that case saved (--checkpoints)
         strategy, replicas = strategy_of(case, args.devices, out)
         L.seed_everything(0, verbose=False)
@@ -378,6 +380,10 @@ def main() -> None:
                      "sharded": sharded(model.model), "meta": on_meta(model.model)}  # fmt: skip
             where["held"] = held(model.model)
             (out / f"{name}-rank{rank}.json").write_text(json.dumps(where))
+    if args.units:
+        import tensor_parallel_units
+
+        tensor_parallel_units.run(out)
     (out / f"done-rank{dist.get_rank()}").touch()
 
 

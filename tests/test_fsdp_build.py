@@ -10,11 +10,13 @@ one process. Here: what needs no launch.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import lightning as L
 import pytest
 import torch
+from helpers import one_thread
 from torch import nn
 
 from lightning_pipe import PipeStrategy
@@ -38,12 +40,14 @@ def test_fsdp_internals_fail_loudly_naming_torch_and_the_file(monkeypatch: pytes
     assert "_state_ctx" in str(error.value) and "fsdp_internals.py" in str(error.value)
 
 
-def test_fsdp_without_a_second_replica_warns_and_trains_whole_stages() -> None:
-    """Local mode has one replica of each stage: data_parallel='fsdp' says it shards nothing, and trains."""
+def test_fsdp_without_a_second_replica_warns_and_trains_as_a_plain_trainer() -> None:
+    """Local mode has one replica of each stage: data_parallel='fsdp' says it shards nothing, and trains as a plain
+    Trainer does (the same model, data and SGD steps: parameters equal to 1e-5)."""
+    torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
 
     class Net(L.LightningModule):
-        def __init__(self) -> None:
+        def __init__(self, model: nn.Module) -> None:
             super().__init__()
             self.model = model
 
@@ -53,13 +57,21 @@ def test_fsdp_without_a_second_replica_warns_and_trains_whole_stages() -> None:
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
-    trainer = L.Trainer(
-        accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False,
-        strategy=PipeStrategy(stages=2, microbatches=2, transport="local", data_parallel="fsdp"),
-    )  # fmt: skip
-    data = torch.utils.data.TensorDataset(torch.randn(4, 4), torch.randn(4, 2))
+    def fit(module: Net, strategy: PipeStrategy | None) -> None:
+        trainer = L.Trainer(
+            accelerator="cpu", devices=1, max_steps=3, logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, **({"strategy": strategy} if strategy else {}),
+        )  # fmt: skip
+        trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=4))
+
+    g = torch.Generator().manual_seed(1)
+    data = torch.utils.data.TensorDataset(torch.randn(12, 4, generator=g), torch.randn(12, 2, generator=g))
+    piped, plain = Net(model), Net(copy.deepcopy(model))
     before = model[0].weight.detach().clone()
     with pytest.warns(UserWarning, match="no stage has a second replica to be sharded over, so nothing is sharded"):
-        trainer.fit(Net(), torch.utils.data.DataLoader(data, batch_size=4))
-    assert not torch.equal(model[0].weight, before)  # trained
+        fit(piped, PipeStrategy(stages=2, microbatches=2, transport="local", data_parallel="fsdp"))
+    with one_thread():
+        fit(plain, None)
+    assert not torch.equal(plain.model[0].weight, before)  # the oracle is not vacuous: 3 steps moved the weights
+    for (name, got), want in zip(piped.named_parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0, msg=name)

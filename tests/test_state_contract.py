@@ -2,11 +2,13 @@
 
 Modes: local mode built eagerly and on meta (``init_module(empty_init=True)``), launched mode 1 x 2 (DDP,
 built eagerly) and 2 x 1 FSDP (built in ``configure_model``); formats: a single-file checkpoint, a sharded
-folder, safetensors ``weights=``. A run resumed from the checkpoint of the uninterrupted run's first 2 steps
-equals it (losses and parameters, 1e-5); a renamed key and an unexpected key raise before the first step
-naming them; ``strict_loading = False`` trains and says what it initialised; a second fit of the same module
-continues from where the first left it, as local mode's does. The files come from a local run
-(any layout resumes any other); one launch does every case of both launched modes in sequence.
+folder, safetensors ``weights=``. The reference is a plain Trainer (no PipeStrategy) on the same data from the
+same model (built eagerly from the seed; for a model built on meta, holding the tensors PipeStrategy's seeded
+initialisation gave it, the same in every layout). A run resumed from the checkpoint of PipeStrategy's first 2
+steps equals the plain Trainer's uninterrupted run (losses and parameters, 1e-5); a renamed key and an unexpected
+key raise before the first step naming them; ``strict_loading = False`` trains and says what it initialised; a
+second fit of the same module continues from where the first left it, as a plain Trainer's does. The files come
+from a local run (any layout resumes any other); one launch does every case of both launched modes in sequence.
 """
 
 from __future__ import annotations
@@ -18,16 +20,20 @@ import socket
 from pathlib import Path
 from typing import Any
 
+import lightning as L
 import pytest
 import torch
+from helpers import QUIET, one_thread
 from launching import ROOT, forked_ranks
-from state_contract import EXTRA, PART, RENAMED, STEPS, fit, tensors, write_files
+from state_contract import BATCH, EXTRA, PART, RENAMED, STEPS, Losses, Net, fit, make_data, tensors, write_files
 from torch import nn
+from torch.utils.data import DataLoader
 
 from lightning_pipe import PipeStrategy
 from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.weights import materialize
 from lightning_pipe.weights.keys import KeyMismatchError
+from lightning_pipe.weights.sources import MODEL, TorchFileSource
 
 SCRIPT = str(ROOT / "tests" / "state_contract.py")
 BUILDS = ["eager", "init_module"]
@@ -38,20 +44,42 @@ def strategy(**kwargs: Any) -> PipeStrategy:
     return PipeStrategy(stages=2, microbatches=2, **kwargs)
 
 
+def plain_fit(
+    steps: int, start: dict[str, torch.Tensor] | None, net: Net | None = None
+) -> tuple[L.Trainer, Net, Losses]:
+    """The reference: a plain Trainer (no PipeStrategy) on the same data, ``steps`` steps of the model built eagerly
+    from the seed, or holding ``start`` (a model built on meta gets its values from PipeStrategy's seeded
+    initialisation, which only PipeStrategy does); ``net``: a module an earlier plain fit trained, fitted again."""
+    L.seed_everything(0, verbose=False)
+    if net is None:
+        net = Net()
+        if start is not None:
+            net.load_state_dict(start)
+    losses = Losses()
+    trainer = L.Trainer(max_steps=steps, callbacks=[losses], **QUIET)
+    with one_thread():
+        trainer.fit(net, DataLoader(make_data(), batch_size=BATCH))
+    return trainer, net, losses
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
-    """Per local build: the uninterrupted run (losses, trained tensors) and the files of its first 2 steps."""
+    """Per local build: PipeStrategy's first 2 steps and the files of its checkpoint; the reference, a plain Trainer's
+    uninterrupted run from the same model (losses, trained tensors); the model's tensors as the fit started."""
     made: dict[str, dict[str, Any]] = {}
     for build in BUILDS:
         out = tmp_path_factory.mktemp(build)
-        t, _, ref = fit(strategy(), build, STEPS)
-        t.save_checkpoint(out / "ref.ckpt")
-        t, _, _ = fit(strategy(), build, PART)
+        t, _, part = fit(strategy(), build, PART)
         t.save_checkpoint(out / "part.ckpt")
+        start = part.start if build == "init_module" else None  # eager: the plain model is built from the seed
+        plain, _, ref = plain_fit(STEPS, start)
+        plain.save_checkpoint(out / "ref.ckpt")
+        assert part.values == pytest.approx(ref.values[:PART], abs=1e-5)  # the first 2 steps: PipeStrategy's own
         made[build] = {
             "losses": ref.values,
-            "tensors": tensors(out / "ref.ckpt"),
+            "tensors": torch.load(out / "ref.ckpt", weights_only=True)["state_dict"],
             "files": write_files(out / "part.ckpt", out),
+            "start": part.start,
         }
     return made
 
@@ -128,8 +156,9 @@ def test_launched_modes_keep_the_contract(runs: dict, tmp_path: Path) -> None:
     run = forked_ranks(SCRIPT, args, nproc=2, timeout=400)
     assert run.ok, run.output[-3000:]
     for mode, build in modes.items():
-        _, net, _ = fit(strategy(), build, PART)
-        _, _, again = fit(strategy(), build, PART, net=net)  # local mode: a later fit of the same module
+        start = runs[build]["start"] if build == "init_module" else None
+        _, net, _ = plain_fit(PART, start)
+        _, _, again = plain_fit(PART, None, net=net)  # a plain Trainer's later fit of the same module
         check_launched(mode, tmp_path / mode, runs[build] | {"again": again.values})
 
 
@@ -173,34 +202,124 @@ def check_unseeded(out: Path) -> None:
     close(tensors(out / "unseeded"), tensors(out / "unseeded-local.ckpt"))
 
 
-class Scaled(nn.Module):
-    """A module whose reset_parameters forgets one of its tensors (``forget``)."""
+class Parts(nn.Module):
+    """One tensor of each kind a model holds, each set by ``reset_parameters`` to values that draw nothing, so the
+    module built eagerly on the CPU is the reference for the one built on meta and made real by `materialize`:
+    a float parameter, float / int64 / uint8 buffers, a causal bool mask and a step counter (both non-persistent).
+    ``forget``: the tensor ``reset_parameters`` leaves unset (``count-half``: half of it); ``flags``: the uint8
+    buffer's values."""
 
-    def __init__(self, forget: str) -> None:
+    def __init__(self, forget: str = "nothing", flags: tuple[int, ...] = (0, 0, 0, 0)) -> None:
         super().__init__()
-        self.forget = forget
+        self.forget, self.flags_value = forget, flags
         self.weight = nn.Parameter(torch.empty(4, 4))
-        self.scale = nn.Parameter(torch.empty(4))
+        self.register_buffer("scale", torch.empty(4))
+        self.register_buffer("count", torch.empty(4, dtype=torch.int64))
+        self.register_buffer("flags", torch.empty(4, dtype=torch.uint8))  # set to zeros: initialised all the same
+        self.register_buffer("mask", torch.empty(4, 4, dtype=torch.bool), persistent=False)
         self.register_buffer("steps", torch.empty((), dtype=torch.long), persistent=False)
+        self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        nn.init.normal_(self.weight)
-        if self.forget != "scale":
-            nn.init.ones_(self.scale)
-        if self.forget != "steps":
-            self.steps.zero_()
+        values = {
+            "weight": torch.arange(16.0).view(4, 4) / 16, "scale": torch.full((4,), 2.0),
+            "count": torch.tensor([7, -3, 5, 11]), "flags": torch.tensor(self.flags_value, dtype=torch.uint8),
+            "mask": torch.ones(4, 4, dtype=torch.bool).tril(), "steps": torch.tensor(3),
+        }  # fmt: skip
+        with torch.no_grad():
+            for name, value in values.items():
+                if name == self.forget:
+                    continue
+                if name == "count" and self.forget == "count-half":
+                    self.count[:2] = value[:2]
+                else:
+                    getattr(self, name).copy_(value)
 
 
-@pytest.mark.parametrize("forget", ["scale", "steps"])  # a parameter; a non-persistent buffer
-def test_a_tensor_its_initialisation_leaves_empty_raises_with_its_name(forget: str) -> None:
+FORGOTTEN = ("weight", "scale", "count", "count-half", "flags", "mask", "steps")
+
+
+@pytest.mark.parametrize("forget", FORGOTTEN)
+def test_a_tensor_its_initialisation_leaves_unwritten_raises_with_its_name(forget: str) -> None:
+    """Of every dtype, persistent or not, fully or partly unwritten: materialize raises naming it (the uint8 buffer
+    set to values other than zeros here: `test_a_model_built_on_meta_is_made_the_eager_model` has the zeros)."""
     with torch.device("meta"):
-        model = nn.Sequential(nn.Linear(4, 4), Scaled(forget))
-    with pytest.raises(ConfigurationError, match=rf"1\.{forget} of Scaled \(1\) still hold uninitialised memory"):
+        model = nn.Sequential(nn.Linear(4, 4), Parts(forget, flags=(1, 0, 2, 0)))
+    name = forget.removesuffix("-half")
+    with pytest.raises(ConfigurationError, match=rf"1\.{name}\b.* of Parts \(1\)"):
         materialize(model, "cpu", seed=0)
+
+
+@pytest.mark.parametrize("flags", ["some", "zeros"])
+def test_a_model_built_on_meta_is_made_the_eager_model(flags: str) -> None:
+    """Every tensor its initialisation writes, whatever its dtype (a uint8 buffer of zeros too), equals the eager
+    build's."""
+    values = (1, 0, 2, 0) if flags == "some" else (0, 0, 0, 0)
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Linear(4, 4), Parts(flags=values))
     with torch.device("meta"):
-        model = nn.Sequential(nn.Linear(4, 4), Scaled("nothing"))
+        model = nn.Sequential(nn.Linear(4, 4), Parts(flags=values))
     materialize(model, "cpu", seed=0)
-    assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+    model[0].load_state_dict(eager[0].state_dict())  # the Linear draws its values: its own seed, not the eager one's
+    want = dict(eager.named_buffers()) | dict(eager.named_parameters())
+    got = dict(model.named_buffers()) | dict(model.named_parameters())
+    assert sorted(got) == sorted(want)
+    for key, value in want.items():
+        assert got[key].dtype == value.dtype and torch.equal(got[key], value), key
+
+
+class Table(nn.Module):
+    """An embedding table whose reset_parameters writes values that draw nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(3, 4))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            self.weight.copy_(torch.arange(12.0).view(3, 4))
+
+
+class Head(nn.Module):
+    """A head whose weight is tied to a `Table`'s; its reset_parameters writes both its tensors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(3, 4))
+        self.bias = nn.Parameter(torch.empty(3))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            self.weight.fill_(-1.0)
+            self.bias.fill_(0.5)
+
+
+def tied() -> nn.Sequential:
+    model = nn.Sequential(Table(), Head())
+    model[1].weight = model[0].weight  # tied after both were built, as HF's tie_weights does
+    return model
+
+
+def test_a_tied_tensor_is_read_or_initialised_once(tmp_path: Path) -> None:
+    """Initialised: the eager model's value (the first module's initialisation; the head's does not write it again).
+    Read from a checkpoint holding it (and not the head's bias): the checkpoint's value, the bias initialised."""
+    eager = tied()
+    with torch.device("meta"):
+        model = tied()
+    materialize(model, "cpu", seed=0)
+    assert model[1].weight is model[0].weight
+    torch.testing.assert_close(model[0].weight, eager[0].weight, rtol=0, atol=0)
+    torch.testing.assert_close(model[1].bias, eager[1].bias, rtol=0, atol=0)
+    saved = torch.full((3, 4), 9.0)
+    torch.save({MODEL: {"0.weight": saved}}, tmp_path / "tied.ckpt")
+    with torch.device("meta"):
+        model = tied()
+    materialize(model, "cpu", source=TorchFileSource(tmp_path / "tied.ckpt"), seed=0)
+    assert model[1].weight is model[0].weight
+    torch.testing.assert_close(model[1].weight, saved, rtol=0, atol=0)
+    torch.testing.assert_close(model[1].bias, eager[1].bias, rtol=0, atol=0)
 
 
 class Loose(dict):  # type: ignore[type-arg]

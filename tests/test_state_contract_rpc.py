@@ -8,7 +8,8 @@
   and load into a plain model; the script's process never gathers the stages' values or optimizer state
   (the calls that would are made to fail here) and clones no optimizer state on resume;
 - a later fit of a module built on meta starts where its rpc fit left it (the workers' folder), as local mode's;
-- local mode with several devices: each stage's tensors (and their optimizer state) are its own device's.
+- local mode with several devices: each stage's tensors (and their optimizer state) are its own device's (on a
+  machine with only a CPU, one stage on a second device that tests/second_device.py makes of the CPU).
 
 Each rpc fit starts a worker process (seconds on a busy machine), so one fit checks several things.
 """
@@ -21,10 +22,12 @@ from typing import Any
 
 import lightning as L
 import pytest
+import second_device
 import torch
 from helpers import QUIET, Classifier, dataset, loader, mlp
 from lightning.pytorch.callbacks import ModelCheckpoint
 from processes import leftover_processes
+from second_device import in_fresh_process
 
 from lightning_pipe import PipeStrategy
 from lightning_pipe.checkpoint.consolidate import consolidate
@@ -214,6 +217,7 @@ class StageDevices(L.Callback):
 
     def __init__(self) -> None:
         self.checked = 0
+        self.devices: set[torch.device] = set()  # where the tensors checked are
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         pipeline = trainer.strategy.pipeline  # type: ignore[attr-defined]
@@ -225,6 +229,7 @@ class StageDevices(L.Callback):
             device = torch.device(shard.device)
             for name, tensor in [*shard.module.named_parameters(), *shard.module.named_buffers()]:
                 assert tensor.device == device, f"stage {shard.index}'s {name} is on {tensor.device}, not {device}"
+                self.devices.add(tensor.device)
             for name, param in shard.module.named_parameters():
                 assert id(param) in module_params and id(param) in held, f"stage {shard.index}'s {name} was copied"
                 seen.add(module_params[id(param)])
@@ -235,7 +240,7 @@ class StageDevices(L.Callback):
         self.checked += 1
 
 
-def check_stage_devices(devices: list[str]) -> None:
+def check_stage_devices(devices: list[str]) -> None:  # also run by tests/second_device.py
     """A local fit of 2 steps on ``devices`` (a model built on meta), checked after each step."""
     strategy = PipeStrategy(stages=2, microbatches=2, devices=devices)
     checks = StageDevices()
@@ -244,10 +249,13 @@ def check_stage_devices(devices: list[str]) -> None:
         module = Momentum()
     trainer.fit(module, loader(dataset(rows=32), 16))
     assert checks.checked == 2
+    assert checks.devices == {torch.device(d) for d in devices}, "each stage's tensors were checked on its device"
 
 
 def test_local_stages_hold_their_tensors_on_their_own_devices() -> None:
-    check_stage_devices(["cpu", "cpu"])
+    """Stage 0 on a second device (tests/second_device.py: the CPU's values under another device's name), stage 1
+    on the CPU: a tensor of either on the other's device fails. In a process of its own, where that device exists."""
+    in_fresh_process("test_state_contract_rpc:check_stage_devices", [second_device.DEVICE, "cpu"])
 
 
 @pytest.mark.cuda

@@ -14,12 +14,15 @@ each, validate and predict with the fitted module, and with a new module from th
 first's sharded checkpoint as 2 x 4 x 1; the 4-process launch resumes it as 1 x 2 x 2 and under
 ``ModelParallelStrategy``, resumes a ``ModelParallelStrategy`` checkpoint under PipeStrategy and runs validate, test
 and predict; the folder consolidated to one file resumes under a plain Trainer.
-Each resumed run equals the plain model trained one step more.
+Each resumed run equals the plain model trained one step more. After its cases the 4-process launch runs the units
+that need collectives doing work, over 2-rank tensor meshes (`tensor_parallel_units`: a DTensor crossing a link, the
+split backward of a tensor-parallel block against the plain block's).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +30,7 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import one_thread
 from launching import ROOT, Run, forked_ranks
 from tensor_parallel_train import CLIP, GLOBAL_BATCH, STEPS, Net, make_data, make_model, make_optimizer, optimizer_of
 from test_launched import assert_ok, in_order, shuffled
@@ -38,6 +42,13 @@ from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.strategy.layout import Layout
 
 SCRIPT = str(ROOT / "tests" / "tensor_parallel_train.py")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def plain_references_in_one_thread() -> Iterator[None]:
+    """The plain Trainer's references run here, beside the launches' processes: `one_thread`."""
+    with one_thread():
+        yield
 
 
 def test_tensor_ranks_are_innermost_and_each_tensor_rank_is_a_pipeline_of_its_own() -> None:
@@ -84,82 +95,60 @@ def test_what_tensor_parallel_does_not_run_with_fails_when_the_strategy_is_made(
         PipeStrategy(stages=2, **{"tensor_parallel": 2, **options})
 
 
-def test_a_dtensor_crosses_a_link_as_its_local_part_with_its_placements_in_the_header() -> None:
-    """The frame format alone (a one-process gloo world): a DTensor leaves as its local part, its layout in the
-    `TensorHeader`, and is rebuilt over the receiver's tensor mesh as a new autograd leaf; plain tensors as before."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
-
-    from lightning_pipe.comm.base import MessageKind
-    from lightning_pipe.comm.p2p.dtensor_frames import use_tensor_mesh
-    from lightning_pipe.comm.p2p.frames import join_payload, split_payload
-
-    store = torch.distributed.HashStore()
-    torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        mesh = init_device_mesh("cpu", (1,))
-        value = distribute_tensor(torch.randn(2, 4, 3), mesh, [Shard(1)]).requires_grad_()
-        plain = torch.randn(2)
-        signature, tensors = split_payload(MessageKind.ACTIVATION, {"x": value, "y": plain})
-        assert signature is not None and [type(t) for t in tensors] == [torch.Tensor, torch.Tensor]
-        layouts = [meta.layout for meta in signature.metas]
-        assert layouts[0] is not None and layouts[0].placements == (Shard(1),) and layouts[1] is None
-        use_tensor_mesh(mesh)
-        got = join_payload(signature, [t.detach().clone() for t in tensors])
-        assert isinstance(got["x"], DTensor) and got["x"].placements == (Shard(1),) and got["x"].is_leaf
-        assert got["x"].requires_grad and torch.equal(got["x"].full_tensor(), value.full_tensor())
-        assert type(got["y"]) is torch.Tensor and torch.equal(got["y"], plain)
-    finally:
-        use_tensor_mesh(None)
-        torch.distributed.destroy_process_group()
+def units(four_processes: tuple[Run, Path]) -> list[dict[str, Any]]:
+    """What each of the 4-process launch's processes saw of `tensor_parallel_units` (a 2 x 2 mesh: rows [0, 1] and
+    [2, 3], each row a 2-rank tensor mesh)."""
+    run, out = four_processes
+    found = []
+    for rank in range(4):
+        path = out / f"units-rank{rank}.json"
+        assert path.is_file(), f"rank {rank} wrote no {path.name}: {run.output[-3000:]}"
+        result = json.loads(path.read_text())
+        assert "error" not in result, f"rank {rank}: {result['error']}"
+        found.append(result)
+    return found
 
 
-def test_the_split_backward_of_a_tensor_parallel_block_equals_its_whole_backward() -> None:
-    """zero-bubble's split backward through DTensor modules (a one-process gloo world; the launch runs it over two
-    tensor ranks): a block under the Colwise/Rowwise plan (its parameters DTensors, the collectives inside its
-    graph) gives by ``backward_input`` then ``backward_weight`` the input and parameter gradients of one ordinary
-    backward, and ``I`` alone leaves the parameters' gradients to ``W``."""
-    from tensor_parallel_train import Block, tensor_parallel_plan
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor.parallel import parallelize_module
-
-    from lightning_pipe.engine.split_backward import backward_input, backward_weight
-
-    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
-    try:
-        mesh = init_device_mesh("cpu", (1,))
-        torch.manual_seed(0)
-        blocks = [Block(), Block()]
-        blocks[1].load_state_dict(blocks[0].state_dict())
-        for block in blocks:
-            parallelize_module(block, mesh, tensor_parallel_plan())  # type: ignore[arg-type]
-        x = torch.randn(2, 4, 16)
-        grad = torch.randn(2, 4, 16)
-        inputs = [x.clone().requires_grad_() for _ in blocks]
-        blocks[0](inputs[0]).backward(grad)
-        output = blocks[1](inputs[1])
-        (input_grad,), pending = backward_input([output], [grad], inputs[1:], list(blocks[1].parameters()))
-        assert input_grad is not None and pending.groups
-        assert sum(isinstance(p, DTensor) for p in blocks[1].parameters()) == 10  # the plan's weights, the MLP's biases
-        assert all(p.grad is None for p in blocks[1].parameters())  # I computed no weight gradient
-        backward_weight(pending)
-        assert inputs[0].grad is not None and torch.allclose(input_grad, inputs[0].grad, atol=1e-6)
-        for (key, split), whole_parameter in zip(blocks[1].named_parameters(), blocks[0].parameters(), strict=True):
-            assert isinstance(split.grad, DTensor) == isinstance(whole_parameter.grad, DTensor), key
-            got, expected = (full(p.grad) for p in (split, whole_parameter))
-            diff = (got - expected).abs().max().item()
-            assert diff < 1e-6, f"{key}: the split backward's gradient differs from the whole one's by {diff:.2e}"
-    finally:
-        torch.distributed.destroy_process_group()
+@pytest.mark.slow
+def test_a_dtensor_crosses_a_link_as_its_local_part_with_its_placements_in_the_header(
+    four_processes: tuple[Run, Path],
+) -> None:
+    """Over two tensor ranks (the 4-process launch, `tensor_parallel_units.frames`): a DTensor sharded along dim 1
+    leaves as its tensor rank's half (a plain tensor), its placements in the header; the same tensor rank of the
+    other row rebuilds it over its own tensor mesh as a new autograd leaf holding the sender's half, whose whole value
+    (gathered over the receiver's 2 ranks) is the sender's; a plain tensor crosses as before."""
+    for rank, result in enumerate(units(four_processes)):
+        got = result["frames"]
+        assert got["sent_types"] == ["Tensor", "Tensor"] and got["sent_local"] == [2, 2, 3], (rank, got)
+        assert got["layouts"] == ["(Shard(dim=1),)", None], (rank, got)
+        assert got["dtensor"] and got["placements"] == "(Shard(dim=1),)" and got["leaf"] and got["requires_grad"]
+        assert got["mesh_ranks"] == ([0, 1] if rank < 2 else [2, 3]), (rank, got)  # the receiver's own tensor mesh
+        assert got["local"] == got["expected_local"], f"rank {rank} holds another half than the sender's"
+        assert got["full_diff"] == 0.0 and got["plain_type"] == "Tensor" and got["plain_diff"] == 0.0, (rank, got)
+    halves = [result["frames"]["local"] for result in units(four_processes)]
+    assert halves[0] != halves[1], "the two tensor ranks received the same half: the oracle would be vacuous"
 
 
-def full(tensor: torch.Tensor | None) -> torch.Tensor:
-    """A gradient's whole value (a DTensor gathered)."""
-    from torch.distributed.tensor import DTensor
-
-    assert tensor is not None, "no gradient"
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor  # type: ignore[attr-defined]
+@pytest.mark.slow
+def test_the_split_backward_of_a_tensor_parallel_block_equals_the_plain_blocks_backward(
+    four_processes: tuple[Run, Path],
+) -> None:
+    """Over two tensor ranks (the 4-process launch, `tensor_parallel_units.split_backward`): a block under the
+    Colwise/Rowwise plan (its parameters DTensors, each rank holding half of the sharded ones, the collectives inside
+    its graph) gives by ``backward_input`` then ``backward_weight`` the input and parameter gradients of the plain
+    block's backward (1e-5; measured 4.8e-7 and 9.5e-7, a few ulps: tensor parallel splits the sums), and exactly
+    those of the parallel block's one ordinary backward; ``I`` alone leaves the parameters' gradients to ``W``."""
+    for rank, result in enumerate(units(four_processes)):
+        got = result["split_backward"]
+        assert got["pending"] and got["no_weight_grads_before_w"], (rank, got)  # I computed no weight gradient
+        assert got["input_plain_diff"] < 1e-5 and got["input_whole_diff"] < 1e-6, (rank, got)
+        grads = got["grads"]
+        assert sum(g["dtensor"] for g in grads.values()) == 10  # the plan's weights, the MLP's biases
+        assert sum(g["local_share"] == 0.5 for g in grads.values()) == 9, grads  # sharded: all but wo's replicated bias
+        for key, g in grads.items():
+            assert g["grad_dtensor"] == g["dtensor"], (rank, key, g)
+            assert g["plain_diff"] < 1e-5, f"rank {rank}: {key}'s gradient differs from the plain block's: {g}"
+            assert g["whole_diff"] < 1e-6, f"rank {rank}: {key}'s split gradient differs from the whole one's: {g}"
 
 
 def test_a_module_sharded_before_pipestrategy_cut_it_is_refused_naming_the_fix() -> None:
@@ -308,6 +297,23 @@ def eight_processes(tmp_path_factory: pytest.TempPathFactory) -> tuple[Run, Path
     return forked_ranks(SCRIPT, ["--devices", "8", "--cases", cases, "--out", str(out)], nproc=8, timeout=420), out
 
 
+#: the 4-process launch's cases checked against the plain Trainer, the last one's checkpoint resumed by `FOUR_RESUMED`
+FOUR = ["mps-d2-t2-adamw-save", "pipe-s2-t2-gpipe-seq-adamw", *SCHEDULES, "pipe-s2-t2-1f1b-clip-save"]
+FOUR_RESUMED = "pipe-s2-t2-gpipe-clip-resume"
+
+
+@pytest.fixture(scope="module")
+def four_processes(tmp_path_factory: pytest.TempPathFactory, eight_processes: tuple[Run, Path]) -> tuple[Run, Path]:
+    """The 4-process launch (1 x 2 x 2), once for the module: its cases, then the tensor-parallel units over two
+    tensor ranks (`tensor_parallel_units`, a second or two: no launch of their own)."""
+    eight, eight_out = eight_processes
+    assert_ok(eight)  # its checkpoint is resumed here
+    out = tmp_path_factory.mktemp("four")
+    launched = [*FOUR, FOUR_RESUMED, *RESUMES, *BF16, VARLEN]
+    args = ["--devices", "4", "--cases", ",".join(launched), "--resume", str(out / f"{FOUR[-1]}.ckpt"), "--units"]
+    return forked_ranks(SCRIPT, [*args, "--out", str(out), "--checkpoints", str(eight_out)], nproc=4, timeout=600), out
+
+
 def assert_resumed(folder: Path, name: str, expected: dict[str, torch.Tensor], ranks: int) -> None:
     """Every process's stage after the resumed run ``name`` equals the plain model trained one step more."""
     for rank in range(ranks):
@@ -340,9 +346,7 @@ def assert_evaluation_equal(got: dict[str, Any], expected: dict[str, Any], where
 
 
 @pytest.mark.slow
-def test_a_model_parallel_strategy_module_runs_unchanged_as_1x2x2(
-    tmp_path: Path, eight_processes: tuple[Run, Path]
-) -> None:
+def test_a_model_parallel_strategy_module_runs_unchanged_as_1x2x2(four_processes: tuple[Run, Path]) -> None:
     """gpipe with AdamW and the activations between blocks sharded along the sequence (DTensors, ``Shard(1)``: each
     tensor rank sends its local half to the same tensor rank of the next stage, which rebuilds the DTensor, forward
     and back); 1f1b with SGD and gradient clipping (the norm over both stages and both tensor ranks: a sharded
@@ -353,15 +357,9 @@ def test_a_model_parallel_strategy_module_runs_unchanged_as_1x2x2(
     resumed as 1 x 2 x 2 and under ModelParallelStrategy, a ModelParallelStrategy checkpoint (AdamW's moments) resumed
     under PipeStrategy (the two write the same folder: `lightning_pipe.checkpoint.sharded`), and ``trainer.validate``,
     ``test`` and ``predict`` under 1 x 2 x 2 equal to the plain Trainer's."""
-    eight, eight_out = eight_processes
-    assert_ok(eight)  # its checkpoint is resumed here
-    cases = ["mps-d2-t2-adamw-save", "pipe-s2-t2-gpipe-seq-adamw", *SCHEDULES, "pipe-s2-t2-1f1b-clip-save"]
-    checkpoint = tmp_path / f"{cases[-1]}.ckpt"
-    resumed = "pipe-s2-t2-gpipe-clip-resume"
-    launched = [*cases, resumed, *RESUMES, *BF16, VARLEN]
-    args = ["--devices", "4", "--cases", ",".join(launched), "--resume", str(checkpoint)]
-    run = forked_ranks(SCRIPT, [*args, "--out", str(tmp_path), "--checkpoints", str(eight_out)], nproc=4, timeout=600)
+    run, tmp_path = four_processes
     assert_ok(run)
+    cases, checkpoint, resumed = FOUR, tmp_path / f"{FOUR[-1]}.ckpt", FOUR_RESUMED
     plain = {option: plain_trainer_model(option) for option in ("sgd", "adamw", "clip")}
     # the oracle is not vacuous: clipping changed the training
     assert max((plain["clip"][k] - plain["sgd"][k]).abs().max().item() for k in plain["sgd"]) > 1e-3
