@@ -26,6 +26,7 @@ import json
 import os
 import signal
 import sys
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
-from torch.utils.data import TensorDataset
+from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lightning_pipe import PipeStrategy  # noqa: E402
@@ -89,9 +90,6 @@ class Net(L.LightningModule):
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
-        if os.environ.get("RESTART_DEBUG"):
-            dl = self.trainer.train_dataloader
-            print("DEBUG", self.trainer.global_step, batch_idx, float(x.sum()), type(dl).__name__, type(dl.batch_sampler), type(getattr(dl.batch_sampler, "sampler", None)), vars(getattr(dl.batch_sampler, "sampler", None)).get("epoch"), flush=True)
         return F.mse_loss(self.model(x), y)
 
     def configure_optimizers(self) -> Any:
@@ -101,13 +99,17 @@ class Net(L.LightningModule):
 
 
 class Record(L.Callback):
-    """Each step's loss; on the cut attempt, the kill after step `KILL_AT` (``kill``: "raise" or "rank:G")."""
+    """Each step's loss; on the cut attempt, the kill after step `KILL_AT` (``kill``: "raise" or "rank:G"; rank 0
+    writes the time of the kill to ``$RESTART_PIDS/killed.txt``)."""
 
-    def __init__(self, kill: str | None) -> None:
+    def __init__(self, kill: str | None, moments: Path | None = None) -> None:
         self.losses: dict[int, float] = {}
         self.kill = kill
+        self.moments = moments  # a resumed attempt: where it writes the time of its first step
 
     def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if not self.losses and self.moments is not None:  # a resumed attempt's first step: when it came back
+            (self.moments / f"first-step-rank{global_rank()}.txt").write_text(repr(time.time()))
         self.losses[trainer.global_step] = float(outputs["loss"])
         if self.kill is None or trainer.global_step != KILL_AT:
             return
@@ -117,6 +119,7 @@ class Record(L.Callback):
         if global_rank() == 0:  # rank 0 kills a process as an outside failure would, then goes on until it fails
             pid = int((Path(os.environ["RESTART_PIDS"]) / f"rank{victim}.pid").read_text())
             os.kill(pid, signal.SIGKILL)
+            (Path(os.environ["RESTART_PIDS"]) / "killed.txt").write_text(repr(time.time()))
 
 
 class Killed(RuntimeError):
@@ -146,14 +149,16 @@ def replicas(mode: str, world: int) -> int:
     return {"ddp": world // 2, "fsdp": world // 2, "3d": world // 4}.get(mode, 1)
 
 
-def run(mode: str, attempt: str, out: Path, world: int, kill: str | None, dropout: float = DROPOUT) -> dict[str, Any]:
+def run(
+    mode: str, attempt: str, out: Path, world: int, kill: str | None, dropout: float = DROPOUT, loader: str = "stateful"
+) -> dict[str, Any]:
     """One attempt of ``mode`` (its checkpoints under ``<out>/<mode>-ckpt``, the cut and resume attempts' shared
-    folder); what this process saw."""
+    folder); what this process saw. ``loader="plain"``: a DataLoader, which keeps no position."""
     from torchdata.stateful_dataloader import StatefulDataLoader
 
     L.seed_everything(0, verbose=False)  # what a restarted script does first, as the first attempt did
     folder = out / f"{mode}-{'ref' if attempt == 'ref' else 'ckpt'}"
-    record = Record(kill if attempt == "cut" else None)
+    record = Record(kill if attempt == "cut" else None, out if attempt == "resume" else None)
     saving = ModelCheckpoint(dirpath=folder, every_n_train_steps=EVERY, save_last=True, save_top_k=-1)
     devices: Any = world if mode in ("ddp", "fsdp", "3d") else 1
     trainer = L.Trainer(
@@ -161,12 +166,13 @@ def run(mode: str, attempt: str, out: Path, world: int, kill: str | None, dropou
         callbacks=[record, saving], **QUIET,
     )  # fmt: skip
     net = Net(dropout)
-    loader = StatefulDataLoader(make_data(), batch_size=GLOBAL_BATCH // replicas(mode, world), shuffle=True)
+    kind = StatefulDataLoader if loader == "stateful" else DataLoader
+    data = kind(make_data(), batch_size=GLOBAL_BATCH // replicas(mode, world), shuffle=True)
     result: dict[str, Any] = {}
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
         try:
-            trainer.fit(net, loader, ckpt_path="last" if attempt == "resume" else None)
+            trainer.fit(net, data, ckpt_path="last" if attempt == "resume" else None)
         except Exception as error:  # noqa: BLE001 - the cut attempt's failure is its result
             result["error"] = f"{type(error).__name__}: {error}"
     result["said"] = [str(w.message) for w in said]

@@ -24,6 +24,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from typing_extensions import override
 
+from lightning_pipe.checkpoint.sharded import prepare_folder
 from lightning_pipe.checkpoint.stage_part import CoordinatorPart
 from lightning_pipe.comm import P2PCommunicator, serve_stages
 from lightning_pipe.comm.p2p.dtensor_frames import use_tensor_mesh
@@ -39,7 +40,7 @@ from lightning_pipe.strategy.layout import LAUNCHED, Layout
 from lightning_pipe.strategy.mode import Mode, Write
 from lightning_pipe.strategy.model_state import ModelState
 from lightning_pipe.strategy.patch import Patches
-from lightning_pipe.strategy.process_groups import PROCESS_GROUP_TIMEOUT, ProcessGroups
+from lightning_pipe.strategy.process_groups import PROCESS_GROUP_TIMEOUT, ProcessGroups, attempt_store
 from lightning_pipe.strategy.stage_placement import ProcessStage
 
 
@@ -146,7 +147,8 @@ class LaunchedMode(Mode):
         device = self.device
         if not dist.is_initialized():
             backend = _get_default_process_group_backend_for_device(device)
-            _init_dist_connection(cluster_environment, backend, timeout=PROCESS_GROUP_TIMEOUT)
+            store = attempt_store(cluster_environment, self.layout.global_rank, self.layout.world_size)
+            _init_dist_connection(cluster_environment, backend, timeout=PROCESS_GROUP_TIMEOUT, **store)
             ProcessGroups.made_default_group()
         self._groups = groups = ProcessGroups.of(self.layout, device.type)
         if self.layout.replicas > 1:  # this process's stage is spread over them (`ProcessStage.sharded`)
@@ -289,6 +291,9 @@ class LaunchedMode(Mode):
             write_sharded(folder, prefix, checkpoint, part, first, pipeline, here, worker, edits)
 
         if self.config.save_distributed_checkpoint:
+            if first:  # an older checkpoint there (ModelCheckpoint's `last`) goes before any replica's processes write:
+                prepare_folder(path)  # removed while another replica made it, it failed that one's save
+            self.barrier()
             save(path)
         else:
             write_single_file(save, path, first)
