@@ -132,7 +132,8 @@ def global_rank() -> int:
 
 def strategy(mode: str, world: int) -> Any:
     """The mode's strategy: ``ddp`` and ``fsdp`` 2 stages over ``world`` processes, ``3d`` 2 stages x 2 tensor ranks;
-    ``local`` 2 stages in threads, ``rpc`` 2 stage workers; ``plain``: no PipeStrategy."""
+    ``local`` 2 stages in threads (``local-auto``: with ``schedule="auto"``), ``rpc`` 2 stage workers; ``plain``: no
+    PipeStrategy."""
     if mode == "plain":
         return "auto"
     options: dict[str, Any] = {"stages": 2, "microbatches": 2, "schedule": "1f1b", "timeout": 120}
@@ -142,6 +143,8 @@ def strategy(mode: str, world: int) -> Any:
         options["tensor_parallel"] = 2
     elif mode in ("local", "rpc"):
         options["transport"] = mode
+    elif mode == "local-auto":  # schedule="auto" chooses the schedule and the microbatch count after step 1
+        options.update(transport="local", schedule="auto", microbatches="auto")
     return PipeStrategy(**options)
 
 
@@ -178,6 +181,8 @@ def run(
     result["said"] = [str(w.message) for w in said]
     result["losses"] = record.losses
     result["steps"] = trainer.global_step
+    if isinstance(trainer.strategy, PipeStrategy):  # schedule="auto"'s choice, and whether it came from a checkpoint
+        result["chosen"], result["resumed"] = trainer.strategy.builder.chosen(), trainer.strategy.builder.resumed
     result["tensors"] = {k: whole(v).tolist() for k, v in net.state_dict().items() if not whole(v).is_meta}
     (out / f"{mode}-{attempt}-rank{global_rank()}.json").write_text(json.dumps(result))
     return result

@@ -68,6 +68,23 @@ def test_local_mode_resumed_mid_epoch_equals_the_uninterrupted_run(local: Path) 
     assert not [s for s in said if "keeps no position" in s], said  # a StatefulDataLoader: nothing to say
 
 
+def test_schedule_auto_resumes_with_the_choice_the_checkpoint_holds(tmp_path: Path) -> None:
+    """``schedule="auto"`` (and ``microbatches="auto"``) measures in step 1 and chooses before step 2; the checkpoint
+    of step 3 holds the choice, and the resumed run runs it from its first step instead of measuring again. Measured
+    again it can choose otherwise (two runs here chose 2 and 8 microbatches): so the reference is the killed run
+    itself, whose steps 4 and 5 the resumed run repeats to 1e-6."""
+    run("local-auto", "cut", tmp_path, 1, "raise")
+    run("local-auto", "resume", tmp_path, 1, None)
+    cut, resumed = result(tmp_path, "local-auto", "cut"), result(tmp_path, "local-auto", "resume")
+    assert cut["chosen"] is not None and cut["resumed"] is None
+    meta = torch.load(tmp_path / "local-auto-ckpt" / "epoch=0-step=3.ckpt", weights_only=False)["lightning_pipe"]
+    assert meta["schedule"] == cut["chosen"] and {"random_state", "schedule"} <= meta.keys(), meta
+    assert resumed["resumed"] == cut["chosen"] and resumed["chosen"] == cut["chosen"]
+    assert "error" not in resumed and resumed["steps"] == STEPS
+    repeated = [resumed["losses"][str(step)] for step in (4, 5)]
+    assert repeated == pytest.approx([cut["losses"][str(step)] for step in (4, 5)], abs=1e-6, rel=0)
+
+
 def test_local_mode_resumed_equals_a_plain_trainer(tmp_path: Path) -> None:
     """Without dropout (a plain Trainer draws its masks from torch's global generator, which Lightning's checkpoint
     does not restore: its own restart is not exact with dropout), local mode cut and resumed ends where the plain
