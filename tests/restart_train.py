@@ -132,7 +132,8 @@ def global_rank() -> int:
 
 def strategy(mode: str, world: int) -> Any:
     """The mode's strategy: ``ddp`` and ``fsdp`` 2 stages over ``world`` processes, ``3d`` 2 stages x 2 tensor ranks;
-    ``local`` 2 stages in threads (``local-auto``: with ``schedule="auto"``), ``rpc`` 2 stage workers; ``plain``: no
+    ``local`` 2 stages in threads (``local-auto``: with ``schedule="auto"``, ``local-async``: ``"async"``; ``local-fp16``: ``"16-mixed"`` with a
+    GradScaler), ``rpc`` 2 stage workers; ``plain``: no
     PipeStrategy."""
     if mode == "plain":
         return "auto"
@@ -143,6 +144,10 @@ def strategy(mode: str, world: int) -> Any:
         options["tensor_parallel"] = 2
     elif mode in ("local", "rpc"):
         options["transport"] = mode
+    elif mode == "local-async":  # schedule="async": the stages update their own weights, a stream of batches
+        options.update(transport="local", schedule="async")
+    elif mode == "local-fp16":  # 16-mixed with a GradScaler whose scale grows every 2 steps
+        options["transport"] = "local"
     elif mode == "local-auto":  # schedule="auto" chooses the schedule and the microbatch count after step 1
         options.update(transport="local", schedule="auto", microbatches="auto")
     return PipeStrategy(**options)
@@ -164,9 +169,15 @@ def run(
     record = Record(kill if attempt == "cut" else None, out if attempt == "resume" else None)
     saving = ModelCheckpoint(dirpath=folder, every_n_train_steps=EVERY, save_last=True, save_top_k=-1)
     devices: Any = world if mode in ("ddp", "fsdp", "3d") else 1
+    plugins = []
+    if mode == "local-fp16":
+        from lightning.pytorch.plugins import MixedPrecision
+
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2)
+        plugins.append(MixedPrecision("16-mixed", "cpu", scaler=scaler))
     trainer = L.Trainer(
         accelerator="cpu", devices=devices, strategy=strategy(mode, world), max_steps=STEPS,
-        callbacks=[record, saving], **QUIET,
+        callbacks=[record, saving], plugins=plugins, **QUIET,
     )  # fmt: skip
     net = Net(dropout)
     kind = StatefulDataLoader if loader == "stateful" else DataLoader
@@ -181,6 +192,9 @@ def run(
     result["said"] = [str(w.message) for w in said]
     result["losses"] = record.losses
     result["steps"] = trainer.global_step
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    if scaler is not None:  # 16-mixed: the GradScaler's state at the end
+        result["scaler"] = {k: float(v) for k, v in scaler.state_dict().items()}
     if isinstance(trainer.strategy, PipeStrategy):  # schedule="auto"'s choice, and whether it came from a checkpoint
         result["chosen"], result["resumed"] = trainer.strategy.builder.chosen(), trainer.strategy.builder.resumed
     result["tensors"] = {k: whole(v).tolist() for k, v in net.state_dict().items() if not whole(v).is_meta}
