@@ -142,7 +142,8 @@ def main() -> None:
     rows = []
     for cycle in range(1, args.cycles + 1):
         out = work / f"cycle{cycle}"
-        code, output, seconds = torchrun(script, ["--attempts", "cut", "--kill", "rank:3"], args.root, out, args.timeout, 1)
+        killed = ["--attempts", "cut", "--kill", "rank:3"]
+        code, output, seconds = torchrun(script, killed, args.root, out, args.timeout, 1)
         resumed = tensors(out, "resume")
         came_up = code == 0 and resumed is not None
         back = None

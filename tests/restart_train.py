@@ -60,7 +60,8 @@ class Block(nn.Module):
 
 
 def make_model(dropout: float = DROPOUT) -> nn.Sequential:
-    return nn.Sequential(nn.Linear(FEATURES, WIDTH), Block(dropout), Block(dropout), Block(dropout), nn.Linear(WIDTH, 1))
+    blocks = [Block(dropout) for _ in range(3)]
+    return nn.Sequential(nn.Linear(FEATURES, WIDTH), *blocks, nn.Linear(WIDTH, 1))
 
 
 def make_data() -> TensorDataset:
@@ -132,9 +133,8 @@ def global_rank() -> int:
 
 def strategy(mode: str, world: int) -> Any:
     """The mode's strategy: ``ddp`` and ``fsdp`` 2 stages over ``world`` processes, ``3d`` 2 stages x 2 tensor ranks;
-    ``local`` 2 stages in threads (``local-auto``: with ``schedule="auto"``, ``local-async``: ``"async"``; ``local-fp16``: ``"16-mixed"`` with a
-    GradScaler), ``rpc`` 2 stage workers; ``plain``: no
-    PipeStrategy."""
+    ``local`` 2 stages in threads (``local-auto``: with ``schedule="auto"``, ``local-async``: ``"async"``,
+    ``local-fp16``: ``"16-mixed"`` with a GradScaler), ``rpc`` 2 stage workers; ``plain``: no PipeStrategy."""
     if mode == "plain":
         return "auto"
     options: dict[str, Any] = {"stages": 2, "microbatches": 2, "schedule": "1f1b", "timeout": 120}

@@ -3,12 +3,13 @@ the run that never stopped, in every mode.
 
 The run (`restart_train`): dropout inside the stages, SGD with momentum, a step-wise LR schedule, torchdata's
 ``StatefulDataLoader`` (shuffled), ``ModelCheckpoint(every_n_train_steps=3, save_last=True)``; it is cut after step 5
-(its last checkpoint: step 3, mid-epoch) and resumed from ``last`` to step 10. Local mode: against its uninterrupted run,
-and without dropout against a plain Trainer (an independent reference: the stages' streams aside, the same math and
-data order); rpc mode: against local mode's uninterrupted run (the same stages, the same streams). One launch of 4
-forked processes runs launched DDP (2 x 2), FSDP (2 x 2) and 3-D (1 x 2 x 2) one after the other, each cut (every
-coordinator raises, as a lost process ends the attempt) and resumed in the same processes, against its uninterrupted run.
-A kill with SIGKILL under ``torchrun --max-restarts`` is ``benchmarks/restarts.py``'s (20 cycles), not a test's.
+(its last checkpoint: step 3, mid-epoch) and resumed from ``last`` to step 10. Local mode: against its uninterrupted
+run, and without dropout against a plain Trainer (an independent reference: the stages' streams aside, the same math
+and data order); rpc mode: against local mode's uninterrupted run (the same stages, the same streams);
+``schedule="auto"``, ``"async"`` and a GradScaler in local mode. One launch of 4 forked processes runs launched DDP
+(2 x 2), FSDP (2 x 2) and 3-D (1 x 2 x 2) one after the other, each cut (every coordinator raises, as a lost process
+ends the attempt) and resumed in the same processes, against its uninterrupted run. A kill with SIGKILL under
+``torchrun --max-restarts`` is ``benchmarks/restarts.py``'s (20 cycles), not a test's.
 """
 
 from __future__ import annotations

@@ -6,8 +6,9 @@ weight stashing, `lightning_pipe.engine.versions`) with per-stage optimizers bui
 ``configure_optimizers`` optimizer (same class, hyperparameters per parameter group). A stream covers the
 batches up to the next point where Lightning looks at the weights (the end of the epoch, the next
 validation, the next step a ``ModelCheckpoint(every_n_train_steps=N)`` saves at, ``max_steps``); its last batch
-drains it, so validation, checkpoints and the end of fit see every update. Lightning's optimizer keeps stepping the parameters outside the pipelined module; in its
-parameter groups the stage parameters are replaced by placeholders that never get a gradient.
+drains it, so validation, checkpoints and the end of fit see every update. Lightning's optimizer keeps stepping
+the parameters outside the pipelined module; in its parameter groups the stage parameters are replaced by
+placeholders that never get a gradient.
 """
 
 from __future__ import annotations

@@ -1,16 +1,13 @@
 """The training loader's place in its epoch across a restart: kept where the loader can keep it, said once where not.
 
-Lightning's fit loop saves a loader's position when the loader has ``state_dict`` (torchdata's
-``StatefulDataLoader``) and a run resumed mid-epoch goes on from the next batch. Two things stand in the way:
-
-- Under a distributed sampler (launched mode) Lightning splits torch's own ``RandomSampler`` with a
-  ``DistributedSampler`` but any other sampler, torchdata's stateful ``RandomSampler`` (``StatefulDataLoader(...,
-  shuffle=True)``) included, with its ``DistributedSamplerWrapper``, which keeps no state: the resumed loader skips the
-  batches it read, but from a new permutation (torchdata's loader iterates the sampler once when it is made and again
-  when its state is loaded, and each iteration draws one). `stateful_split` gives such a loader torchdata's
-  ``StatefulDistributedSampler`` instead: the order Lightning's ``DistributedSampler`` gives a plain shuffled
-  DataLoader (the same seed and epoch), and a position the checkpoint holds.
-- A loader without ``state_dict`` starts its epoch over: `say_where_resumed` says so once, naming the fix.
+Lightning saves a loader's position when the loader has ``state_dict`` (torchdata's ``StatefulDataLoader``). Under a
+distributed sampler (launched mode) Lightning splits torch's ``RandomSampler`` with a ``DistributedSampler`` but any
+other, torchdata's stateful ``RandomSampler`` included, with its stateless ``DistributedSamplerWrapper``: a resumed
+loader skips the batches it read, but of a new permutation (torchdata iterates the sampler when the loader is made and
+again when its state is loaded, each time drawing one). `stateful_split` gives such a loader torchdata's
+``StatefulDistributedSampler``: the order ``DistributedSampler`` gives a plain shuffled DataLoader (same seed and
+epoch), and a position the checkpoint holds. A loader without ``state_dict`` starts its epoch over: `say_where_resumed`
+says so once.
 """
 
 from __future__ import annotations
