@@ -153,7 +153,7 @@ def main() -> None:
         row = {
             "cycle": cycle, "came_up": came_up, "seconds_back": back, "equal": difference is not None
             and difference <= TOLERANCE, "max_difference": difference, "exit_code": code, "seconds": seconds,
-            "cause": "" if came_up else ("hang (killed after the timeout)" if code is None else cause(output)),
+            "cause": "" if came_up else ("hang (killed after the timeout) " if code is None else "") + cause(output),
         }  # fmt: skip
         rows.append(row)
         print(f"{cycle:>5}  {'yes' if came_up else 'no':>7}  {back if back is not None else float('nan'):>7.1f}  "

@@ -195,7 +195,7 @@ def run(
     scaler = getattr(trainer.precision_plugin, "scaler", None)
     if scaler is not None:  # 16-mixed: the GradScaler's state at the end
         result["scaler"] = {k: float(v) for k, v in scaler.state_dict().items()}
-    if isinstance(trainer.strategy, PipeStrategy):  # schedule="auto"'s choice, and whether it came from a checkpoint
+    if mode == "local-auto":  # schedule="auto"'s choice, and whether it came from a checkpoint
         result["chosen"], result["resumed"] = trainer.strategy.builder.chosen(), trainer.strategy.builder.resumed
     result["tensors"] = {k: whole(v).tolist() for k, v in net.state_dict().items() if not whole(v).is_meta}
     (out / f"{mode}-{attempt}-rank{global_rank()}.json").write_text(json.dumps(result))
