@@ -5,9 +5,10 @@ and returns once that batch's losses are computed; the stages update their own w
 weight stashing, `lightning_pipe.engine.versions`) with per-stage optimizers built like the
 ``configure_optimizers`` optimizer (same class, hyperparameters per parameter group). A stream covers the
 batches up to the next point where Lightning looks at the weights (the end of the epoch, the next
-validation, ``max_steps``); its last batch drains it, so validation, checkpoints and the end of fit see
-every update. Lightning's optimizer keeps stepping the parameters outside the pipelined module; in its
-parameter groups the stage parameters are replaced by placeholders that never get a gradient.
+validation, the next step a ``ModelCheckpoint(every_n_train_steps=N)`` saves at, ``max_steps``); its last batch
+drains it, so validation, checkpoints and the end of fit see every update. Lightning's optimizer keeps stepping
+the parameters outside the pipelined module; in its parameter groups the stage parameters are replaced by
+placeholders that never get a gradient.
 """
 
 from __future__ import annotations
@@ -253,13 +254,20 @@ def training_for(streams: bool) -> Training:
 
 
 def segment(trainer: pl.Trainer) -> int:
-    """Batches from the current one up to the end of the epoch, the next validation or ``max_steps``."""
+    """Batches from the current one up to the end of the epoch, the next validation, the next checkpoint a
+    ``ModelCheckpoint(every_n_train_steps=N)`` writes, or ``max_steps``. A checkpoint thus holds every update of the
+    batches before it (no weight version in flight) and the stages' generator states: a run resumed from it goes on
+    as the uninterrupted run does, whose stream also ends there."""
     loop = trainer.fit_loop.epoch_loop
     index = loop.batch_idx
     bounds: list[float] = [float(trainer.num_training_batches) - index]
     check = trainer.val_check_batch
     if trainer.enable_validation and isinstance(check, int) and check > 0:
         bounds.append(check - index % check)
+    for callback in trainer.checkpoint_callbacks:
+        every = getattr(callback, "_every_n_train_steps", 0)
+        if isinstance(every, int) and every > 0:
+            bounds.append(every - trainer.global_step % every)
     if trainer.max_steps is not None and trainer.max_steps > 0:
         bounds.append(trainer.max_steps - trainer.global_step)
     count = min(bounds)

@@ -108,11 +108,15 @@ class PipelineBuilder:
         self._placement: Placement | None = None
         #: what ``schedule="auto"`` chose in the last fit that chose (`AutoChoice`), kept after it
         self.schedule_choice: AutoChoice | None = None
+        #: schedule="auto"'s choice as a loaded checkpoint holds it (`resumed_choice`): a resumed fit runs it
+        self.resumed: dict[str, Any] | None = None
         self._closed = ExecutionTrace([])  # the traces of pipelines already closed
 
     @property
     def rank_placement(self) -> str:
         """Which rank holds each stage: the schedule's placement (``loop``, or ``v`` for ``zbv`` and ``dualpipev``)."""
+        if self.resumed is not None:  # schedule="auto"'s choice, from the checkpoint
+            return placement_of(resolve_schedule(self.resumed["schedule"]))
         if is_auto(self.schedule):  # built where schedule="auto" predicts best before measuring (`initial_placement`)
             return self._chooser().placement
         return placement_of(resolve_schedule(self.schedule))
@@ -124,6 +128,27 @@ class PipelineBuilder:
         if chooser is not None and chooser.choice is not None:
             return chooser.choice
         return self.schedule_choice
+
+    def chosen(self) -> dict[str, Any] | None:
+        """``schedule="auto"``'s choice as a checkpoint keeps it (schedule, placement, microbatches), so that a run
+        resumed from it runs what the uninterrupted run ran (measured again, it could choose otherwise: a step's
+        time is noisy, and a microbatch count of its own changes the sums' rounding); None before it chose."""
+        choice = self.choice
+        if choice is None:
+            return self.resumed
+        chosen = choice.chosen
+        return {"schedule": chosen.name, "placement": chosen.placement, "microbatches": chosen.microbatches}
+
+    def resume_choice(self, chosen: dict[str, Any]) -> None:
+        """A loaded checkpoint's `chosen`: this fit runs it from its first step, measuring nothing
+        (``schedule="auto"`` only; a named schedule stays as named)."""
+        if not is_auto(self.schedule):
+            return
+        self.resumed = chosen
+        rank_zero_info(
+            f"PipeStrategy: schedule='auto' resumes with the choice the checkpoint holds: {chosen['schedule']!r} "
+            f"(placement {chosen['placement']!r}), {chosen['microbatches']} microbatches where they are 'auto'"
+        )
 
     def stages_sharded(self, cause: str) -> None:
         """At setup, where this fit's stages are sharded with FSDP (``cause``: what shards them,
@@ -271,7 +296,7 @@ class PipelineBuilder:
         self.pipeline = Pipeline(
             self.split_module,
             stages=stages,
-            schedule=self._chooser().options if is_auto(self.schedule) else self.schedule,  # auto: placed here
+            schedule=self._schedule(),
             partition=self.partitioner,
             devices=placement.devices,
             checkpoint=self.checkpoint,
@@ -296,6 +321,13 @@ class PipelineBuilder:
             if any(getattr(type(rt), name) is not getattr(BaseRuntime, name) for rt in self.pipeline.runtimes)
         }
         return self.pipeline
+
+    def _schedule(self) -> Any:
+        """What the pipeline runs: the checkpoint's choice of ``schedule="auto"``, the chooser placed where it builds,
+        or the named schedule."""
+        if self.resumed is not None:
+            return self.resumed["schedule"]
+        return self._chooser().options if is_auto(self.schedule) else self.schedule
 
     def pipeline_input(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The pipeline's input for one call of the pipelined module with ``args`` and ``kwargs``."""

@@ -1,8 +1,9 @@
 """`Checkpoints`: what a checkpoint written under `PipeStrategy` holds, where each part comes from and goes to.
 
-The module's state keeps the unsplit keys (a plain Trainer loads it). The stages' generator states go under
-the top-level key ``"lightning_pipe"`` (``{"random_state": Pipeline.random_state()}``), which a plain Trainer
-ignores. Two ways, by where the state lives:
+The module's state keeps the unsplit keys (a plain Trainer loads it). The stages' generator states and
+``schedule="auto"``'s choice go under the top-level key ``"lightning_pipe"`` (``{"random_state":
+Pipeline.random_state(), "schedule": {"schedule": name, "placement": ..., "microbatches": M}}``), which a plain
+Trainer ignores. Two ways, by where the state lives:
 
 - one process holds the model (local mode, a model with values): Lightning reads and writes the whole checkpoint;
 - memory follows the stage (launched and rpc mode, a sharded folder, a model built on meta): a checkpoint is opened
@@ -185,17 +186,19 @@ class Checkpoints:
 
     # writing
     def saving(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
-        """``checkpoint`` with the stages' generator states added (when there are any to save)."""
-        state = self.random.state(self.builder.pipeline)
-        if state is None:
-            return checkpoint
-        return {**checkpoint, CHECKPOINT_KEY: {"random_state": state}}
+        """``checkpoint`` with the stages' generator states and ``schedule="auto"``'s choice added (those there are)."""
+        ours = {"random_state": self.random.state(self.builder.pipeline), "schedule": self.builder.chosen()}
+        ours = {k: v for k, v in ours.items() if v is not None}
+        return {**checkpoint, CHECKPOINT_KEY: ours} if ours else checkpoint
 
     def loaded(self, checkpoint: dict[str, Any]) -> None:
-        """A checkpoint was read: its generator states go to the stages (now or when they are built)."""
-        state = checkpoint.get(CHECKPOINT_KEY, {}).get("random_state")
-        if state is not None:
-            self.random.load(state, self.builder.pipeline)
+        """A checkpoint was read: its generator states go to the stages (now or when they are built), its
+        ``schedule="auto"`` choice to the pipeline this fit builds."""
+        ours = checkpoint.get(CHECKPOINT_KEY, {})
+        if ours.get("random_state") is not None:
+            self.random.load(ours["random_state"], self.builder.pipeline)
+        if ours.get("schedule") is not None:
+            self.builder.resume_choice(ours["schedule"])
 
     def before_module_state(self) -> None:
         """Before Lightning reads the LightningModule's state: it holds the stages' current values."""

@@ -40,7 +40,7 @@ from lightning_pipe.strategy.layout import LAUNCHED, Layout
 from lightning_pipe.strategy.mode import Mode, Write
 from lightning_pipe.strategy.model_state import ModelState
 from lightning_pipe.strategy.patch import Patches
-from lightning_pipe.strategy.process_groups import PROCESS_GROUP_TIMEOUT, ProcessGroups
+from lightning_pipe.strategy.process_groups import PROCESS_GROUP_TIMEOUT, ProcessGroups, attempt_store
 from lightning_pipe.strategy.stage_placement import ProcessStage
 from lightning_pipe.strategy.unread import checkpoint_io_unused
 
@@ -153,7 +153,8 @@ class LaunchedMode(Mode):
         device = self.device
         if not dist.is_initialized():
             backend = _get_default_process_group_backend_for_device(device)
-            _init_dist_connection(cluster_environment, backend, timeout=PROCESS_GROUP_TIMEOUT)
+            store = attempt_store(cluster_environment, self.layout.global_rank, self.layout.world_size)
+            _init_dist_connection(cluster_environment, backend, timeout=PROCESS_GROUP_TIMEOUT, **store)
             ProcessGroups.made_default_group()
         self._groups = groups = ProcessGroups.of(self.layout, device.type)
         self.writes.connect(groups.checkpoint_writes)  # async_checkpoint: the group of async_save's collectives
@@ -308,7 +309,8 @@ class LaunchedMode(Mode):
 
         if self.config.save_distributed_checkpoint is not False:  # None (the default) or True: a folder
             temporary = prepare(path) if first else temporary_path(path)
-            save(temporary)
+            self.barrier()  # a leftover temporary folder goes before any replica writes: removed while another
+            save(temporary)  # replica made it, it failed that one's save (FileExistsError in DCP)
             if first:
                 self.writes.then(lambda: publish(temporary, path))
         else:

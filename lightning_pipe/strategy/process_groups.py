@@ -12,7 +12,9 @@ one group. With tensor parallel the T processes of a stage form the ``tensor_par
 from __future__ import annotations
 
 import atexit
+import os
 from datetime import timedelta
+from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
@@ -22,6 +24,27 @@ from lightning_pipe.strategy.layout import Layout
 from lightning_pipe.strategy.tensor_parallel import MESH_DIMS
 
 PROCESS_GROUP_TIMEOUT = timedelta(minutes=30)  # Lightning's default: serving ranks wait this long between fits
+
+
+def attempt_store(cluster_environment: Any, rank: int, world_size: int) -> dict[str, Any]:
+    """``init_process_group``'s store for this attempt of a torchrun run (``{"store": ...}``; ``{}`` elsewhere): the
+    run's store with every key under the attempt's number (``TORCHELASTIC_RESTART_COUNT``).
+
+    Why: torchrun's static rendezvous (``--master-addr``/``--master-port``, its default without ``--rdzv-backend``)
+    keeps one TCPStore in its agent for all the attempts of a run, and a worker's ``env://`` store is a client of it
+    with no prefix of its own (torch's ``rendezvous._create_c10d_store`` assumes a new store per attempt). The process
+    groups' keys are the same in every attempt (the default group's, and ``new_group``'s, numbered in creation order),
+    so a restarted attempt's gloo rendezvous can read the addresses the failed attempt's processes left there and
+    connect to ports nobody listens on any more ("connectFullMesh failed ... Connection refused"), or wait for a peer
+    that is gone. Keys under the attempt's number are new in every attempt.
+    """
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if restart is None:
+        return {}
+    os.environ["MASTER_ADDR"] = cluster_environment.main_address  # as Lightning's _init_dist_connection sets them
+    os.environ["MASTER_PORT"] = str(cluster_environment.main_port)
+    store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=PROCESS_GROUP_TIMEOUT))
+    return {"store": dist.PrefixStore(f"lightning_pipe/attempt-{restart}/", store)}
 
 
 class ProcessGroups:

@@ -209,13 +209,15 @@ class StepDriver:
     def _wanted(self, rows: int, training: bool) -> int:
         """This step's microbatch count: the given one, or ``schedule="auto"``'s (chosen before the second
         training step, logged: `PipelineChoices.microbatches`)."""
-        pipeline = self.builder.pipeline
+        pipeline, given = self.builder.pipeline, self.microbatches
+        if given == AUTO and self.builder.resumed is not None:  # schedule="auto"'s choice, from the checkpoint
+            given = min(int(self.builder.resumed["microbatches"]), rows)
         if training and pipeline is not None:
-            chosen = self.training.microbatches(pipeline, self.microbatches, rows)
+            chosen = self.training.microbatches(pipeline, given, rows)
             if chosen is not None:
                 return chosen
-        if self.microbatches != AUTO:
-            return int(self.microbatches)
+        if given != AUTO:
+            return int(given)
         chooser = pipeline.choices.schedule if pipeline is not None else None
         if chooser is not None and chooser.choice is not None:
             return chooser.choice.chosen.microbatches

@@ -28,6 +28,7 @@ from lightning_pipe.strategy.asynchronous import training_for
 from lightning_pipe.strategy.building import PipelineBuilder, Placement, autocast_of
 from lightning_pipe.strategy.checkpoints import Checkpoints
 from lightning_pipe.strategy.config import PipeConfig
+from lightning_pipe.strategy.data_position import training_loader
 from lightning_pipe.strategy.layout import Layout
 from lightning_pipe.strategy.lifecycle import Lifecycle
 from lightning_pipe.strategy.mode import Mode
@@ -305,6 +306,11 @@ class PipeStrategy(ParallelStrategy):
     @override
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
         return super().batch_to_device(batch, device or self.root_device, dataloader_idx)
+
+    @override
+    def process_dataloader(self, dataloader: Any) -> Any:
+        """A training loader keeps its place in the epoch across a restart, or says once that it cannot."""
+        return training_loader(self.lightning_module, dataloader)
 
     # where a model's tensors are made: on meta, each stage makes its own where it runs
     @contextmanager
