@@ -196,7 +196,8 @@ def run(
     if scaler is not None:  # 16-mixed: the GradScaler's state at the end
         result["scaler"] = {k: float(v) for k, v in scaler.state_dict().items()}
     if mode == "local-auto":  # schedule="auto"'s choice, and whether it came from a checkpoint
-        result["chosen"], result["resumed"] = trainer.strategy.builder.chosen(), trainer.strategy.builder.resumed
+        builder = trainer.strategy.builder
+        result["chosen"], result["resumed"] = builder.chosen(), builder.selection.resumed
     result["tensors"] = {k: whole(v).tolist() for k, v in net.state_dict().items() if not whole(v).is_meta}
     (out / f"{mode}-{attempt}-rank{global_rank()}.json").write_text(json.dumps(result))
     return result

@@ -29,7 +29,7 @@ from lightning_pipe import PipeStrategy
 from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.partition import TracedPartitioner
 from lightning_pipe.runtime.pytorch import PyTorchRuntime
-from lightning_pipe.strategy import building
+from lightning_pipe.strategy import building, schedule_selection
 from lightning_pipe.strategy.building import Placement
 from lightning_pipe.weights import StageInit
 from lightning_pipe.weights.keys import KeyMismatchError
@@ -218,7 +218,7 @@ def test_local_mode_reads_module_split_points_virtual_stages_and_schedule_auto(m
     assert seen.pipeline.worker_of_stage == [0, 1, 0, 1]
 
     logged: list[str] = []
-    monkeypatch.setattr(building, "rank_zero_info", logged.append)
+    monkeypatch.setattr(schedule_selection, "rank_zero_info", logged.append)
     strategy = PipeStrategy(stages=2, schedule="auto", memory_budget=2**20, data_parallel="fsdp")
     with pytest.warns(UserWarning, match="nothing is sharded"):
         seen = fit(strategy)
@@ -343,7 +343,7 @@ READ_BY: dict[str, tuple[Any, Any]] = {
     "runner": ("dataflow", lambda s, given: given["runner"] == "dataflow"),
     "trace": ("trace.json", lambda s, given: str(s.pipe_trace.path) == "trace.json"),
     "microbatch_weight": (len, lambda s, given: s.steps.microbatch_weight is len),
-    "memory_budget": (2**20, lambda s, given: s.builder.schedule.budget == 2**20),
+    "memory_budget": (2**20, lambda s, given: s.builder.selection.schedule.budget == 2**20),
     "save_distributed_checkpoint": (False, lambda s, given: s.config.save_distributed_checkpoint is False),
     "async_checkpoint": (True, lambda s, given: type(s.mode.writes).__name__ == "BackgroundWrites"),
 }
@@ -388,4 +388,5 @@ def test_rpc_and_launched_mode_read_refuse_or_warn(mode: str, monkeypatch: pytes
         tensor, _ = made(mode, tensor_parallel=2)
         assert tensor.layout is not None and (tensor.layout.tensor_parallel, tensor.layout.replicas) == (2, 1)
         auto, _ = made(mode, schedule="auto", data_parallel="fsdp")
-        assert auto.builder.left_out == "data_parallel='fsdp'" and not auto.builder.schedule.split_backward
+        selection = auto.builder.selection
+        assert selection.left_out == "data_parallel='fsdp'" and not selection.schedule.split_backward

@@ -218,7 +218,8 @@ def test_auto_moves_its_stages_to_a_schedule_placed_otherwise_exactly(
 def test_auto_builds_where_the_unit_costs_say_and_stages_owning_parameters_stay() -> None:
     assert ScheduleChooser(AutoSchedule(), 2, "parallel", ranks=2, microbatches=8).placement == "v"
     assert ScheduleChooser(AutoSchedule(), 2, "parallel", ranks=2, microbatches=2).placement == "loop"
-    assert PipeStrategy(stages=4, virtual_stages=2, microbatches=8, schedule="auto").builder.rank_placement == "v"
+    auto = PipeStrategy(stages=4, virtual_stages=2, microbatches=8, schedule="auto")
+    assert auto.builder.selection.rank_placement == "v"
     from lightning_pipe.stage_moves import OWN_PARAMETERS, moves_of
 
     owning = SimpleNamespace(stages_own_parameters=True)  # as rpc's and launched mode's communicators

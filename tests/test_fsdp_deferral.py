@@ -181,21 +181,21 @@ def test_what_a_self_sharded_module_cannot_run_is_refused_at_setup_naming_the_fi
     assert fsdp.sharded == FSDP_ARGUMENT
     with pytest.raises(ConfigurationError, match=r"configure_model.s fully_shard calls .*save_distributed_ch.*"
                        r"consolidate"):  # fmt: skip
-        PipelineBuilder(config(save_distributed_checkpoint=False)).stages_sharded(stage.sharded)
+        PipelineBuilder(config(save_distributed_checkpoint=False)).selection.stages_sharded(stage.sharded)
     for schedule in ("zero-bubble", "zbv"):
         builder = PipelineBuilder(config(schedule=schedule, virtual_stages=2 if schedule == "zbv" else 1))
         with pytest.raises(ConfigurationError, match=rf"schedule='{schedule}'\).*'looped-bfs' with FSDP, or "
                            r"configure_model without its fully_shard calls"):  # fmt: skip
-            builder.stages_sharded(stage.sharded)
+            builder.selection.stages_sharded(stage.sharded)
     builder = PipelineBuilder(config(schedule="auto"))
-    assert builder.schedule.split_backward
-    builder.stages_sharded(stage.sharded)
-    assert not builder.schedule.split_backward  # the probe and the choice leave out zero-bubble and its kin
-    PipelineBuilder(config(schedule="1f1b")).stages_sharded(stage.sharded)  # a whole backward: FSDP runs it
+    assert builder.selection.schedule.split_backward
+    builder.selection.stages_sharded(stage.sharded)
+    assert not builder.selection.schedule.split_backward  # the probe and the choice leave out zero-bubble and its kin
+    PipelineBuilder(config(schedule="1f1b")).selection.stages_sharded(stage.sharded)  # a whole backward: FSDP runs it
     v = PipelineBuilder(PipeStrategy(stages=4, virtual_stages=2, schedule="auto", microbatches=8).config)
-    assert v.rank_placement == "v"  # placed (before configure_model) for ZB-V, which splits its backward
+    assert v.selection.rank_placement == "v"  # placed (before configure_model) for ZB-V, which splits its backward
     with pytest.raises(ConfigurationError, match=r"placed the stages for .*'v'.*AutoSchedule\(split_backward=False\)"):
-        v.stages_sharded(stage.sharded)
+        v.selection.stages_sharded(stage.sharded)
 
 
 def test_a_later_run_runs_the_stages_a_run_sharded_again_and_refuses_another_cut_naming_the_fix(mesh: Any) -> None:

@@ -8,7 +8,7 @@ partitioner needs. In launched mode its transport is this replica's point-to-poi
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
@@ -17,7 +17,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
-from lightning_pipe.auto_schedule import AUTO, AutoSchedule, ScheduleChooser, first_microbatches, is_auto
+from lightning_pipe.auto_schedule import AUTO, first_microbatches
 from lightning_pipe.backends import CoordinatorOps, ExecutionTrace, resolve_backends
 from lightning_pipe.backends.compiled import TorchCompiled, unwrap_compiled
 from lightning_pipe.comm import Communicator
@@ -30,15 +30,8 @@ from lightning_pipe.partition.tracer import CallArgs
 from lightning_pipe.pipeline import Pipeline, resolve_partitioner
 from lightning_pipe.rng import run_seed
 from lightning_pipe.runtime import BaseRuntime, runtime_registry
-from lightning_pipe.schedule import AutoChoice, placement_of, resolve_schedule
-from lightning_pipe.strategy.arguments import (
-    FSDP_ARGUMENT,
-    auto_schedule_of,
-    check_sharded_stages,
-    leaves_out_split_backward,
-    split_backward_left_out,
-)
 from lightning_pipe.strategy.config import PipeConfig
+from lightning_pipe.strategy.schedule_selection import ScheduleSelection
 from lightning_pipe.strategy.session import capture_call
 from lightning_pipe.weights import StageInit
 
@@ -91,13 +84,7 @@ class PipelineBuilder:
     def __init__(self, config: PipeConfig, agree: Callable[[Any], Any] | None = None) -> None:
         self.config = config  # the strategy's arguments: what the pipeline is built with
         self.partitioner = resolve_partitioner(config.partition, split_points=config.split_points)
-        # schedule="auto" with its options; ``agree``: launched mode's replicas run the first coordinator's choice
-        self.schedule = auto_schedule_of(
-            config.schedule, config.microbatches, config.memory_budget, config.data_parallel, agree
-        )
-        #: what left the schedules that split the backward out of ``schedule="auto"``'s choice (said once, `say`)
-        self.left_out: str | None = FSDP_ARGUMENT if leaves_out_split_backward(config) else None
-        self._said_left_out = False
+        self.selection = ScheduleSelection(config, agree)  # the schedule the fits run, and auto's choice
         self.seed: int | None = None  # the run's seed, decided once per fit by the strategy (None: `run_seed`)
         self.checkpoint = config.checkpoint
         self.pipeline: Pipeline | None = None
@@ -106,82 +93,11 @@ class PipelineBuilder:
         self.coordinator_ops: CoordinatorOps | None = None  # op substitution in the user's step code
         self.runtime_hooks: set[str] = set()  # the runtime callbacks some stage's runtime overrides
         self._placement: Placement | None = None
-        #: what ``schedule="auto"`` chose in the last fit that chose (`AutoChoice`), kept after it
-        self.schedule_choice: AutoChoice | None = None
-        #: schedule="auto"'s choice as a loaded checkpoint holds it (`resumed_choice`): a resumed fit runs it
-        self.resumed: dict[str, Any] | None = None
         self._closed = ExecutionTrace([])  # the traces of pipelines already closed
 
-    @property
-    def rank_placement(self) -> str:
-        """Which rank holds each stage: the schedule's placement (``loop``, or ``v`` for ``zbv`` and ``dualpipev``)."""
-        if self.resumed is not None:  # schedule="auto"'s choice, from the checkpoint
-            return placement_of(resolve_schedule(self.resumed["schedule"]))
-        if is_auto(self.schedule):  # built where schedule="auto" predicts best before measuring (`initial_placement`)
-            return self._chooser().placement
-        return placement_of(resolve_schedule(self.schedule))
-
-    @property
-    def choice(self) -> AutoChoice | None:
-        """What ``schedule="auto"`` chose in this fit, or in the last fit that chose; None before it chose."""
-        chooser = self.pipeline.choices.schedule if self.pipeline is not None else None
-        if chooser is not None and chooser.choice is not None:
-            return chooser.choice
-        return self.schedule_choice
-
     def chosen(self) -> dict[str, Any] | None:
-        """``schedule="auto"``'s choice as a checkpoint keeps it (schedule, placement, microbatches), so that a run
-        resumed from it runs what the uninterrupted run ran (measured again, it could choose otherwise: a step's
-        time is noisy, and a microbatch count of its own changes the sums' rounding); None before it chose."""
-        choice = self.choice
-        if choice is None:
-            return self.resumed
-        chosen = choice.chosen
-        return {"schedule": chosen.name, "placement": chosen.placement, "microbatches": chosen.microbatches}
-
-    def resume_choice(self, chosen: dict[str, Any]) -> None:
-        """A loaded checkpoint's `chosen`: this fit runs it from its first step, measuring nothing
-        (``schedule="auto"`` only; a named schedule stays as named)."""
-        if not is_auto(self.schedule):
-            return
-        self.resumed = chosen
-        rank_zero_info(
-            f"PipeStrategy: schedule='auto' resumes with the choice the checkpoint holds: {chosen['schedule']!r} "
-            f"(placement {chosen['placement']!r}), {chosen['microbatches']} microbatches where they are 'auto'"
-        )
-
-    def stages_sharded(self, cause: str) -> None:
-        """At setup, where this fit's stages are sharded with FSDP (``cause``: what shards them,
-        `ProcessStage.sharded`): what they cannot run is refused naming the fix (`check_sharded_stages`), and
-        ``schedule="auto"`` leaves out the schedules that split the backward (its pipeline placed as before, or
-        refused naming the fix)."""
-        check_sharded_stages(cause, self.config.save_distributed_checkpoint, self.config.schedule)
-        if isinstance(self.schedule, AutoSchedule) and self.schedule.split_backward:
-            placed = self.rank_placement
-            self.schedule = replace(self.schedule, split_backward=False)
-            self.left_out = cause
-            if self.rank_placement != placed:  # the processes were placed for a schedule that splits its backward
-                raise ConfigurationError(
-                    f"schedule='auto' placed the stages for a schedule that splits the backward ({placed!r}), which "
-                    f"the stages sharded by {cause} cannot run: pass schedule=AutoSchedule(split_backward=False) "
-                    "(lightning_pipe.auto_schedule), or a schedule such as '1f1b' or 'interleaved-1f1b'"
-                )
-
-    def say_left_out(self) -> None:
-        """At setup: which schedules ``schedule="auto"`` leaves out for stages sharded with FSDP, and why (once)."""
-        if self.left_out is not None and not self._said_left_out:
-            self._said_left_out = True
-            rank_zero_info(split_backward_left_out(self.left_out))
-
-    def _chooser(self) -> ScheduleChooser:
-        """A ``schedule="auto"`` chooser of this configuration: its probe and the placement it builds in (the loop
-        where the stage count is not given)."""
-        options = self.schedule if isinstance(self.schedule, AutoSchedule) else AutoSchedule()
-        virtual, stages = self.config.virtual_stages, self.config.stages
-        ranks = stages // virtual if stages is not None else None
-        chooser = ScheduleChooser(options, virtual, self.config.runner, ranks, self.config.microbatches)
-        chooser.options = replace(options, placement=chooser.placement)  # the pipeline builds there
-        return chooser
+        """``schedule="auto"``'s choice as a checkpoint keeps it (`ScheduleSelection.chosen`, of this pipeline)."""
+        return self.selection.chosen(self.pipeline)
 
     def find(self, lightning_module: pl.LightningModule) -> nn.Module:
         """The pipelined module: ``module=``, or the child with the most parameters."""
@@ -296,7 +212,7 @@ class PipelineBuilder:
         self.pipeline = Pipeline(
             self.split_module,
             stages=stages,
-            schedule=self._schedule(),
+            schedule=self.selection.for_pipeline(),
             partition=self.partitioner,
             devices=placement.devices,
             checkpoint=self.checkpoint,
@@ -321,13 +237,6 @@ class PipelineBuilder:
             if any(getattr(type(rt), name) is not getattr(BaseRuntime, name) for rt in self.pipeline.runtimes)
         }
         return self.pipeline
-
-    def _schedule(self) -> Any:
-        """What the pipeline runs: the checkpoint's choice of ``schedule="auto"``, the chooser placed where it builds,
-        or the named schedule."""
-        if self.resumed is not None:
-            return self.resumed["schedule"]
-        return self._chooser().options if is_auto(self.schedule) else self.schedule
 
     def pipeline_input(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The pipeline's input for one call of the pipelined module with ``args`` and ``kwargs``."""
@@ -368,8 +277,7 @@ class PipelineBuilder:
         """Stop the stages of this fit's pipeline (a later fit builds a new one)."""
         if self.pipeline is not None:
             pipeline, self.pipeline = self.pipeline, None
-            if pipeline.choices.schedule is not None:  # schedule="auto"'s choice stays readable after the fit
-                self.schedule_choice = pipeline.choices.schedule.choice
+            self.selection.closing(pipeline)
             pipeline.close()
 
     # the memory plan
@@ -378,9 +286,7 @@ class PipelineBuilder:
         is planned as its first, measured step runs."""
         from lightning_pipe.memory.plan import plan as memory_plan
 
-        schedule = self.schedule
-        if is_auto(schedule):
-            schedule = self._chooser()  # the probe, in its placement
+        schedule = self.selection.for_plan()
         if microbatches == AUTO:
             microbatches = first_microbatches(batch_size(sample_batch), stages // self.config.virtual_stages)
 

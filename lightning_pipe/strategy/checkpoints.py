@@ -198,7 +198,7 @@ class Checkpoints:
         if ours.get("random_state") is not None:
             self.random.load(ours["random_state"], self.builder.pipeline)
         if ours.get("schedule") is not None:
-            self.builder.resume_choice(ours["schedule"])
+            self.builder.selection.resume_choice(ours["schedule"])
 
     def before_module_state(self) -> None:
         """Before Lightning reads the LightningModule's state: it holds the stages' current values."""

@@ -45,7 +45,7 @@ class Lifecycle:
 
     def begin(self, module: pl.LightningModule) -> None:
         """At the start of the strategy's setup: the fit can run (automatic optimization; stages sharded with FSDP,
-        known once ``configure_model`` ran, run what they can: `PipelineBuilder.stages_sharded`), and Ctrl-C's
+        known once ``configure_model`` ran, run what they can: `ScheduleSelection.stages_sharded`), and Ctrl-C's
         handler is remembered."""
         self.ctrl_c.remember()
         if not module.automatic_optimization:
@@ -55,8 +55,8 @@ class Lifecycle:
             )
         sharded = self.state.stage.sharded  # launched mode with R > 1: data_parallel="fsdp" or the module's own
         if sharded is not None:
-            self.state.builder.stages_sharded(sharded)
-        self.state.builder.say_left_out()  # schedule="auto": the schedules FSDP leaves out, and why
+            self.state.builder.selection.stages_sharded(sharded)
+        self.state.builder.selection.say_left_out()  # schedule="auto": the schedules FSDP leaves out, and why
 
     def resuming(self) -> None:
         """``ckpt_path=`` is read for this fit (Lightning reads it before setup): it resumes a run that started from

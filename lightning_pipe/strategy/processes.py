@@ -81,7 +81,7 @@ class Processes:
 
     def _choose(self) -> Mode:
         host = self.host
-        devices, placement = host.parallel_devices, self.builder.rank_placement
+        devices, placement = host.parallel_devices, self.builder.selection.rank_placement
         processes = process_count(devices, host.num_nodes, host.cluster_environment)  # devices x nodes, or WORLD_SIZE
         global_rank = host.node_rank * len(devices or []) + host.local_rank
         return mode_of(self.config, processes, devices, global_rank, placement, self.stage, self._mode)

@@ -210,8 +210,9 @@ class StepDriver:
         """This step's microbatch count: the given one, or ``schedule="auto"``'s (chosen before the second
         training step, logged: `PipelineChoices.microbatches`)."""
         pipeline, given = self.builder.pipeline, self.microbatches
-        if given == AUTO and self.builder.resumed is not None:  # schedule="auto"'s choice, from the checkpoint
-            given = min(int(self.builder.resumed["microbatches"]), rows)
+        resumed = self.builder.selection.resumed  # schedule="auto"'s choice, from the checkpoint
+        if given == AUTO and resumed is not None:
+            given = min(int(resumed["microbatches"]), rows)
         if training and pipeline is not None:
             chosen = self.training.microbatches(pipeline, given, rows)
             if chosen is not None:

@@ -129,12 +129,12 @@ class PipeStrategy(ParallelStrategy):
 
     @property
     def schedule(self) -> Any:
-        return self.builder.schedule
+        return self.builder.selection.schedule
 
     @property
     def schedule_choice(self) -> AutoChoice | None:
         """What ``schedule="auto"`` chose in this (or the last) fit; None before its second training step."""
-        return self.builder.choice
+        return self.builder.selection.choice(self.builder.pipeline)
 
     @property
     def checkpoint(self) -> str:
@@ -171,7 +171,7 @@ class PipeStrategy(ParallelStrategy):
     def resolve_devices(self) -> list[str]:
         """One device per stage: launched mode's processes (placed as the schedule says), or from ``devices``,
         the Trainer's devices or cpu."""
-        return self.mode.stage_devices(self.parallel_devices, self.builder.rank_placement)
+        return self.mode.stage_devices(self.parallel_devices, self.builder.selection.rank_placement)
 
     @property
     @override
