@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from checkpoint_hooks import DROPPED, EXPORTED, LAUNCHED, STEPS, fit, write_old_files
+from checkpoint_hooks import DROPPED, EXPORTED, LAUNCHED, LAUNCHED_CASES, STEPS, fit, write_old_files
 from launching import ROOT, forked_ranks
 from processes import leftover_processes
 from state_contract import tensors
@@ -111,23 +111,24 @@ def test_rpc_mode_reads_what_the_hook_left(
 
 def test_launched_modes_read_what_the_hook_left(old: dict, tmp_path: Path) -> None:
     """One launch of 2 processes: DDP 1 x 2 built eagerly and in configure_model, FSDP 2 x 1 in configure_model,
-    each from the file and the folder, with each hook; each writes the folder its fit ended with."""
+    each from the file and the folder, each with the lenient hook and the strict one (`LAUNCHED_CASES`); each writes
+    the folder its fit ended with."""
     (tmp_path / "files.json").write_text(json.dumps(old["files"]))
     run = forked_ranks(SCRIPT, ["--files", str(tmp_path / "files.json"), "--out", str(tmp_path)], nproc=2, timeout=400)
     assert run.ok, run.output[-3000:]
-    for name, _, _, replicas, _ in LAUNCHED:
-        for fmt in ("file", "folder"):
-            for drop in (False, True):
-                case = f"{name}-{fmt}-{'drop' if drop else 'migrate'}"
-                results = [json.loads((tmp_path / f"{case}-rank{r}.json").read_text()) for r in (0, 1)]
-                assert all("error" not in r for r in results), (case, results)
-                each = [r["losses"] for r in results if r["losses"]]  # the coordinators': one per replica
-                assert len(each) == replicas, case
-                mean = [sum(step) / len(step) for step in zip(*each, strict=True)]  # equal halves of the batch
-                want = old["plain"][drop]
-                assert mean == pytest.approx(want["losses"], abs=1e-6), case
-                written(tmp_path / case, want, case)
-                lenient_said(results[0]["said"], drop)
+    replicas_of = {name: replicas for name, _, _, replicas, _ in LAUNCHED}
+    assert {(name, fmt) for name, fmt, _ in LAUNCHED_CASES} == {(n, f) for n in replicas_of for f in ("file", "folder")}
+    for name, fmt, drop in LAUNCHED_CASES:
+        case = f"{name}-{fmt}-{'drop' if drop else 'migrate'}"
+        results = [json.loads((tmp_path / f"{case}-rank{r}.json").read_text()) for r in (0, 1)]
+        assert all("error" not in r for r in results), (case, results)
+        each = [r["losses"] for r in results if r["losses"]]  # the coordinators': one per replica
+        assert len(each) == replicas_of[name], case
+        mean = [sum(step) / len(step) for step in zip(*each, strict=True)]  # equal halves of the batch
+        want = old["plain"][drop]
+        assert mean == pytest.approx(want["losses"], abs=1e-6), case
+        written(tmp_path / case, want, case)
+        lenient_said(results[0]["said"], drop)
 
 
 def test_a_folder_hook_sees_every_tensor_unread_and_reads_only_what_it_touches(old: dict) -> None:
