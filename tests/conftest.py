@@ -33,6 +33,16 @@ TIMED = "timed"  # the unit of work of every ``timed`` test
 warnings.filterwarnings("ignore", message=".*does not have many workers.*")
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist each worker computes with one intra-op thread: two workers of two threads each on the
+    2-core machine spin OpenMP threads against each other (a plain reference beside a launch took 3-6 s instead of
+    0.1 s, `helpers.one_thread`). The processes tests start set their own (`launching.base_env`: OMP_NUM_THREADS=1)."""
+    if hasattr(config, "workerinput"):
+        import torch
+
+        torch.set_num_threads(1)
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """`LAUNCHES`' files first, then `LONG`'s, then the others. Under pytest-xdist (``--dist loadgroup``) a file is
