@@ -309,15 +309,26 @@ class LaunchedMode(Mode):
 
         if self.config.save_distributed_checkpoint is not False:  # None (the default) or True: a folder
             temporary = prepare(path) if first else temporary_path(path)
-            self.barrier()  # a leftover temporary folder goes before any replica writes: removed while another
-            save(temporary)  # replica made it, it failed that one's save (FileExistsError in DCP)
+            self._together(pipeline)  # a leftover temporary folder goes before any process writes: removed while
+            save(temporary)  # another process made it, it failed that one's save (FileExistsError in DCP)
             if first:
                 self.writes.then(lambda: publish(temporary, path))
         else:
             write_single_file(save, path, first, self.writes)
         if not in_fit(state.host.lightning_module):
             self.writes.wait()  # no training to overlap: the checkpoint is there when save_checkpoint returns
-        self.barrier()
+        self._together(pipeline)  # published (rank 0) before any process starts its next save of the same name
+
+    def _together(self, pipeline: Pipeline | None) -> None:
+        """Every process that saves waits for the others: the coordinators while a fit runs (the processes serving
+        stages write when their coordinator asks, after this), every process of the run after a fit (each calls
+        ``trainer.save_checkpoint`` itself, as with DDP)."""
+        if pipeline is not None or not dist.is_initialized():
+            self.barrier()
+        elif self.device.type == "cuda":
+            dist.barrier(device_ids=[self.device.index or 0])
+        else:
+            dist.barrier()
 
     @property
     @override
