@@ -325,10 +325,8 @@ class LaunchedMode(Mode):
         ``trainer.save_checkpoint`` itself, as with DDP)."""
         if pipeline is not None or not dist.is_initialized():
             self.barrier()
-        elif self.device.type == "cuda":
-            dist.barrier(device_ids=[self.device.index or 0])
         else:
-            dist.barrier()
+            self._wait(None)  # the default group: every process of the run
 
     @property
     @override
@@ -367,13 +365,15 @@ class LaunchedMode(Mode):
     @override
     def barrier(self) -> None:
         coordinators = self._coordinator_group()
-        if coordinators is None:
-            return
-        device = self.device
-        if device.type == "cuda":
-            dist.barrier(group=coordinators, device_ids=[device.index or 0])
+        if coordinators is not None:
+            self._wait(coordinators)
+
+    def _wait(self, group: Any) -> None:
+        """A barrier of ``group`` (None: every process), on this process's device where NCCL needs one."""
+        if self.device.type == "cuda":
+            dist.barrier(group=group, device_ids=[self.device.index or 0])
         else:
-            dist.barrier(group=coordinators)
+            dist.barrier(group=group)
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
