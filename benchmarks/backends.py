@@ -29,7 +29,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 from lightning_pipe.backends import build_executables, resolve_backends  # noqa: E402
-from lightning_pipe.pipeline import Pipeline  # noqa: E402
+from lightning_pipe.pipeline.pipeline import Pipeline  # noqa: E402
 
 BACKENDS = ("eager", "inductor")
 

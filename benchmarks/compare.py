@@ -60,7 +60,7 @@ from benchmarks.workloads import WORKLOADS, build_model  # noqa: E402
 def available_transports() -> list[str]:
     import importlib.util
 
-    from lightning_pipe.transports import TRANSPORTS
+    from lightning_pipe.comm.transports import TRANSPORTS
 
     spec = importlib.util.find_spec("lightning_pipe.comm.rpc")
     if spec is not None and spec.origin is not None and Path(spec.origin).is_relative_to(REPO):

@@ -143,7 +143,7 @@ class EngineRunner(Runner):
             self._open()
 
     def _open(self) -> None:
-        from lightning_pipe.pipeline import Pipeline
+        from lightning_pipe.pipeline.pipeline import Pipeline
 
         cfg = self.cfg
         options = {"compress": cfg.compress} if cfg.compress and self.transport == "rpc" else {}
@@ -235,7 +235,7 @@ def _wire_bytes(stats: Any) -> int:
 
 def timeline_info(result: Any, step: int) -> dict[str, float]:
     """Bubble and engine overhead of one lightning_pipe step, from its stage timeline."""
-    from lightning_pipe.timeline import StepTimeline
+    from lightning_pipe.pipeline.timeline import StepTimeline
 
     timeline = StepTimeline.from_result(result, step)
     m = timeline.num_microbatches()

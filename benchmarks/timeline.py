@@ -25,7 +25,7 @@ import torch  # noqa: E402
 
 from benchmarks.workloads import WORKLOADS, build_model, loss_fn, make_batches  # noqa: E402
 from lightning_pipe import PipeStrategy, PipeTrace  # noqa: E402
-from lightning_pipe.timeline import render_png, write_chrome_trace  # noqa: E402
+from lightning_pipe.pipeline.timeline import render_png, write_chrome_trace  # noqa: E402
 
 
 class Net(L.LightningModule):

@@ -8,7 +8,8 @@ import os
 import sys
 from typing import Any
 
-from lightning_pipe.errors import (
+from lightning_pipe.base import moved
+from lightning_pipe.base.errors import (
     ConfigurationError,
     PartitionError,
     PipeError,
@@ -17,12 +18,14 @@ from lightning_pipe.errors import (
     StageError,
     TransportError,
 )
-from lightning_pipe.executors import Activation, BackwardModule, ForwardLossModule, ForwardModule
-from lightning_pipe.loss import Loss
+from lightning_pipe.engine.executors import Activation, BackwardModule, ForwardLossModule, ForwardModule
+from lightning_pipe.engine.loss import Loss
 from lightning_pipe.partition import CallArgs, Partitioner, ShardedTask, TracedPartitioner, TraceError
-from lightning_pipe.pipeline import Pipeline
+from lightning_pipe.pipeline.pipeline import Pipeline
 from lightning_pipe.runtime import BaseRuntime, PyTorchRuntime, runtime_registry, to
 from lightning_pipe.schedule import Action, Schedule, get_schedule, register_schedule
+
+moved.install()  # the old import paths of moved modules, for one release (base/moved.py)
 
 __version__ = "0.1.0"
 
@@ -34,7 +37,7 @@ def _stage_worker_process() -> bool:
     argv = list(getattr(sys, "orig_argv", sys.argv))
     for i, arg in enumerate(argv[:-1]):
         if arg == "-m" and (
-            argv[i + 1] == "lightning_pipe.worker" or argv[i + 1 : i + 3] == ["lightning_pipe", "worker"]
+            argv[i + 1] == "lightning_pipe.comm.worker_command" or argv[i + 1 : i + 3] == ["lightning_pipe", "worker"]
         ):
             return True
     return os.path.basename(sys.argv[0]) == "lightning-pipe" and sys.argv[1:2] == ["worker"]

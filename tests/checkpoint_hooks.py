@@ -190,9 +190,7 @@ def launched_cases(files: dict[str, str], out: Path) -> None:
         began = time.monotonic()
         try:
             during = None if drop else out / case
-            t, _, losses = fit(
-                strategy, build, STEPS, ckpt=path, drop=drop, replicas=replicas, devices=2, save=during
-            )
+            t, _, losses = fit(strategy, build, STEPS, ckpt=path, drop=drop, replicas=replicas, devices=2, save=during)
             result = {"losses": losses.values, "said": t.said}  # type: ignore[attr-defined]
             if drop:
                 t.save_checkpoint(out / case)

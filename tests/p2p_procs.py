@@ -27,11 +27,11 @@ from rpc_models import FailsOn
 from torch import nn
 
 from lightning_pipe import Pipeline
+from lightning_pipe.base.errors import StageError, TransportError
 from lightning_pipe.comm.p2p import P2PCommunicator
 from lightning_pipe.comm.p2p.frames import TENSOR_KINDS
 from lightning_pipe.comm.p2p.serve import serve_stages
 from lightning_pipe.engine import StageProtocol
-from lightning_pipe.errors import StageError, TransportError
 
 
 def mlp(seed: int = 0) -> nn.Sequential:

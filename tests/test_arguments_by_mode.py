@@ -3,8 +3,8 @@
 `TABLE` says, per argument and mode, what happens to a value other than the default. Local mode runs tiny Trainers
 and looks at what ran (the pipeline's stages, devices, flags, the checkpoint file written, the stage values against
 the file they came from). rpc and launched mode are checked without starting processes: the Trainer picks the mode
-(`lightning_pipe.strategy.mode_choice`), refusals raise when the strategy or the Trainer is made, warnings are what
-the mode says at its start (`lightning_pipe.strategy.unread`), and a value it reads is where the part that reads it
+(`lightning_pipe.strategy.modes.mode_choice`), refusals raise when the strategy or the Trainer is made, warnings are
+what the mode says at its start (`lightning_pipe.strategy.unread`), and a value it reads is where the part that reads it
 in that mode finds it: the `Pipeline` the mode's builder makes (recorded instead of started), the step driver, the
 checkpoints, the layout.
 """
@@ -26,11 +26,11 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
 
 from lightning_pipe import PipeStrategy
-from lightning_pipe.errors import ConfigurationError
+from lightning_pipe.base.errors import ConfigurationError
 from lightning_pipe.partition import TracedPartitioner
 from lightning_pipe.runtime.pytorch import PyTorchRuntime
 from lightning_pipe.strategy import building, schedule_selection
-from lightning_pipe.strategy.building import Placement
+from lightning_pipe.strategy.building import Destination
 from lightning_pipe.weights import StageInit
 from lightning_pipe.weights.keys import KeyMismatchError
 
@@ -112,7 +112,7 @@ def test_the_table_walks_every_argument_and_the_docs_agree() -> None:
 
 
 def test_pipe_configs_docstring_names_the_schedules_tensor_parallel_runs() -> None:
-    from lightning_pipe.strategy.config import PipeConfig
+    from lightning_pipe.strategy.pipe_config import PipeConfig
     from lightning_pipe.strategy.tensor_parallel import TENSOR_PARALLEL_SCHEDULES
 
     described = " ".join((PipeConfig.__doc__ or "").split("tensor_parallel:", 1)[1].split())
@@ -311,7 +311,7 @@ def pipeline_given(strategy: PipeStrategy, model: L.LightningModule, monkeypatch
     """What the mode's builder gives the `Pipeline` (the same call builds it in every mode; the transport differs)."""
     monkeypatch.setattr(building, "Pipeline", Recorded)
     devices = strategy.resolve_devices()
-    placement = Placement(devices, torch.device("cpu"), None, lambda: "the mode's", lambda pipeline: None)
+    placement = Destination(devices, torch.device("cpu"), None, lambda: "the mode's", lambda pipeline: None)
     strategy.builder.setup(model, placement)
     pipeline = strategy.builder.build(None)
     strategy.builder.pipeline = None
@@ -374,7 +374,8 @@ def test_rpc_and_launched_mode_read_refuse_or_warn(mode: str, monkeypatch: pytes
     torch.save(mlp().state_dict(), tmp_path / "weights.pt")
     strategy, _ = made(mode, weights=tmp_path / "weights.pt", weights_only=True)
     assert (strategy.state.checkpoints.weights, strategy.state.checkpoints.weights_only) == (
-        str(tmp_path / "weights.pt"), True
+        str(tmp_path / "weights.pt"),
+        True,
     )
     said = [text for text in made(mode)[0].mode.unread(RecordingIO()) if text is not None]
     assert len(said) == 1 and f"{mode} mode with checkpoint_io=RecordingIO" in str(said[0])

@@ -13,7 +13,7 @@ from torch import nn
 from torch.func import functional_call
 
 from lightning_pipe import Pipeline
-from lightning_pipe.errors import ConfigurationError
+from lightning_pipe.base.errors import ConfigurationError
 from lightning_pipe.schedule import get_schedule
 
 

@@ -15,7 +15,7 @@ from test_async import reference_2bw
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_pipe import PipeStrategy
-from lightning_pipe.errors import ConfigurationError
+from lightning_pipe.base.errors import ConfigurationError
 
 SPLIT = [2, 2, 3]  # mlp(depth=4): Linear Tanh | Linear Tanh | Linear Tanh Linear
 

@@ -28,7 +28,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_pipe import Pipeline, PipeStrategy
-from lightning_pipe.errors import StageError
+from lightning_pipe.base.errors import StageError
 
 VOCAB, WIDTH, PER_BATCH, LR = 11, 6, 4, 0.5
 SPLIT = [3, 4]  # Embedding Linear Gate | Gate Linear Tanh Linear (its weight is the embedding's)

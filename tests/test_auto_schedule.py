@@ -13,15 +13,15 @@ from helpers import QUIET, Classifier, dataset, loader, max_param_diff, mlp, one
 from test_transparency import GradCapture, fit
 from torch import nn
 
-import lightning_pipe.auto_schedule as auto_schedule
+import lightning_pipe.pipeline.schedule_chooser as auto_schedule
 from lightning_pipe import Pipeline, PipeStrategy
-from lightning_pipe.auto_schedule import AutoSchedule, ScheduleChooser
+from lightning_pipe.base.errors import ConfigurationError
 from lightning_pipe.comm import LocalCommunicator
-from lightning_pipe.errors import ConfigurationError
+from lightning_pipe.pipeline.schedule_chooser import AutoSchedule, ScheduleChooser
+from lightning_pipe.pipeline.timeline import StepTimeline
 from lightning_pipe.rng import derive_seed
 from lightning_pipe.schedule import Kind, Schedule, placement_of
 from lightning_pipe.strategy.arguments import auto_schedule_of
-from lightning_pipe.timeline import StepTimeline
 
 
 def _batches(steps: int, rows: int = 16) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -220,7 +220,7 @@ def test_auto_builds_where_the_unit_costs_say_and_stages_owning_parameters_stay(
     assert ScheduleChooser(AutoSchedule(), 2, "parallel", ranks=2, microbatches=2).placement == "loop"
     auto = PipeStrategy(stages=4, virtual_stages=2, microbatches=8, schedule="auto")
     assert auto.builder.selection.rank_placement == "v"
-    from lightning_pipe.stage_moves import OWN_PARAMETERS, moves_of
+    from lightning_pipe.pipeline.stage_moves import OWN_PARAMETERS, moves_of
 
     owning = SimpleNamespace(stages_own_parameters=True)  # as rpc's and launched mode's communicators
     moves = moves_of(owning, None, ["cpu"] * 4, 2, lambda placement: None)  # type: ignore[arg-type]

@@ -30,9 +30,9 @@ from lightning_pipe.backends import (
     resolve_backends,
     substitute,
 )
-from lightning_pipe.errors import ConfigurationError
-from lightning_pipe.pipeline import Pipeline
-from lightning_pipe.transports import TRANSPORTS
+from lightning_pipe.base.errors import ConfigurationError
+from lightning_pipe.comm.transports import TRANSPORTS
+from lightning_pipe.pipeline.pipeline import Pipeline
 
 
 def test_operator_backend_runs_where_its_checker_accepts() -> None:

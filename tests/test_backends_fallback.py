@@ -25,8 +25,8 @@ from lightning_pipe.backends import (
     resolve_backends,
     unregister_backend,
 )
-from lightning_pipe.errors import ConfigurationError, StageError
-from lightning_pipe.pipeline import Pipeline
+from lightning_pipe.base.errors import ConfigurationError, StageError
+from lightning_pipe.pipeline.pipeline import Pipeline
 
 
 def test_tensorrt_without_torch_tensorrt_declines_and_eval_runs_on_next(caplog: pytest.LogCaptureFixture) -> None:

@@ -22,8 +22,8 @@ from big_launch import AGAINST_DDP, BIG_CASES, LAYOUTS, SEEDED, STATE_MIB, launc
 from launching import ROOT
 
 from lightning_pipe import PipeStrategy
+from lightning_pipe.base.errors import ConfigurationError
 from lightning_pipe.checkpoint.consolidate import consolidate
-from lightning_pipe.errors import ConfigurationError
 
 sys.path.insert(0, str(ROOT / "examples"))
 import big_model  # noqa: E402 - the example, imported for its LightningModule

@@ -25,9 +25,9 @@ from processes import leftover_processes
 from state_contract import tensors
 
 from lightning_pipe import PipeStrategy
+from lightning_pipe.base.errors import ConfigurationError
 from lightning_pipe.checkpoint.lazy_state import LazyTensor
 from lightning_pipe.checkpoint.reader import open_checkpoint
-from lightning_pipe.errors import ConfigurationError
 
 SCRIPT = str(ROOT / "tests" / "checkpoint_hooks.py")
 LENIENT = f"1 tensor initialised instead of read ('{DROPPED}')"

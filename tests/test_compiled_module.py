@@ -20,7 +20,7 @@ from lightning_pipe import Pipeline, PipeStrategy, PyTorchRuntime
 from lightning_pipe.backends import InductorCompiler, OpCounter, get_backend
 from lightning_pipe.backends.compiled import unwrap_compiled
 from lightning_pipe.backends.ops import OpTable
-from lightning_pipe.errors import ConfigurationError
+from lightning_pipe.base.errors import ConfigurationError
 
 X = torch.randn(6, 8, generator=torch.Generator().manual_seed(5))
 

@@ -8,8 +8,8 @@ import inspect
 import pytest
 
 from lightning_pipe import PipeStrategy
-from lightning_pipe.errors import ConfigurationError
-from lightning_pipe.strategy.config import PipeConfig
+from lightning_pipe.base.errors import ConfigurationError
+from lightning_pipe.strategy.pipe_config import PipeConfig
 
 LIGHTNINGS_OWN = {"accelerator", "checkpoint_io", "precision_plugin"}  # handed to Lightning's base class
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from helpers import mlp
 
 from lightning_pipe import Pipeline
-from lightning_pipe.errors import ScheduleError
+from lightning_pipe.base.errors import ScheduleError
 from lightning_pipe.schedule import Action, ActionLists, Schedule, resolve_schedule, validate
 
 

@@ -20,8 +20,8 @@ from helpers import one_thread
 from torch import nn
 
 from lightning_pipe import PipeStrategy
+from lightning_pipe.base.errors import PipeError
 from lightning_pipe.engine import fsdp_internals
-from lightning_pipe.errors import PipeError
 
 
 def test_fsdp_internals_fail_loudly_naming_torch_and_the_file(monkeypatch: pytest.MonkeyPatch) -> None:

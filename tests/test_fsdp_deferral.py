@@ -16,11 +16,11 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard  # as a user's module imports it: the wrapper itself
 
+from lightning_pipe.base.errors import ConfigurationError
 from lightning_pipe.engine import fsdp_deferral
 from lightning_pipe.engine.fsdp_deferral import ShardUnit, deferred, unavailable
 from lightning_pipe.engine.stage_shards import StageShards, stage_units
-from lightning_pipe.errors import ConfigurationError
-from lightning_pipe.strategy.stage_placement import ProcessStage
+from lightning_pipe.strategy.process_stage import ProcessStage
 from lightning_pipe.strategy.tensor_parallel import refuse_self_sharded
 
 
@@ -164,7 +164,7 @@ def test_what_a_self_sharded_module_cannot_run_is_refused_at_setup_naming_the_fi
     strategy is made (each naming a fix that works for that module), and ``schedule="auto"`` drops split backwards."""
     from lightning_pipe.strategy.arguments import FSDP_ARGUMENT, SELF_SHARDED
     from lightning_pipe.strategy.building import PipelineBuilder
-    from lightning_pipe.strategy.config import PipeConfig
+    from lightning_pipe.strategy.pipe_config import PipeConfig
     from lightning_pipe.strategy.strategy import PipeStrategy
 
     def config(**options: Any) -> PipeConfig:
@@ -205,7 +205,7 @@ def test_a_later_run_runs_the_stages_a_run_sharded_again_and_refuses_another_cut
     into another stage is refused naming the fix; a stage of modules FSDP never touched is left to be sharded."""
     from types import SimpleNamespace
 
-    from lightning_pipe.strategy.stage_placement import reuse
+    from lightning_pipe.strategy.process_stage import reuse
 
     net, data = model(), mesh["data_parallel"]
     earlier = nn.Sequential(net[0], net[1])

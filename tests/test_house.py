@@ -18,33 +18,30 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "lightning_pipe"
 LIGHTNING = ("lightning", "pytorch_lightning", "lightning_fabric")  # Lightning's packages
 STRATEGY = "lightning_pipe.strategy"
-PIPELINE = (  # the pipeline and the modules it is made of
-    "lightning_pipe.pipeline",
-    "lightning_pipe.pipeline_inputs",
-    "lightning_pipe.stage_state",
-    "lightning_pipe.stage_layout",
-    "lightning_pipe.transports",
+#: the package's folders by layer, from the ground up (DESIGN.md "Folders are layers", docs/architecture.md): a module
+#: imports its own layer and those below, never one above. Folders on one level are plug-ins beside each other.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("base",),  # errors, trees, units, microbatches, DTensor helpers, allocator and pages, moved paths
+    ("schedule", "runtime", "backends", "rng"),  # the plug-ins as data
+    ("weights",),  # where a stage's tensors come from
+    ("checkpoint",),  # checkpoint files: reading, writing, resuming, a stage's part, consolidating
+    ("comm",),  # communicators and transports
+    ("engine",),  # coordinator and stage workers: executors, loss, grads, the stash, a stage's memory
+    ("partition",),  # model -> shards
+    ("pipeline",),  # the Pipeline and what only it uses
+    ("strategy",),  # PipeStrategy, its modes (strategy/modes/), Lightning's side
 )
-# DESIGN.md: data flows strategy -> pipeline -> engine -> comm, and the parts a stage runs (its schedule,
-# partition, executor modules, runtime, backend and where its tensors come from) never reach up into any of them
-BOTTOM = tuple(f"lightning_pipe.{p}" for p in ("schedule", "partition", "executors", "runtime", "backends", "weights"))
-# checkpoint files (reading, writing, resuming, a stage's part, consolidating): below the engine, which serves a
-# stage's part, and above weights/, through whose sources it reads (weights/ never reads a checkpoint's layout)
-CHECKPOINT = "lightning_pipe.checkpoint"
-NEVER: dict[str, tuple[str, ...]] = {
-    **{p: (STRATEGY,) for p in PIPELINE},
-    "lightning_pipe.engine": (STRATEGY, *PIPELINE),
-    "lightning_pipe.comm": ("lightning_pipe.engine", STRATEGY, *PIPELINE),
-    **{p: ("lightning_pipe.engine", "lightning_pipe.comm", STRATEGY, *PIPELINE) for p in (*BOTTOM, CHECKPOINT)},
-}
-NEVER["lightning_pipe.weights"] += (CHECKPOINT,)
-# memory code has one home, lightning_pipe.memory, and each of its modules keeps the rules of the level it serves:
-# the process's allocator, pages given back (weights/) and the stash walk (schedule/) those of the parts a stage
-# runs; the stash and a worker's meter those of the engine; recomputation and the static plan import the engine
-# (its per-rank action lists, the stage protocol) and stay below the pipeline and the strategy that use them
-MEMORY = "lightning_pipe.memory"
-NEVER |= {f"{MEMORY}.{m}": NEVER["lightning_pipe.weights"] for m in ("allocator", "pages", "walk")}
-NEVER |= {f"{MEMORY}.{m}": NEVER["lightning_pipe.engine"] for m in ("stash", "stage", "recompute", "plan")}
+LEVEL = {folder: level for level, folders in enumerate(LAYERS) for folder in folders}
+#: the package's own files at the top: what ``import lightning_pipe`` gives, and the command line
+TOP = ("lightning_pipe", "lightning_pipe.__main__")
+
+
+def folder_of(module: str) -> str | None:
+    """The layer folder of a module of the package (None: the package's own ``__init__``/``__main__``)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in LEVEL else None
+
+
 # ``import lightning_pipe`` registers the strategy name with Lightning's StrategyRegistry (DESIGN.md):
 # the package's own __init__ is the one place outside strategy/ that may name Lightning.
 LIGHTNING_ALLOWED = ("lightning_pipe",)
@@ -235,14 +232,28 @@ def test_only_the_strategy_imports_lightning() -> None:
     assert not wrong, "Lightning imported outside lightning_pipe.strategy: " + "; ".join(wrong)
 
 
-def test_the_lower_layers_never_import_upward() -> None:
-    wrong = [
-        f"{i.source}:{i.line} imports {i.target}"
-        for i in all_imports()
-        for layer, above in NEVER.items()
-        if _is_under(i.source, layer) and any(_is_under(i.target, a) for a in above)
-    ]
-    assert not wrong, "a layer imports one above it (DESIGN.md's direction of data): " + "; ".join(wrong)
+def test_every_module_lives_in_a_layer_folder() -> None:
+    loose = [name for name in modules() if name not in TOP and folder_of(name) is None]
+    assert not loose, "modules outside the layer folders (tests/test_house.py LAYERS): " + ", ".join(loose)
+
+
+def test_no_folder_imports_a_higher_one() -> None:
+    wrong = []
+    for i in all_imports():
+        source, target = folder_of(i.source), folder_of(i.target)
+        if source is not None and target is not None and LEVEL[target] > LEVEL[source]:
+            wrong.append(f"{i.source}:{i.line} ({source}/) imports {i.target} ({target}/)")
+    assert not wrong, "a folder imports a higher layer (LAYERS, DESIGN.md's direction of data): " + "; ".join(wrong)
+
+
+def test_the_folders_import_no_circle() -> None:
+    edges: dict[str, set[str]] = {}
+    for i in all_imports():
+        source, target = folder_of(i.source), folder_of(i.target)
+        if source is not None and target is not None and source != target:
+            edges.setdefault(source, set()).add(target)
+    found = circles(edges)
+    assert not found, "folder-level import circles: " + "; ".join(" <-> ".join(c) for c in found)
 
 
 def test_the_checks_see_what_they_look_for(tmp_path: Path) -> None:
@@ -254,9 +265,9 @@ def test_the_checks_see_what_they_look_for(tmp_path: Path) -> None:
         "from . import sibling\n"
         "if TYPE_CHECKING:\n"
         "    from lightning_pipe.strategy import PipeStrategy\n"
-        "    from lightning_pipe.pipeline import Pipeline\n"
+        "    from lightning_pipe.pipeline.pipeline import Pipeline\n"
         "def f(s: PipeStrategy) -> PipeStrategy:\n"
-        "    from lightning_pipe.pipeline import resolve_partitioner\n"
+        "    from lightning_pipe.pipeline.pipeline import resolve_partitioner\n"
         "    x: Pipeline = Pipeline()\n"
     )
     found = {(i.target, i.module_level, i.type_checking) for i in imports_of("lightning_pipe.comm.mod", source, set())}
@@ -265,8 +276,8 @@ def test_the_checks_see_what_they_look_for(tmp_path: Path) -> None:
         ("lightning.pytorch", True, False),
         ("lightning_pipe.comm", True, False),
         ("lightning_pipe.strategy", True, True),
-        ("lightning_pipe.pipeline", True, True),
-        ("lightning_pipe.pipeline", False, False),
+        ("lightning_pipe.pipeline.pipeline", True, True),
+        ("lightning_pipe.pipeline.pipeline", False, False),
     }
     used = uses_outside_annotations(ast.parse(source.read_text()), {"PipeStrategy", "Pipeline"})
     assert used == [("Pipeline", 9)]

@@ -1,6 +1,6 @@
 """House rule on modes: which mode runs is decided by objects, not by branches spread over the package.
 
-A mode (local, rpc, launched) is a `lightning_pipe.strategy.mode.Mode` object chosen once, and
+A mode (local, rpc, launched) is a `lightning_pipe.strategy.modes.mode.Mode` object chosen once, and
 ``schedule="async"`` a variant of the step driver (`lightning_pipe.strategy.training.Training`) chosen once;
 the code around them asks the object. Counted from the source with `ast`, outside the files of the mode
 objects (`MODE_FILES`), a *mode test* is:
@@ -26,12 +26,12 @@ MOST = 10
 #: chooses among them; the step driver's two variants (a flush after each batch, ``schedule="async"``'s stream)
 MODE_FILES = {
     "strategy/layout.py",
-    "strategy/mode.py",
-    "strategy/rpc_mode.py",
-    "strategy/launched.py",
-    "strategy/mode_choice.py",
+    "strategy/modes/mode.py",
+    "strategy/modes/rpc_mode.py",
+    "strategy/modes/launched_mode.py",
+    "strategy/modes/mode_choice.py",
     "strategy/training.py",
-    "strategy/asynchronous.py",
+    "strategy/async_training.py",
 }
 MODE_NAMES = {"LOCAL", "RPC", "LAUNCHED"}
 MODE_STRINGS = {"local", "rpc", "launched"}

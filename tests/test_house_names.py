@@ -72,8 +72,8 @@ def test_the_checks_see_what_they_look_for(tmp_path: Path) -> None:
 def test_a_stage_serves_exactly_the_protocol_and_the_proxy_refuses_other_methods() -> None:
     import pytest
 
+    from lightning_pipe.base.errors import PipeError
     from lightning_pipe.engine import StageProtocol, StageProxy
-    from lightning_pipe.errors import PipeError
 
     protocol = StageProtocol(3, None, None, None, None)  # type: ignore[arg-type]
     assert protocol.serve("ping")() == 3
@@ -81,3 +81,27 @@ def test_a_stage_serves_exactly_the_protocol_and_the_proxy_refuses_other_methods
         protocol.serve("serve")
     with pytest.raises(TypeError, match="not a control call"):
         StageProxy(None).call(StageProxy.ping)  # type: ignore[arg-type]
+
+
+#: a basename several modules may share: a package's own files, and the same role in sibling plug-in folders
+#: (a ``base.py`` or ``registry.py`` per plug-in family, a ``communicator.py`` per transport under comm/)
+SHARED_BASENAMES = {"__init__.py", "__main__.py", "base.py", "registry.py", "communicator.py"}
+
+
+def modules_by_basename(root: Path) -> dict[str, list[str]]:
+    where: dict[str, list[str]] = defaultdict(list)
+    for path in sorted(root.rglob("*.py")):
+        where[path.name].append(path.relative_to(root).as_posix())
+    return {name: paths for name, paths in where.items() if len(paths) > 1}
+
+
+def test_one_module_per_basename() -> None:
+    shared = {name: paths for name, paths in modules_by_basename(PACKAGE).items() if name not in SHARED_BASENAMES}
+    assert not shared, f"modules sharing a basename (one name per concept): {shared}"
+
+
+def test_the_basename_check_finds_a_shared_name(tmp_path: Path) -> None:
+    for folder in ("engine", "pipeline"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "stage_state.py").write_text("")
+    assert modules_by_basename(tmp_path) == {"stage_state.py": ["engine/stage_state.py", "pipeline/stage_state.py"]}

@@ -20,7 +20,7 @@ from init_accounting import Net, fit, make_model, strategy
 from launching import ROOT, forked_ranks
 from torch import nn
 
-from lightning_pipe.errors import ConfigurationError
+from lightning_pipe.base.errors import ConfigurationError
 from lightning_pipe.weights import materialize
 from lightning_pipe.weights.tied import first_holders
 from lightning_pipe.weights.written import Writes

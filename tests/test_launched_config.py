@@ -6,7 +6,7 @@ import lightning as L
 import pytest
 
 from lightning_pipe import PipeStrategy
-from lightning_pipe.errors import ConfigurationError
+from lightning_pipe.base.errors import ConfigurationError
 from lightning_pipe.strategy.launcher import PipeLauncher
 from lightning_pipe.strategy.layout import LAUNCHED, LOCAL, RPC, Layout, choose_mode
 
@@ -99,7 +99,7 @@ def test_a_worker_of_several_stages_is_placed_on_its_process_device() -> None:
     """Virtual stages in launched mode: the spec holds a runtime per stage; each moves to the process's device."""
     from types import SimpleNamespace
 
-    from lightning_pipe.comm.placement import retarget
+    from lightning_pipe.comm.process_device import retarget
     from lightning_pipe.runtime import runtime_registry
 
     runtimes = {0: runtime_registry.create("cpu"), 2: runtime_registry.create("cpu")}

@@ -11,7 +11,7 @@ from helpers import dataset, mlp
 from torch import nn
 
 from lightning_pipe import ConfigurationError, ForwardLossModule, Loss, Pipeline
-from lightning_pipe.loss import as_loss
+from lightning_pipe.engine.loss import as_loss
 
 
 class SmoothedCrossEntropy(Loss):

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_pipe import Pipeline
-from lightning_pipe.memory.plan import plan
+from lightning_pipe.pipeline.memory_plan import plan
 from lightning_pipe.schedule import get_schedule
 
 

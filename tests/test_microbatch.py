@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lightning_pipe import ConfigurationError
-from lightning_pipe.microbatch import batch_size, gather, split
+from lightning_pipe.base.microbatch import batch_size, gather, split
 from lightning_pipe.partition import balance_by_cost
 
 

@@ -25,9 +25,9 @@ from traced_models import TinyGPT, gpt_batch
 from lightning_pipe import Pipeline, PipeStrategy
 from lightning_pipe.engine import StageProtocol
 from lightning_pipe.engine.runners import worker_lists
-from lightning_pipe.memory.plan import plan as memory_plan
-from lightning_pipe.memory.recompute import RecomputePlan, plan_recompute
-from lightning_pipe.memory.stash import StageBytes
+from lightning_pipe.engine.stash import StageBytes
+from lightning_pipe.pipeline.memory_plan import plan as memory_plan
+from lightning_pipe.pipeline.recompute import RecomputePlan, plan_recompute
 from lightning_pipe.runtime import DeviceMemory, runtime_registry
 from lightning_pipe.schedule import get_schedule
 
@@ -106,7 +106,7 @@ def test_split_backward_keeps_the_recomputed_graph_until_w() -> None:
 
 
 def memory_walk_peaks(schedule: str, stash: dict[int, int], split: dict[int, int]) -> list[int]:
-    from lightning_pipe.memory.walk import walk
+    from lightning_pipe.schedule.stash_walk import walk
 
     return [walk(actions, stash, split)[0] for actions in lists(schedule)]
 

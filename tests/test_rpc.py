@@ -228,7 +228,7 @@ def test_no_parameter_crosses_processes_during_a_step(pool: RpcCommunicator) -> 
     stages, microbatches = 4, 4
     last = stages - 1
     with rpc_pipeline(pool, model, stages, schedule="1f1b") as pipe:
-        assert pool.placement.home == last and pool.shares_objects
+        assert pool.ranks_served.home == last and pool.shares_objects
         for _ in range(2):  # warm-up; checkpoint="auto" measures in the first step and decides before the second
             pipe.train_step(x, y, F.cross_entropy, microbatches=microbatches)
         pipe.coordinator.settle()  # the first stages' ends of the step arrive after train_step returned

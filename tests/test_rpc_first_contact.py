@@ -180,7 +180,7 @@ def test_script_without_main_guard_trains_like_the_unsplit_model_and_stderr_stay
 def test_stage_error_is_shown_once_without_tensorpipe_noise(tmp_path: Path) -> None:
     result = run_script(tmp_path, UNGUARDED_STAGE_ERROR)
     assert result.returncode == 1, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
-    errors = [line for line in result.stderr.splitlines() if line.startswith("lightning_pipe.errors.StageError")]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("lightning_pipe.base.errors.StageError")]
     assert len(errors) == 1, result.stderr
     assert "failed in action 1F2 (microbatch 2): ValueError: bad row reached the stage" in errors[0]
     assert "--- traceback in stage 1 on" in result.stderr  # the stage's own traceback, once

@@ -45,7 +45,7 @@ def test_the_last_stage_runs_in_the_coordinators_process(
     want = unsplit_grads(model, x, y)
     with caplog.at_level(logging.INFO, logger="lightning_pipe"):
         with Pipeline(model, stages=3, transport=pool, partition="uniform", timeout=60) as pipe:
-            assert pool.placement.home == 2 and pool.placement.remote == [0, 1] and pool.shares_objects
+            assert pool.ranks_served.home == 2 and pool.ranks_served.remote == [0, 1] and pool.shares_objects
             assert stage_threads() == ["lightning_pipe-stage-2"]  # its event loop, a thread of this process
             pipe.train_step(x, y, F.cross_entropy, microbatches=4)
             got = pipe.grads()
@@ -82,7 +82,7 @@ def test_virtual_stages_bring_the_whole_last_rank(pool: RpcCommunicator) -> None
     with Pipeline(
         model, stages=4, virtual_stages=2, schedule="interleaved-1f1b", transport=pool, partition="uniform", timeout=60
     ) as pipe:  # fmt: skip
-        assert pool.placement.home == 1 and pool.placement.remote == [0]
+        assert pool.ranks_served.home == 1 and pool.ranks_served.remote == [0]
         pipe.train_step(x, y, F.cross_entropy, microbatches=4)
         pipe.coordinator.settle()
         got = pipe.grads()
@@ -99,7 +99,7 @@ def test_one_rank_holding_every_stage_stays_in_a_worker(
     want = unsplit_grads(model, x, y)
     with caplog.at_level(logging.INFO, logger="lightning_pipe"):
         with Pipeline(model, stages=2, runner="linear", transport=pool, partition="uniform", timeout=60) as pipe:
-            assert pool.placement.home is None and not pool.shares_objects
+            assert pool.ranks_served.home is None and not pool.shares_objects
             pipe.train_step(x, y, F.cross_entropy, microbatches=4)
             got = pipe.grads()
     assert_grads_equal(got, want)
@@ -114,7 +114,7 @@ def test_colocate_false_keeps_every_rank_in_a_worker_process(pool: RpcCommunicat
     pool.colocate = False
     try:
         with Pipeline(model, stages=2, transport=pool, partition="uniform", timeout=60) as pipe:
-            assert pool.placement.home is None and pool.placement.remote == [0, 1] and not pool.shares_objects
+            assert pool.ranks_served.home is None and pool.ranks_served.remote == [0, 1] and not pool.shares_objects
             pipe.train_step(x, y, F.cross_entropy, microbatches=4)
             got = pipe.grads()
             sent = pool.stats()
@@ -137,7 +137,7 @@ def test_a_v_placed_schedule_keeps_every_rank_in_a_worker_process(
         with Pipeline(
             model, stages=4, virtual_stages=2, schedule="zbv", transport=pool, partition="uniform", timeout=60
         ) as pipe:  # fmt: skip
-            assert pool.placement.home is None and pool.placement.remote == [0, 1]
+            assert pool.ranks_served.home is None and pool.ranks_served.remote == [0, 1]
             pipe.train_step(x, y, F.cross_entropy, microbatches=4)
             got = pipe.grads()
     assert_grads_equal(got, want)

@@ -13,8 +13,8 @@ from helpers import mlp
 from torch import nn
 
 from lightning_pipe import Pipeline
+from lightning_pipe.base.errors import ConfigurationError
 from lightning_pipe.engine.runners import worker_lists, worker_of_stages
-from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.schedule import Action, get_schedule, simulate
 
 RUNNERS = ["parallel", "dataflow", "linear"]

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from helpers import RunsOn, checked_mlp
 
 from lightning_pipe import Pipeline
-from lightning_pipe.errors import PipeError
+from lightning_pipe.base.errors import PipeError
 
 
 def test_each_stage_starts_with_a_check_and_a_stage_elsewhere_fails_the_step() -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_pipe.errors import ScheduleError
+from lightning_pipe.base.errors import ScheduleError
 from lightning_pipe.schedule import (
     COSTS,
     UNIT,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_pipe.errors import ScheduleError
+from lightning_pipe.base.errors import ScheduleError
 from lightning_pipe.schedule import (
     COSTS,
     LOOP,

@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 from torch import nn
 
+from lightning_pipe.base.errors import StageError, TransportError
 from lightning_pipe.comm.base import COORDINATOR, Message, MessageKind, QueueInbox
 from lightning_pipe.comm.host import StageHost
 from lightning_pipe.comm.local import LocalCommunicator, LocalEndpoint
-from lightning_pipe.errors import StageError, TransportError
 
 CRASH = "crash"  # a message kind that breaks `Worker`'s loop
 

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import lightning_pipe.rng.stage as stage_random
+import lightning_pipe.rng.stage_random as stage_random
 from lightning_pipe import Pipeline
 from lightning_pipe.partition.traced import TracedPartitioner
 from lightning_pipe.rng import RandomRouting

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_pipe.comm.local import stage_threads
-from lightning_pipe.pipeline import Pipeline
+from lightning_pipe.pipeline.pipeline import Pipeline
 
 
 class ThreadProbe(nn.Module):

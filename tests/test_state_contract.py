@@ -30,7 +30,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_pipe import PipeStrategy
-from lightning_pipe.errors import ConfigurationError
+from lightning_pipe.base.errors import ConfigurationError
 from lightning_pipe.weights import materialize
 from lightning_pipe.weights.keys import KeyMismatchError
 from lightning_pipe.weights.sources import MODEL, TorchFileSource

@@ -30,8 +30,8 @@ from processes import leftover_processes
 from second_device import in_fresh_process
 
 from lightning_pipe import PipeStrategy
+from lightning_pipe.base.errors import ConfigurationError
 from lightning_pipe.checkpoint.consolidate import consolidate
-from lightning_pipe.errors import ConfigurationError
 
 STEPS, EVERY = 4, 2  # an epoch is 2 batches: the checkpoint at step 2 ends epoch 0
 
@@ -109,8 +109,8 @@ def nothing_gathered(monkeypatch: pytest.MonkeyPatch) -> None:
     def gathers(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("the script's process gathered the stages' state")
 
-    monkeypatch.setattr("lightning_pipe.optim.StageOptimizers.state_dict", gathers)
-    monkeypatch.setattr("lightning_pipe.pipeline.Pipeline.sync_module", gathers)
+    monkeypatch.setattr("lightning_pipe.pipeline.optimizers.StageOptimizers.state_dict", gathers)
+    monkeypatch.setattr("lightning_pipe.pipeline.pipeline.Pipeline.sync_module", gathers)
     monkeypatch.setattr("lightning_pipe.checkpoint.resume.Resume.optimizer_states", gathers)
 
 

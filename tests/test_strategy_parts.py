@@ -7,15 +7,15 @@ from typing import Any
 import torch
 from helpers import Classifier, mlp
 
-from lightning_pipe.pipeline import Pipeline
-from lightning_pipe.strategy.building import PipelineBuilder, Placement
+from lightning_pipe.pipeline.pipeline import Pipeline
+from lightning_pipe.strategy.building import Destination, PipelineBuilder
 from lightning_pipe.strategy.checkpoints import CHECKPOINT_KEY, Checkpoints
-from lightning_pipe.strategy.config import PipeConfig
-from lightning_pipe.strategy.launched import LaunchedMode
 from lightning_pipe.strategy.layout import Layout
+from lightning_pipe.strategy.modes.launched_mode import LaunchedMode
 from lightning_pipe.strategy.optimization import StageOptimization
+from lightning_pipe.strategy.pipe_config import PipeConfig
+from lightning_pipe.strategy.process_stage import ProcessStage
 from lightning_pipe.strategy.random_state import RandomStreams
-from lightning_pipe.strategy.stage_placement import ProcessStage
 from lightning_pipe.strategy.training import Training
 
 ONE, TWO = (PipeConfig.of({"timeout": 30.0, "virtual_stages": v}) for v in (1, 2))  # virtual stages per rank
@@ -35,7 +35,7 @@ def test_the_builder_builds_the_lightning_modules_pipeline_and_hands_it_over_onc
     net = Classifier(mlp(depth=4))
     built: list[Pipeline] = []
     part = builder()
-    placement = Placement(["cpu", "cpu"], torch.device("cpu"), None, lambda: "local", built.append)
+    placement = Destination(["cpu", "cpu"], torch.device("cpu"), None, lambda: "local", built.append)
     assert part.setup(net, placement) is net.model  # the child with the most parameters
     assert part.outside(net) == []  # every parameter is in the pipelined module
     x = torch.randn(8, 8)

@@ -8,7 +8,7 @@ from helpers import Classifier, max_param_diff, mlp
 from test_transparency import fit
 
 from lightning_pipe import PipeStrategy
-from lightning_pipe.errors import ConfigurationError, ScheduleError
+from lightning_pipe.base.errors import ConfigurationError, ScheduleError
 
 
 @pytest.mark.parametrize(

@@ -37,8 +37,8 @@ from test_launched import assert_ok, in_order, shuffled
 from torch.utils.data import DataLoader
 
 from lightning_pipe import PipeStrategy
+from lightning_pipe.base.errors import ConfigurationError
 from lightning_pipe.checkpoint import consolidate
-from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.strategy.layout import Layout
 
 SCRIPT = str(ROOT / "tests" / "tensor_parallel_train.py")

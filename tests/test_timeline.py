@@ -11,9 +11,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_pipe.pipeline import Pipeline
+from lightning_pipe.pipeline.pipeline import Pipeline
+from lightning_pipe.pipeline.timeline import (
+    StepTimeline,
+    chrome_trace,
+    render_png,
+    theoretical_bubble,
+    write_chrome_trace,
+)
 from lightning_pipe.schedule import get_schedule
-from lightning_pipe.timeline import StepTimeline, chrome_trace, render_png, theoretical_bubble, write_chrome_trace
 
 
 def _model() -> nn.Sequential:

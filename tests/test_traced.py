@@ -13,12 +13,12 @@ import torch.nn.functional as F
 from torch import nn
 from traced_models import KeywordNet, SkipCNN, TinyGPT, gpt_batch
 
+from lightning_pipe.base.errors import ConfigurationError, PartitionError
+from lightning_pipe.base.microbatch import split
 from lightning_pipe.engine import StageProtocol
-from lightning_pipe.errors import ConfigurationError, PartitionError
-from lightning_pipe.microbatch import split
 from lightning_pipe.partition.traced import TracedPartitioner
 from lightning_pipe.partition.tracer import CallArgs, TraceError
-from lightning_pipe.pipeline import Pipeline
+from lightning_pipe.pipeline.pipeline import Pipeline
 
 SCHEDULES = ["gpipe", "1f1b"]
 Criterion = Callable[[Any, Any], torch.Tensor]

@@ -23,7 +23,7 @@ from lightning_pipe import PipeStrategy, TraceError
 from lightning_pipe.comm.rpc import RpcCommunicator
 from lightning_pipe.engine import StageProtocol
 from lightning_pipe.partition.tracer import CallArgs
-from lightning_pipe.pipeline import Pipeline
+from lightning_pipe.pipeline.pipeline import Pipeline
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()

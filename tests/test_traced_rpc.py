@@ -24,11 +24,11 @@ from torch.utils.data import DataLoader, TensorDataset
 from traced_models import KeywordNet, SkipCNN, TinyGPT, gpt_batch
 
 from lightning_pipe import PipeStrategy
+from lightning_pipe.base.microbatch import split
 from lightning_pipe.comm.rpc import RpcCommunicator
 from lightning_pipe.engine import StageProtocol
-from lightning_pipe.microbatch import split
 from lightning_pipe.partition.tracer import CallArgs
-from lightning_pipe.pipeline import Pipeline
+from lightning_pipe.pipeline.pipeline import Pipeline
 
 SCHEDULES = ["gpipe", "1f1b"]
 GPT_SPLIT = ["blocks.1", "blocks.3"]

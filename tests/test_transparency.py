@@ -83,7 +83,7 @@ def test_gradients_survive_a_slow_stage_after_its_last_action(monkeypatch: pytes
     zeroes p.grad as soon as the step returns, so the other order loses gradients under load."""
     import time
 
-    from lightning_pipe.grads import GradStash
+    from lightning_pipe.engine.grads import GradStash
 
     original = GradStash.end
 

@@ -11,11 +11,11 @@ import torch
 from launching import base_env, free_port, run_all
 from torch import nn
 
+from lightning_pipe.base.errors import ConfigurationError
 from lightning_pipe.checkpoint.consolidate import consolidate
 from lightning_pipe.checkpoint.reader import open_checkpoint
 from lightning_pipe.checkpoint.single_file import pending_like, save_in_parts
 from lightning_pipe.engine.stage_shards import blocks
-from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.weights import (
     Prefixed,
     adopt,

@@ -15,7 +15,7 @@ import json, sys
 import torch
 from lightning_pipe.comm.slot import run_spawned_slot
 from lightning_pipe.comm.p2p.dtensor_frames import local_part
-from lightning_pipe.weights.dtensor_shards import is_sharded, local_of
+from lightning_pipe.base.dtensor_shards import is_sharded, local_of
 tensor = torch.ones(2)
 assert local_part(tensor) == (tensor, None) and local_of(tensor) is tensor and not is_sharded(tensor)
 print(json.dumps(sorted(m for m in ("lightning", "torch.distributed.tensor") if m in sys.modules)))

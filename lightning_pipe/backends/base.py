@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from lightning_pipe.errors import PipeError
+from lightning_pipe.base.errors import PipeError
 
 Checker = Callable[..., bool]  # called like the op, with TensorMeta in place of tensors
 OpEntry = tuple[str, Checker, Callable[..., Any]]  # (implementation name, checker, implementation)

@@ -18,7 +18,7 @@ from typing import Any
 from torch import nn
 
 from lightning_pipe.backends.config import BackendArg, BackendPlan, resolve_backends, with_options
-from lightning_pipe.errors import ConfigurationError
+from lightning_pipe.base.errors import ConfigurationError
 
 INDUCTOR = "inductor"
 log = logging.getLogger("lightning_pipe")

@@ -17,7 +17,7 @@ from torch import nn
 from lightning_pipe.backends.base import BackendUnavailableError, StageContext
 from lightning_pipe.backends.ops import OpTable, SubstitutionMode, rewrite_graph
 from lightning_pipe.backends.trace import OpCounter
-from lightning_pipe.errors import ConfigurationError
+from lightning_pipe.base.errors import ConfigurationError
 
 
 class EagerCompiler:

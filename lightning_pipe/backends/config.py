@@ -20,7 +20,7 @@ from typing import Any
 
 from lightning_pipe.backends.base import Backend
 from lightning_pipe.backends.registry import default_backends, get_backend
-from lightning_pipe.errors import ConfigurationError
+from lightning_pipe.base.errors import ConfigurationError
 
 MODES = ("train", "eval")
 StageArg = str | Sequence[str] | None

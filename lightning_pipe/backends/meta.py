@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from lightning_pipe import tree
+from lightning_pipe.base import tree
 
 
 @dataclass(frozen=True)

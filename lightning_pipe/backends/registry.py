@@ -11,7 +11,7 @@ from lightning_pipe.backends.compilers import EagerCompiler, InductorCompiler
 from lightning_pipe.backends.ops import OpTable, SubstitutionMode, resolve_op
 from lightning_pipe.backends.tensorrt import TensorRTCompiler
 from lightning_pipe.backends.trace import OpCounter
-from lightning_pipe.errors import ConfigurationError
+from lightning_pipe.base.errors import ConfigurationError
 
 EAGER = "eager"
 _BACKENDS: dict[str, Backend] = {}

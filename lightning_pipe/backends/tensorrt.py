@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 
-from lightning_pipe import tree
 from lightning_pipe.backends.base import BackendUnavailableError, StageContext
 from lightning_pipe.backends.compilers import EagerCompiler
 from lightning_pipe.backends.meta import TensorMeta, signature
+from lightning_pipe.base import tree
 
 
 @functools.cache

@@ -19,8 +19,8 @@ from typing import Any
 import torch
 from typing_extensions import override
 
+from lightning_pipe.base.errors import PipeError, PipeTimeoutError
 from lightning_pipe.checkpoint.sharded import OptimizerPart, save_sharded, save_sharded_in_background
-from lightning_pipe.errors import PipeError, PipeTimeoutError
 from lightning_pipe.weights.sources import PathLike
 
 #: how long the next save or the end of fit waits for a write in flight (a collective's own timeout, 30 minutes

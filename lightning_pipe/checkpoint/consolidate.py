@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
+from lightning_pipe.base.errors import ConfigurationError
 from lightning_pipe.checkpoint.reader import ShardedCheckpoint, optimizer_key
 from lightning_pipe.checkpoint.single_file import Fetch, Pending, save_in_parts
-from lightning_pipe.errors import ConfigurationError
 from lightning_pipe.weights.sources import MODEL, PathLike, is_distributed_checkpoint
 
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from lightning_pipe.errors import ConfigurationError
+from lightning_pipe.base.errors import ConfigurationError
 from lightning_pipe.weights.keys import visible
 from lightning_pipe.weights.sources import (
     MODEL,

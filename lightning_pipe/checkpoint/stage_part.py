@@ -17,11 +17,11 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from lightning_pipe.base.dtensor_shards import is_sharded
 from lightning_pipe.checkpoint.background import CheckpointWrites
 from lightning_pipe.checkpoint.reader import OptimizerLayout, open_checkpoint
 from lightning_pipe.checkpoint.sharded import OptimizerPart, sharded_state
 from lightning_pipe.checkpoint.sharded_steps import FolderPart
-from lightning_pipe.weights.dtensor_shards import is_sharded
 from lightning_pipe.weights.edited import StateEdits
 
 
@@ -52,7 +52,7 @@ class CoordinatorPart:
 
 class WorkerOptimizer(Protocol):
     """What a stage's part of a checkpoint reads of the worker: its optimizer and its parameters by name
-    (`lightning_pipe.engine.stage_state.StageStateCalls` is the worker's)."""
+    (`lightning_pipe.engine.state_calls.StageStateCalls` is the worker's)."""
 
     def has_optimizer(self) -> bool: ...
 

@@ -22,8 +22,8 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from lightning_pipe import tree
-from lightning_pipe.errors import ConfigurationError
+from lightning_pipe.base import tree
+from lightning_pipe.base.errors import ConfigurationError
 
 _CASTS = {"bf16": torch.bfloat16, "fp16": torch.float16}
 _THREAD = threading.local()

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from lightning_pipe.errors import PipeTimeoutError, TransportError
+from lightning_pipe.base.errors import PipeTimeoutError, TransportError
 
 PROTOCOL = 1
 HEARTBEAT = 2.0  # seconds between a worker's heartbeats

@@ -9,6 +9,7 @@ import threading
 import time
 from typing import Any
 
+from lightning_pipe.base.errors import TransportError
 from lightning_pipe.comm.control import (
     HEARTBEAT,
     HELLO_TIMEOUT,
@@ -18,7 +19,6 @@ from lightning_pipe.comm.control import (
     send_line,
     versions,
 )
-from lightning_pipe.errors import TransportError
 
 
 class WorkerRefused(TransportError):

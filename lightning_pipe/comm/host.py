@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
+from lightning_pipe.base.errors import PipeError, StageError, TransportError
 from lightning_pipe.comm.base import Message, MessageKind
-from lightning_pipe.comm.placement import retarget
-from lightning_pipe.errors import PipeError, StageError, TransportError
+from lightning_pipe.comm.process_device import retarget
 
 Hook = Callable[[Any], None]  # sees a spec before its worker is built, or a worker once built
 Report = Callable[[StageError], None]  # told of a crash of the event loop

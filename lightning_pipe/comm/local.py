@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from lightning_pipe.base.errors import ConfigurationError, TransportError
 from lightning_pipe.comm.base import (
     COORDINATOR,
     Communicator,
@@ -19,7 +20,6 @@ from lightning_pipe.comm.base import (
     remaining,
 )
 from lightning_pipe.comm.host import StageHost
-from lightning_pipe.errors import ConfigurationError, TransportError
 from lightning_pipe.runtime import runtime_registry
 
 

@@ -18,9 +18,9 @@ import subprocess
 import sys
 from typing import Any
 
+from lightning_pipe.base.errors import TransportError
 from lightning_pipe.comm.base import deadline, remaining
 from lightning_pipe.comm.slot import TOKEN_ENV, WORKER_ENV
-from lightning_pipe.errors import TransportError
 
 #: set in the environment of every worker process started here: ``local-<coordinator pid>-<tag>``, so that
 #: ``/proc/<pid>/environ`` (or ``ps e``) tells whose worker a process is, and a test finds exactly its own

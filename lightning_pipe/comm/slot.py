@@ -4,7 +4,7 @@ A slot connects to the coordinator, says hello (token, versions, device), waits 
 its side of the world's data plane (`rpc.plane`), joins the coordinator's RPC world and then serves
 the stages the coordinator builds on it, until the coordinator ends the run. If the coordinator goes
 away, the slot exits: nothing is left behind. The ``lightning-pipe worker`` command
-(`lightning_pipe.worker`) starts one per device; ``transport="rpc"`` without a coordinator address
+(`lightning_pipe.comm.worker_command`) starts one per device; ``transport="rpc"`` without a coordinator address
 spawns them itself.
 """
 
@@ -23,13 +23,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_pipe.base.allocator import give_back_large_blocks
+from lightning_pipe.base.errors import TransportError
 from lightning_pipe.comm.control import parse_address
 from lightning_pipe.comm.control_link import WorkerLink, WorkerRefused
 from lightning_pipe.comm.rpc.plane import PlaneLayout, describe_process, is_cuda, open_plane, world_rank
 from lightning_pipe.comm.rpc.stages import EXIT, PLANE, REPORT
 from lightning_pipe.comm.rpc.world import join_world, leave_world
-from lightning_pipe.errors import TransportError
-from lightning_pipe.memory.allocator import give_back_large_blocks
 
 WORKER_ENV = "LIGHTNING_PIPE_WORKER"  # set in stage worker processes: `import lightning_pipe` skips Lightning
 TOKEN_ENV = "LIGHTNING_PIPE_TOKEN"

@@ -9,18 +9,18 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from lightning_pipe import tree
+from lightning_pipe.base import tree
+from lightning_pipe.base.errors import ConfigurationError
 from lightning_pipe.comm.base import Communicator, Endpoint, Message, MessageKind
 from lightning_pipe.engine.coordinator_link import CoordinatorLink
-from lightning_pipe.engine.plan import ASYNC, EVAL, TRAIN, LossPlan, StageSpec, StepPlan
+from lightning_pipe.engine.executors import output_grads
+from lightning_pipe.engine.loss import Criterion, Loss, as_loss
+from lightning_pipe.engine.messages import ASYNC, EVAL, TRAIN, LossPlan, StageSpec, StepPlan
 from lightning_pipe.engine.runners import check_runner, worker_lists
 from lightning_pipe.engine.shared_weights import SharedWeights
-from lightning_pipe.engine.stage import StageWorker
 from lightning_pipe.engine.stage_proxy import StageProxy
+from lightning_pipe.engine.stage_worker import StageWorker
 from lightning_pipe.engine.step_result import Record, StepResult
-from lightning_pipe.errors import ConfigurationError
-from lightning_pipe.executors import output_grads
-from lightning_pipe.loss import Criterion, Loss, as_loss
 from lightning_pipe.schedule import Schedule
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -125,8 +125,8 @@ class Coordinator:
 
     def restart(self, specs: Sequence[StageSpec]) -> None:
         """Stop the workers and start new ones from ``specs``: the same stages placed on other ranks
-        (``schedule="auto"`` moving its stages, `lightning_pipe.stage_moves`), once the posted calls ran. Later steps
-        and calls reach the new workers."""
+        (``schedule="auto"`` moving its stages, `lightning_pipe.pipeline.stage_moves`), once the posted calls ran.
+        Later steps and calls reach the new workers."""
         self.flush()
         self.close()
         self.specs = list(specs)

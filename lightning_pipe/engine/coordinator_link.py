@@ -6,10 +6,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_pipe.base.errors import PipeTimeoutError, StageError
 from lightning_pipe.comm.base import Communicator, Endpoint, Message, MessageKind, deadline, remaining
 from lightning_pipe.engine.stage_protocol import StageProtocol
 from lightning_pipe.engine.step_result import Record
-from lightning_pipe.errors import PipeTimeoutError, StageError
 
 Key = tuple[str, int, int]  # (kind, stage, microbatch)
 _POLL = 1.0  # seconds between liveness checks while waiting

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from lightning_pipe.errors import PipeError
+from lightning_pipe.base.errors import PipeError
 
 TESTED_WITH = "2.13"  # the newest torch this module was read against
 

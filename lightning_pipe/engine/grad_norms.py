@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from lightning_pipe.weights.dtensor_shards import is_sharded
+from lightning_pipe.base.dtensor_shards import is_sharded
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor

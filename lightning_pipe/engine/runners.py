@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from lightning_pipe.errors import ConfigurationError
+from lightning_pipe.base.errors import ConfigurationError
 from lightning_pipe.schedule import LOOP, Action, simulate, stage_ranks
 
 RUNNERS = ("parallel", "dataflow", "linear")

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_pipe.base.errors import PipeTimeoutError
 from lightning_pipe.engine.stage_inbox import StepAborted
-from lightning_pipe.errors import PipeTimeoutError
 
 
 class SharedWeights:

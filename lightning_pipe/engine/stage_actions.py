@@ -16,19 +16,19 @@ from typing import Any
 
 import torch
 
-from lightning_pipe import tree
 from lightning_pipe.backends import StageExecutable
 from lightning_pipe.backends.registry import EAGER
+from lightning_pipe.base import tree
+from lightning_pipe.base.errors import ConfigurationError, StageError
 from lightning_pipe.comm.base import COORDINATOR, Endpoint, Message, MessageKind
-from lightning_pipe.engine.plan import EVAL, TRAIN, LossPlan, StageSpec, StepPlan
+from lightning_pipe.engine.executors import Activation, BackwardModule, output_grads, recompute
+from lightning_pipe.engine.messages import EVAL, TRAIN, LossPlan, StageSpec, StepPlan
 from lightning_pipe.engine.replicas import DataParallel
 from lightning_pipe.engine.split_backward import WeightGradient, backward_input, backward_weight
 from lightning_pipe.engine.stage_inbox import StageInbox, StepAborted
+from lightning_pipe.engine.stage_memory import StageMemory
 from lightning_pipe.engine.step_result import Record
 from lightning_pipe.engine.versions import WorkerVersions
-from lightning_pipe.errors import ConfigurationError, StageError
-from lightning_pipe.executors import Activation, BackwardModule, output_grads, recompute
-from lightning_pipe.memory.stage import StageMemory
 from lightning_pipe.rng import StageRandom
 from lightning_pipe.runtime import BaseRuntime
 from lightning_pipe.schedule import Action, Kind
@@ -71,7 +71,7 @@ class StageActions:
         self._saved: dict[tuple[int, int], Activation] = {}
         self._weight_work: dict[tuple[int, int], WeightGradient] = {}  # I done, W pending
         self._initialized: set[int] = set()  # stages whose runtime initialized their module
-        self._parts: list[Record] = []  # this step's action parts (see lightning_pipe.timeline)
+        self._parts: list[Record] = []  # this step's action parts (see lightning_pipe.pipeline.timeline)
         self._loss: LossPlan | None = None  # set when this rank computes the step's losses
         self._outputs: dict[int, Any] = {}  # last stage: outputs awaiting their loss, by microbatch
         self._losses: list[Message] = []  # last stage: this step's losses, sent with its end (one wake-up)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import collections
 from collections.abc import Callable, Iterator
 
+from lightning_pipe.base.errors import PipeTimeoutError
 from lightning_pipe.comm.base import Endpoint, Message, MessageKind, deadline, remaining
-from lightning_pipe.errors import PipeTimeoutError
 from lightning_pipe.schedule import Action, peak_activations
 
 Key = tuple[int, str, int, int]  # (step, kind, stage, microbatch)

@@ -14,14 +14,14 @@ from typing import Any
 import torch
 
 from lightning_pipe.backends import StageTrace
+from lightning_pipe.base.errors import PipeError
 from lightning_pipe.checkpoint.reader import OptimizerLayout
 from lightning_pipe.checkpoint.stage_part import CoordinatorPart, StageCheckpoint
 from lightning_pipe.comm.base import PING
-from lightning_pipe.engine.stage_state import GroupSpec, StageStateCalls
+from lightning_pipe.engine.stage_memory import StageMemory
+from lightning_pipe.engine.stash import StageBytes
+from lightning_pipe.engine.state_calls import GroupSpec, StageStateCalls
 from lightning_pipe.engine.versions import Staleness, WorkerVersions
-from lightning_pipe.errors import PipeError
-from lightning_pipe.memory.stage import StageMemory
-from lightning_pipe.memory.stash import StageBytes
 from lightning_pipe.runtime import DeviceMemory
 from lightning_pipe.weights.edited import StateEdits
 

@@ -30,7 +30,7 @@ class StepResult:
         self.outputs = [] if outputs is None else outputs
         self.schedule = schedule
         self._records = [] if records is None else records
-        #: per rank, the parts of each action ("1F0 idle", start, end): see `lightning_pipe.timeline`
+        #: per rank, the parts of each action ("1F0 idle", start, end): see `lightning_pipe.pipeline.timeline`
         self._parts = [] if parts is None else parts
         self._settle = settle
         #: the step's seconds as ``schedule="auto"`` predicted them when it chose (None: no prediction)

@@ -20,14 +20,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_pipe import tree
+from lightning_pipe.base import tree
+from lightning_pipe.base.errors import ConfigurationError
 from lightning_pipe.comm.base import Message, MessageKind
 from lightning_pipe.engine.coordinator import Coordinator
-from lightning_pipe.engine.plan import ASYNC
+from lightning_pipe.engine.loss import Criterion, Loss, as_loss
+from lightning_pipe.engine.messages import ASYNC
 from lightning_pipe.engine.step_result import StepResult
 from lightning_pipe.engine.versions import Staleness
-from lightning_pipe.errors import ConfigurationError
-from lightning_pipe.loss import Criterion, Loss, as_loss
 from lightning_pipe.schedule import Schedule
 
 OptimizerFactory = Callable[[list[nn.Parameter]], Any]

@@ -15,7 +15,7 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
-from lightning_pipe.weights.dtensor_shards import is_sharded, local_of
+from lightning_pipe.base.dtensor_shards import is_sharded, local_of
 
 
 class TensorStageReplicas:

@@ -219,7 +219,6 @@ class WorkerVersions:
         """The parameters of every version ``stage`` keeps (`StageVersions.weights`)."""
         return self._stages[stage].weights()
 
-
     def call_async_stats(self) -> list[Staleness]:
         """Each stage's `Staleness` in the last asynchronous run."""
         return [versions.stats for versions in self._stages.values()]

@@ -9,9 +9,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_pipe import tree
-from lightning_pipe.errors import PartitionError
-from lightning_pipe.executors import call_module
+from lightning_pipe.base import tree
+from lightning_pipe.base.errors import PartitionError
+from lightning_pipe.engine.executors import call_module
 
 
 def balance_by_cost(costs: Sequence[float], parts: int) -> list[int]:

@@ -20,7 +20,7 @@ from torch import fx, nn
 from torch.fx.graph_module import _format_import_block, _forward_from_src
 from torch.package import sys_importer
 
-from lightning_pipe.errors import PartitionError
+from lightning_pipe.base.errors import PartitionError
 from lightning_pipe.rng.detect import random_calls
 
 CutKey = tuple[str, str, int]  # (op, target, occurrence) of the first node of a stage

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_pipe import tree
-from lightning_pipe.errors import PartitionError
+from lightning_pipe.base import tree
+from lightning_pipe.base.errors import PartitionError
 
 
 class TraceError(PartitionError):

@@ -8,8 +8,8 @@ from typing import Any
 
 from torch import nn
 
-from lightning_pipe.errors import PartitionError
-from lightning_pipe.executors import BackwardModule, ForwardLossModule, ForwardModule
+from lightning_pipe.base.errors import PartitionError
+from lightning_pipe.engine.executors import BackwardModule, ForwardLossModule, ForwardModule
 from lightning_pipe.partition.balance import balance_by_cost, memory_costs, param_costs, time_costs
 
 METHODS = ("uniform", "params", "memory", "time")

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from lightning_pipe.errors import PartitionError
+from lightning_pipe.base.errors import PartitionError
 from lightning_pipe.partition.partitioner import Partitioner
 from lightning_pipe.partition.traced import TracedPartitioner
 

@@ -17,7 +17,7 @@ import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
-from lightning_pipe.errors import PartitionError
+from lightning_pipe.base.errors import PartitionError
 
 
 @dataclass

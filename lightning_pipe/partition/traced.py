@@ -21,15 +21,15 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from lightning_pipe import tree
-from lightning_pipe.errors import PartitionError
-from lightning_pipe.executors import BackwardModule, ForwardLossModule, ForwardModule, call_module
+from lightning_pipe.base import tree
+from lightning_pipe.base.errors import PartitionError
+from lightning_pipe.engine.executors import BackwardModule, ForwardLossModule, ForwardModule, call_module
 from lightning_pipe.partition import cut
 from lightning_pipe.partition.balance import balance_by_cost, memory_costs, param_costs, time_costs
 from lightning_pipe.partition.explain import check_close, warn_about
 from lightning_pipe.partition.kv_cache import builds_kv_cache, without_kv_cache
 from lightning_pipe.partition.partitioner import Partitioner, ShardedTask
-from lightning_pipe.partition.tied import tied_parameters
+from lightning_pipe.partition.tied_parameters import tied_parameters
 from lightning_pipe.partition.tracer import (
     CallArgs,
     LeafSpec,

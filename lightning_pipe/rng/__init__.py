@@ -3,7 +3,7 @@
 from lightning_pipe.rng.detect import random_calls, randomness
 from lightning_pipe.rng.generators import RandomState, StageGenerators, derive_seed, replaying, run_seed
 from lightning_pipe.rng.routing import RandomRouting, routing_active
-from lightning_pipe.rng.stage import StageRandom
+from lightning_pipe.rng.stage_random import StageRandom
 
 __all__ = [
     "RandomRouting",

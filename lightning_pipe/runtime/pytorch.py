@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from typing_extensions import override
 
-from lightning_pipe import tree
+from lightning_pipe.base import tree
 from lightning_pipe.runtime.base import BaseRuntime, DeviceMemory
 
 

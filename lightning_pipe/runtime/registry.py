@@ -7,7 +7,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from lightning_pipe.errors import ConfigurationError
+from lightning_pipe.base.errors import ConfigurationError
 from lightning_pipe.runtime.base import BaseRuntime
 from lightning_pipe.runtime.pytorch import PyTorchRuntime
 

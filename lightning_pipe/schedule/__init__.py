@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning_pipe.errors import ScheduleError
+from lightning_pipe.base.errors import ScheduleError
 from lightning_pipe.schedule.action import Action, Kind
 from lightning_pipe.schedule.asynchronous import AsyncOneFOneB
 from lightning_pipe.schedule.auto import AutoChoice, Candidate, StageCost, StepCosts, choose, initial_placement

@@ -1,6 +1,6 @@
 """``schedule="auto"``'s decision: every schedule that fits, simulated with the stages' measured costs.
 
-Pure: measured costs in, a choice out, no model and no devices (`lightning_pipe.auto_schedule` measures)::
+Pure: measured costs in, a choice out, no model and no devices (`lightning_pipe.pipeline.schedule_chooser` measures)::
 
     costs = StepCosts([StageCost(forward=2e-3, backward_input=2e-3, backward_weight=1.5e-3, activation_bytes=...)],
                       microbatches=8)
@@ -15,12 +15,12 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from lightning_pipe.errors import ScheduleError
-from lightning_pipe.memory.walk import walk
+from lightning_pipe.base.errors import ScheduleError
+from lightning_pipe.base.units import size_text
 from lightning_pipe.schedule.action import Action, Kind
 from lightning_pipe.schedule.base import Schedule, makespan
 from lightning_pipe.schedule.placement import LOOP, placement_of
-from lightning_pipe.units import size_text
+from lightning_pipe.schedule.stash_walk import walk
 
 ScheduleFactory = Callable[..., Schedule]
 

@@ -6,7 +6,7 @@ import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from lightning_pipe.errors import ScheduleError
+from lightning_pipe.base.errors import ScheduleError
 from lightning_pipe.schedule.action import Action
 from lightning_pipe.schedule.base import ActionLists, Schedule
 from lightning_pipe.schedule.placement import placement_of

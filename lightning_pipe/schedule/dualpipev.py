@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import Counter, deque
 
-from lightning_pipe.errors import ScheduleError
+from lightning_pipe.base.errors import ScheduleError
 from lightning_pipe.schedule.action import Action, Kind
 from lightning_pipe.schedule.base import ActionLists, Schedule
 from lightning_pipe.schedule.placement import V

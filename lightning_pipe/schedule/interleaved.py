@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from lightning_pipe.errors import ScheduleError
+from lightning_pipe.base.errors import ScheduleError
 from lightning_pipe.schedule.action import B, F
 from lightning_pipe.schedule.base import ActionLists, Schedule
 

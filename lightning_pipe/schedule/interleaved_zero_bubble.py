@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from lightning_pipe.errors import ScheduleError
+from lightning_pipe.base.errors import ScheduleError
 from lightning_pipe.schedule.action import Action, Kind
 from lightning_pipe.schedule.base import ActionLists, Schedule
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning_pipe.errors import ScheduleError
+from lightning_pipe.base.errors import ScheduleError
 
 LOOP = "loop"  # stage s on rank s % R: rank r holds r, r + R, r + 2R, ... (interleaved schedules)
 V = "v"  # chunks zig-zag: rank r holds r, 2R - 1 - r, 2R + r, ... (ZB-V, DualPipeV)

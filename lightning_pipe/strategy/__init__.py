@@ -2,6 +2,6 @@
 
 from lightning_pipe.strategy.hooks import RuntimeHooks, TrainerView
 from lightning_pipe.strategy.strategy import PipeStrategy
-from lightning_pipe.strategy.timeline import PipeTrace
+from lightning_pipe.strategy.trace_callback import PipeTrace
 
 __all__ = ["PipeStrategy", "PipeTrace", "RuntimeHooks", "TrainerView"]

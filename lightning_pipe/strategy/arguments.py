@@ -8,14 +8,14 @@ from typing import Any
 
 import torch
 
-from lightning_pipe.auto_schedule import AUTO, AutoSchedule, is_auto, registered_schedules
 from lightning_pipe.backends import BackendArg, resolve_backends
+from lightning_pipe.base.errors import ConfigurationError
+from lightning_pipe.base.microbatch_weights import check_weight_function
 from lightning_pipe.comm.compress import resolve_codec
 from lightning_pipe.engine.runners import check_runner
-from lightning_pipe.errors import ConfigurationError
-from lightning_pipe.memory.recompute import checkpoint_flags
-from lightning_pipe.microbatch_weights import check_weight_function
 from lightning_pipe.partition import Partitioner, TracedPartitioner
+from lightning_pipe.pipeline.recompute import checkpoint_flags
+from lightning_pipe.pipeline.schedule_chooser import AUTO, AutoSchedule, is_auto, registered_schedules
 from lightning_pipe.runtime import BaseRuntime, runtime_registry
 from lightning_pipe.schedule import resolve_schedule
 from lightning_pipe.strategy.layout import check_transport

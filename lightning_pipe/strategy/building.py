@@ -17,20 +17,20 @@ from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
-from lightning_pipe.auto_schedule import AUTO, first_microbatches
 from lightning_pipe.backends import CoordinatorOps, ExecutionTrace, resolve_backends
 from lightning_pipe.backends.compiled import TorchCompiled, unwrap_compiled
+from lightning_pipe.base.errors import ConfigurationError
+from lightning_pipe.base.microbatch import batch_size
 from lightning_pipe.comm import Communicator
 from lightning_pipe.engine import AutocastSpec, StageProtocol
-from lightning_pipe.errors import ConfigurationError
-from lightning_pipe.microbatch import batch_size
 from lightning_pipe.partition import Partitioner
 from lightning_pipe.partition.traced import TracedPartitioner
 from lightning_pipe.partition.tracer import CallArgs
-from lightning_pipe.pipeline import Pipeline, resolve_partitioner
+from lightning_pipe.pipeline.pipeline import Pipeline, resolve_partitioner
+from lightning_pipe.pipeline.schedule_chooser import AUTO, first_microbatches
 from lightning_pipe.rng import run_seed
 from lightning_pipe.runtime import BaseRuntime, runtime_registry
-from lightning_pipe.strategy.config import PipeConfig
+from lightning_pipe.strategy.pipe_config import PipeConfig
 from lightning_pipe.strategy.schedule_selection import ScheduleSelection
 from lightning_pipe.strategy.session import capture_call
 from lightning_pipe.weights import StageInit
@@ -46,7 +46,7 @@ _RUNTIME_HOOKS = (
 
 
 @dataclass
-class Placement:
+class Destination:
     """Where one fit's pipeline goes, as the strategy knows it at setup."""
 
     devices: list[str]  # one per stage
@@ -92,7 +92,7 @@ class PipelineBuilder:
         self.compiled: TorchCompiled | None = None  # the pipelined module is torch.compile(...) of this
         self.coordinator_ops: CoordinatorOps | None = None  # op substitution in the user's step code
         self.runtime_hooks: set[str] = set()  # the runtime callbacks some stage's runtime overrides
-        self._placement: Placement | None = None
+        self._destination: Destination | None = None
         self._closed = ExecutionTrace([])  # the traces of pipelines already closed
 
     def chosen(self) -> dict[str, Any] | None:
@@ -118,17 +118,17 @@ class PipelineBuilder:
             )
         return max(children.values(), key=lambda m: sum(p.numel() for p in m.parameters()))
 
-    def setup(self, lightning_module: pl.LightningModule, placement: Placement) -> nn.Module:
+    def setup(self, lightning_module: pl.LightningModule, destination: Destination) -> nn.Module:
         """At the strategy's setup: find the pipelined module, check the partition against the devices."""
         self.pipelined = self.find(lightning_module)
         self.compiled = unwrap_compiled(self.pipelined)
         if self.compiled is not None:
             rank_zero_info(f"PipeStrategy: {self.compiled.note(self.config.backend)}")
         self.partitioner = resolve_partitioner(self.partitioner, self.split_module)
-        self.partitioner.check(self.split_module, len(placement.devices))
-        stages = len(placement.devices)
+        self.partitioner.check(self.split_module, len(destination.devices))
+        stages = len(destination.devices)
         self.coordinator_ops = CoordinatorOps(resolve_backends(self.config.backend, stages), stages - 1)
-        self._placement = placement
+        self._destination = destination
         return self.pipelined
 
     def prefix(self, lightning_module: nn.Module) -> str:
@@ -145,8 +145,8 @@ class PipelineBuilder:
     @property
     def ranks(self) -> int:
         """The schedule's ranks: the stages over the stages each rank holds."""
-        assert self._placement is not None, "PipelineBuilder.setup places the pipeline first"
-        return len(self._placement.devices) // self.config.virtual_stages
+        assert self._destination is not None, "PipelineBuilder.setup places the pipeline first"
+        return len(self._destination.devices) // self.config.virtual_stages
 
     def coordinator_device(self, devices: Sequence[str]) -> torch.device:
         """Where the last stage's output and the loss live, with the stages on ``devices`` in this process."""
@@ -203,9 +203,9 @@ class PipelineBuilder:
         """The fit's pipeline, built and started on its first call (``sample``: the first stage's input)."""
         if self.pipeline is not None:
             return self.pipeline
-        placement = self._placement
-        assert placement is not None, "PipelineBuilder.setup places the pipeline first"
-        stages = len(placement.devices)
+        destination = self._destination
+        assert destination is not None, "PipelineBuilder.setup places the pipeline first"
+        stages = len(destination.devices)
         compiled = self.compiled
         config = self.config
         backend = compiled.plan(config.backend, stages, config.strict) if compiled is not None else config.backend
@@ -214,23 +214,23 @@ class PipelineBuilder:
             stages=stages,
             schedule=self.selection.for_pipeline(),
             partition=self.partitioner,
-            devices=placement.devices,
+            devices=destination.devices,
             checkpoint=self.checkpoint,
             runtime=self.config.runtime,
             timeout=self.config.timeout,
-            autocast=placement.autocast,
+            autocast=destination.autocast,
             sample=sample,
-            coordinator_device=placement.coordinator_device,
+            coordinator_device=destination.coordinator_device,
             virtual_stages=self.config.virtual_stages,
             runner=self.config.runner,
             backend=backend,
             strict=self.config.strict,
-            transport=placement.transport(),
+            transport=destination.transport(),
             seed=run_seed(self.seed),  # the run's seed: each stage's generators start from it and the stage index
-            init=placement.init,
+            init=destination.init,
             **self.config.transport_options,
         ).start()
-        placement.on_built(self.pipeline)
+        destination.on_built(self.pipeline)
         self.runtime_hooks = {
             name
             for name in _RUNTIME_HOOKS
@@ -284,7 +284,7 @@ class PipelineBuilder:
     def plan(self, model: nn.Module, sample_batch: Any, stages: int, microbatches: int | str, verbose: bool) -> Any:
         """Predict each stage's activation memory for one training step (see `PipeStrategy.plan`); ``schedule="auto"``
         is planned as its first, measured step runs."""
-        from lightning_pipe.memory.plan import plan as memory_plan
+        from lightning_pipe.pipeline.memory_plan import plan as memory_plan
 
         schedule = self.selection.for_plan()
         if microbatches == AUTO:

@@ -8,8 +8,8 @@ Trainer ignores. Two ways, by where the state lives:
 - one process holds the model (local mode, a model with values): Lightning reads and writes the whole checkpoint;
 - memory follows the stage (launched and rpc mode, a sharded folder, a model built on meta): a checkpoint is opened
   rather than loaded (`Resume`): each stage reads its own tensors when it is built and its own optimizer state;
-  launched mode writes a sharded folder, every process its own part (`lightning_pipe.strategy.checkpoint_writer`),
-  rpc mode the same folder, each worker its stage (`lightning_pipe.strategy.rpc_checkpoints`).
+  launched mode writes a sharded folder, every process its own part (`modes.launched_checkpoints`), rpc mode the
+  same folder, each worker its stage (`modes.rpc_checkpoints`).
 """
 
 from __future__ import annotations

@@ -15,9 +15,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_pipe.errors import ConfigurationError
+from lightning_pipe.base.errors import ConfigurationError
+from lightning_pipe.comm.transports import TRANSPORTS
 from lightning_pipe.schedule.placement import LOOP, stage_rank
-from lightning_pipe.transports import TRANSPORTS
 
 LOCAL, RPC, LAUNCHED = "local", "rpc", "launched"
 

@@ -15,15 +15,15 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lightning_pipe.errors import ConfigurationError
+from lightning_pipe.base.errors import ConfigurationError
 from lightning_pipe.strategy.hooks import RuntimeHooks, install
 from lightning_pipe.strategy.interrupts import CtrlC
-from lightning_pipe.strategy.mode import Mode
 from lightning_pipe.strategy.model_state import ModelState
+from lightning_pipe.strategy.modes.mode import Mode
 from lightning_pipe.strategy.patch import Patches
 from lightning_pipe.strategy.random_state import RandomStreams
 from lightning_pipe.strategy.steps import StepDriver, StepSetting
-from lightning_pipe.strategy.timeline import PipeTrace
+from lightning_pipe.strategy.trace_callback import PipeTrace
 from lightning_pipe.strategy.unread import resuming_over_weights
 
 

@@ -4,7 +4,7 @@ Lightning asks the strategy how a checkpoint is read (``load_checkpoint``, ``loa
 ``load_optimizer_state_dict``) and written (``lightning_module_state_dict``, ``optimizer_state``,
 ``save_checkpoint``, ``remove_checkpoint``). What is the same in every mode is here: the strict loading, the
 stages' generator states, a checkpoint opened part by part where the stages own their parameters. Where the
-state is written from is the mode's (`lightning_pipe.strategy.mode.Mode.save_checkpoint`): one process holds
+state is written from is the mode's (`lightning_pipe.strategy.modes.mode.Mode.save_checkpoint`): one process holds
 the model (local mode: Lightning writes it), the stage workers write their stages (rpc), every process its
 own (launched). The modes read what they need through this part.
 """
@@ -21,12 +21,12 @@ import torch
 from lightning.fabric.plugins import CheckpointIO
 from torch import nn
 
+from lightning_pipe.base.errors import ConfigurationError
 from lightning_pipe.checkpoint.stage_part import CoordinatorPart
-from lightning_pipe.errors import ConfigurationError
-from lightning_pipe.strategy.building import PipelineBuilder, Placement, prefix_of
+from lightning_pipe.strategy.building import Destination, PipelineBuilder, prefix_of
 from lightning_pipe.strategy.checkpoints import Checkpoints
 from lightning_pipe.strategy.optimization import StageOptimization
-from lightning_pipe.strategy.stage_placement import ProcessStage
+from lightning_pipe.strategy.process_stage import ProcessStage
 from lightning_pipe.weights.edited import StateEdits
 from lightning_pipe.weights.keys import visible
 
@@ -66,15 +66,15 @@ class ModelState:
         self.stage = stage
         self._shapes: dict[str, Any] = {}  # the last `shapes` the save hooks were handed
 
-    def prepare(self, placement: Placement, seed: int) -> nn.Module:
+    def prepare(self, destination: Destination, seed: int) -> nn.Module:
         """At setup: the pipelined module found and placed, how its stages make their tensors (the opened checkpoint,
         the weights or ``seed``), and the LightningModule's tensors outside it loaded (before they move)."""
         module = self.module
-        pipelined = self.builder.setup(module, placement)
+        pipelined = self.builder.setup(module, destination)
         prefix, strict = self.builder.prefix(module), module.strict_loading
-        placement.init = self.checkpoints.stage_init(prefix, seed, pipelined, strict)
+        destination.init = self.checkpoints.stage_init(prefix, seed, pipelined, strict)
         self.stage.bind(module, pipelined)
-        self.checkpoints.load_outside(module, pipelined, placement.coordinator_device, seed)
+        self.checkpoints.load_outside(module, pipelined, destination.coordinator_device, seed)
         return pipelined
 
     def bind_to_serve(self, trainer: pl.Trainer | None, convert: Callable[[nn.Module], Any]) -> None:

@@ -2,8 +2,8 @@
 
 The pipeline computes the gradients inside ``training_step``; ``backward`` puts them on ``p.grad``.
 When the stages own their parameters (``transport="rpc"`` and launched mode), Lightning's optimizers
-step the stages (`lightning_pipe.strategy.remote`), clipping and a GradScaler included. With
-``schedule="async"`` the stages step their own optimizers (`lightning_pipe.strategy.asynchronous`).
+step the stages (`lightning_pipe.strategy.modes.rpc_optimizers`), clipping and a GradScaler included. With
+``schedule="async"`` the stages step their own optimizers (`lightning_pipe.strategy.async_training`).
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ import torch
 from torch import nn
 
 from lightning_pipe.checkpoint.resume import optimizer_layouts
-from lightning_pipe.grads import GradStash
-from lightning_pipe.pipeline import Pipeline
-from lightning_pipe.strategy.remote import StageGradZeroing, StageParameters
-from lightning_pipe.strategy.stage_placement import swap_parameters
+from lightning_pipe.engine.grads import GradStash
+from lightning_pipe.pipeline.pipeline import Pipeline
+from lightning_pipe.strategy.modes.rpc_optimizers import StageGradZeroing, StageParameters
+from lightning_pipe.strategy.process_stage import swap_parameters
 
 
 class StageOptimization:

@@ -7,7 +7,7 @@ from typing import Any, cast
 
 import torch
 
-from lightning_pipe.microbatch import gather
+from lightning_pipe.base.microbatch import gather
 
 
 def combine_training(outputs: Sequence[Any], losses: Sequence[Any], weights: Sequence[float]) -> Any:

@@ -1,7 +1,7 @@
 """`Processes`: the processes of a run, as Lightning's connector and launcher ask the strategy about them.
 
 Lightning's connector sets the world's ranks (`Processes.set_ranks`): the mode is chosen then, from the devices,
-the nodes and the cluster environment (`lightning_pipe.strategy.mode_choice`); its launcher starts the processes
+the nodes and the cluster environment (`lightning_pipe.strategy.modes.mode_choice`); its launcher starts the processes
 (`launcher`); each fit sets up the environment (`start`: the accelerator's device, then the mode joins the
 processes), and a process that serves a stage binds its model before it serves (`prepare_to_serve`).
 """
@@ -13,11 +13,11 @@ from typing import Any, Protocol
 import torch
 
 from lightning_pipe.strategy.building import PipelineBuilder
-from lightning_pipe.strategy.config import PipeConfig
-from lightning_pipe.strategy.mode import Mode
-from lightning_pipe.strategy.mode_choice import mode_of, process_count
 from lightning_pipe.strategy.model_state import ModelState
-from lightning_pipe.strategy.stage_placement import ProcessStage
+from lightning_pipe.strategy.modes.mode import Mode
+from lightning_pipe.strategy.modes.mode_choice import mode_of, process_count
+from lightning_pipe.strategy.pipe_config import PipeConfig
+from lightning_pipe.strategy.process_stage import ProcessStage
 
 
 class StrategyView(Protocol):

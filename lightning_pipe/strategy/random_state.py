@@ -20,7 +20,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from lightning_pipe.pipeline import Pipeline
+from lightning_pipe.pipeline.pipeline import Pipeline
 from lightning_pipe.rng import RandomRouting, StageGenerators, derive_seed, run_seed
 from lightning_pipe.strategy.training import Training
 

@@ -1,9 +1,9 @@
 """`ScheduleSelection`: which schedule a fit's pipeline runs, and where its stages are placed for it.
 
 A named schedule runs as named. ``schedule="auto"`` builds where its chooser predicts best and decides after its
-first measured step (`lightning_pipe.auto_schedule`); its choice is kept after the fit and in the checkpoint, so a
-resumed fit runs what the uninterrupted one ran; with stages sharded by FSDP it leaves out the schedules that split
-the backward, and says so once.
+first measured step (`lightning_pipe.pipeline.schedule_chooser`); its choice is kept after the fit and in the
+checkpoint, so a resumed fit runs what the uninterrupted one ran; with stages sharded by FSDP it leaves out the
+schedules that split the backward, and says so once.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from typing import Any
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_pipe.auto_schedule import AutoSchedule, ScheduleChooser, is_auto
-from lightning_pipe.errors import ConfigurationError
-from lightning_pipe.pipeline import Pipeline
+from lightning_pipe.base.errors import ConfigurationError
+from lightning_pipe.pipeline.pipeline import Pipeline
+from lightning_pipe.pipeline.schedule_chooser import AutoSchedule, ScheduleChooser, is_auto
 from lightning_pipe.schedule import AutoChoice, placement_of, resolve_schedule
 from lightning_pipe.strategy.arguments import (
     FSDP_ARGUMENT,
@@ -25,7 +25,7 @@ from lightning_pipe.strategy.arguments import (
     leaves_out_split_backward,
     split_backward_left_out,
 )
-from lightning_pipe.strategy.config import PipeConfig
+from lightning_pipe.strategy.pipe_config import PipeConfig
 
 
 class ScheduleSelection:
@@ -98,7 +98,7 @@ class ScheduleSelection:
                 raise ConfigurationError(
                     f"schedule='auto' placed the stages for a schedule that splits the backward ({placed!r}), which "
                     f"the stages sharded by {cause} cannot run: pass schedule=AutoSchedule(split_backward=False) "
-                    "(lightning_pipe.auto_schedule), or a schedule such as '1f1b' or 'interleaved-1f1b'"
+                    "(lightning_pipe.pipeline.schedule_chooser), or a schedule such as '1f1b' or 'interleaved-1f1b'"
                 )
 
     def say_left_out(self) -> None:

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from lightning_pipe.errors import PipeError, PipeTimeoutError
+from lightning_pipe.base.errors import PipeError, PipeTimeoutError
 from lightning_pipe.strategy.outputs import weighted_mean
 from lightning_pipe.strategy.patch import Patches
 

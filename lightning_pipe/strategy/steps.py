@@ -19,19 +19,19 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from lightning_pipe.auto_schedule import AUTO, first_microbatches
 from lightning_pipe.backends import CoordinatorOps
-from lightning_pipe.errors import ConfigurationError, PipeError
-from lightning_pipe.loss import Loss, WeightedLoss
-from lightning_pipe.microbatch import batch_size, split
-from lightning_pipe.microbatch_weights import shares
+from lightning_pipe.base.errors import ConfigurationError, PipeError
+from lightning_pipe.base.microbatch import batch_size, split
+from lightning_pipe.base.microbatch_weights import shares
+from lightning_pipe.engine.loss import Loss, WeightedLoss
 from lightning_pipe.partition.tracer import CallArgs
-from lightning_pipe.pipeline import Pipeline
+from lightning_pipe.pipeline.pipeline import Pipeline
+from lightning_pipe.pipeline.schedule_chooser import AUTO, first_microbatches
 from lightning_pipe.strategy.building import PipelineBuilder
-from lightning_pipe.strategy.config import PipeConfig
 from lightning_pipe.strategy.optimization import StageOptimization
 from lightning_pipe.strategy.outputs import combine_eval, combine_predict, combine_training
 from lightning_pipe.strategy.patch import patch
+from lightning_pipe.strategy.pipe_config import PipeConfig
 from lightning_pipe.strategy.random_state import RandomStreams
 from lightning_pipe.strategy.session import Driver, DriverThreads, LogRecorder, MissingCall, StepInputs, current_driver
 from lightning_pipe.strategy.training import Training

@@ -16,35 +16,35 @@ from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from lightning_pipe.backends import BackendArg, ExecutionTrace
+from lightning_pipe.base.microbatch_weights import MicrobatchWeight
 from lightning_pipe.engine.stage_shards import mixed_precision_policy
 from lightning_pipe.engine.versions import Staleness
-from lightning_pipe.microbatch_weights import MicrobatchWeight
 from lightning_pipe.partition import Partitioner
-from lightning_pipe.pipeline import Pipeline
+from lightning_pipe.pipeline.pipeline import Pipeline
 from lightning_pipe.rng import run_seed
 from lightning_pipe.runtime import BaseRuntime
 from lightning_pipe.schedule import AutoChoice
-from lightning_pipe.strategy.asynchronous import training_for
-from lightning_pipe.strategy.building import PipelineBuilder, Placement, autocast_of
+from lightning_pipe.strategy.async_training import training_for
+from lightning_pipe.strategy.building import Destination, PipelineBuilder, autocast_of
 from lightning_pipe.strategy.checkpoints import Checkpoints
-from lightning_pipe.strategy.config import PipeConfig
 from lightning_pipe.strategy.data_position import training_loader
 from lightning_pipe.strategy.layout import Layout
 from lightning_pipe.strategy.lifecycle import Lifecycle
-from lightning_pipe.strategy.mode import Mode
 from lightning_pipe.strategy.model_state import ModelState
+from lightning_pipe.strategy.modes.mode import Mode
 from lightning_pipe.strategy.optimization import StageOptimization
+from lightning_pipe.strategy.pipe_config import PipeConfig
+from lightning_pipe.strategy.process_stage import ProcessStage, moving_own_to_cpu
 from lightning_pipe.strategy.processes import Processes
 from lightning_pipe.strategy.random_state import RandomStreams
-from lightning_pipe.strategy.stage_placement import ProcessStage, moving_own_to_cpu
 from lightning_pipe.strategy.steps import StepDriver
-from lightning_pipe.strategy.timeline import PipeTrace
+from lightning_pipe.strategy.trace_callback import PipeTrace
 
 
 class PipeStrategy(ParallelStrategy):
     """Splits the LightningModule's pipelined module into stages and runs each step as a pipeline.
 
-    The arguments are `PipeConfig`'s fields, each described there (``lightning_pipe.strategy.config.PipeConfig``),
+    The arguments are `PipeConfig`'s fields, each described there (``lightning_pipe.strategy.pipe_config.PipeConfig``),
     and Lightning's own ``accelerator``, ``checkpoint_io`` and ``precision_plugin``.
 
     Lightning's hooks hand the work to the parts the strategy holds: ``mode`` (what differs between local, rpc
@@ -143,7 +143,7 @@ class PipeStrategy(ParallelStrategy):
     # the processes: Lightning's connector asks when the Trainer is built
     @property
     def mode(self) -> Mode:
-        """The mode this run is in (`lightning_pipe.strategy.mode`), chosen when Lightning sets the ranks."""
+        """The mode this run is in (`lightning_pipe.strategy.modes.mode`), chosen when Lightning sets the ranks."""
         return self.processes.mode
 
     @property
@@ -222,9 +222,9 @@ class PipeStrategy(ParallelStrategy):
         # one seed per run (seed_everything's, else torch's initial seed), the first coordinator's for every replica
         seed = self.builder.seed = self.random.seed = int(self.broadcast(run_seed()))
         autocast = autocast_of(self.precision_plugin)
-        placement = Placement(self.resolve_devices(), self.root_device, autocast, self.mode.transport, self._built)
-        pipelined = self.state.prepare(placement, seed)
-        self.mode.continue_from(self.state, placement)
+        destination = Destination(self.resolve_devices(), self.root_device, autocast, self.mode.transport, self._built)
+        pipelined = self.state.prepare(destination, seed)
+        self.mode.continue_from(self.state, destination)
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()  # the stages place the pipelined module: no wrapper (Lightning's _setup_model)
@@ -383,7 +383,7 @@ class PipeStrategy(ParallelStrategy):
         ``model`` is the LightningModule (its ``training_step`` runs on ``sample_batch`` up to the
         pipelined call, to find the pipeline's input) or the pipelined module itself (then
         ``sample_batch`` is its input). Prints the per-stage table unless ``verbose=False``; returns a
-        `lightning_pipe.memory.plan.MemoryPlan`. ``checkpoint="auto"`` is planned without recomputation: the
+        `lightning_pipe.pipeline.memory_plan.MemoryPlan`. ``checkpoint="auto"`` is planned without recomputation: the
         plan it starts from (it recomputes where a device's free memory is short of it).
         """
         return self.builder.plan(model, sample_batch, len(self.resolve_devices()), self.microbatches, verbose)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning_pipe.errors import ConfigurationError
+from lightning_pipe.base.errors import ConfigurationError
 
 #: the dimensions of launched mode's device mesh with tensor parallel, outermost first (Lightning's names)
 MESH_DIMS = ("data_parallel", "pipeline", "tensor_parallel")
@@ -97,7 +97,7 @@ def refuse_self_sharded(pipelined: Any, why: str | None = None, ours: set[int] =
         raise ConfigurationError(
             f"the pipelined module was sharded with fully_shard ({', '.join(sharded[:3])}"
             f"{' ...' if len(sharded) > 3 else ''}) before PipeStrategy cut it: {where}. Call fully_shard inside "
-            "configure_model in launched mode, or leave it out (e.g. `if \"pipeline\" not in "
+            'configure_model in launched mode, or leave it out (e.g. `if "pipeline" not in '
             "self.device_mesh.mesh_dim_names`) and leave the data-parallel dimension to PipeStrategy: "
             "PipeStrategy(data_parallel='fsdp') shards each stage with FSDP2 over its replicas (each block a unit), "
             "data_parallel='ddp' averages each stage's gradients over its replicas"

@@ -2,7 +2,7 @@
 
 The step driver holds one, chosen once from the schedule when the strategy is made: this class for every
 synchronous schedule (each ``training_step`` runs its batch through the pipeline and the stages' gradients wait
-for Lightning's optimizer step), `lightning_pipe.strategy.asynchronous.AsyncTraining` for ``schedule="async"``
+for Lightning's optimizer step), `lightning_pipe.strategy.async_training.AsyncTraining` for ``schedule="async"``
 (batches stream through the stages, which step their own optimizers). The strategy's other parts ask it, not the
 schedule, what a step leaves behind: whether a stream owns the stages, who holds an optimizer's state.
 """
@@ -17,11 +17,11 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
+from lightning_pipe.base.errors import ConfigurationError
 from lightning_pipe.engine import StepResult
+from lightning_pipe.engine.loss import WeightedLoss
 from lightning_pipe.engine.versions import Staleness
-from lightning_pipe.errors import ConfigurationError
-from lightning_pipe.loss import WeightedLoss
-from lightning_pipe.pipeline import Pipeline
+from lightning_pipe.pipeline.pipeline import Pipeline
 from lightning_pipe.strategy.optimization import StageOptimization
 
 

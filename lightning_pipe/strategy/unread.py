@@ -1,7 +1,7 @@
 """Arguments the mode that runs does not read: each is said once, naming why and what to pass instead.
 
 Most arguments that a mode cannot honour are refused when the strategy or the Trainer is made
-(`lightning_pipe.strategy.arguments`, `lightning_pipe.strategy.layout`, `lightning_pipe.strategy.mode_choice`).
+(`lightning_pipe.strategy.arguments`, `lightning_pipe.strategy.layout`, `lightning_pipe.strategy.modes.mode_choice`).
 What is left here is known only once the mode runs (Lightning's ``checkpoint_io`` reaches the strategy from the
 Trainer's plugins; each mode's `Mode.unread` says which warnings apply to it), or is a choice between two arguments
 given together (``weights=`` and ``ckpt_path=``): the run goes on, and a warning says what was not read.
@@ -14,7 +14,7 @@ from typing import Any
 
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
-from lightning_pipe.strategy.config import PipeConfig
+from lightning_pipe.strategy.pipe_config import PipeConfig
 
 
 def folder_in_local_mode(config: PipeConfig) -> str | None:

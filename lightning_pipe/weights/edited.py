@@ -137,4 +137,3 @@ class EditedSource(WeightSource):
 
     def describe(self) -> str:
         return f"{self.source.describe()} as on_load_checkpoint left it ({self.edits.describe()})"
-

@@ -14,8 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from lightning_pipe.errors import ConfigurationError
-from lightning_pipe.weights.dtensor_shards import (
+from lightning_pipe.base.dtensor_shards import (
     Wholes,
     copy_shard,
     empty_shard_like,
@@ -24,6 +23,7 @@ from lightning_pipe.weights.dtensor_shards import (
     shard_of,
     whole_like,
 )
+from lightning_pipe.base.errors import ConfigurationError
 from lightning_pipe.weights.module_init import initialize
 from lightning_pipe.weights.slots import Slot, empty_like, get, own_slots, put
 from lightning_pipe.weights.sources import WeightSource
@@ -74,7 +74,7 @@ def materialize(
 
     A sharded tensor (a DTensor: the stage was sharded with FSDP on meta) gets only this process's shard: read
     as a shard where the source can, else read or initialised whole, one module at a time, and cut to its shard
-    (`lightning_pipe.weights.dtensor_shards`); ``wholes`` counts the whole tensors held meanwhile.
+    (`lightning_pipe.base.dtensor_shards`); ``wholes`` counts the whole tensors held meanwhile.
     """
     device = torch.device(device)
     aliases = aliases or {}

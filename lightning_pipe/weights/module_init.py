@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import nn
 
-from lightning_pipe.errors import ConfigurationError
+from lightning_pipe.base.errors import ConfigurationError
 from lightning_pipe.rng import derive_seed
 from lightning_pipe.weights.slots import Slot, get
 from lightning_pipe.weights.written import Writes

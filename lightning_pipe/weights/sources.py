@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from lightning_pipe.errors import ConfigurationError
-from lightning_pipe.memory.pages import PAGE, can_give_back, give_back
+from lightning_pipe.base.errors import ConfigurationError
+from lightning_pipe.base.pages import PAGE, can_give_back, give_back
 from lightning_pipe.weights.keys import visible
 
 PathLike = str | os.PathLike[str]
@@ -268,8 +268,6 @@ def unsafe_file_message(path: Path, error: BaseException) -> str:
     )
 
 
-
-
 def mapped_ranges(path: Path) -> list[tuple[int, int]]:
     """The address ranges where this process maps the file ``path`` (Linux's /proc/self/maps; else none)."""
     try:
@@ -298,4 +296,3 @@ def forget_pages(tensor: torch.Tensor, mapped: list[tuple[int, int]]) -> None:
     first, last = start - start % PAGE, end + (-end) % PAGE
     if any(low <= first and last <= high for low, high in mapped):
         give_back(first, last)
-

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from lightning_pipe.weights.dtensor_shards import is_fsdp_module, is_sharded
+from lightning_pipe.base.dtensor_shards import is_fsdp_module, is_sharded
 from lightning_pipe.weights.edited import EditedSource, StateEdits
 from lightning_pipe.weights.keys import STRICT_FIX, WEIGHTS_FIX, compare_keys
 from lightning_pipe.weights.materialize import Materialized, aliases_of, materialize, on_meta
@@ -60,9 +60,7 @@ class StageInit:
     #: where this process put the tensors it made from this description: id of a meta tensor -> (it, a slot holding
     #: its real one); not sent. Slots, not tensors: a reference to a tensor would keep it, and FSDP's swap of a
     #: module's tensors refuses one that has a weak reference
-    _made: dict[int, tuple[torch.Tensor, Slot]] = field(
-        default_factory=dict, init=False, repr=False, compare=False
-    )
+    _made: dict[int, tuple[torch.Tensor, Slot]] = field(default_factory=dict, init=False, repr=False, compare=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
 
     def __getstate__(self) -> dict[str, Any]:

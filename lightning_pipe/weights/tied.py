@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lightning_pipe.weights.dtensor_shards import is_fsdp_module, is_sharded
+from lightning_pipe.base.dtensor_shards import is_fsdp_module, is_sharded
 from lightning_pipe.weights.module_init import initialize
 from lightning_pipe.weights.slots import Slot, get, own_slots, put
 

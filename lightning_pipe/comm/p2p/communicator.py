@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_pipe.base.errors import ConfigurationError, PipeTimeoutError, StageError, TransportError
 from lightning_pipe.comm import by_value
 from lightning_pipe.comm.base import COORDINATOR, Communicator, Endpoint, Message, deadline, remaining
 from lightning_pipe.comm.host import Hook, StageHost
@@ -32,7 +33,6 @@ from lightning_pipe.comm.p2p.serve import (
     stop_message,
 )
 from lightning_pipe.comm.p2p.wire import LOST, STATS, STATS_REPLY, WIRE, Wire
-from lightning_pipe.errors import ConfigurationError, PipeTimeoutError, StageError, TransportError
 from lightning_pipe.weights import meta_copy
 
 _POLL = 0.2  # seconds between liveness checks while the coordinator waits for its processes

@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from lightning_pipe.errors import TransportError
-from lightning_pipe.weights.dtensor_shards import is_sharded
+from lightning_pipe.base.dtensor_shards import is_sharded
+from lightning_pipe.base.errors import TransportError
 
 _MESH: list[Any] = [None]  # this process's tensor mesh (one per launched world), set by `use_tensor_mesh`
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from lightning_pipe import tree
+from lightning_pipe.base import tree
 from lightning_pipe.comm import by_value
 from lightning_pipe.comm.base import Message, MessageKind
 from lightning_pipe.comm.p2p.dtensor_frames import DTensorLayout, local_part, rebuild

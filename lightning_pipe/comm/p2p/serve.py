@@ -13,10 +13,10 @@ from typing import Any
 
 import torch.distributed as dist
 
+from lightning_pipe.base.errors import ConfigurationError, StageError, TransportError
 from lightning_pipe.comm.base import COORDINATOR, Endpoint, Message, MessageKind
 from lightning_pipe.comm.host import Hook, StageHost
 from lightning_pipe.comm.p2p.wire import CRASHED, LOST, WIRE, Wire
-from lightning_pipe.errors import ConfigurationError, StageError, TransportError
 
 BUILD = "p2p-build"  # coordinator -> process: (spec, worker class), pickled by value
 BUILT = "p2p-built"  # process -> coordinator: (True, where it runs) or (False, StageError)

@@ -24,12 +24,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_pipe.base.errors import TransportError
 from lightning_pipe.comm.base import COORDINATOR, Message, QueueInbox, deadline, remaining
 from lightning_pipe.comm.p2p import frames
 from lightning_pipe.comm.p2p.receive import Receiver, first_line
 from lightning_pipe.comm.p2p.send import Link, Sender, WireStats
-from lightning_pipe.comm.placement import group_ranks_of, process_device
-from lightning_pipe.errors import TransportError
+from lightning_pipe.comm.process_device import group_ranks_of, process_device
 
 WIRE = -2  # the endpoint id of a process's own control inbox (builds, releases, notices)
 LOST = "p2p-lost"  # wakes a waiting endpoint: a peer is gone

@@ -14,12 +14,12 @@ from typing import Any
 
 import torch.distributed.rpc as rpc
 
+from lightning_pipe.base.errors import StageError
 from lightning_pipe.comm.base import PING, Message, MessageKind, remaining
 from lightning_pipe.comm.by_value import ByValue
 from lightning_pipe.comm.rpc.endpoint import RpcEndpoint
 from lightning_pipe.comm.rpc.hosted import wait_future
 from lightning_pipe.comm.rpc.stages import build_stage
-from lightning_pipe.errors import StageError
 
 WaitStep = Callable[[float, str], None]  # (deadline, what is awaited): raises if the wait must end
 

@@ -21,19 +21,19 @@ from typing import Any
 
 import torch.distributed.rpc as rpc
 
+from lightning_pipe.base.allocator import give_back_large_blocks
+from lightning_pipe.base.errors import PipeTimeoutError, TransportError
 from lightning_pipe.comm.base import COORDINATOR, Communicator, Endpoint, deadline, remaining
 from lightning_pipe.comm.compress import resolve_codec
 from lightning_pipe.comm.control import ControlServer, Slot, parse_address
 from lightning_pipe.comm.local_workers import exit_reason
 from lightning_pipe.comm.rpc.build import await_builds, ready_ping, start_builds
 from lightning_pipe.comm.rpc.endpoint import RpcEndpoint, TransportStats, register_inbox
-from lightning_pipe.comm.rpc.home import HomeStage, RankPlacement, home_device, place
+from lightning_pipe.comm.rpc.home import HomeStage, RankProcesses, home_device, place
 from lightning_pipe.comm.rpc.hosted import HostedWorld, wait_all
 from lightning_pipe.comm.rpc.plane import DataPlane
 from lightning_pipe.comm.rpc.stages import stage_stats, stop_stage
 from lightning_pipe.comm.slot import TOKEN_ENV
-from lightning_pipe.errors import PipeTimeoutError, TransportError
-from lightning_pipe.memory.allocator import give_back_large_blocks
 
 log = logging.getLogger("lightning_pipe")
 
@@ -91,7 +91,7 @@ class RpcCommunicator(Communicator):
         self._world: HostedWorld | None = None
         self._endpoint: RpcEndpoint | None = None
         self._stages_of: dict[int, list[int]] = {}
-        self._placement = RankPlacement(0, None)
+        self._ranks = RankProcesses(0, None)
         self._home: HomeStage | None = None  # the stage worker this process holds while a pipeline runs
         self._threads: int | None = None  # intra-op threads of a CPU stage (local workers and the home stage)
         self._lost: str | None = None
@@ -105,17 +105,17 @@ class RpcCommunicator(Communicator):
     @property
     def shares_objects(self) -> bool:  # type: ignore[override]
         """Whether this process holds the last stage (`rpc.home`): then it computes the losses itself."""
-        return self._placement.home is not None
+        return self._ranks.home is not None
 
     @property
-    def placement(self) -> RankPlacement:
+    def ranks_served(self) -> RankProcesses:
         """Which process serves which rank of the running (or last) pipeline."""
-        return self._placement
+        return self._ranks
 
     @property
     def pids(self) -> dict[int, int]:
         """Process id of each worker process by its slot (on its own machine): slot r serves rank r; the rank
-        of the last stage runs in this process (`placement`)."""
+        of the last stage runs in this process ((`ranks_served`))."""
         return {rank: slot.pid for rank, slot in enumerate(self._world.slots)} if self._world else {}
 
     @property
@@ -136,9 +136,9 @@ class RpcCommunicator(Communicator):
         timeout = float(specs[0].timeout)
         until = deadline(timeout)
         try:
-            placement = self._placement = place(specs, self.colocate)
-            remote = placement.remote
-            here = home_device(specs, placement)
+            served = self._ranks = place(specs, self.colocate)
+            remote = served.remote
+            here = home_device(specs, served)
             world = self._world or self._open(len(remote), timeout, [_device_of(specs[r]) for r in remote], here)
             if len(remote) > len(world.slots):
                 raise TransportError(
@@ -146,8 +146,8 @@ class RpcCommunicator(Communicator):
                     f"{len(world.slots)} slots; create it with workers=... large enough"
                 )
             self._stages_of = {spec.rank: [shard.index for shard in spec.shards] for spec in specs}
-            layout = world.plane.layout.describe(placement.home) if world.plane is not None else ""
-            log.info("lightning_pipe rpc: %s; %s", placement.describe(self._stages_of, here or "cpu"), layout)
+            layout = world.plane.layout.describe(served.home) if world.plane is not None else ""
+            log.info("lightning_pipe rpc: %s; %s", served.describe(self._stages_of, here or "cpu"), layout)
             return self._build(world, specs, worker_cls, until, timeout)
         except BaseException:
             self._endpoint = None
@@ -163,7 +163,7 @@ class RpcCommunicator(Communicator):
             until = deadline(timeout)
             futures = []
             lost = {slot.rank for slot, _ in self._world.server.lost(self.heartbeat_timeout)} if self._world else set()
-            for rank in self._placement.remote:
+            for rank in self._ranks.remote:
                 if rank in lost or rank not in self._stages_of:
                     continue
                 with contextlib.suppress(Exception):
@@ -184,7 +184,7 @@ class RpcCommunicator(Communicator):
             problems.append(self._describe(slot, self._exit_reason(slot) or reason))
         ended = self._home.ended() if self._home is not None else None
         if ended is not None:
-            problems.append(f"rank {self._placement.home} in the coordinator's process: {ended}")
+            problems.append(f"rank {self._ranks.home} in the coordinator's process: {ended}")
         endpoint = self._endpoint
         if endpoint is not None and endpoint.stats.failures and not problems:
             problems.append("messages could not be delivered: " + "; ".join(endpoint.stats.failures[:3]))
@@ -290,21 +290,17 @@ class RpcCommunicator(Communicator):
         self, world: HostedWorld, specs: list[Any], worker_cls: Any, until: float, timeout: float
     ) -> RpcEndpoint:
         launch = f"{world.tag}-{secrets.token_hex(3)}"
-        placement = self._placement
-        names, hosts = placement.address_book(world.names, world.hosts)
-        processes = placement.processes()
+        served = self._ranks
+        names, hosts = served.address_book(world.names, world.hosts)
+        processes = served.processes()
         endpoint = RpcEndpoint(COORDINATOR, launch, names, hosts, self.codec, world.plane, processes)
         register_inbox(launch, COORDINATOR, endpoint.inbox)
         self._endpoint = endpoint
         devices = [None if self.local else slot.device for slot in world.slots]  # a local worker's is in its spec
-        futures = start_builds(
-            launch, placement.remote, specs, worker_cls, devices, names, hosts, self.codec, processes
-        )
-        if placement.home is not None:  # built here meanwhile; stopped by `close` if anything fails from here on
-            home = self._home = HomeStage(launch, placement.home)
-            home.build(
-                specs[placement.home], worker_cls, names, hosts, self.codec, world.plane, processes, self._threads
-            )
+        futures = start_builds(launch, served.remote, specs, worker_cls, devices, names, hosts, self.codec, processes)
+        if served.home is not None:  # built here meanwhile; stopped by `close` if anything fails from here on
+            home = self._home = HomeStage(launch, served.home)
+            home.build(specs[served.home], worker_cls, names, hosts, self.codec, world.plane, processes, self._threads)
         await_builds(futures, self._stages_of, hosts, until, self._wait_step)
         ready_ping(endpoint, len(specs), until, self._wait_step)
         return endpoint
@@ -317,7 +313,7 @@ class RpcCommunicator(Communicator):
     # describing losses
     def _describe(self, slot: Slot, reason: str) -> str:
         rank = slot.rank if slot.rank is not None else -1
-        stages = self._stages_of.get(rank) if rank in self._placement.remote else None
+        stages = self._stages_of.get(rank) if rank in self._ranks.remote else None
         what = f"stage {', '.join(map(str, stages))}" if stages else "an idle worker"
         return f"{what} (rank {rank}) on {slot.where()}: {reason}"
 

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed.rpc as rpc
 
-from lightning_pipe import tree
+from lightning_pipe.base import tree
 from lightning_pipe.comm.base import Endpoint, Message, MessageKind, QueueInbox
 from lightning_pipe.comm.by_value import ByValue
 from lightning_pipe.comm.compress import Codec, decode_payload, encode_payload, wire_bytes

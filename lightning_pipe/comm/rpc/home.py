@@ -18,16 +18,16 @@ from typing import Any
 
 import torch
 
+from lightning_pipe.base.errors import PipeError
 from lightning_pipe.comm import by_value
 from lightning_pipe.comm.base import COORDINATOR
 from lightning_pipe.comm.rpc.endpoint import TransportStats
 from lightning_pipe.comm.rpc.plane import DataPlane, world_rank
 from lightning_pipe.comm.rpc.stages import build_stage, stage_ended, stage_stats, stop_stage
-from lightning_pipe.errors import PipeError
 
 
 @dataclass(frozen=True)
-class RankPlacement:
+class RankProcesses:
     """Which process serves each pipeline rank of one launch: ``home`` in the coordinator's, the rest in slots."""
 
     ranks: int
@@ -68,20 +68,20 @@ class RankPlacement:
         return f"{here}; {remote}" if remote else here
 
 
-def place(specs: Sequence[Any], colocate: bool) -> RankPlacement:
+def place(specs: Sequence[Any], colocate: bool) -> RankProcesses:
     """Whether the coordinator's process holds the rank of the last stage for ``specs``, and if not, why."""
     ranks = len(specs)
     last = specs[0].rank_of_stage[-1] if specs else 0
     if not colocate:
-        return RankPlacement(ranks, None, "colocate=False")
+        return RankProcesses(ranks, None, "colocate=False")
     if ranks < 2:
-        return RankPlacement(ranks, None, "one rank holds every stage: it runs apart from the coordinator")
+        return RankProcesses(ranks, None, "one rank holds every stage: it runs apart from the coordinator")
     if last != ranks - 1:  # the runners place the last stage on the last rank; another layout stays apart
-        return RankPlacement(ranks, None, f"the last stage is on rank {last}, not the last rank")
+        return RankProcesses(ranks, None, f"the last stage is on rank {last}, not the last rank")
     missing = [str(shard.device) for shard in specs[last].shards if not usable_here(str(shard.device))]
     if missing:
-        return RankPlacement(ranks, None, f"this process cannot use {', '.join(missing)}")
-    return RankPlacement(ranks, last)
+        return RankProcesses(ranks, None, f"this process cannot use {', '.join(missing)}")
+    return RankProcesses(ranks, last)
 
 
 def usable_here(device: str) -> bool:
@@ -92,11 +92,11 @@ def usable_here(device: str) -> bool:
     return torch.cuda.is_available() and int(index or 0) < torch.cuda.device_count()
 
 
-def home_device(specs: Sequence[Any], placement: RankPlacement) -> str | None:
+def home_device(specs: Sequence[Any], served: RankProcesses) -> str | None:
     """The device of the stage the coordinator's process holds (its first shard's), None if it holds none."""
-    if placement.home is None or not specs[placement.home].shards:
+    if served.home is None or not specs[served.home].shards:
         return None
-    return str(specs[placement.home].shards[0].device)
+    return str(specs[served.home].shards[0].device)
 
 
 def coordinator_host() -> str:

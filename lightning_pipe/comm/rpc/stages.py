@@ -10,11 +10,11 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from lightning_pipe.base.errors import PipeError, StageError
 from lightning_pipe.comm.host import StageHost
 from lightning_pipe.comm.rpc.endpoint import RpcEndpoint, TransportStats, register_inbox
 from lightning_pipe.comm.rpc.plane import DataPlane
 from lightning_pipe.comm.rpc.world import quiet_closing
-from lightning_pipe.errors import PipeError, StageError
 
 _HOSTS: dict[tuple[str, int], StageHost] = {}  # the stages this process serves, by (launch, rank)
 _LOCK = threading.Lock()

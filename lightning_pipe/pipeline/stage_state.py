@@ -1,0 +1,215 @@
+"""State that lives on the stages: gradients, parameters and optimizers as the stage workers hold them.
+
+With a transport whose stages own their parameters (``rpc``, ``p2p``) this is the only copy that
+trains; with ``local`` the stages share the module's parameters and most of this is a pass-through.
+A built `Pipeline` holds one (``Pipeline.stage_state``) and hands these calls to it.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_pipe.base.errors import ConfigurationError
+from lightning_pipe.comm import Communicator
+from lightning_pipe.engine import Coordinator, StageProtocol
+from lightning_pipe.partition import ShardedTask
+from lightning_pipe.partition.traced import TracedPartitioner
+from lightning_pipe.pipeline.optimizers import StageOptimizers
+
+
+class StageState:
+    """Gradients, parameters, checkpoints and optimizers of the stages of a built pipeline.
+
+    ``module`` is the unsplit module, ``shards`` its stages; everything the stage workers hold is
+    reached through ``coordinator``'s control calls.
+    """
+
+    def __init__(
+        self,
+        coordinator: Coordinator,
+        module: nn.Module,
+        shards: list[ShardedTask],
+        tied: list[list[tuple[int, str]]],
+        communicator: Communicator,
+        seed: int,
+    ) -> None:
+        self.coordinator = coordinator
+        self.module = module
+        self.shards = shards
+        self._tied_shards = tied  # (stage, name) of each weight several shards hold, found before they were built
+        self.communicator = communicator
+        self.seed = seed
+
+    def apply_grads(self, scale: float = 1.0) -> None:
+        """Add the last step's gradients, times ``scale``, to ``p.grad`` on every stage.
+
+        Each copy of a tied weight (`tied`) first gets the sum of every copy's gradient of the step,
+        the gradient the one shared parameter gets in the unsplit module.
+
+        Stages that own their parameters are posted the work (`Coordinator.post`): only later calls
+        read their gradients, and each stage runs them after it. Stages that share ``module``'s
+        parameters have them in ``p.grad`` when this returns: the caller's optimizer reads them next.
+        """
+        stages = self.coordinator.stages
+        send_each = stages.post_each if self.communicator.stages_own_parameters else stages.call_each
+        tied = self.tied
+        if tied:
+            names: list[list[str]] = [[] for _ in range(self.coordinator.num_ranks)]
+            for holders in tied:
+                for rank, name in holders:
+                    names[rank].append(name)
+            got = stages.call_each(StageProtocol.step_grads, [(own,) for own in names])
+            totals: list[dict[str, torch.Tensor]] = [{} for _ in names]
+            for holders in tied:
+                parts = [g for g in (got[rank][name] for rank, name in holders) if g is not None]
+                if not parts:
+                    continue
+                total = parts[0].clone()
+                for g in parts[1:]:
+                    total += g.to(total.device)
+                for rank, name in holders:
+                    totals[rank][name] = total
+            send_each(StageProtocol.set_step_grads, [(own,) for own in totals])
+        send_each(StageProtocol.apply_grads, [(scale,)] * self.coordinator.num_ranks)
+
+    @property
+    def tied(self) -> list[list[tuple[int, str]]]:
+        """Per weight of which several ranks hold a copy: the (rank, name) of each copy, the first holder first.
+
+        Empty when the stages share ``module``'s parameters (the local transport): then a tied weight
+        is one parameter. With ``transport="rpc"`` every worker unpickles its own copy; the copies
+        get the same gradient (`apply_grads`) and so make the same optimizer updates.
+        """
+        if not self.communicator.stages_own_parameters:
+            return []
+        rank_of = self.coordinator.rank_of_stage
+        tied = []
+        for places in self._tied_shards:
+            holders: dict[int, str] = {}
+            for index, name in places:
+                holders.setdefault(rank_of[index], name)  # two shards of one rank share one copy
+            if len(holders) > 1:
+                tied.append(list(holders.items()))
+        return tied
+
+    def parameter_locations(self) -> dict[int, tuple[int, str]]:
+        """``id(p)`` of each parameter of ``module`` -> (rank, name) of the (first) stage that holds it."""
+        rank_of = self.coordinator.rank_of_stage
+        locations: dict[int, tuple[int, str]] = {}
+        for shard in self.shards:
+            for name, p in shard.module.named_parameters():
+                locations.setdefault(id(p), (rank_of[shard.index], name))
+        return locations
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The module's parameters and buffers as the stages hold them, under ``module.state_dict()``'s keys.
+
+        A tied weight is taken from its first holder: all its keys name that one tensor, as in the module.
+        """
+        state: dict[str, torch.Tensor] = {}
+        for part in self.coordinator.stages.call(StageProtocol.state_dict):
+            state.update(part)
+        for holders in self.tied:
+            for _, name in holders[1:]:
+                state[name] = state[holders[0][1]]
+        return {k: state[k] for k in self.module.state_dict() if k in state}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load ``state`` (keys of ``module.state_dict()``) into ``module`` and send each stage its part.
+
+        Every copy of a tied weight gets the value under its first holder's key.
+        """
+        tied = self.tied
+        if tied:
+            state = dict(state)
+            for holders in tied:
+                if holders[0][1] in state:
+                    for _, name in holders[1:]:
+                        state[name] = state[holders[0][1]]
+        self.module.load_state_dict(state)
+        keys: list[list[str]] = [[] for _ in range(self.coordinator.num_ranks)]
+        for shard in self.shards:
+            keys[self.coordinator.rank_of_stage[shard.index]] += list(shard.module.state_dict())
+        own_parts = [({k: state[k] for k in own},) for own in keys]
+        self.coordinator.stages.call_each(StageProtocol.load_state_dict, own_parts)
+
+    def random_state(self) -> dict[str, Any]:
+        """The stages' random generator states: ``{"seed": run seed, "stages": {stage: {device: state}}}``."""
+        stages: dict[int, dict[str, torch.Tensor]] = {}
+        for part in self.coordinator.stages.call(StageProtocol.random_state):
+            stages.update(part)
+        return {"seed": self.seed, "stages": dict(sorted(stages.items()))}
+
+    def load_random_state(self, state: dict[str, Any]) -> None:
+        """Continue the sequences of `random_state` (a resumed run).
+
+        The states of another number of stages are not loaded (a warning): the stages start from the run's seed.
+        """
+        stages: dict[int, dict[str, torch.Tensor]] = state.get("stages", {})
+        if set(stages) != set(range(len(self.shards))):
+            warnings.warn(
+                f"the saved random generator states are of {len(stages)} stages, this pipeline has "
+                f"{len(self.shards)}: its stages start from the run's seed (their dropout masks do not continue "
+                "the saved run's)",
+                stacklevel=2,
+            )
+            return
+        rank_of = self.coordinator.rank_of_stage
+        each: list[dict[int, dict[str, torch.Tensor]]] = [{} for _ in range(self.coordinator.num_ranks)]
+        for index, states in stages.items():
+            each[rank_of[index]][index] = states
+        self.coordinator.stages.call_each(StageProtocol.load_random_state, [(own,) for own in each])
+
+    def sync_module(self) -> None:
+        """Copy the stages' parameters and buffers into ``module`` (with transport="rpc" they train apart)."""
+        self.module.load_state_dict(self.state_dict())
+
+    def grads(self) -> dict[str, torch.Tensor | None]:
+        """Each parameter's gradient as its stage holds it, by name."""
+        grads: dict[str, torch.Tensor | None] = {}
+        for part in self.coordinator.stages.call(StageProtocol.grads):
+            grads.update(part)
+        return grads
+
+    def held_names(self) -> list[set[str]]:
+        """Per shard, the names of its submodules, parameters and buffers, where stages hold their own copies."""
+        if not self.communicator.stages_own_parameters:
+            return []
+        return [
+            {n for n, _ in shard.module.named_modules(remove_duplicate=False) if n}
+            | {n for n, _ in shard.module.named_parameters(remove_duplicate=False)}
+            | {n for n, _ in shard.module.named_buffers(remove_duplicate=False)}
+            for shard in self.shards
+        ]
+
+    def install_variants(self, partitioner: TracedPartitioner, first: int, before: list[set[str]]) -> None:
+        """Send the stages (in other processes) the code of the call variants traced since ``first``.
+
+        ``before``: `held_names` before those variants were traced; a variant that makes a stage use a
+        submodule, parameter or buffer its worker process does not hold cannot be installed.
+        """
+        if not self.communicator.stages_own_parameters:
+            return
+        updates: list[dict[int, Any]] = [{} for _ in range(self.coordinator.num_ranks)]
+        for shard, held, now in zip(self.shards, before, self.held_names(), strict=True):
+            for variant in range(first, len(partitioner.variants)):
+                sources, constants = partitioner.variant_update(shard.index, variant)
+                new = sorted(n for n in now - held if not any(n == c or c.startswith(n + ".") for c in constants))
+                if new:
+                    raise ConfigurationError(
+                        f"the pipelined module was called in a new way that makes stage {shard.index} use "
+                        f"{', '.join(new[:5])}, which its worker process does not hold; call it the same way every "
+                        "time, or build the pipeline on a call of each way first"
+                    )
+                updates[self.coordinator.rank_of_stage[shard.index]].setdefault(shard.index, []).append(
+                    (variant, sources, constants)
+                )
+        self.coordinator.stages.call_each(StageProtocol.install_variants, [(own,) for own in updates])
+
+    def optimizer(self, template: torch.optim.Optimizer, names: dict[int, str] | None = None) -> StageOptimizers:
+        """Per-stage parts of ``template`` (an optimizer over ``module``'s parameters); see `StageOptimizers`."""
+        return StageOptimizers(self, template, names)

@@ -1,0 +1,393 @@
+"""Launched mode: R pipeline replicas x P ranks in the processes that Lightning's launchers start.
+
+`PipeLauncher` (Lightning's launcher, or none under torchrun and SLURM) makes every process but the first of
+each replica's block serve its stage; the coordinators (the first of each block, holding its last stage) run
+the Trainer's loop, and Lightning's collectives span them only. Process groups: a DeviceMesh ``("replica",
+"pipeline")`` and a coordinators' group (docs/internals.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.distributed import (
+    _all_gather_ddp_if_available,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from typing_extensions import override
+
+from lightning_pipe.base.allocator import give_back_large_blocks
+from lightning_pipe.checkpoint.publish import prepare, publish, temporary_path
+from lightning_pipe.checkpoint.stage_part import CoordinatorPart
+from lightning_pipe.comm import P2PCommunicator, serve_stages
+from lightning_pipe.comm.p2p.dtensor_frames import use_tensor_mesh
+from lightning_pipe.engine.runners import worker_of_stages
+from lightning_pipe.pipeline.pipeline import Pipeline
+from lightning_pipe.schedule import LOOP
+from lightning_pipe.strategy.arguments import fsdp_without_replicas
+from lightning_pipe.strategy.launcher import PipeLauncher
+from lightning_pipe.strategy.layout import LAUNCHED, Layout
+from lightning_pipe.strategy.model_state import ModelState
+from lightning_pipe.strategy.modes.launched_checkpoints import in_fit, write_sharded, write_single_file
+from lightning_pipe.strategy.modes.mode import Mode, Write
+from lightning_pipe.strategy.patch import Patches
+from lightning_pipe.strategy.pipe_config import PipeConfig
+from lightning_pipe.strategy.process_groups import PROCESS_GROUP_TIMEOUT, ProcessGroups, attempt_store
+from lightning_pipe.strategy.process_stage import ProcessStage
+from lightning_pipe.strategy.unread import checkpoint_io_unused
+
+
+class LaunchedMode(Mode):
+    """Launched mode in this process: its place in the `Layout`, its device, the process groups, the
+    point-to-point transport of its pipeline, and Lightning's collectives among the coordinators.
+
+    `PipeStrategy` makes one when Lightning sets the world's ranks and hands its collectives here.
+    """
+
+    name = LAUNCHED
+
+    def __init__(
+        self,
+        layout: Layout,
+        devices: Sequence[torch.device],
+        config: PipeConfig,
+        stage: ProcessStage,
+    ) -> None:
+        super().__init__(config)  # the strategy's arguments (``timeout``, ``runner``, ``virtual_stages`` are read)
+        self._layout = layout
+        self.devices = list(devices)  # this node's devices, one per local rank
+        self.stage = stage  # this process's part of the model: the stages built here bind to it
+        self._groups: ProcessGroups | None = None
+        self._p2p: P2PCommunicator | None = None
+        self._released = True  # the serving ranks were told that this fit ended
+
+    @property
+    @override
+    def layout(self) -> Layout:
+        return self._layout
+
+    @property
+    def device(self) -> torch.device:
+        """This process's device: where its stage and, on a coordinator, the loss live."""
+        return self.devices[self.layout.local_index(self.layout.global_rank)]
+
+    @override
+    def root_device(self, placed: Callable[[], torch.device]) -> torch.device:
+        return self.device
+
+    @override
+    def set_ranks(self, environment: Any) -> None:
+        environment.set_global_rank(self.layout.global_rank)
+        environment.set_world_size(self.layout.world_size)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.layout.global_rank  # type: ignore[attr-defined]
+
+    @override
+    def launcher(self, environment: Any, devices: int, num_nodes: int, prepare: Callable[[Any], None]) -> Any:
+        """Lightning's subprocess launcher (a no-op under torchrun or SLURM); a serving rank serves its stage (after
+        ``prepare``: the strategy binds this process's model and joins the processes)."""
+
+        def serve(trainer: Any) -> None:
+            prepare(trainer)
+            self.serve()
+
+        return PipeLauncher(environment, devices, num_nodes, None if self.layout.coordinates else serve)
+
+    @override
+    def world_size(self, lightning: int) -> int:
+        """1, as Lightning's loop must see it.
+
+        Lightning's training loop broadcasts a SIGTERM flag over the whole torch.distributed world
+        before every batch when ``world_size > 1``; the processes that serve a stage do not run that
+        loop and cannot join it. The collectives here span the coordinators, one per replica;
+        ``layout`` holds the real numbers (``layout.world_size`` processes, ``layout.replicas`` replicas).
+        """
+        return 1
+
+    @property
+    @override
+    def sampler_kwargs(self) -> dict[str, Any]:
+        """Each replica reads its own shard of the data; the ranks of one pipeline read none (they serve)."""
+        return {"num_replicas": self.layout.replicas, "rank": self.layout.replica}
+
+    @property
+    @override
+    def distributed(self) -> bool:
+        return True
+
+    @override
+    def transport(self) -> P2PCommunicator:
+        return self.communicator()
+
+    @override
+    def fsdp_warning(self) -> str | None:
+        where = "launched mode with one replica (devices x num_nodes == stages)"
+        return fsdp_without_replicas(self.config.data_parallel, where, self.layout.replicas)
+
+    @override
+    def unread(self, checkpoint_io: Any) -> list[str | None]:
+        writers = "every process writes its own stage (torch.distributed.checkpoint, or one file made of the parts)"
+        return [checkpoint_io_unused(self.name, writers, checkpoint_io)]
+
+    @override
+    def stage_devices(self, trainer_devices: Sequence[torch.device] | None = None, placement: str = LOOP) -> list[str]:
+        """The device of each stage: that of the process holding it in this replica (the schedule's ``placement``)."""
+        virtual = self.config.virtual_stages
+        stages = self.layout.ranks_per_pipeline * virtual
+        holder = worker_of_stages(self.config.runner, stages, virtual, placement)
+        ranks = self.layout.pipeline_ranks()
+        return [str(self.devices[self.layout.local_index(ranks[holder[s]])]) for s in range(stages)]
+
+    @override
+    def connect(self, cluster_environment: Any) -> None:
+        """Join torch.distributed (unless joined) and make this layout's process groups; this process's stage learns
+        its replicas."""
+        give_back_large_blocks()  # this process holds its stage, not the freed space of its gradients
+        device = self.device
+        if not dist.is_initialized():
+            backend = _get_default_process_group_backend_for_device(device)
+            store = attempt_store(cluster_environment, self.layout.global_rank, self.layout.world_size)
+            _init_dist_connection(cluster_environment, backend, timeout=PROCESS_GROUP_TIMEOUT, **store)
+            ProcessGroups.made_default_group()
+        self._groups = groups = ProcessGroups.of(self.layout, device.type)
+        self.writes.connect(groups.checkpoint_writes)  # async_checkpoint: the group of async_save's collectives
+        if self.layout.replicas > 1:  # this process's stage is spread over them (`ProcessStage.sharded`)
+            self.stage.replicate_over(groups.replicas, groups.mesh["data_parallel"])
+        if self.layout.tensor_parallel > 1:  # DTensors crossing between stages are rebuilt over the stage's ranks
+            use_tensor_mesh(self._groups.mesh["tensor_parallel"])
+
+    @property
+    @override
+    def device_mesh(self) -> Any:
+        """The DeviceMesh of the launched world (`ProcessGroups`), after `connect`."""
+        groups = self._groups
+        assert groups is not None, "LaunchedMode.connect makes the process groups first"
+        return groups.mesh
+
+    @override
+    def describe(self) -> str:
+        """The line logged once at the start: the processes and which pipeline rank each holds."""
+        layout = self.layout
+        tensor = f" x {layout.tensor_parallel} tensor rank(s)" if layout.tensor_parallel > 1 else ""
+        return (
+            f"PipeStrategy: launched mode, {layout.world_size} processes = {layout.replicas} replica(s) x "
+            f"{layout.ranks_per_pipeline} pipeline rank(s){tensor}; {layout.picture()}"
+        )
+
+    def communicator(self) -> P2PCommunicator:
+        """The point-to-point transport of this replica's pipeline (one per world, reused by every fit)."""
+        if self._p2p is None:
+            self._p2p = P2PCommunicator(**self._pipeline(), send_values=False)
+        return self._p2p
+
+    def serve(self) -> None:
+        """What a process that does not coordinate runs instead of the Trainer's loop (after `connect`)."""
+        serve_stages(**{**self._pipeline(), "on_build": self._built_to_serve})
+        self.writes.wait()  # the fit's last checkpoint: this process's part written
+
+    def _built(self, worker: Any) -> None:
+        """A stage built in this process: it binds to this process's model and writes its checkpoints' parts through
+        this process's `writes`."""
+        worker.checkpoints.writes = self.writes
+        self.stage.built(worker)
+
+    def _built_to_serve(self, worker: Any) -> None:
+        """A stage built in a serving process: this process keeps that stage of its model and nothing else."""
+        self._built(worker)
+        self.stage.release()
+
+    def _pipeline(self) -> dict[str, Any]:
+        """This process's pipeline as both sides of the p2p transport take it: group, ranks, names, and the hooks
+        that bind a stage built here to this process's model and spread it over its replicas (`ProcessStage`)."""
+        groups = self._groups
+        assert groups is not None, "LaunchedMode.connect makes the process groups first"
+        return {
+            "group": groups.pipeline,
+            "ranks": self.layout.pipeline_ranks(),
+            "describe": self.layout.describe,
+            "on_build": self._built,
+            "prepare": self.stage.prepare,
+            "timeout": self.config.timeout,
+            "coordinator": self.layout.coordinator,
+        }
+
+    @override
+    def hold(self) -> None:
+        """A fit starts: the serving ranks serve until `release`."""
+        self._released = False
+
+    @override
+    def release(self, error: BaseException | None = None) -> None:
+        """End the serving ranks' ``fit`` (with the coordinator's error, if it failed); once per fit."""
+        if self._released or not self.layout.coordinates:
+            return
+        self._released = True
+        if self._p2p is None and self.layout.ranks_per_pipeline == 1:
+            return
+        # the serving ranks serve from the fit's start: a fit that failed before its pipeline was built (a
+        # checkpoint that does not match) releases them too, or they would take the next fit's for this one
+        p2p = self._p2p if self._p2p is not None else self.communicator()
+        text = None
+        if error is not None:
+            who = self.layout.describe(self.layout.global_rank)
+            text = f"its coordinator, {who}, failed: {type(error).__name__}: {error}"
+        p2p.release(text)
+
+    # where the stages and the optimizers live: each process's own stage, in its own LightningModule
+    @override
+    def built(self, state: ModelState, pipeline: Pipeline, device: torch.device) -> None:
+        """This process keeps its own stage and the tensors outside the pipeline, nothing else; the optimizers step
+        the stages' parameters (found by name) and keep only meta stand-ins of them."""
+        module = state.host.lightning_module
+        if module is not None:
+            self.stage.release(keep=state.builder.outside_tensors(module))
+        optimizers = state.host.optimizers
+        state.optimization.step_on_stages(pipeline, optimizers, device, by_name=True)
+        state.optimization.stand_in(optimizers)
+
+    @override
+    def install(self, state: ModelState, patches: Patches) -> None:
+        """This process's stage trains the LightningModule's own tensors, in its stage thread, and Lightning posts it
+        the optimizer step without waiting. Before validation Lightning frees the module's gradients from the loop's
+        thread (``on_validation_model_zero_grad``): the stages first finish what was posted to them, or the step
+        would lose gradients it is reading."""
+        module = state.module
+        release = module.on_validation_model_zero_grad  # the user's override, or Lightning's
+
+        def after_the_stages() -> None:
+            if state.builder.pipeline is not None:
+                state.builder.pipeline.flush()
+            release()
+
+        patches.set(module, "on_validation_model_zero_grad", after_the_stages)
+
+    @override
+    def fold_back(self, state: ModelState) -> None:
+        """Nothing: each process's LightningModule holds its own stage's trained tensors already."""
+
+    # the training state: every process writes its own stage, nothing is gathered
+    @override
+    def module_state(self, state: ModelState, lightning: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        return state.shapes()  # each process writes its own stage (`save_checkpoint`): the hooks see shapes
+
+    @override
+    def optimizer_state(
+        self, state: ModelState, optimizer: Any, lightning: Callable[[Any], dict[str, Any]]
+    ) -> dict[str, Any]:
+        return {}  # as above: the stages write their own
+
+    @override
+    def save_checkpoint(
+        self, state: ModelState, checkpoint: dict[str, Any], path: Path, storage_options: Any, lightning: Write
+    ) -> None:
+        """A folder every process writes its part of (`write_sharded`), or one file made of it a tensor at a time;
+        written under a temporary name that global rank 0 publishes once DCP finished (every part written), in the
+        background with ``async_checkpoint`` (the save before it written and published first)."""
+        if state.host.lightning_module is None:
+            super().save_checkpoint(state, checkpoint, path, storage_options, lightning)
+            return
+        path = Path(self.broadcast(str(path)))
+        self.writes.wait()  # this process's previous save: written (and on global rank 0 published) before this one
+        first = self.first_process
+        prefix = state.prefix()
+        edits = state.save_edits(checkpoint)  # what the on_save_checkpoint hooks did to the shapes they saw
+        if self.layout.coordinates:
+            part = state.coordinator_part(prefix, edits)
+        else:  # a process serving a stage saves after the fit: the values its hooks added too
+            part = CoordinatorPart(model=dict(edits.given) if edits is not None else {})
+        pipeline, here, worker = state.builder.pipeline, self.layout.coordinator, self.stage.worker
+
+        def save(folder: Path) -> None:
+            write_sharded(folder, prefix, checkpoint, part, first, pipeline, here, worker, edits)
+
+        if self.config.save_distributed_checkpoint is not False:  # None (the default) or True: a folder
+            temporary = prepare(path) if first else temporary_path(path)
+            self._together(pipeline)  # a leftover temporary folder goes before any process writes: removed while
+            save(temporary)  # another process made it, it failed that one's save (FileExistsError in DCP)
+            if first:
+                self.writes.then(lambda: publish(temporary, path))
+        else:
+            write_single_file(save, path, first, self.writes)
+        if not in_fit(state.host.lightning_module):
+            self.writes.wait()  # no training to overlap: the checkpoint is there when save_checkpoint returns
+        self._together(pipeline)  # published (rank 0) before any process starts its next save of the same name
+
+    def _together(self, pipeline: Pipeline | None) -> None:
+        """Every process that saves waits for the others: the coordinators while a fit runs (the processes serving
+        stages write when their coordinator asks, after this), every process of the run after a fit (each calls
+        ``trainer.save_checkpoint`` itself, as with DDP)."""
+        if pipeline is not None or not dist.is_initialized():
+            self.barrier()
+        else:
+            self._wait(None)  # the default group: every process of the run
+
+    @property
+    @override
+    def first_process(self) -> bool:
+        return self.layout.global_rank == 0
+
+    @override
+    def remove_checkpoint(self, state: ModelState, path: Path, lightning: Write) -> None:
+        if self.first_process:
+            self.writes.then(lambda: state.remove(path, lightning))  # once the checkpoint replacing it is published
+        else:
+            lightning(path)  # Lightning's removal: on global rank 0 only
+
+    # Lightning's collectives: among the coordinators (the processes that run Lightning's loop)
+    def _coordinator_group(self) -> Any:
+        """The coordinators' group; None where there is nothing to agree on (one replica, or a serving rank)."""
+        layout = self.layout
+        if len(layout.coordinator_ranks) == 1 or self._groups is None or not layout.coordinates:
+            return None
+        return self._groups.coordinators
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        if self._coordinator_group() is None:
+            return decision
+        votes = self.reduce(torch.tensor(int(decision), device=self.device), reduce_op="sum")
+        return bool(votes == len(self.layout.coordinator_ranks)) if all else bool(votes)
+
+    @override
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        coordinators = self._coordinator_group()
+        if coordinators is None or not isinstance(tensor, torch.Tensor):
+            return tensor
+        return _sync_ddp_if_available(tensor, group or coordinators, reduce_op=reduce_op)
+
+    @override
+    def barrier(self) -> None:
+        coordinators = self._coordinator_group()
+        if coordinators is not None:
+            self._wait(coordinators)
+
+    def _wait(self, group: Any) -> None:
+        """A barrier of ``group`` (None: every process), on this process's device where NCCL needs one."""
+        if self.device.type == "cuda":
+            dist.barrier(group=group, device_ids=[self.device.index or 0])
+        else:
+            dist.barrier(group=group)
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        coordinators = self._coordinator_group()
+        if coordinators is None:
+            return obj
+        box = [obj]
+        ranks = self.layout.coordinator_ranks  # Lightning names a global rank; only coordinators take part
+        dist.broadcast_object_list(box, src=src if src in ranks else ranks[0], group=coordinators)
+        return box[0]
+
+    @override
+    def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> torch.Tensor:
+        coordinators = self._coordinator_group()
+        if coordinators is None:
+            return tensor
+        return _all_gather_ddp_if_available(tensor, group=group or coordinators, sync_grads=sync_grads)
