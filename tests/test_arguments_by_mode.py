@@ -11,6 +11,7 @@ checkpoints, the layout.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import re
 from pathlib import Path
@@ -112,10 +113,12 @@ def test_the_table_walks_every_argument_and_the_docs_agree() -> None:
 
 
 def test_pipe_configs_docstring_names_the_schedules_tensor_parallel_runs() -> None:
+    from test_house_config import field_docs
+
     from lightning_pipe.strategy.pipe_config import PipeConfig
     from lightning_pipe.strategy.tensor_parallel import TENSOR_PARALLEL_SCHEDULES
 
-    described = " ".join((PipeConfig.__doc__ or "").split("tensor_parallel:", 1)[1].split())
+    described = " ".join(field_docs(PipeConfig)["tensor_parallel"].split())
     for name in TENSOR_PARALLEL_SCHEDULES:
         assert f'``"{name}"``' in described, name
     assert '``"interleaved-1f1b"`` with ``virtual_stages=2``' in described
@@ -315,7 +318,9 @@ def pipeline_given(strategy: PipeStrategy, model: L.LightningModule, monkeypatch
     strategy.builder.setup(model, placement)
     pipeline = strategy.builder.build(None)
     strategy.builder.pipeline = None
-    return {**pipeline.kwargs, "model": model}  # type: ignore[attr-defined]
+    given = dict(pipeline.kwargs)  # type: ignore[attr-defined]
+    settings = given.pop("settings")  # the shared arguments, one object (`PipelineSettings`)
+    return {**{f.name: getattr(settings, f.name) for f in dataclasses.fields(settings)}, **given, "model": model}
 
 
 BF16 = MixedPrecision("bf16-mixed", "cpu")

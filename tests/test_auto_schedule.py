@@ -151,7 +151,7 @@ def _momentum_steps(schedule: object, steps: int = 3) -> tuple[nn.Module, list[f
     net = _dropout_net()
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)  # state after step 1 that must carry over
     losses = []
-    with Pipeline(net, 4, schedule, partition=BALANCE, virtual_stages=2, checkpoint="never", seed=5) as pipe:
+    with Pipeline(net, 4, schedule=schedule, partition=BALANCE, virtual_stages=2, checkpoint="never", seed=5) as pipe:
         for x, y in _batches(steps):
             result = pipe.train_step(x, y, F.cross_entropy, microbatches=4)
             opt.step()

@@ -14,15 +14,16 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import itertools
 import logging
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
-from lightning_pipe.backends import BackendArg, BackendPlan, CoordinatorOps, ExecutionTrace, resolve_backends
+from lightning_pipe.backends import CoordinatorOps, ExecutionTrace, resolve_backends
 from lightning_pipe.backends.compiled import split_compiled
 from lightning_pipe.base.errors import ConfigurationError
 from lightning_pipe.base.microbatch import batch_size, gather
@@ -34,7 +35,7 @@ from lightning_pipe.engine import AutocastSpec, Coordinator, StageProtocol, Stag
 from lightning_pipe.engine.loss import Criterion, Loss, WeightedLoss, as_loss
 from lightning_pipe.engine.runners import worker_of_stages
 from lightning_pipe.engine.stream import AsyncRun, train_stream
-from lightning_pipe.partition import Partitioner, ShardedTask
+from lightning_pipe.partition import ShardedTask
 from lightning_pipe.partition.selection import resolve_partitioner as resolve_partitioner  # re-exported: strategy
 from lightning_pipe.partition.tied_parameters import tied_parameters
 from lightning_pipe.partition.traced import TracedPartitioner
@@ -43,11 +44,11 @@ from lightning_pipe.pipeline.inputs import PipelineInputs
 from lightning_pipe.pipeline.optimizers import StageOptimizers
 from lightning_pipe.pipeline.recompute import AutoCheckpoint, checkpoint_flags
 from lightning_pipe.pipeline.schedule_chooser import AutoSchedule, ScheduleChooser, StageMoves, is_auto
+from lightning_pipe.pipeline.settings import PipelineSettings, keyword, signature_of
 from lightning_pipe.pipeline.stage_layout import resolve_runtime, stage_devices, worker_specs
 from lightning_pipe.pipeline.stage_moves import move_stages, moves_of
 from lightning_pipe.pipeline.stage_state import StageState
 from lightning_pipe.rng import run_seed
-from lightning_pipe.runtime import BaseRuntime
 from lightning_pipe.schedule import placement_of, resolve_schedule
 from lightning_pipe.weights import StageInit
 
@@ -74,26 +75,26 @@ class Pipeline:
     def __init__(
         self,
         module: nn.Module,
-        stages: int,
-        schedule: Any = "1f1b",
-        partition: str | Sequence[int] | Partitioner = "params",
-        devices: Sequence[str] | None = None,
-        checkpoint: str = "auto",
-        runtime: str | BaseRuntime | None = None,
-        timeout: float = 300.0,
+        stages: int | None = None,
+        *,
+        settings: PipelineSettings | None = None,
         transport: str | Communicator = "local",
         autocast: AutocastSpec | None = None,
         sample: Any = None,
         coordinator_device: torch.device | None = None,
-        backend: BackendArg | BackendPlan = None,
-        strict: bool = False,
-        split_points: Sequence[str] | None = None,
-        virtual_stages: int = 1,
-        runner: str = "parallel",
         seed: int | None = None,
         init: StageInit | None = None,
-        **transport_options: Any,
+        **keywords: Any,
     ) -> None:
+        if settings is None:  # the shared arguments as keywords (`PipelineSettings`: one field each)
+            settings = PipelineSettings.from_keywords("Pipeline", {"stages": stages, **keywords})
+        elif stages is not None or keywords:
+            raise TypeError("Pipeline(settings=...) takes the shared arguments in settings, not as keywords too")
+        if settings.stages is None:
+            raise ConfigurationError("Pipeline(stages=...): pass the number of stages")
+        self.settings = settings
+        stages, virtual_stages, runner = settings.stages, settings.virtual_stages, settings.runner
+        schedule, strict = settings.schedule, settings.strict
         options = schedule if isinstance(schedule, AutoSchedule) else AutoSchedule()
         chooser = (  # schedule="auto": measures in the first training step, chooses before the second
             ScheduleChooser(options, virtual_stages, runner, stages // virtual_stages) if is_auto(schedule) else None
@@ -101,20 +102,20 @@ class Pipeline:
         self.schedule_factory = chooser or resolve_schedule(schedule)  # auto: the probe, placed
         placement = placement_of(self.schedule_factory)  # where the schedule wants each stage
         self.worker_of_stage = worker_of_stages(runner, stages, virtual_stages, placement)
-        self.devices = stage_devices(devices, stages, stages // virtual_stages, placement)
-        self._given_devices = devices
-        module, backend = split_compiled(module, backend, stages, strict)  # torch.compile(m): split m, compile stages
+        self.devices = stage_devices(settings.devices, stages, stages // virtual_stages, placement)
+        self._given_devices = settings.devices
+        module, backend = split_compiled(module, settings.backend, stages, strict)  # torch.compile(m): compile stages
         self.module = module
         self.virtual_stages = virtual_stages
         self.runner = runner
-        self.partitioner = resolve_partitioner(partition, module, split_points)
-        self.checkpoint = checkpoint_flags(checkpoint, stages)
-        self.runtimes = resolve_runtime(runtime, self.devices)
-        self.timeout = float(timeout)
+        self.partitioner = resolve_partitioner(settings.partition, module, settings.split_points)
+        self.checkpoint = checkpoint_flags(settings.checkpoint, stages)
+        self.runtimes = resolve_runtime(settings.runtime, self.devices)
+        self.timeout = float(settings.timeout)
         self.autocast = autocast
         self.backend = resolve_backends(backend, stages, strict)
         self.coordinator_ops = CoordinatorOps(self.backend, stages - 1)  # op substitution in the loss
-        self.communicator = resolve_transport(transport, transport_options)
+        self.communicator = resolve_transport(transport, settings.transport_options)
         self.coordinator_device = coordinator_device or self.runtimes[-1].torch_device
         self.seed = run_seed(seed)
         # where the stages' tensors without values come from (built on meta), or a resumed run's values
@@ -126,7 +127,7 @@ class Pipeline:
         self._started = False
         self._moved = ExecutionTrace([])  # the execution traces of stage workers replaced by a move
         self.choices = PipelineChoices(  # schedule="auto" and checkpoint="auto", decided around the training steps
-            chooser, AutoCheckpoint(self.devices) if checkpoint == "auto" else None, stages // virtual_stages,
+            chooser, AutoCheckpoint(self.devices) if settings.checkpoint == "auto" else None, stages // virtual_stages,
             lambda: self._coordinator, self._moves,
         )  # fmt: skip
         if sample is not None or not self.partitioner.needs_sample:
@@ -377,3 +378,13 @@ _NOT_BUILT = (
     "the pipeline is built on its first step (its partitioner needs an example batch); "
     "pass sample=... to build it earlier"
 )
+
+#: what `inspect.signature` and ``help`` show: the shared arguments by name (`PipelineSettings`), stages by position too
+Pipeline.__init__.__signature__ = signature_of(  # type: ignore[attr-defined]
+    PipelineSettings,
+    leading=[inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in ("self", "module")],
+    trailing=[
+        keyword("settings"), keyword("transport", "local"), keyword("autocast"), keyword("sample"),
+        keyword("coordinator_device"), keyword("seed"), keyword("init"),
+    ],
+)  # fmt: skip

@@ -6,9 +6,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch
-
-from lightning_pipe.backends import BackendArg, resolve_backends
+from lightning_pipe.backends import resolve_backends
 from lightning_pipe.base.errors import ConfigurationError
 from lightning_pipe.base.microbatch_weights import check_weight_function
 from lightning_pipe.comm.compress import resolve_codec
@@ -16,33 +14,17 @@ from lightning_pipe.engine.runners import check_runner
 from lightning_pipe.partition import Partitioner, TracedPartitioner
 from lightning_pipe.pipeline.recompute import checkpoint_flags
 from lightning_pipe.pipeline.schedule_chooser import AUTO, AutoSchedule, is_auto, registered_schedules
-from lightning_pipe.runtime import BaseRuntime, runtime_registry
+from lightning_pipe.runtime import runtime_registry
 from lightning_pipe.schedule import resolve_schedule
 from lightning_pipe.strategy.layout import check_transport
 from lightning_pipe.weights.keys import visible
 
 
-def check_arguments(
-    stages: int | None,
-    microbatches: int | str,
-    schedule: Any,
-    devices: Sequence[str | torch.device] | None,
-    checkpoint: str,
-    runtime: str | BaseRuntime | None,
-    timeout: float,
-    backend: BackendArg,
-    strict: bool,
-    transport: str | None,
-    coordinator: str | None,
-    token: str | None,
-    split_points: Sequence[str] | None,
-    virtual_stages: int,
-    runner: str,
-    microbatch_weight: Any = None,
-    compress: Any = None,
-) -> tuple[int | None, list[str] | None, bool, dict[str, Any]]:
-    """Raise `ConfigurationError` naming the argument and the fix; returns ``(stages, devices, asynchronous,
-    transport options)`` with ``stages`` taken from ``split_points`` where not given."""
+def check_arguments(config: Any) -> int | None:
+    """Raise `ConfigurationError` naming the argument and the fix; returns ``stages``, taken from ``split_points``
+    where not given (``config``: a `PipeConfig`)."""
+    stages, microbatches, schedule, devices = config.stages, config.microbatches, config.schedule, config.devices
+    timeout, runner, virtual_stages, strict = config.timeout, config.runner, config.virtual_stages, config.strict
     if stages is not None and (not isinstance(stages, int) or stages < 1):
         raise ConfigurationError(f"stages={stages!r}: pass a positive number of stages")
     if microbatches == AUTO and not is_auto(schedule):
@@ -54,7 +36,7 @@ def check_arguments(
         raise ConfigurationError(
             f"microbatches={microbatches!r}: pass a positive number of microbatches (or 'auto' with schedule='auto')"
         )
-    check_weight_function(microbatch_weight, "PipeStrategy(microbatch_weight=...)")
+    check_weight_function(config.microbatch_weight, "PipeStrategy(microbatch_weight=...)")
     device_names = [str(d) for d in devices] if devices is not None else None
     if device_names is not None:
         if stages is not None and len(device_names) != stages:
@@ -64,35 +46,32 @@ def check_arguments(
     if not timeout or timeout <= 0:
         raise ConfigurationError(f"timeout={timeout!r}: pass a positive number of seconds")
     # unknown names fail here
-    streams = not is_auto(schedule) and bool(getattr(resolve_schedule(schedule), "asynchronous", False))
     check_runner(runner)
     if stages is not None and stages % virtual_stages:
         raise ConfigurationError(
             f"stages={stages} is not a multiple of virtual_stages={virtual_stages}; "
             "each worker holds virtual_stages stages, so pass stages = workers * virtual_stages"
         )
-    checkpoint_flags(checkpoint, 1)
-    if isinstance(runtime, str):
-        runtime_registry.get_runtime_class(runtime)
-    if stages is None and split_points:
-        stages = len(split_points) + 1
-    resolve_backends(backend, stages or (len(device_names) if device_names else None), strict)
-    resolve_codec(compress)  # an unknown codec, or zstd without its package, fails here
-    given = (("coordinator", coordinator), ("token", token), ("compress", compress))
-    options: dict[str, Any] = {k: v for k, v in given if v is not None}
-    check_transport(transport, streams, options)
-    return stages, device_names, streams, options
+    checkpoint_flags(config.checkpoint, 1)
+    if isinstance(config.runtime, str):
+        runtime_registry.get_runtime_class(config.runtime)
+    if stages is None and config.split_points:
+        stages = len(config.split_points) + 1
+    resolve_backends(config.backend, stages or (len(device_names) if device_names else None), strict)
+    resolve_codec(config.compress)  # an unknown codec, or zstd without its package, fails here
+    check_transport(config.transport, streams(schedule), config.transport_options)
+    return stages
 
 
-def check_memory_arguments(
-    data_parallel: str,
-    weights: Any,
-    save_distributed_checkpoint: bool | None,
-    schedule: Any,
-    weights_only: bool | None = None,
-) -> None:
+def streams(schedule: Any) -> bool:
+    """Whether ``schedule`` streams batches (``"async"``: no flush between them); an unknown name raises."""
+    return not is_auto(schedule) and bool(getattr(resolve_schedule(schedule), "asynchronous", False))
+
+
+def check_memory_arguments(config: Any) -> None:
     """``data_parallel``, ``weights``, ``weights_only`` and ``save_distributed_checkpoint``: known values, weights
-    that exist, ``weights_only`` only with the ``weights`` it opens."""
+    that exist, ``weights_only`` only with the ``weights`` it opens (``config``: a `PipeConfig`)."""
+    data_parallel, weights, weights_only = config.data_parallel, config.weights, config.weights_only
     if weights_only is not None and weights is None:
         raise ConfigurationError(
             f"PipeStrategy(weights_only={weights_only}) says how a weights= file written by torch.save is opened, and "
@@ -105,7 +84,7 @@ def check_memory_arguments(
             "'fsdp' (each stage sharded over its replicas)"
         )
     if data_parallel == "fsdp":  # known now; a module that shards itself is known at setup (`ProcessStage.sharded`)
-        check_sharded_stages(FSDP_ARGUMENT, save_distributed_checkpoint, schedule)
+        check_sharded_stages(FSDP_ARGUMENT, config.save_distributed_checkpoint, config.schedule)
     if weights is not None:
         visible(weights, "PipeStrategy(weights=...):")
 

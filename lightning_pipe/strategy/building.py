@@ -7,6 +7,7 @@ partitioner needs. In launched mode its transport is this replica's point-to-poi
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -209,26 +210,19 @@ class PipelineBuilder:
         compiled = self.compiled
         config = self.config
         backend = compiled.plan(config.backend, stages, config.strict) if compiled is not None else config.backend
+        settings = dataclasses.replace(  # the config with what this fit resolved: the stages, schedule, partitioner
+            config, stages=stages, schedule=self.selection.for_pipeline(), partition=self.partitioner,
+            devices=destination.devices, checkpoint=self.checkpoint, backend=backend,
+        )  # fmt: skip
         self.pipeline = Pipeline(
             self.split_module,
-            stages=stages,
-            schedule=self.selection.for_pipeline(),
-            partition=self.partitioner,
-            devices=destination.devices,
-            checkpoint=self.checkpoint,
-            runtime=self.config.runtime,
-            timeout=self.config.timeout,
+            settings=settings,
             autocast=destination.autocast,
             sample=sample,
             coordinator_device=destination.coordinator_device,
-            virtual_stages=self.config.virtual_stages,
-            runner=self.config.runner,
-            backend=backend,
-            strict=self.config.strict,
             transport=destination.transport(),
             seed=run_seed(self.seed),  # the run's seed: each stage's generators start from it and the stage index
             init=destination.init,
-            **self.config.transport_options,
         ).start()
         destination.on_built(self.pipeline)
         self.runtime_hooks = {

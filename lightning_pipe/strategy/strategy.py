@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable, Generator, Sequence
+import inspect
+from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -15,14 +15,13 @@ from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
-from lightning_pipe.backends import BackendArg, ExecutionTrace
-from lightning_pipe.base.microbatch_weights import MicrobatchWeight
+from lightning_pipe.backends import ExecutionTrace
 from lightning_pipe.engine.stage_shards import mixed_precision_policy
 from lightning_pipe.engine.versions import Staleness
 from lightning_pipe.partition import Partitioner
 from lightning_pipe.pipeline.pipeline import Pipeline
+from lightning_pipe.pipeline.settings import keyword, signature_of
 from lightning_pipe.rng import run_seed
-from lightning_pipe.runtime import BaseRuntime
 from lightning_pipe.schedule import AutoChoice
 from lightning_pipe.strategy.async_training import training_for
 from lightning_pipe.strategy.building import Destination, PipelineBuilder, autocast_of
@@ -44,8 +43,9 @@ from lightning_pipe.strategy.trace_callback import PipeTrace
 class PipeStrategy(ParallelStrategy):
     """Splits the LightningModule's pipelined module into stages and runs each step as a pipeline.
 
-    The arguments are `PipeConfig`'s fields, each described there (``lightning_pipe.strategy.pipe_config.PipeConfig``),
-    and Lightning's own ``accelerator``, ``checkpoint_io`` and ``precision_plugin``.
+    The arguments are `PipeConfig`'s fields, each described there (``lightning_pipe.strategy.pipe_config.PipeConfig``,
+    with those it shares with `Pipeline` in ``lightning_pipe.pipeline.settings.PipelineSettings``), by keyword
+    (``stages`` by position too), and Lightning's own ``accelerator``, ``checkpoint_io`` and ``precision_plugin``.
 
     Lightning's hooks hand the work to the parts the strategy holds: ``mode`` (what differs between local, rpc
     and launched mode: the processes, the collectives, where the stages and optimizers live, how the training
@@ -62,38 +62,15 @@ class PipeStrategy(ParallelStrategy):
     def __init__(
         self,
         stages: int | None = None,
-        microbatches: int | str = 4,
-        schedule: Any = "1f1b",
-        partition: str | Sequence[int] | Partitioner = "params",
-        module: str | None = None,
-        devices: Sequence[str | torch.device] | None = None,
-        checkpoint: str = "auto",
-        runtime: str | BaseRuntime | None = None,
-        timeout: float = 300.0,
-        backend: BackendArg = None,
-        strict: bool = False,
-        transport: str | None = None,
-        coordinator: str | None = None,
-        token: str | None = None,
-        compress: Any = None,
-        split_points: Sequence[str] | None = None,
+        *,
         accelerator: pl.accelerators.Accelerator | None = None,
         checkpoint_io: Any = None,
         precision_plugin: Any = None,
-        virtual_stages: int = 1,
-        runner: str = "parallel",
-        trace: str | os.PathLike[str] | PipeTrace | None = None,
-        microbatch_weight: MicrobatchWeight | None = None,
-        data_parallel: str = "ddp",
-        weights: str | os.PathLike[str] | None = None,
-        save_distributed_checkpoint: bool | None = None,
-        memory_budget: int | None = None,
-        weights_only: bool | None = None,
-        tensor_parallel: int = 1,
-        async_checkpoint: bool = False,
+        **arguments: Any,
     ) -> None:
         super().__init__(accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
-        self.config = config = PipeConfig.of(locals())  # every argument above but Lightning's own three, checked
+        # every argument but Lightning's own three is a field of `PipeConfig` (the signature below is made from it)
+        self.config = config = PipeConfig.of({"stages": stages, **arguments})
         self.num_nodes = 1  # set by Lightning's connector from Trainer(num_nodes=...)
         self.builder = PipelineBuilder(config, self.broadcast)
         self.optimization = StageOptimization()
@@ -395,3 +372,11 @@ class PipeStrategy(ParallelStrategy):
             strategy_registry.register(
                 cls.strategy_name, cls, description="Pipeline parallelism across stages (lightning_pipe)"
             )
+
+
+#: what `inspect.signature`, ``help`` and editors that read it show: `PipeConfig`'s fields, then Lightning's three
+PipeStrategy.__init__.__signature__ = signature_of(  # type: ignore[attr-defined]
+    PipeConfig,
+    leading=[inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)],
+    trailing=[keyword("accelerator"), keyword("checkpoint_io"), keyword("precision_plugin")],
+)

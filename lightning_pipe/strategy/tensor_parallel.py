@@ -30,15 +30,11 @@ TENSOR_PARALLEL_SCHEDULES: dict[str, int] = {
 }  # fmt: skip
 
 
-def check_tensor_parallel_arguments(
-    tensor_parallel: int,
-    transport: str | None,
-    schedule: Any,
-    virtual_stages: int,
-    data_parallel: str,
-    runner: str,
-) -> None:
-    """What ``tensor_parallel`` runs with (checked when the strategy is made); raises naming the fix."""
+def check_tensor_parallel_arguments(config: Any) -> None:
+    """What ``tensor_parallel`` runs with (checked when the strategy is made; ``config``: a `PipeConfig`); raises
+    naming the fix."""
+    tensor_parallel, transport, schedule = config.tensor_parallel, config.transport, config.schedule
+    virtual_stages, runner = config.virtual_stages, config.runner
     if not isinstance(tensor_parallel, int) or isinstance(tensor_parallel, bool) or tensor_parallel < 1:
         raise ConfigurationError(
             f"PipeStrategy(tensor_parallel={tensor_parallel!r}): pass the number of processes each stage is split "
