@@ -1,7 +1,7 @@
 """House rules on names: one class per name, and control calls named by their method, never by a string.
 
 Read from the source with `ast`; nothing is imported. A control call is a method of `StageProtocol`
-(`engine/stage_protocol.py`), reached through `StageProxy` (`engine/stage_proxy.py`), which sends the
+(`engine/stage_protocol.py`), reached through `CoordinatorLink` (`engine/coordinator_link.py`), which sends the
 method's own name: a call site names the method (``stages.call(StageProtocol.grad_norm, 2.0)``), so a
 type checker checks it and go-to-definition finds it.
 """
@@ -13,7 +13,7 @@ from collections import defaultdict
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "lightning_pipe"
-PROTOCOL_FILES = {PACKAGE / "engine" / "stage_protocol.py", PACKAGE / "engine" / "stage_proxy.py"}
+PROTOCOL_FILES = {PACKAGE / "engine" / "stage_protocol.py", PACKAGE / "engine" / "coordinator_link.py"}
 CALL_METHODS = {"call", "post", "call_each", "post_each"}
 
 
@@ -69,18 +69,18 @@ def test_the_checks_see_what_they_look_for(tmp_path: Path) -> None:
     assert calls_named_by_a_string(package, set()) == ["pkg/a.py:2", "pkg/a.py:3", "pkg/b.py:2"]
 
 
-def test_a_stage_serves_exactly_the_protocol_and_the_proxy_refuses_other_methods() -> None:
+def test_a_stage_serves_exactly_the_protocol_and_the_coordinator_refuses_other_methods() -> None:
     import pytest
 
     from lightning_pipe.base.errors import PipeError
-    from lightning_pipe.engine import StageProtocol, StageProxy
+    from lightning_pipe.engine import CoordinatorLink, StageProtocol
 
     protocol = StageProtocol(3, None, None, None, None)  # type: ignore[arg-type]
     assert protocol.serve("ping")() == 3
     with pytest.raises(PipeError, match=r"serves no call 'serve'; it serves .*apply_grads"):
         protocol.serve("serve")
     with pytest.raises(TypeError, match="not a control call"):
-        StageProxy(None).call(StageProxy.ping)  # type: ignore[arg-type]
+        CoordinatorLink(None, 1, 1.0).call(CoordinatorLink.ping)  # type: ignore[arg-type]
 
 
 #: a basename several modules may share: a package's own files, and the same role in sibling plug-in folders

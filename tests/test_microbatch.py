@@ -9,6 +9,7 @@ import torch
 
 from lightning_pipe import ConfigurationError
 from lightning_pipe.base.microbatch import batch_size, gather, split
+from lightning_pipe.base.microbatch_weights import Microbatches
 from lightning_pipe.partition import balance_by_cost
 
 
@@ -32,6 +33,19 @@ def test_split_errors() -> None:
         split(torch.ones(4), 5)
     with pytest.raises(ConfigurationError, match="found no tensor"):
         split(["a", "b"], 1)
+
+
+def test_a_batch_is_cut_and_weighted_in_one_call() -> None:
+    batch = {"x": torch.arange(10), "y": torch.tensor([1, 1, 1, -100, -100, 1, 1, 1, 1, 1])}
+    asked: list[int] = []
+    rows = Microbatches.of(batch, lambda n: asked.append(n) or 4, None, "microbatch_weight")
+    assert asked == [10] and rows.rows == 10
+    assert [len(p["x"]) for p in rows.pieces] == [3, 3, 2, 2]  # as `split` cuts it
+    assert rows.shares == [0.3, 0.3, 0.2, 0.2]
+    tokens = Microbatches.of(batch, lambda n: 2, lambda p: (p["y"] != -100).sum(), "microbatch_weight")
+    assert tokens.shares == [3 / 8, 5 / 8]
+    with pytest.raises(ConfigurationError, match="microbatch_weight returned 0 for every microbatch"):
+        Microbatches.of(batch, lambda n: 2, lambda p: 0, "microbatch_weight")
 
 
 def test_gather_containers() -> None:

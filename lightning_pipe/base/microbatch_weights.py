@@ -4,6 +4,7 @@ A step's loss is the sum of the microbatches' losses, each times its share. With
 proportional to what the loss averages over (rows for a per-row mean; valid tokens for a language
 model whose padding labels are -100), the piped step equals the unsplit step. A microbatch of
 weight 0 contributes nothing: its loss (a mean over nothing, NaN) is neither added nor backpropagated.
+A step asks once for its batch cut and weighted (`Microbatches.of`).
 """
 
 from __future__ import annotations
@@ -11,16 +12,36 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from lightning_pipe.base.errors import ConfigurationError
-from lightning_pipe.base.microbatch import batch_size
+from lightning_pipe.base.microbatch import batch_size, split
 
 MicrobatchWeight = Callable[..., Any]  # a microbatch -> its weight (a number or a 0-d tensor)
 
 _EXAMPLE = "e.g. the count of labelled tokens, (labels != -100).sum()"
+
+
+@dataclass(frozen=True)
+class Microbatches:
+    """A batch cut into microbatches along dimension 0, each with its share of the batch's loss."""
+
+    pieces: list[Any]
+    rows: int  # the batch's
+    shares: list[float]  # each piece's, summing to 1
+
+    @classmethod
+    def of(
+        cls, batch: Any, count: Callable[[int], int], function: MicrobatchWeight | None, argument: str
+    ) -> Microbatches:
+        """``batch`` cut into ``count(rows)`` pieces (`split`), each weighted by `shares` (``argument`` names the
+        weight function in errors)."""
+        rows = batch_size(batch)
+        pieces = split(batch, count(rows))
+        return cls(pieces, rows, shares(pieces, function, argument))
 
 
 def check_weight_function(function: Any, argument: str) -> None:

@@ -18,7 +18,6 @@ from lightning_pipe.engine.loss import Criterion, Loss, as_loss
 from lightning_pipe.engine.messages import ASYNC, EVAL, TRAIN, LossPlan, StageSpec, StepPlan
 from lightning_pipe.engine.runners import check_runner, worker_lists
 from lightning_pipe.engine.shared_weights import SharedWeights
-from lightning_pipe.engine.stage_proxy import StageProxy
 from lightning_pipe.engine.stage_worker import StageWorker
 from lightning_pipe.engine.step_result import Record, StepResult
 from lightning_pipe.schedule import Schedule
@@ -53,7 +52,7 @@ class Coordinator:
 
     The coordinator holds no layers: it sends microbatch inputs to the first stage, receives the
     last stage's outputs, runs the loss (the `ForwardLossModule` of the last shard, with the
-    identity as its model) and sends the gradients back. Its messages go through its ``link``
+    identity as its model) and sends the gradients back. Its messages go through ``stages``
     (`CoordinatorLink`: calls, posts, waits with timeouts, aborts); the steps are made here.
     """
 
@@ -82,22 +81,21 @@ class Coordinator:
         self.loss_module = last.forward_loss
         self._head = _Received()
         self._worker_cls = worker_cls
-        self.link = CoordinatorLink(communicator, self.num_ranks, timeout)
-        #: every rank's control calls (`StageProtocol`'s methods), typed
-        self.stages = StageProxy(self.link)
+        #: every rank's control calls (`StageProtocol`'s methods, typed) and the messages of the steps
+        self.stages = CoordinatorLink(communicator, self.num_ranks, timeout)
         self._schedules: dict[tuple[int, int], Schedule] = {}
         self.last_result: StepResult | None = None
 
     # lifetime
     def start(self) -> Coordinator:
-        self.link.open(self.communicator.launch(self.specs, self._worker_cls))
+        self.stages.open(self.communicator.launch(self.specs, self._worker_cls))
         for spec in self.specs:  # every worker made its tensors: what they were made from (values a checkpoint
             spec.init = None  # hook gave, a stage's) is not kept here for the fit
         return self
 
     def close(self) -> None:
         """Stop the stages; calls posted since the last `call` are not waited for (see `post`)."""
-        if self.link.close():
+        if self.stages.close():
             self.communicator.shutdown(max(5.0, min(self.timeout, 30.0)))
 
     def __enter__(self) -> Coordinator:
@@ -110,18 +108,18 @@ class Coordinator:
         finally:
             self.close()
 
-    # the link's face: control calls and the ends of steps (see `CoordinatorLink`)
+    # the face of ``stages``: the ends of steps and the calls posted (see `CoordinatorLink`)
     @property
     def endpoint(self) -> Endpoint:
-        return self.link.endpoint
+        return self.stages.endpoint
 
     def flush(self) -> None:
         """Wait for the posted calls and the ranks still finishing steps (`CoordinatorLink.flush`)."""
-        self.link.flush()
+        self.stages.flush()
 
     def settle(self, before: int | None = None) -> None:
         """Wait for the ranks still finishing train steps (before step ``before``: `CoordinatorLink.settle`)."""
-        self.link.settle(before)
+        self.stages.settle(before)
 
     def restart(self, specs: Sequence[StageSpec]) -> None:
         """Stop the workers and start new ones from ``specs``: the same stages placed on other ranks
@@ -132,7 +130,7 @@ class Coordinator:
         self.specs = list(specs)
         self.num_ranks = len(self.specs)
         self.rank_of_stage = self.specs[0].rank_of_stage
-        self.link.num_ranks = self.num_ranks
+        self.stages.num_ranks = self.num_ranks
         self._schedules.clear()
         self.start()
 
@@ -180,7 +178,7 @@ class Coordinator:
             self._feed(step, inputs)
             if loss_plan is not None:
                 last = self.num_stages - 1
-                losses = [self.link.wait(step, MessageKind.LOSS, last, m).payload for m in range(len(inputs))]
+                losses = [self.stages.wait(step, MessageKind.LOSS, last, m).payload for m in range(len(inputs))]
             else:
                 losses = self._losses(step, labels, criterion, scaler, optimizer, schedule)
             records, parts = self.finish(step, late=self._may_leave(inputs))
@@ -188,7 +186,7 @@ class Coordinator:
         except BaseException:
             self.abort(step)
             raise
-        settle = self.settle if self.link.is_late(step) else None
+        settle = self.settle if self.stages.is_late(step) else None
         self.last_result = StepResult(losses=losses, records=records, schedule=schedule, parts=parts, settle=settle)
         return self.last_result
 
@@ -218,7 +216,7 @@ class Coordinator:
             if rank == self.rank_of_stage[-1]:
                 plan.loss = loss
             plans.append(plan)
-        return self.link.begin(plans)
+        return self.stages.begin(plans)
 
     def _losses(
         self,
@@ -232,7 +230,7 @@ class Coordinator:
         """Each microbatch's loss from the last stage's output; its gradient goes back to the last stage."""
         if schedule.loss_after_all_forwards:
             for m in range(len(labels)):
-                self.link.wait(step, MessageKind.OUTPUT, self.num_stages - 1, m, pop=False)
+                self.stages.wait(step, MessageKind.OUTPUT, self.num_stages - 1, m, pop=False)
         losses = []
         for m in range(len(labels)):
             scaler, loss = self.loss_of(step, m, labels[m], criterion, optimizer, scaler)
@@ -271,7 +269,7 @@ class Coordinator:
             endpoint.send_many(first, later)
 
     def _received_output(self, step: int, m: int, leaves: bool = True) -> Any:
-        output, mask = self.link.wait(step, MessageKind.OUTPUT, self.num_stages - 1, m).payload
+        output, mask = self.stages.wait(step, MessageKind.OUTPUT, self.num_stages - 1, m).payload
         output = tree.to_device(output, self.device)
         return tree.as_leaves(output, mask) if leaves else output
 
@@ -282,11 +280,11 @@ class Coordinator:
         arrive (`settle`). Older steps' late ranks are waited for here.
         """
         waited = [self.rank_of_stage[-1]] if late else list(range(self.num_ranks))
-        return self.link.ends(step, waited)
+        return self.stages.ends(step, waited)
 
     def abort(self, step: int) -> None:
         """Every rank drops ``step``: what it holds of it and what arrives for it later."""
-        self.link.abort(step)
+        self.stages.abort(step)
 
     def _may_leave(self, inputs: Sequence[Any]) -> bool:
         """Whether a train step may return before the ranks other than the last stage's finished its backwards.
@@ -303,7 +301,7 @@ class Coordinator:
         for m, x in enumerate(inputs):
             if not any(tree.grad_mask(x)):
                 continue
-            grads = self.link.wait(step, MessageKind.INPUT_GRAD, 0, m).payload
+            grads = self.stages.wait(step, MessageKind.INPUT_GRAD, 0, m).payload
             pairs = [
                 (t, g.to(t.device))
                 for t, g in zip(tree.flatten(x)[0], grads, strict=True)

@@ -1,10 +1,17 @@
-"""`CoordinatorLink`: the coordinator's side of the endpoint: calls and posts, waits, stage errors, aborts."""
+"""`CoordinatorLink`: the coordinator's side of the endpoint: control calls and posts, steps, waits, stage errors.
+
+A control call names the method of `StageProtocol` itself (``stages.call(StageProtocol.grad_norm, 2.0)``), so a
+type checker checks its arguments and its result, and go-to-definition lands on the method the worker runs; the
+wire carries the method's name. `CoordinatorLink.call` waits for every rank's result; `CoordinatorLink.post`
+sends and goes on (a rank runs what it was sent in order; a failure is raised at the coordinator's next wait).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import inspect
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from lightning_pipe.base.errors import PipeTimeoutError, StageError
 from lightning_pipe.comm.base import Communicator, Endpoint, Message, MessageKind, deadline, remaining
@@ -12,6 +19,9 @@ from lightning_pipe.engine.stage_protocol import StageProtocol
 from lightning_pipe.engine.step_result import Record
 
 Key = tuple[str, int, int]  # (kind, stage, microbatch)
+P = ParamSpec("P")
+R = TypeVar("R")
+Method = Callable[Concatenate[StageProtocol, P], R]  # a control call: a method of `StageProtocol`
 _POLL = 1.0  # seconds between liveness checks while waiting
 
 
@@ -25,7 +35,7 @@ class LateRanks:
 
 
 class CoordinatorLink:
-    """Sends to the ranks and waits for their messages, each wait with a timeout.
+    """Every rank's `StageProtocol` and steps: sends to the ranks, waits for their messages, each with a timeout.
 
     Owns what the coordinator's messages need: the endpoint (between `open` and `close`), the numbers
     of steps and calls (one sequence: a rank serves them in that order), the messages of the running
@@ -61,13 +71,39 @@ class CoordinatorLink:
             raise RuntimeError("the pipeline is not started; call start() or use it as a context manager")
         return self._endpoint
 
-    # calls
-    def call(self, name: str, *args: Any, each: Sequence[tuple[Any, ...]] | None = None) -> list[Any]:
-        """Run the control call ``name(*args)`` on every rank (`StageWorker.calls`); their results in rank order.
+    # control calls
+    def call(self, method: Method[P, R], *args: P.args, **kwargs: P.kwargs) -> list[R]:
+        """Run ``method(*args)`` on every rank; their results in rank order.
 
-        With ``each``, rank ``r`` gets ``*args, *each[r]``: what only that rank needs. A rank runs it
-        after everything posted to it before (`post`), and a posted call that failed is raised here.
+        A rank runs it after everything posted to it before (`post`), and a posted call that failed is raised here.
         """
+        return self._call(_name(method), _positional(method, args, kwargs), None)
+
+    def call_each(self, method: Callable[..., R], per_rank: Sequence[tuple[Any, ...]], *args: Any) -> list[R]:
+        """Run ``method(*args, *per_rank[r])`` on each rank ``r``: what only that rank needs."""
+        return self._call(_name(method), args, per_rank)
+
+    def post(self, method: Method[P, Any], *args: P.args, **kwargs: P.kwargs) -> None:
+        """Send ``method(*args)`` to every rank without waiting for it.
+
+        Each rank runs what the coordinator sends it in order, so a later call or step sees the
+        posted call's effect. A rank answers only if the call failed; the coordinator raises that
+        `StageError` (the rank, the call, its traceback) at its next wait of any kind: a call's
+        reply, a step's messages. Only the first failure of the calls posted until then is raised.
+        `close` does not wait for posted calls: a failure that arrives later is not raised (`flush`
+        waits for them, as leaving a ``with`` block without an error does).
+        """
+        self._post(_name(method), _positional(method, args, kwargs), None)
+
+    def post_each(self, method: Callable[..., Any], per_rank: Sequence[tuple[Any, ...]], *args: Any) -> None:
+        """Send ``method(*args, *per_rank[r])`` to each rank ``r`` without waiting for it."""
+        self._post(_name(method), args, per_rank)
+
+    def ping(self) -> list[int]:
+        """Every rank's number, once it ran everything sent to it before."""
+        return self.call(StageProtocol.ping)
+
+    def _call(self, name: str, args: tuple[Any, ...], each: Sequence[tuple[Any, ...]] | None) -> list[Any]:
         step = self._send_call(MessageKind.CALL, name, args, each)
         results: list[Any] = [None] * self.num_ranks
         for _ in range(self.num_ranks):
@@ -81,16 +117,7 @@ class CoordinatorLink:
         self._posted = False  # every rank ran the posted calls before this one: their failures were raised
         return results
 
-    def post(self, name: str, *args: Any, each: Sequence[tuple[Any, ...]] | None = None) -> None:
-        """Send the control call ``name(*args)`` to every rank without waiting for it (same arguments as `call`).
-
-        Each rank runs what the coordinator sends it in order, so a later call or step sees the
-        posted call's effect. A rank answers only if the call failed; the coordinator raises that
-        `StageError` (the rank, the call, its traceback) at its next wait of any kind: a call's
-        reply, a step's messages. Only the first failure of the calls posted until then is raised.
-        `close` does not wait for posted calls: a failure that arrives later is not raised (`flush`
-        waits for them, as leaving a ``with`` block without an error does).
-        """
+    def _post(self, name: str, args: tuple[Any, ...], each: Sequence[tuple[Any, ...]] | None) -> None:
         self._send_call(MessageKind.POST, name, args, each)
         self._posted = True
 
@@ -98,9 +125,10 @@ class CoordinatorLink:
         """Wait until every rank ran the calls posted so far and finished its steps; raises the first that failed."""
         self.settle()
         if self._posted:
-            self.call(StageProtocol.ping.__name__)
+            self.ping()
 
     def _send_call(self, kind: str, name: str, args: tuple[Any, ...], each: Sequence[tuple[Any, ...]] | None) -> int:
+        """With ``each``, rank ``r`` gets ``*args, *each[r]``."""
         self._step += 1
         for rank in range(self.num_ranks):
             rank_args = args + tuple(each[rank]) if each is not None else args
@@ -244,3 +272,18 @@ def _describe(kind: str, stage: int, microbatch: int) -> str:
     if kind == MessageKind.INPUT_GRAD:
         return f"the input gradient of microbatch {microbatch} from stage 0"
     return f"{kind} of microbatch {microbatch} from stage {stage}"
+
+
+def _name(method: Callable[..., Any]) -> str:
+    name = method.__name__
+    if getattr(StageProtocol, name, None) is not method:
+        raise TypeError(f"{method!r} is not a control call of StageProtocol")
+    return name
+
+
+def _positional(method: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    """The call's arguments in order (the wire carries positional arguments only)."""
+    if not kwargs:
+        return args
+    bound = inspect.signature(method).bind(None, *args, **kwargs)
+    return tuple(bound.args[1:])

@@ -1,6 +1,6 @@
 """`StageProtocol`: the control calls a stage worker serves between steps, one method each.
 
-The coordinator reaches these methods through `StageProxy` (`engine/stage_proxy.py`), the other half
+The coordinator reaches these methods through `CoordinatorLink` (`engine/coordinator_link.py`), the other half
 of the protocol: the wire carries a method's name, taken from the method itself, so no other module
 spells a call's name and a type checker follows every call from the coordinator to the part of the
 worker that serves it. Each method hands the work to the part that owns what it touches.

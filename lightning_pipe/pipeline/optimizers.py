@@ -22,7 +22,7 @@ import torch
 
 from lightning_pipe.base.errors import ConfigurationError
 from lightning_pipe.comm.base import Communicator
-from lightning_pipe.engine import StageProtocol, StageProxy
+from lightning_pipe.engine import CoordinatorLink, StageProtocol
 
 Location = tuple[int, str]  # (rank, parameter name)
 
@@ -89,7 +89,7 @@ class StageOptimizers:
         return self._copies.get(location, [location])
 
     @property
-    def _stages(self) -> StageProxy:
+    def _stages(self) -> CoordinatorLink:
         """The stages' control calls. What returns nothing is posted (no round trip): the stages run it before
         the next call or step."""
         return self.pipeline.coordinator.stages

@@ -21,8 +21,7 @@ from typing_extensions import override
 
 from lightning_pipe.backends import CoordinatorOps
 from lightning_pipe.base.errors import ConfigurationError, PipeError
-from lightning_pipe.base.microbatch import batch_size, split
-from lightning_pipe.base.microbatch_weights import shares
+from lightning_pipe.base.microbatch_weights import Microbatches
 from lightning_pipe.engine.loss import Loss, WeightedLoss
 from lightning_pipe.partition.tracer import CallArgs
 from lightning_pipe.pipeline.pipeline import Pipeline
@@ -109,23 +108,22 @@ class StepDriver:
             training = name == "training_step"
             if not training:
                 self.end_stream()
-            batch, rest = args[0], args[1:]
-            pieces = split(batch, self._microbatches_for(batch, training))
-            weights = self._weights(pieces, name)
+            cut = self._cut(args[0], name)
+            weights = cut.shares
             step_fn = getattr(lightning_module, name)
             recorder = LogRecorder(lightning_module.log, weights)
             context = _with_ops(context, self.builder.coordinator_ops, "train" if training else "eval")
             turn = threading.Lock()  # one driver at a time runs the user's step
             drivers = [
                 Driver(
-                    _bind(step_fn, p, rest, kwargs),
+                    _bind(step_fn, p, args[1:], kwargs),
                     i,
                     self.random.step_context(context, setting.trainer, setting.device, name, args, i),
                     self.timeout,
                     turn,
                     self.threads,
                 )
-                for i, p in enumerate(pieces)
+                for i, p in enumerate(cut.pieces)
             ]
             restore_log = patch(lightning_module, "log", recorder)
             try:
@@ -190,8 +188,15 @@ class StepDriver:
             )
         return value
 
-    def _microbatches_for(self, batch: Any, training: bool) -> int:
-        rows = batch_size(batch)
+    def _cut(self, batch: Any, name: str) -> Microbatches:
+        """``batch`` cut into this step's microbatches, each with its share of the step's loss and logged values
+        (``microbatch_weight``, or rows; predictions are not averaged: rows)."""
+        training = name == "training_step"
+        weigh = self.microbatch_weight if name != "predict_step" else None
+        argument = "PipeStrategy(microbatch_weight=...)"
+        return Microbatches.of(batch, lambda rows: self._microbatches_for(rows, training), weigh, argument)
+
+    def _microbatches_for(self, rows: int, training: bool) -> int:
         wanted = self._wanted(rows, training)
         if rows >= wanted:
             self._seen_batch = True
@@ -223,11 +228,6 @@ class StepDriver:
         if chooser is not None and chooser.choice is not None:
             return chooser.choice.chosen.microbatches
         return first_microbatches(rows, self.builder.ranks)
-
-    def _weights(self, pieces: Sequence[Any], name: str) -> list[float]:
-        """Each microbatch's share of the step's loss and logged values (``microbatch_weight``, or rows)."""
-        weigh = self.microbatch_weight if name != "predict_step" else None  # predictions are not averaged
-        return shares(pieces, weigh, "PipeStrategy(microbatch_weight=...)")
 
     def _start(self, driver: Driver, name: str) -> Any:
         kind, value = driver.start()
