@@ -10,19 +10,39 @@ from __future__ import annotations
 
 import copy
 import logging
+from collections.abc import Iterator
+from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
+import torch.nn.functional as F
+from helpers import QUIET
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_pipe import PipeStrategy
 from lightning_pipe.backends import InductorCompiler, OpCounter, StageTrace
 from lightning_pipe.backends.ops import OpTable
 from lightning_pipe.engine.split_backward import backward_input, backward_weight
 
 
-def block(width: int = 8) -> nn.Sequential:
+WIDTH, STEPS = 8, 2
+
+
+@pytest.fixture(autouse=True, scope="module")
+def inductor_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A fresh inductor cache for this module: its first compile is cold, the later ones reuse the graphs."""
+    path = tmp_path_factory.mktemp("inductor")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TORCHINDUCTOR_CACHE_DIR", str(path))
+        yield path
+
+
+def block() -> nn.Sequential:
+    """A stage of the Trainer tests below: the same graphs, compiled once for the whole module."""
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(width, 2 * width), nn.Tanh(), nn.Linear(2 * width, width))
+    return nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh())
 
 
 def compiled(module: nn.Module, trace: StageTrace):  # type: ignore[no-untyped-def]
@@ -42,7 +62,7 @@ def eager_grads(module: nn.Module, x: torch.Tensor, g: torch.Tensor) -> tuple[to
 def test_input_action_leaves_every_weight_gradient_to_the_weight_action() -> None:
     module, trace = block(), StageTrace(0)
     run = compiled(module, trace)
-    x, g = torch.randn(6, 8), torch.randn(6, 8)
+    x, g = torch.randn(4, WIDTH), torch.randn(4, WIDTH)
     want_x, want_w = eager_grads(module, x, g)
     for _ in range(2):  # the second microbatch runs the graphs compiled for the first
         module.zero_grad(set_to_none=True)
@@ -83,7 +103,7 @@ class CustomFunction(nn.Module):
         self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 8))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.inner(Scale.apply(x, self.scale))
+        return self.inner(Scale.apply(x, self.scale))  # type: ignore[no-untyped-call]
 
 
 class GraphBreak(nn.Module):
@@ -94,7 +114,7 @@ class GraphBreak(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.inner[0](x)
         torch._dynamo.graph_break()
-        return self.inner[2](self.inner[1](x))
+        return self.inner[1](x)
 
 
 @pytest.mark.parametrize(
@@ -106,7 +126,7 @@ def test_a_stage_that_cannot_split_says_why_once_and_runs_its_backward_whole_in_
 ) -> None:
     stage, trace = module(), StageTrace(3)
     run = compiled(stage, trace)
-    x, g = torch.randn(6, 8), torch.randn(6, 8)
+    x, g = torch.randn(4, WIDTH), torch.randn(4, WIDTH)
     want_x, want_w = eager_grads(stage, x, g)
     with caplog.at_level(logging.WARNING, logger="lightning_pipe"):
         for _ in range(2):
@@ -124,3 +144,104 @@ def test_a_stage_that_cannot_split_says_why_once_and_runs_its_backward_whole_in_
     assert len(said) == 1 and reason in said[0] and said[0].startswith("stage 3 (train)"), said
     assert reason in trace.unsplit["train"]
     assert "backward_input" not in trace.graphs["train"]
+
+
+# --- every schedule with compiled stages, against a plain Trainer -------------------------------------------
+
+# (schedule, virtual stages per rank): 4 stages of one block each, so every schedule compiles the same graphs
+SCHEDULES = [
+    ("dualpipev", 2),  # the first here to compile into the fresh cache (it crashed even with a fresh one)
+    ("1f1b", 1),
+    ("zero-bubble", 1),  # after 1f1b: the cache holds 1f1b's graphs (the reported crash)
+    ("gpipe", 1),
+    ("interleaved-1f1b", 2),
+    ("zbv", 2),
+    ("interleaved-zero-bubble", 2),
+    ("looped-bfs", 2),
+    ("auto", 1),
+]
+SPLITS = ("zero-bubble", "zbv", "dualpipev", "interleaved-zero-bubble")
+
+
+class Blocks(L.LightningModule):
+    """Four identical blocks; ``compiled``: each block's Linear compiled by the user (``torch.compile``)."""
+
+    def __init__(self, compiled: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        blocks = [nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(4)]
+        if compiled:
+            for b in blocks:
+                b[0] = torch.compile(b[0])  # type: ignore[assignment]
+        self.model = nn.Sequential(*blocks)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return F.mse_loss(self.model(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+def train(module: L.LightningModule, strategy: PipeStrategy | None) -> L.Trainer:
+    g = torch.Generator().manual_seed(1)
+    data = TensorDataset(torch.randn(16 * STEPS, WIDTH, generator=g), torch.randn(16 * STEPS, WIDTH, generator=g))
+    trainer = L.Trainer(**(QUIET | {"max_steps": STEPS}), **({"strategy": strategy} if strategy else {}))
+    trainer.fit(module, DataLoader(data, batch_size=16))
+    return trainer
+
+
+@pytest.fixture(scope="module")
+def plain() -> dict[str, torch.Tensor]:
+    """The plain Trainer's model after the steps (eager, uncompiled)."""
+    module = Blocks()
+    train(module, None)
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def assert_trained_like(module: L.LightningModule, plain: dict[str, torch.Tensor], what: str) -> None:
+    got = {k.replace("_orig_mod.", ""): v for k, v in module.state_dict().items()}
+    assert got.keys() == plain.keys()
+    for key, value in plain.items():
+        torch.testing.assert_close(got[key], value, atol=1e-5, rtol=0, msg=f"{what}: {key}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("schedule", "virtual"), SCHEDULES)
+def test_every_schedule_with_inductor_stages_trains_like_a_plain_trainer(
+    schedule: str, virtual: int, plain: dict[str, torch.Tensor]
+) -> None:
+    """Local mode, 4 stages; dualpipev compiles into a fresh cache, the others find graphs compiled before."""
+    module = Blocks()
+    strategy = PipeStrategy(
+        stages=4, virtual_stages=virtual, microbatches=4, schedule=schedule, backend="inductor", strict=True,
+        checkpoint="never", devices=["cpu"] * 4, timeout=240,
+    )  # fmt: skip
+    trainer = train(module, strategy)
+    assert_trained_like(module, plain, schedule)
+    trace = trainer.strategy.execution_trace()  # type: ignore[attr-defined]
+    for s in range(4):
+        graphs = trace[s].graphs["train"]
+        assert trace[s].unsplit == {} and graphs["forward"] == 1, (s, graphs)
+        # the first stage has no input gradient: its backward is one graph; the others split theirs
+        assert graphs.keys() == ({"forward", "backward"} if s == 0 else {"forward", "backward_input", "backward_weight"})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
+def test_submodules_the_user_compiled_train_like_a_plain_trainer_under_the_v_schedules(
+    schedule: str, plain: dict[str, torch.Tensor], caplog: pytest.LogCaptureFixture
+) -> None:
+    """``torch.compile`` on a submodule: its compiled backward runs whole in I (said once per stage), no crash."""
+    module = Blocks(compiled=True)
+    strategy = PipeStrategy(
+        stages=4, virtual_stages=2, microbatches=4, schedule=schedule, checkpoint="never", devices=["cpu"] * 4,
+        timeout=240,
+    )  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="lightning_pipe"):
+        trainer = train(module, strategy)
+    assert_trained_like(module, plain, schedule)
+    said = [r.getMessage() for r in caplog.records if "torch.compile'd submodules" in r.getMessage()]
+    assert sorted(m.split(":")[0] for m in said) == [f"stage {s}" for s in range(4)], said
+    trace = trainer.strategy.execution_trace()  # type: ignore[attr-defined]
+    assert all("torch.compile'd submodules" in trace[s].unsplit["train"] for s in range(4))

@@ -69,6 +69,9 @@ def compile_split(
             _count(counts, "forward")
             return compile_fx_inner(graph, inputs, **kwargs)
         split = split_backward_graph(graph, is_weight)
+        if not split.input_outputs or not split.weight_outputs:  # nothing to split (a first stage: no input grads)
+            _count(counts, "backward")
+            return compile_fx_inner(graph, inputs, **kwargs)
         kwargs["static_input_idxs"] = []  # the halves' inputs are not the backward's
         input_code = compile_fx_inner(split.input_graph, [inputs[i] for i in split.input_placeholders], **kwargs)
         _count(counts, "backward_input")
