@@ -21,10 +21,12 @@ from helpers import QUIET
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_pipe import PipeStrategy
+from lightning_pipe import Pipeline, PipeStrategy
 from lightning_pipe.backends import InductorCompiler, OpCounter, StageTrace
 from lightning_pipe.backends.ops import OpTable
 from lightning_pipe.engine.split_backward import backward_input, backward_weight
+from lightning_pipe.pipeline.timeline import StepTimeline
+from lightning_pipe.schedule import Kind
 
 
 WIDTH, STEPS = 8, 2
@@ -245,3 +247,21 @@ def test_submodules_the_user_compiled_train_like_a_plain_trainer_under_the_v_sch
     assert sorted(m.split(":")[0] for m in said) == [f"stage {s}" for s in range(4)], said
     trace = trainer.strategy.execution_trace()  # type: ignore[attr-defined]
     assert all("torch.compile'd submodules" in trace[s].unsplit["train"] for s in range(4))
+
+
+@pytest.mark.slow
+def test_the_timeline_shows_i_and_w_of_compiled_stages_as_separate_measured_spans() -> None:
+    """zbv with inductor stages through the `Pipeline`: each I and W action has its own compute span."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(4)])
+    x, y = torch.randn(16, WIDTH), torch.randn(16, WIDTH)
+    with Pipeline(model, stages=4, virtual_stages=2, schedule="zbv", backend="inductor", timeout=240) as pipe:
+        result = pipe.train_step(x, y, F.mse_loss, microbatches=4)
+        trace = pipe.execution_trace()
+    timeline = StepTimeline.from_result(result)
+    timings = [t for rank in timeline.ranks for t in rank]
+    halves = {kind: [t for t in timings if t.action.kind is kind] for kind in (Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT)}
+    assert all(len(found) == 4 * 4 for found in halves.values())  # every stage and microbatch
+    for found in halves.values():
+        assert all("compute" in t.parts and t.part("compute") > 0 for t in found)
+    assert all(trace[s].graphs["train"].get("backward_weight") == 1 for s in (1, 2, 3))
