@@ -59,7 +59,9 @@ def parse_case(case: str) -> dict:
     checkpoint after the fit, ``resume`` resumes from the case's ``--resume`` checkpoint for one more step.
     ``s2-sgd-looped_bfs-v2-m8``: schedule ``looped-bfs`` (``_`` for ``-``), two stages per rank, 8 microbatches;
     ``tok``: a masked loss, the mean over the rows whose target is labelled (`masked_mse`), microbatches weighted
-    by their labelled rows; ``drop``: dropout in every stage, each stage recomputing its forward."""
+    by their labelled rows; ``drop``: dropout in every stage, each stage recomputing its forward; ``ind``: stages
+    compiled with ``backend="inductor"``; ``sub``: the model's Linear layers compiled by the user
+    (``torch.compile``)."""
     parts = case.split("-")
     option = {p[0]: int(p[1:]) for p in parts[3:] if p[:1] in ("v", "m") and p[1:].isdigit()}
     return {
@@ -74,6 +76,8 @@ def parse_case(case: str) -> dict:
         "clip": 0.05 if "clip" in parts else None,
         "save": "save" in parts,
         "resume": "resume" in parts,
+        "backend": "inductor" if "ind" in parts else None,
+        "compiled_submodules": "sub" in parts,
     }
 
 
@@ -147,6 +151,10 @@ def main() -> None:
         L.seed_everything(0, verbose=False)
         killer = Killer(args.kill_rank, args.kill_call, str(out / "killed-at")) if args.kill_rank is not None else None
         model = Net(case["optimizer"], killer, case["masked"], DROPOUT if case["dropout"] else 0.0)
+        if case["compiled_submodules"]:
+            for i, layer in enumerate(model.model):
+                if isinstance(layer, nn.Linear):
+                    model.model[i] = torch.compile(layer)
         steps = STEPS + 1 if case["resume"] else STEPS
         trainer = L.Trainer(
             accelerator=args.accelerator,
@@ -157,9 +165,10 @@ def main() -> None:
                 virtual_stages=case["virtual"],
                 microbatches=case["microbatches"],
                 schedule=case["schedule"],
-                timeout=60,
+                timeout=240 if case["backend"] or case["compiled_submodules"] else 60,  # compiles
                 microbatch_weight=labelled_rows if case["masked"] else None,
                 checkpoint="always" if case["dropout"] else "auto",
+                backend=case["backend"],
             ),  # fmt: skip
             max_steps=steps,
             accumulate_grad_batches=case["accumulate"],
@@ -175,7 +184,7 @@ def main() -> None:
         layout = trainer.strategy.layout
         rank = trainer.global_rank
         # each process's LightningModule holds its own stage's trained tensors (the rest is on meta)
-        trained = {k: v.cpu() for k, v in model.model.state_dict().items() if not v.is_meta}
+        trained = {k.replace("_orig_mod.", ""): v.cpu() for k, v in model.model.state_dict().items() if not v.is_meta}
         torch.save(trained, out / f"{name}-rank{rank}.pt")
         if layout is None or layout.coordinates:
             if trainer.is_global_zero:

@@ -28,7 +28,6 @@ from lightning_pipe.engine.split_backward import backward_input, backward_weight
 from lightning_pipe.pipeline.timeline import StepTimeline
 from lightning_pipe.schedule import Kind
 
-
 WIDTH, STEPS = 8, 2
 
 
@@ -226,7 +225,9 @@ def test_every_schedule_with_inductor_stages_trains_like_a_plain_trainer(
         graphs = trace[s].graphs["train"]
         assert trace[s].unsplit == {} and graphs["forward"] == 1, (s, graphs)
         # the first stage has no input gradient: its backward is one graph; the others split theirs
-        assert graphs.keys() == ({"forward", "backward"} if s == 0 else {"forward", "backward_input", "backward_weight"})
+        assert graphs.keys() == (
+            {"forward", "backward"} if s == 0 else {"forward", "backward_input", "backward_weight"}
+        )
 
 
 @pytest.mark.slow
@@ -260,8 +261,30 @@ def test_the_timeline_shows_i_and_w_of_compiled_stages_as_separate_measured_span
         trace = pipe.execution_trace()
     timeline = StepTimeline.from_result(result)
     timings = [t for rank in timeline.ranks for t in rank]
-    halves = {kind: [t for t in timings if t.action.kind is kind] for kind in (Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT)}
+    halves = {
+        kind: [t for t in timings if t.action.kind is kind] for kind in (Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT)
+    }
     assert all(len(found) == 4 * 4 for found in halves.values())  # every stage and microbatch
     for found in halves.values():
         assert all("compute" in t.parts and t.part("compute") > 0 for t in found)
     assert all(trace[s].graphs["train"].get("backward_weight") == 1 for s in (1, 2, 3))
+
+
+@pytest.mark.slow
+def test_every_schedule_with_inductor_stages_launched_trains_like_the_unsplit_model(tmp_path: Path) -> None:
+    """Launched mode, one pipeline of 2 processes (tests/launched_train.py, 3 steps each): every schedule with
+    inductor stages, dualpipev first into the fresh cache, zero-bubble after 1f1b; user-compiled Linear layers
+    under zbv and dualpipev."""
+    from launching import forked_ranks
+    from test_launched import SCRIPT, assert_ok, check_trained, coordinators
+
+    cases = [
+        "s2-sgd-dualpipev-v2-m4-ind", "s2-sgd-1f1b-ind", "s2-sgd-zero_bubble-ind", "s2-sgd-gpipe-ind",
+        "s2-sgd-interleaved_1f1b-v2-m4-ind", "s2-sgd-zbv-v2-m4-ind", "s2-sgd-interleaved_zero_bubble-v2-m4-ind",
+        "s2-sgd-looped_bfs-v2-m4-ind", "s2-sgd-auto-v2-m4-ind", "s2-sgd-zbv-v2-m4-sub", "s2-sgd-dualpipev-v2-m4-sub",
+    ]  # fmt: skip
+    run = forked_ranks(SCRIPT, ["--devices", "2", "--cases", ",".join(cases), "--out", str(tmp_path)], 2, timeout=900)
+    assert_ok(run)
+    for name in cases:
+        check_trained(tmp_path, name, coordinators(name, processes=2))
+    assert run.output.count("torch.compile'd submodules") == 2 * 4  # each sub case: once per stage

@@ -113,7 +113,9 @@ class InductorCompiler(EagerCompiler):
         compiled = torch.compile(entry, backend=backend, **self.dynamo_options)
         # a backward splits when the stage is one graph: try that first; a graph break leaves it whole
         whole = self.dynamo_options.get("fullgraph") or self.unsplit is not None
-        one_graph = compiled if whole else torch.compile(entry, backend=backend, **{**self.dynamo_options, "fullgraph": True})
+        one_graph = (
+            compiled if whole else torch.compile(entry, backend=backend, **{**self.dynamo_options, "fullgraph": True})
+        )
 
         def run(*args: Any, **kwargs: Any) -> Any:
             try:

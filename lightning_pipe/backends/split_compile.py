@@ -12,7 +12,7 @@ import contextlib
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import fx, nn
@@ -82,7 +82,8 @@ def compile_split(
 
     # donated buffers: an unsplit backward may overwrite saved tensors that W still reads
     with functorch_config.patch(donated_buffer=False, enable_autograd_cache=False):
-        return compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=config_patches or None)
+        compiled = compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=config_patches or None)
+    return cast(Callable[..., Any], compiled)  # a Dynamo backend's result: the compiled forward
 
 
 def compile_whole(
@@ -95,7 +96,8 @@ def compile_whole(
         _count(counts, "backward" if kwargs.get("is_backward") else "forward")
         return compile_fx_inner(graph, inputs, **kwargs)
 
-    return compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=config_patches or None)
+    compiled = compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=config_patches or None)
+    return cast(Callable[..., Any], compiled)
 
 
 def _output_code_base() -> type:
