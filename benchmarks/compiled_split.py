@@ -1,6 +1,6 @@
 """What splitting a compiled stage's backward into I and W costs: I + W against one ordinary compiled backward.
 
-    python benchmarks/compiled_split.py --width 256 --rows 512 --blocks 2 --pairs 20
+    python benchmarks/compiled_split.py --width 256 --rows 512 --blocks 2 --pairs 20 [--threads 1]
 
 A stage of transformer-style MLP blocks (LayerNorm, Linear 4x, GELU, Linear, residual) compiled twice with
 inductor: as torch.compile compiles it (one backward graph) and as the ``inductor`` stage backend does (its
@@ -40,7 +40,10 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=512)
     parser.add_argument("--blocks", type=int, default=2)
     parser.add_argument("--pairs", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=None, help="intra-op threads (default: torch's)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     stage = nn.Sequential(*[Block(args.width) for _ in range(args.blocks)])
     x, g = torch.randn(args.rows, args.width), torch.randn(args.rows, args.width)

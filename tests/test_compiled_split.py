@@ -40,10 +40,13 @@ def inductor_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         yield path
 
 
-def block() -> nn.Sequential:
-    """A stage of the Trainer tests below: the same graphs, compiled once for the whole module."""
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh())
+def block(seed: int = 0) -> nn.Sequential:
+    """A stage of the Trainer tests below: the same graphs, compiled once for the whole module.
+
+    GELU saves its input, an intermediate: inductor's backward donates it, which made ``retain_graph`` fail.
+    """
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH), nn.GELU(), nn.Linear(2 * WIDTH, WIDTH))
 
 
 def compiled(module: nn.Module, trace: StageTrace):  # type: ignore[no-untyped-def]
@@ -77,6 +80,18 @@ def test_input_action_leaves_every_weight_gradient_to_the_weight_action() -> Non
         for p, w in zip(module.parameters(), want_w, strict=True):
             torch.testing.assert_close(p.grad, w, atol=1e-6, rtol=1e-6)
     assert trace.graphs["train"] == {"forward": 1, "backward_input": 1, "backward_weight": 1}
+    # a microbatch of another size (an uneven last one): Dynamo recompiles with dynamic shapes, split again
+    x3, g3 = x[:3], g[:3]
+    want_x3, want_w3 = eager_grads(module, x3, g3)
+    module.zero_grad(set_to_none=True)
+    leaf = x3.detach().requires_grad_()
+    (got_x,), work = backward_input([run(leaf)], [g3], [leaf], module.parameters())
+    assert all(p.grad is None for p in module.parameters()) and len(work.deferred) == 1
+    backward_weight(work)
+    torch.testing.assert_close(got_x, want_x3, atol=1e-6, rtol=1e-6)
+    for p, w in zip(module.parameters(), want_w3, strict=True):
+        torch.testing.assert_close(p.grad, w, atol=1e-6, rtol=1e-6)
+    assert trace.graphs["train"] == {"forward": 2, "backward_input": 2, "backward_weight": 2}
     assert trace.unsplit == {}
     # an ordinary backward through the same node runs I then W at once
     module.zero_grad(set_to_none=True)
@@ -113,9 +128,9 @@ class GraphBreak(nn.Module):
         self.inner = block()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.inner[0](x)
+        x = self.inner[1](self.inner[0](x))
         torch._dynamo.graph_break()
-        return self.inner[1](x)
+        return self.inner[2](x)
 
 
 @pytest.mark.parametrize(
@@ -165,15 +180,13 @@ SPLITS = ("zero-bubble", "zbv", "dualpipev", "interleaved-zero-bubble")
 
 
 class Blocks(L.LightningModule):
-    """Four identical blocks; ``compiled``: each block's Linear compiled by the user (``torch.compile``)."""
+    """Four identical blocks (`block`); ``compiled``: each block compiled by the user (``torch.compile``)."""
 
     def __init__(self, compiled: bool = False) -> None:
         super().__init__()
-        torch.manual_seed(0)
-        blocks = [nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(4)]
+        blocks: list[nn.Module] = [block(seed) for seed in range(4)]
         if compiled:
-            for b in blocks:
-                b[0] = torch.compile(b[0])  # type: ignore[assignment]
+            blocks = [torch.compile(b) for b in blocks]  # type: ignore[misc]
         self.model = nn.Sequential(*blocks)
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
@@ -253,8 +266,7 @@ def test_submodules_the_user_compiled_train_like_a_plain_trainer_under_the_v_sch
 @pytest.mark.slow
 def test_the_timeline_shows_i_and_w_of_compiled_stages_as_separate_measured_spans() -> None:
     """zbv with inductor stages through the `Pipeline`: each I and W action has its own compute span."""
-    torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(4)])
+    model = nn.Sequential(*[block(seed) for seed in range(4)])
     x, y = torch.randn(16, WIDTH), torch.randn(16, WIDTH)
     with Pipeline(model, stages=4, virtual_stages=2, schedule="zbv", backend="inductor", timeout=240) as pipe:
         result = pipe.train_step(x, y, F.mse_loss, microbatches=4)

@@ -30,7 +30,7 @@ class DeferredWeight:
     """One compiled node's weight gradients, computed by its ``W`` graph when `run_deferred` calls it."""
 
     node: Node  # the compiled node: its next edges lead to the parameters
-    positions: list[int]  # the node's inputs that are parameters, in the order ``W`` returns their gradients
+    positions: list[int]  # the node's next edges (its tensor inputs) that W's gradients go to, in order
     compute: Callable[[], list[torch.Tensor | None]]
     nbytes: int  # the boundary values kept for W
 
@@ -63,6 +63,8 @@ def compile_split(
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
     is_weight = [isinstance(x, nn.Parameter) for x in example_inputs]
+    # the autograd node's next edges are its tensor inputs only (a dynamic size is an input too, a SymInt)
+    tensors = [i for i, x in enumerate(example_inputs) if isinstance(x, torch.Tensor)]
 
     def inner_compile(graph: fx.GraphModule, inputs: Sequence[Any], **kwargs: Any) -> Any:
         if not kwargs.get("is_backward"):
@@ -78,7 +80,8 @@ def compile_split(
         weight_inputs = [inputs[i] for i in split.weight_placeholders] + [n.meta["val"] for n in split.boundary]
         weight_code = compile_fx_inner(split.weight_graph, weight_inputs, **kwargs)
         _count(counts, "backward_weight")
-        return SplitBackward(split, input_code, weight_code)
+        edges = {position: edge for edge, position in enumerate(tensors)}
+        return SplitBackward(split, input_code, weight_code, [edges[i] for i in split.weight_outputs], len(tensors))
 
     # donated buffers: an unsplit backward may overwrite saved tensors that W still reads
     with functorch_config.patch(donated_buffer=False, enable_autograd_cache=False):
@@ -109,8 +112,17 @@ def _output_code_base() -> type:
 class SplitBackward(_output_code_base()):  # type: ignore[misc]
     """A compiled backward as two compiled graphs: ``I`` now, ``W`` now or deferred (boxed calling convention)."""
 
-    def __init__(self, split: SplitGraphs, input_code: Callable[..., Any], weight_code: Callable[..., Any]) -> None:
+    def __init__(
+        self,
+        split: SplitGraphs,
+        input_code: Callable[..., Any],
+        weight_code: Callable[..., Any],
+        weight_edges: list[int],
+        num_edges: int,
+    ) -> None:
         self.split, self.input_code, self.weight_code = split, input_code, weight_code
+        self.weight_edges = weight_edges  # for each weight gradient W returns, the node's next edge it goes to
+        self.num_edges = num_edges
         self._boxed_call = True  # on the instance: AOTAutograd's wrappers copy the instance's __dict__
 
     def __call__(self, args: list[Any]) -> list[torch.Tensor | None]:
@@ -131,13 +143,15 @@ class SplitBackward(_output_code_base()):  # type: ignore[misc]
             with torch.no_grad():  # deferred, it runs outside autograd's backward (which runs it without grad)
                 return list(self.weight_code([*weight_args, *boundary]))
 
+        if deferring is not None and len(deferring[0].next_functions) != self.num_edges:
+            deferring = None  # the node's inputs are not the graph's (a wrapper of AOTAutograd's): W now, in I
         if deferring is None:
             for i, g in zip(split.weight_outputs, compute(), strict=True):
                 grads[i] = g
         else:
             node, store = deferring
             size = sum(t.numel() * t.element_size() for t in boundary if isinstance(t, torch.Tensor))
-            store.append(DeferredWeight(node, list(split.weight_outputs), compute, size))
+            store.append(DeferredWeight(node, self.weight_edges, compute, size))
         return grads
 
     def post_compile(self, *args: Any, **kwargs: Any) -> None:
