@@ -36,15 +36,16 @@ STEPS = 3
 FEATURES, OUTPUTS = 8, 4
 
 
-def make_model(dropout: float = 0.0) -> nn.Sequential:
+def make_model(dropout: float = 0.0, gelu: bool = False) -> nn.Sequential:
+    """The MLP; ``gelu``: GELU in place of Tanh (it saves an intermediate, which a compiled backward donates)."""
     if dropout:  # a dropout in every one of 4 stages of 2 layers each
         return nn.Sequential(
             nn.Linear(FEATURES, 16), nn.Dropout(dropout), nn.Linear(16, 16), nn.Dropout(dropout),
             nn.Linear(16, 16), nn.Dropout(dropout), nn.Dropout(dropout), nn.Linear(16, OUTPUTS),
         )  # fmt: skip
+    act = nn.GELU if gelu else nn.Tanh
     return nn.Sequential(
-        nn.Linear(FEATURES, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
-        nn.Linear(16, OUTPUTS),
+        nn.Linear(FEATURES, 16), act(), nn.Linear(16, 16), act(), nn.Linear(16, 16), act(), nn.Linear(16, OUTPUTS),
     )  # fmt: skip
 
 
@@ -59,7 +60,9 @@ def parse_case(case: str) -> dict:
     checkpoint after the fit, ``resume`` resumes from the case's ``--resume`` checkpoint for one more step.
     ``s2-sgd-looped_bfs-v2-m8``: schedule ``looped-bfs`` (``_`` for ``-``), two stages per rank, 8 microbatches;
     ``tok``: a masked loss, the mean over the rows whose target is labelled (`masked_mse`), microbatches weighted
-    by their labelled rows; ``drop``: dropout in every stage, each stage recomputing its forward."""
+    by their labelled rows; ``drop``: dropout in every stage, each stage recomputing its forward; ``ind``: stages
+    compiled with ``backend="inductor"`` (and GELU for Tanh); ``sub``: the model's Linear layers compiled by the user
+    (``torch.compile``)."""
     parts = case.split("-")
     option = {p[0]: int(p[1:]) for p in parts[3:] if p[:1] in ("v", "m") and p[1:].isdigit()}
     return {
@@ -74,6 +77,9 @@ def parse_case(case: str) -> dict:
         "clip": 0.05 if "clip" in parts else None,
         "save": "save" in parts,
         "resume": "resume" in parts,
+        "backend": "inductor" if "ind" in parts else None,
+        "gelu": "ind" in parts,
+        "compiled_submodules": "sub" in parts,
     }
 
 
@@ -109,10 +115,15 @@ def labelled_rows(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
 
 class Net(L.LightningModule):
     def __init__(
-        self, optimizer: str = "sgd", killer: nn.Module | None = None, masked: bool = False, dropout: float = 0.0
+        self,
+        optimizer: str = "sgd",
+        killer: nn.Module | None = None,
+        masked: bool = False,
+        dropout: float = 0.0,
+        gelu: bool = False,
     ) -> None:
         super().__init__()
-        model = make_model(dropout)
+        model = make_model(dropout, gelu)
         self.model = nn.Sequential(killer, *model) if killer is not None else model
         self.optimizer = optimizer
         self.loss = masked_mse if masked else F.mse_loss
@@ -146,7 +157,11 @@ def main() -> None:
         replicas = args.devices * args.num_nodes // case["stages"]
         L.seed_everything(0, verbose=False)
         killer = Killer(args.kill_rank, args.kill_call, str(out / "killed-at")) if args.kill_rank is not None else None
-        model = Net(case["optimizer"], killer, case["masked"], DROPOUT if case["dropout"] else 0.0)
+        model = Net(case["optimizer"], killer, case["masked"], DROPOUT if case["dropout"] else 0.0, case["gelu"])
+        if case["compiled_submodules"]:
+            for i, layer in enumerate(model.model):
+                if isinstance(layer, nn.Linear):
+                    model.model[i] = torch.compile(layer)
         steps = STEPS + 1 if case["resume"] else STEPS
         trainer = L.Trainer(
             accelerator=args.accelerator,
@@ -157,9 +172,10 @@ def main() -> None:
                 virtual_stages=case["virtual"],
                 microbatches=case["microbatches"],
                 schedule=case["schedule"],
-                timeout=60,
+                timeout=240 if case["backend"] or case["compiled_submodules"] else 60,  # compiles
                 microbatch_weight=labelled_rows if case["masked"] else None,
                 checkpoint="always" if case["dropout"] else "auto",
+                backend=case["backend"],
             ),  # fmt: skip
             max_steps=steps,
             accumulate_grad_batches=case["accumulate"],
@@ -175,7 +191,7 @@ def main() -> None:
         layout = trainer.strategy.layout
         rank = trainer.global_rank
         # each process's LightningModule holds its own stage's trained tensors (the rest is on meta)
-        trained = {k: v.cpu() for k, v in model.model.state_dict().items() if not v.is_meta}
+        trained = {k.replace("_orig_mod.", ""): v.cpu() for k, v in model.model.state_dict().items() if not v.is_meta}
         torch.save(trained, out / f"{name}-rank{rank}.pt")
         if layout is None or layout.coordinates:
             if trainer.is_global_zero:

@@ -48,7 +48,7 @@ def reference(name: str, steps: int = STEPS, orders: tuple[Any, ...] = (shuffled
     ``orders[e]`` gives the rows of epoch ``e`` in the order they are read."""
     case = parse_case(name)
     torch.manual_seed(0)
-    model = make_model(DROPOUT if case["dropout"] else 0.0).eval()  # a dropout case: without its masks
+    model = make_model(DROPOUT if case["dropout"] else 0.0, case["gelu"]).eval()  # a dropout case: without its masks
     if case["optimizer"] == "adam":
         optimizer: torch.optim.Optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     else:

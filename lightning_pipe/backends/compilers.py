@@ -7,6 +7,7 @@ that runs the forward, built the first time the compiler is chosen.
 
 from __future__ import annotations
 
+import logging
 import types
 from collections.abc import Callable
 from typing import Any, ClassVar
@@ -16,8 +17,11 @@ from torch import nn
 
 from lightning_pipe.backends.base import BackendUnavailableError, StageContext
 from lightning_pipe.backends.ops import OpTable, SubstitutionMode, rewrite_graph
-from lightning_pipe.backends.trace import OpCounter
+from lightning_pipe.backends.split_compile import compile_split, compile_whole, unsplittable
+from lightning_pipe.backends.trace import OpCounter, StageTrace
 from lightning_pipe.base.errors import ConfigurationError
+
+log = logging.getLogger("lightning_pipe.backends")
 
 
 class EagerCompiler:
@@ -34,6 +38,12 @@ class EagerCompiler:
         self.name = name  # the backend's name, recorded for ops no op backend took
         self.label = label  # "stage1_train": names compiled code
         self.options = dict(options)
+        self.trace = StageTrace(-1)  # the stage's trace (`attach`): compiled graphs, a backward left unsplit
+        self.mode = "train"
+
+    def attach(self, trace: StageTrace, mode: str) -> None:
+        """Record into ``trace`` under ``mode``; called by the stage's executable once it built this compiler."""
+        self.trace, self.mode = trace, mode
 
     def check(self, inputs: Any, ctx: StageContext) -> str | None:
         """None if this backend can run the stage on inputs with this metadata, else why not."""
@@ -99,25 +109,57 @@ class InductorCompiler(EagerCompiler):
 
     def build(self) -> Callable[..., Any]:
         entry = _entry(self.module, f"lightning_pipe_{self.label}")
-        compiled = torch.compile(entry, backend=self._compile_graph, **self.dynamo_options)
+        backend = self._compile_graph  # one object: Dynamo's cached graphs are kept per backend
+        compiled = torch.compile(entry, backend=backend, **self.dynamo_options)
+        # a backward splits when the stage is one graph: try that first; a graph break leaves it whole
+        whole = self.dynamo_options.get("fullgraph") or self.unsplit is not None
+        one_graph = (
+            compiled if whole else torch.compile(entry, backend=backend, **{**self.dynamo_options, "fullgraph": True})
+        )
 
         def run(*args: Any, **kwargs: Any) -> Any:
             try:
+                if self.unsplit is None and torch.is_grad_enabled() and one_graph is not compiled:
+                    try:
+                        return one_graph(*args, **kwargs)
+                    except torch._dynamo.exc.Unsupported as exc:
+                        self._not_split(f"Dynamo breaks its graph ({str(exc).strip().splitlines()[0]})")
                 return compiled(*args, **kwargs)
             except torch._dynamo.exc.BackendCompilerFailed as exc:
                 raise BackendUnavailableError(f"inductor failed to compile: {exc}") from exc
 
         return run
 
+    @property
+    def unsplit(self) -> str | None:
+        """Why this stage's compiled backward is not split into ``I`` and ``W`` (None: it is, or none compiled)."""
+        return self.trace.unsplit.get(self.mode)
+
+    def _not_split(self, reason: str) -> None:
+        """Say once per stage and mode that the backward runs whole, and why."""
+        if self.unsplit is None:
+            self.trace.unsplit[self.mode] = reason
+            log.warning(
+                "stage %d (%s): its compiled backward is not split into input and weight gradients: %s; "
+                "in schedules that split backwards (zero-bubble, zbv, dualpipev, interleaved-zero-bubble) "
+                "its I action runs the whole backward and its W nothing",
+                self.trace.stage,
+                self.mode,
+                reason,
+            )
+
     def _compile_graph(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         """The Dynamo backend: substitute ops in the graph, hand it to inductor, count ops per call."""
         per_call = rewrite_graph(gm, self.table, self.name) if self.table else OpCounter()
-        inductor = torch._dynamo.lookup_backend("inductor")
-        if self.inductor_config:
-            # the registered inductor backend hands keyword arguments on to compile_fx
-            compiled = inductor(gm, example_inputs, config_patches=dict(self.inductor_config))  # type: ignore[call-arg]
+        graphs = self.trace.graphs.setdefault(self.mode, {})
+        grads = torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs)
+        reason = unsplittable(gm) if grads else None
+        if reason is not None:
+            self._not_split(reason)
+        if grads and self.unsplit is None:
+            compiled = compile_split(gm, example_inputs, dict(self.inductor_config), graphs)
         else:
-            compiled = inductor(gm, example_inputs)
+            compiled = compile_whole(gm, example_inputs, dict(self.inductor_config), graphs)
         if not per_call.counts:
             return compiled
         counter = self.counter

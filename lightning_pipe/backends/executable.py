@@ -149,6 +149,7 @@ class StageExecutable(nn.Module):
             compiler = self._compilers[position] = backend.compiler(
                 self.module, self.table, counter, backend.name, label, backend.options
             )
+            compiler.attach(self.trace, self.mode)
         return compiler
 
     def _run(self, position: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -168,6 +169,8 @@ def build_executables(
     if plan is None:
         plan = resolve_backends(None, max(s.index for s in shards) + 1)
     traces = {shard.index: StageTrace(shard.index) for shard in shards}
+    for shard in shards:
+        _note_compiled_submodules(shard.module, traces[shard.index])
     executables = {
         (shard.index, mode): StageExecutable(
             shard.module,
@@ -182,6 +185,27 @@ def build_executables(
         for mode in MODES
     }
     return executables, traces
+
+
+def _note_compiled_submodules(module: nn.Module, trace: StageTrace) -> None:
+    """Say once, at build time, that a stage holding ``torch.compile``d submodules cannot split its backward."""
+    try:
+        from torch._dynamo.eval_frame import OptimizedModule
+    except ImportError:
+        return
+    names = [name for name, m in module.named_modules() if isinstance(m, OptimizedModule)]
+    if not names:
+        return
+    trace.unsplit["train"] = (
+        f"it holds torch.compile'd submodules ({', '.join(names)}) whose compiled backward is one graph; "
+        "pass backend='inductor' (and drop torch.compile on them) to compile the stage with a split backward"
+    )
+    log.warning(
+        "stage %d: its backward is not split into input and weight gradients: %s; in schedules that split "
+        "backwards its I action runs the whole backward and its W nothing",
+        trace.stage,
+        trace.unsplit["train"],
+    )
 
 
 COORDINATOR = "coordinator"  # the trace's mode for ops the coordinator ran (the loss, the user's step code)

@@ -39,13 +39,16 @@ class StageTrace:
     runs: dict[str, dict[str, int]] = field(default_factory=dict)  # mode -> backend -> forward calls
     ops: dict[str, OpCounter] = field(default_factory=dict)  # mode -> op counts
     declined: dict[tuple[str, str], str] = field(default_factory=dict)  # (mode, backend) -> reason
+    # mode -> kind ("forward", "backward", "backward_input", "backward_weight") -> graphs compiled
+    graphs: dict[str, dict[str, int]] = field(default_factory=dict)
+    unsplit: dict[str, str] = field(default_factory=dict)  # mode -> why its compiled backward is not split
 
     def count_run(self, mode: str, backend: str) -> None:
         per_mode = self.runs.setdefault(mode, {})
         per_mode[backend] = per_mode.get(backend, 0) + 1
 
     def reset(self) -> None:
-        """Zero the counts; declined backends stay (their decisions are cached)."""
+        """Zero the counts; declined backends, compiled graphs and unsplit backwards stay (compiled once)."""
         self.runs.clear()
         for counter in self.ops.values():
             counter.counts.clear()  # compilers hold these counters: clear in place
@@ -59,6 +62,11 @@ class StageTrace:
         for mode, counter in other.ops.items():
             self.op_counter(mode).merge(counter)
         self.declined.update(other.declined)
+        for mode, kinds in other.graphs.items():
+            mine = self.graphs.setdefault(mode, {})
+            for kind, n in kinds.items():
+                mine[kind] = mine.get(kind, 0) + n
+        self.unsplit.update(other.unsplit)
 
     def op_counter(self, mode: str) -> OpCounter:
         return self.ops.setdefault(mode, OpCounter())
@@ -81,6 +89,8 @@ class StageTrace:
                 for (op, impl, backend), n in counter.counts.items()
             ],
             "declined": [{"mode": m, "backend": b, "reason": r} for (m, b), r in self.declined.items()],
+            "graphs": self.graphs,
+            "unsplit": self.unsplit,
         }
 
 
@@ -120,4 +130,8 @@ class ExecutionTrace:
                     lines.append(f"  {mode:<5}  {op:<40} -> {where} x{n}")
             for (mode, backend), reason in s.declined.items():
                 lines.append(f"  {mode:<5}  {backend} declined: {reason}")
+            for mode, kinds in s.graphs.items():
+                lines.append(f"  {mode:<5}  compiled graphs: " + ", ".join(f"{k} x{n}" for k, n in kinds.items()))
+            for mode, reason in s.unsplit.items():
+                lines.append(f"  {mode:<5}  backward not split into I and W: {reason}")
         return "\n".join(lines)

@@ -6,7 +6,9 @@ them, and computes the input gradients with the graph retained. The hooks captur
 arriving at each boundary node. ``backward_weight`` then starts autograd at those nodes
 (`GradientEdge`) and runs only the weight part of the graph, one group of parameters at a time, so
 ``I`` plus ``W`` cost about one ordinary backward. When no stage input needs a gradient (the first
-stage) there is no input part: ``I`` does nothing and ``W`` runs the whole backward.
+stage) there is no input part: ``I`` does nothing and ``W`` runs the whole backward. A graph holding
+compiled nodes is split by the compiled graphs themselves (`backends.split_compile`); one that cannot
+split computes every gradient in ``I``.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 from torch.autograd.graph import GradientEdge, Node
+
+from lightning_pipe.backends.split_compile import DeferredWeight, compiled_nodes, defer_weights, run_deferred
 
 Grads = list[torch.Tensor | None]
 
@@ -38,11 +42,13 @@ class WeightGradient:
     outputs: list[torch.Tensor] = field(default_factory=list)  # whole backward in W (first stage)
     output_grads: list[torch.Tensor] = field(default_factory=list)
     params: list[torch.Tensor] = field(default_factory=list)
+    deferred: list[DeferredWeight] = field(default_factory=list)  # compiled W graphs still to run
 
     def nbytes(self) -> int:
-        """Bytes of the gradients kept for ``W`` (the captured ones or the output gradients)."""
+        """Bytes of the gradients kept for ``W`` (the captured ones, the output gradients, compiled boundaries)."""
         tensors = [g for group in self.groups for grads in group.grads.values() for g in grads if g is not None]
-        return sum(t.numel() * t.element_size() for t in [*tensors, *self.output_grads])
+        kept = sum(t.numel() * t.element_size() for t in [*tensors, *self.output_grads])
+        return kept + sum(d.nbytes for d in self.deferred)
 
 
 def backward_input(
@@ -64,6 +70,9 @@ def backward_input(
     outs, out_grads = [p[0] for p in pairs], [p[1] for p in pairs]
     if not wanted:
         return [None] * len(inputs), WeightGradient(outputs=outs, output_grads=out_grads, params=trainable)
+    compiled = compiled_nodes(_grad_node(t) for t in outs)
+    if compiled:
+        return _compiled_input(outs, out_grads, inputs, wanted, trainable, compiled)
     groups, handles = _hook_boundaries(outs, out_grads, wanted, trainable)
     try:
         computed = torch.autograd.grad(outs, wanted, out_grads, retain_graph=True, allow_unused=True)
@@ -77,6 +86,8 @@ def backward_input(
 
 def backward_weight(work: WeightGradient) -> None:
     """Accumulate the parameter gradients left pending by `backward_input` into ``p.grad``."""
+    if work.deferred:
+        run_deferred(work.deferred)
     if work.outputs:
         torch.autograd.backward(work.outputs, work.output_grads, inputs=work.params)
         return
@@ -99,6 +110,29 @@ def backward_weight(work: WeightGradient) -> None:
         finally:
             for handle in handles:
                 handle.remove()
+
+
+def _compiled_input(
+    outs: list[torch.Tensor],
+    out_grads: list[torch.Tensor],
+    inputs: Sequence[torch.Tensor | object],
+    wanted: list[torch.Tensor],
+    params: list[torch.Tensor],
+    compiled: list[Node],
+) -> tuple[Grads, WeightGradient]:
+    """``I`` over a graph with compiled nodes: one backward, the split compiled nodes leaving their ``W``.
+
+    A compiled node's backward cannot run twice on one graph (``retain_graph`` over it is refused), so
+    there is no boundary walk here: what is split is split inside the compiled graphs; eager parameters of
+    the stage, and compiled graphs that are not split, get their gradients now.
+    """
+    with defer_weights(compiled) as deferred:
+        torch.autograd.backward(outs, out_grads, inputs=[*wanted, *params])
+    got = {id(t): t.grad for t in wanted}
+    for t in wanted:
+        t.grad = None
+    input_grads: Grads = [got.get(id(t)) if isinstance(t, torch.Tensor) else None for t in inputs]
+    return input_grads, WeightGradient(deferred=deferred)
 
 
 def _hook_boundaries(

@@ -258,11 +258,14 @@ class StageActions:
         """
         s, m = action.stage, action.microbatch
         shard, runtime = self.shards[s], self.runtimes[s]
+        t = time.perf_counter()
         grads = self.inbox.wait(step, MessageKind.GRAD, s, m).payload
         grads = [runtime.move_tensor(g) if isinstance(g, torch.Tensor) else None for g in grads]
         saved = self._saved[(s, m)]
         model = self._model(s, m)
         memory = self.memory
+        if held:  # its own action: the timeline shows I's parts (within a B, the B's span covers both halves)
+            t = self._span(action, "recv", t)
         with self._autocast(runtime.torch_device):
             outputs = saved.outputs
             if outputs is None:  # checkpointed: the recomputed graph is kept until W
@@ -278,14 +281,20 @@ class StageActions:
         if held:
             memory.stash.hold((s, m), work.nbytes())
             memory.stash.note(s, "split", work.nbytes())
+            t = self._span(action, "compute", t)
         self._send_input_grads(step, s, m, saved, input_grads)
+        if held:
+            self._span(action, "send", t)
 
     def _backward_weight(self, action: Action) -> None:
         """``W``: the parameter gradients left pending by ``I``; frees the microbatch's stash."""
         s, m = action.stage, action.microbatch
         work = self._weight_work.pop((s, m))
+        t = time.perf_counter()
         with self._autocast(self.runtimes[s].torch_device):
             backward_weight(work)
+        if action.kind is Kind.BACKWARD_WEIGHT:
+            self._span(action, "compute", t)
         del self._saved[(s, m)]
         self.memory.stash.release((s, m))
 
