@@ -21,6 +21,7 @@ from lightning_pipe.base.microbatch_weights import MicrobatchWeight
 from lightning_pipe.partition import Partitioner
 from lightning_pipe.runtime import BaseRuntime
 from lightning_pipe.strategy.arguments import check_arguments, check_memory_arguments, check_split_points
+from lightning_pipe.strategy.fault_tolerance import fault_tolerance_of
 from lightning_pipe.strategy.tensor_parallel import check_tensor_parallel_arguments
 
 
@@ -114,6 +115,12 @@ class PipeConfig:
             Lightning's file from a copy); the next save and the end of ``fit`` wait for it. Every checkpoint, in
             the background or not, is written under a temporary name and renamed to its path once complete
             (docs/launched.md, "Checkpoints"). ``transport="rpc"`` writes synchronously (it says so once).
+        fault_tolerance: launched mode with replica groups that survive a lost process, on torchft (the ``ft`` extra):
+            ``True`` (settings from ``$REPLICA_GROUP_ID``, ``$NUM_REPLICA_GROUPS``, ``$TORCHFT_LIGHTHOUSE``), a
+            `FaultTolerance` or a dict of its arguments. Each torchrun is one replica group of ``stages`` (x
+            ``tensor_parallel``) processes; its stages average their gradients with the other groups' through
+            torchft's quorum, a group that lost a process drops out while the others go on, and restarted it heals
+            from a live group (`lightning_pipe.strategy.fault_tolerance`, docs/faults.md).
     """
 
     stages: int | None = None
@@ -143,6 +150,7 @@ class PipeConfig:
     memory_budget: int | None = None
     weights_only: bool | None = None
     tensor_parallel: int = 1
+    fault_tolerance: Any = None
     # what the arguments imply (set by `of`)
     stage_devices: list[str] | None = field(default=None, init=False)  # ``devices`` as names
     asynchronous: bool = field(default=False, init=False)  # the schedule streams batches (``"async"``)
@@ -167,7 +175,8 @@ class PipeConfig:
             config.tensor_parallel, config.transport, config.schedule, config.virtual_stages, config.data_parallel,
             config.runner,
         )  # fmt: skip
-        config = dataclasses.replace(config, stages=stages, timeout=float(config.timeout))
+        ft = fault_tolerance_of(config.fault_tolerance)
+        config = dataclasses.replace(config, stages=stages, timeout=float(config.timeout), fault_tolerance=ft)
         for name, value in (("stage_devices", devices), ("asynchronous", asynchronous), ("transport_options", options)):
             object.__setattr__(config, name, value)  # derived once here; frozen for everyone after
         return config

@@ -91,6 +91,7 @@ class PipeStrategy(ParallelStrategy):
         weights_only: bool | None = None,
         tensor_parallel: int = 1,
         async_checkpoint: bool = False,
+        fault_tolerance: Any = None,
     ) -> None:
         super().__init__(accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
         self.config = config = PipeConfig.of(locals())  # every argument above but Lightning's own three, checked
