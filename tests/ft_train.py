@@ -20,6 +20,7 @@ STARTED = time.time()  # before the imports: a restarted process's start, as the
 
 import argparse  # noqa: E402
 import json  # noqa: E402
+import logging  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -84,6 +85,8 @@ def main() -> None:
     parser.add_argument("--ddp", action="store_true", help="the reference: Lightning's DDP, one process per replica")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if os.environ.get("FT_DEBUG"):  # torchft's own log (quorums, commits, errors), with times
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(process)d %(name)s %(message)s")
     rank = int(os.environ.get("RANK", "0"))
     group = int(os.environ.get("REPLICA_GROUP_ID", "0"))
     with (args.out / "procs.jsonl").open("a") as log:
