@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,17 +17,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).parent))
+from launching import free_port  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "ft_train.py"
 #: the Lighthouse's timings: a group that stops heartbeating is out after 1 s; a quorum waits up to 5 s for a group
 #: that heartbeats but has not asked yet (longer than a survivor's slowed step, so a restarted group joins them)
 HEARTBEAT_MS, JOIN_MS, TICK_MS = 1000, 5000, 50
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
