@@ -22,6 +22,7 @@ from lightning_pipe.engine.quorum_replicas import QuorumReplicas
 
 sys.path.insert(0, str(Path(__file__).parent))
 from ft_launch import run_ddp, run_groups  # noqa: E402
+from launching import base_env, run_all  # noqa: E402
 
 TOLERANCE = 1e-5  # against Lightning's DDP (fp32)
 SETTINGS = dict(replica_group=0, replica_groups=2, lighthouse="http://127.0.0.1:29510")
@@ -163,3 +164,16 @@ def test_a_killed_group_drops_out_the_other_goes_on_and_it_heals_from_the_live_o
                                healed["optimizer"]["state"][name]["momentum_buffer"]), name  # fmt: skip
         assert live["optimizer"]["param_groups"] == healed["optimizer"]["param_groups"]
     assert run.steps[0][-1]["step"] == run.steps[1][-1]["step"] == steps
+
+
+@pytest.mark.torchft
+@pytest.mark.slow
+def test_the_example_starts_the_lighthouse_here_and_both_groups_train() -> None:
+    """``python examples/fault_tolerant.py --lighthouse-here``: the Lighthouse in the example's process and a torchrun
+    per group, on one machine (about 40 s)."""
+    pytest.importorskip("torchft", reason="fault tolerance runs on torchft: pip install -e '.[ft]'")
+    example = Path(__file__).resolve().parents[1] / "examples" / "fault_tolerant.py"
+    run = run_all([([sys.executable, str(example), "--lighthouse-here", "--steps", "12"], base_env())], timeout=240)
+    assert run.ok, run.output[-4000:]
+    assert run.output.count("`Trainer.fit` stopped: `max_steps=12` reached.") == 2, run.output[-4000:]
+    assert "2 of 2 replica groups in the quorum" in run.output
