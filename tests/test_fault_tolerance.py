@@ -170,10 +170,10 @@ def test_a_killed_group_drops_out_the_other_goes_on_and_it_heals_from_the_live_o
 @pytest.mark.slow
 def test_the_example_starts_the_lighthouse_here_and_both_groups_train() -> None:
     """``python examples/fault_tolerant.py --lighthouse-here``: the Lighthouse in the example's process and a torchrun
-    per group, on one machine (about 40 s)."""
+    per group, on one machine (about 70 s on the loaded 2-core machine)."""
     pytest.importorskip("torchft", reason="fault tolerance runs on torchft: pip install -e '.[ft]'")
     example = Path(__file__).resolve().parents[1] / "examples" / "fault_tolerant.py"
     run = run_all([([sys.executable, str(example), "--lighthouse-here", "--steps", "12"], base_env())], timeout=240)
     assert run.ok, run.output[-4000:]
     assert run.output.count("`Trainer.fit` stopped: `max_steps=12` reached.") == 2, run.output[-4000:]
-    assert "2 of 2 replica groups in the quorum" in run.output
+    assert "of 2 replica groups in the quorum" in run.output  # the first group up may train alone (min_replicas 1)
