@@ -20,6 +20,7 @@ from torch import nn
 
 from lightning_pipe import ConfigurationError, FaultTolerance, PipeStrategy
 from lightning_pipe.engine.quorum_replicas import QuorumReplicas
+from lightning_pipe.strategy.fault_tolerance import lightning_progress, load_lightning_progress
 
 sys.path.insert(0, str(Path(__file__).parent))
 from ft_launch import run_ddp, run_groups  # noqa: E402
@@ -103,6 +104,51 @@ def test_quorum_replicas_average_over_the_groups_and_step_only_what_committed(co
         offset += g.numel()
     assert manager.calls == ["start_quorum", "allreduce", "should_commit"]
     assert replicas.should_step() is commit
+
+
+class Regression(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = nn.Linear(4, 1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.model(batch[0]).pow(2).mean()
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+        schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+        return [optimizer], [{"scheduler": schedule, "interval": "step"}]
+
+
+class Heal(L.Callback):
+    """In the first training step, the live Trainer's progress taken in, as a healing coordinator does."""
+
+    def __init__(self, live: dict[str, Any]) -> None:
+        self.live = live
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step == 0:
+            load_lightning_progress(trainer, self.live)
+
+
+def test_a_healing_coordinator_takes_the_step_count_schedules_and_learning_rates() -> None:
+    """The Lightning part of healing (`lightning_progress` into `load_lightning_progress`): a Trainer at step 0 that
+    takes a live Trainer's progress (5 steps) during its first step ends that step at the live one's next step, with
+    its LR schedule and learning rate where the live one's are after it (stepped alike from there)."""
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(64, 4)), batch_size=4)
+    quiet: dict[str, Any] = dict(accelerator="cpu", logger=False, enable_progress_bar=False, enable_checkpointing=False,
+                                 enable_model_summary=False)  # fmt: skip
+    live = L.Trainer(max_steps=5, **quiet)
+    live.fit(Regression(), data)
+    progress = lightning_progress(live)
+    live_next = L.Trainer(max_steps=6, **quiet)  # the live one's step 6, for reference
+    live_next.fit(Regression(), data)
+    healing = L.Trainer(max_steps=6, callbacks=[Heal(progress)], **quiet)
+    healing.fit(Regression(), data)
+    assert healing.global_step == live_next.global_step == 6
+    schedule, reference_schedule = (t.lr_scheduler_configs[0].scheduler for t in (healing, live_next))
+    assert schedule.state_dict() == reference_schedule.state_dict()
+    assert healing.optimizers[0].param_groups[0]["lr"] == live_next.optimizers[0].param_groups[0]["lr"] == 0.1 * 0.5**3
 
 
 # the launches: two torchruns of 2 processes and a Lighthouse

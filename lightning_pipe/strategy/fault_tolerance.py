@@ -189,33 +189,43 @@ class ReplicaGroup:
         state.call_load_random_state(stage["random"])
 
     def _lightning_state(self) -> dict[str, Any]:
-        trainer = self.trainer
-        loop = trainer.fit_loop.epoch_loop
-        return {
-            "automatic": loop.automatic_optimization.optim_progress.state_dict(),
-            "manual": loop.manual_optimization.optim_step_progress.state_dict(),
-            "batches_that_stepped": loop._batches_that_stepped,
-            "schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
-            "hparams": [[{k: v for k, v in g.items() if k != "params"} for g in o.param_groups]
-                        for o in trainer.optimizers],  # fmt: skip
-        }
+        return lightning_progress(self.trainer)
 
     def _load_lightning(self, state: dict[str, Any]) -> None:
-        trainer = self.trainer
-        loop = trainer.fit_loop.epoch_loop
-        before = trainer.global_step
-        loop.automatic_optimization.optim_progress.load_state_dict(state["automatic"])
-        loop.manual_optimization.optim_step_progress.load_state_dict(state["manual"])
-        loop._batches_that_stepped = state["batches_that_stepped"]
-        for config, scheduler in zip(trainer.lr_scheduler_configs, state["schedulers"], strict=True):
-            config.scheduler.load_state_dict(scheduler)
-        for optimizer, groups in zip(trainer.optimizers, state["hparams"], strict=True):
-            for group, values in zip(optimizer.param_groups, groups, strict=True):
-                group.update(values)
+        before = self.trainer.global_step
+        load_lightning_progress(self.trainer, state)
         rank_zero_info(
             f"PipeStrategy fault tolerance: replica group {self.settings.replica_group} healed from a live group: "
-            f"its stages' parameters, optimizer state and generators, step {before} -> {trainer.global_step}"
+            f"its stages' parameters, optimizer state and generators, step {before} -> {self.trainer.global_step}"
         )
+
+
+def lightning_progress(trainer: Any) -> dict[str, Any]:
+    """What a coordinator's Trainer gives a healing group: the optimizer step counts (Lightning's global step), the LR
+    schedulers' states and the optimizers' hyperparameters (the learning rates they set)."""
+    loop = trainer.fit_loop.epoch_loop
+    return {
+        "automatic": loop.automatic_optimization.optim_progress.state_dict(),
+        "manual": loop.manual_optimization.optim_step_progress.state_dict(),
+        "batches_that_stepped": loop._batches_that_stepped,
+        "schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
+        "hparams": [[{k: v for k, v in g.items() if k != "params"} for g in o.param_groups]
+                    for o in trainer.optimizers],  # fmt: skip
+    }
+
+
+def load_lightning_progress(trainer: Any, state: dict[str, Any]) -> None:
+    """`lightning_progress` of a live group's coordinator, taken into this one's Trainer (during a training step: it
+    then counts this step from the live group's count)."""
+    loop = trainer.fit_loop.epoch_loop
+    loop.automatic_optimization.optim_progress.load_state_dict(state["automatic"])
+    loop.manual_optimization.optim_step_progress.load_state_dict(state["manual"])
+    loop._batches_that_stepped = state["batches_that_stepped"]
+    for config, scheduler in zip(trainer.lr_scheduler_configs, state["schedulers"], strict=True):
+        config.scheduler.load_state_dict(scheduler)
+    for optimizer, groups in zip(trainer.optimizers, state["hparams"], strict=True):
+        for group, values in zip(optimizer.param_groups, groups, strict=True):
+            group.update(values)
 
 
 def _manager_store(rank: int) -> tuple[str, int]:
