@@ -2,7 +2,7 @@
 
 The launches (2 replica groups x 2 stages: two torchruns of ``tests/ft_train.py`` and a Lighthouse in this process)
 need torchft (``pip install -e ".[ft]"``) and are marked ``torchft``: 74-116 s (the healthy run and Lightning's
-DDP), 71-83 s (the kill) and 70 s (the example) on the 2-core machine shared with other work, more than CI's budget;
+DDP), 44-95 s (the kill) and 70 s (the example) on the 2-core machine shared with other work, more than CI's budget;
 CI does not install the extra, so they skip there. Run them with ``python -m pytest tests/test_fault_tolerance.py``.
 The checks above them need neither and run everywhere.
 """

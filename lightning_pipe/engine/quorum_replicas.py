@@ -1,7 +1,7 @@
 """`QuorumReplicas`: a stage's gradients averaged over the replica groups in torchft's quorum (fault tolerance).
 
 Each pipeline replica is a torchft replica group; stage ``s`` of every group averages with stage ``s`` of the others
-through a torchft ``Manager`` (its managed process group, over the replica groups that are in the quorum). After
+through a torchft ``Manager`` (its managed process group, over the replica groups that are in the quorum). Before
 a training step's first action `begin` joins the step's quorum (synchronously: a group that joins heals right there,
 the Manager loading a live peer's state through `lightning_pipe.strategy`'s callbacks, so its forwards already run on
 the healed parameters and its batch counts); after the stage's last backward `reduce` all-reduces the gradients (one

@@ -1,11 +1,11 @@
 """Replica groups that survive a lost process, on torchft (``PipeStrategy(fault_tolerance=...)``).
 
-With fault tolerance each pipeline replica is a torchft replica group: one torchrun of S (x T) processes, launched
-mode with one replica inside it. Every process holds a ``torchft.Manager`` (its group rank and world are its rank in
-the torchrun); stage ``s`` of every group averages its gradients with stage ``s`` of the others over torchft's
-managed process group (`lightning_pipe.engine.quorum_replicas`), in the quorum a Lighthouse keeps. A group that
-loses a process drops out of the quorum and the others go on; restarted (torchrun ``--max-restarts``), it joins at
-the next quorum and takes each stage's parameters, optimizer state and generators, and on its coordinator
+With fault tolerance each pipeline replica is a torchft replica group: one torchrun of S processes (one per stage),
+launched mode with one replica inside it. Every process holds a ``torchft.Manager`` (its group rank and world are
+its rank in the torchrun); stage ``s`` of every group averages its gradients with stage ``s`` of the others over
+torchft's managed process group (`lightning_pipe.engine.quorum_replicas`), in the quorum a Lighthouse keeps. A group
+that loses a process drops out of the quorum and the others go on; restarted (torchrun ``--max-restarts``), it joins
+at the next quorum and takes each stage's parameters, optimizer state and generators, and on its coordinator
 Lightning's step count, LR schedulers and learning rates, from the same rank of a live group (the Manager's state
 callbacks, here). torchft is an optional extra, imported when a run asks for it (docs/faults.md).
 """

@@ -1,7 +1,7 @@
 """Fault-tolerant launched mode: this torchrun is one torchft replica group of a run of several.
 
-Launched mode with one replica inside the torchrun (S x T processes); the replicas are torchft replica groups,
-each started by its own torchrun, averaging their stages' gradients over torchft's quorum instead of a process
+Launched mode with one replica inside the torchrun (S processes, one per stage); the replicas are torchft replica
+groups, each started by its own torchrun, averaging their stages' gradients over torchft's quorum instead of a process
 group of the whole run (`lightning_pipe.strategy.fault_tolerance`, docs/faults.md).
 """
 
