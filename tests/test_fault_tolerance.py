@@ -1,10 +1,10 @@
 """Replica groups that survive a lost process, on torchft (``PipeStrategy(fault_tolerance=...)``, docs/faults.md).
 
 The launches (2 replica groups x 2 stages: two torchruns of ``tests/ft_train.py`` and a Lighthouse in this process)
-need torchft (``pip install -e ".[ft]"``) and are marked ``torchft``: 74-116 s (the healthy run and Lightning's
-DDP), 44-95 s (the kill) and 70 s (the example) on the 2-core machine shared with other work, more than CI's budget;
-CI does not install the extra, so they skip there. Run them with ``python -m pytest tests/test_fault_tolerance.py``.
-The checks above them need neither and run everywhere.
+need torchft (``pip install -e ".[ft]"``) and are marked ``torchft``: 36-116 s (the healthy run and Lightning's
+DDP), 44-95 s (the kill) and 40-70 s (the example) on the 2-core machine shared with other work (all three: 122 s at
+load 5), more than CI's budget; CI does not install the extra, so they skip there. Run them with ``python -m pytest
+tests/test_fault_tolerance.py``. The checks above them need neither and run everywhere.
 """
 
 from __future__ import annotations
