@@ -46,7 +46,7 @@ def _stage_worker_process() -> bool:
 if _stage_worker_process():  # importing Lightning costs seconds per process; a stage never needs it
 
     def __getattr__(name: str) -> Any:
-        if name in ("PipeStrategy", "PipeTrace"):
+        if name in ("PipeStrategy", "PipeTrace", "FaultTolerance"):
             from lightning_pipe import strategy
 
             return getattr(strategy, name)
@@ -55,7 +55,7 @@ if _stage_worker_process():  # importing Lightning costs seconds per process; a 
 else:
     from lightning.pytorch.strategies import StrategyRegistry
 
-    from lightning_pipe.strategy import PipeStrategy, PipeTrace
+    from lightning_pipe.strategy import FaultTolerance, PipeStrategy, PipeTrace
 
     PipeStrategy.register_strategies(StrategyRegistry)
 
@@ -66,6 +66,7 @@ __all__ = [
     "BaseRuntime",
     "CallArgs",
     "ConfigurationError",
+    "FaultTolerance",
     "ForwardLossModule",
     "ForwardModule",
     "Loss",

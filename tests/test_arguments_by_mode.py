@@ -72,7 +72,10 @@ TABLE: dict[str, dict[str, str]] = {
     "weights_only": ALL,
     "tensor_parallel": {"local": REFUSED, "rpc": REFUSED, "launched": READ},
     "async_checkpoint": {"local": READ, "rpc": WARNS, "launched": READ},
+    "fault_tolerance": {"local": REFUSED, "rpc": REFUSED, "launched": READ},
 }
+#: a fault-tolerant run's settings (torchft is not imported: the tests stand in for it)
+FAULT_TOLERANCE = {"replica_group": 1, "replica_groups": 2, "lighthouse": "http://127.0.0.1:29510"}
 SIGNATURE = {n: p.default for n, p in inspect.signature(PipeStrategy.__init__).parameters.items() if n != "self"}
 USAGE = Path(__file__).resolve().parents[1] / "docs" / "usage.md"
 
@@ -244,6 +247,10 @@ def test_local_mode_refuses_what_it_cannot_run() -> None:
         PipeStrategy(split_points=["4"], partition=[3, 4])
     with pytest.raises(ConfigurationError, match="memory_budget"):
         PipeStrategy(stages=2, memory_budget=2**20)
+    with pytest.MonkeyPatch.context() as patched:
+        patched.setattr("lightning_pipe.strategy.fault_tolerance.torchft", lambda: None)  # as if installed
+        with pytest.raises(ConfigurationError, match=r"fault_tolerance=\.\.\.\) runs in launched mode"):
+            L.Trainer(**QUIET, strategy=PipeStrategy(stages=2, fault_tolerance=FAULT_TOLERANCE))
 
 
 def test_weights_are_read_and_a_checkpoint_wins_over_them(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -360,7 +367,7 @@ NEEDS = {"virtual_stages": {"stages": 4, "schedule": "interleaved-1f1b"}, "memor
 def test_rpc_and_launched_mode_read_refuse_or_warn(mode: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     for name, row in TABLE.items():
         outcome = row[mode]
-        if name in ("weights", "weights_only", "data_parallel", "tensor_parallel", "checkpoint_io"):
+        if name in ("weights", "weights_only", "data_parallel", "tensor_parallel", "checkpoint_io", "fault_tolerance"):
             continue  # below: they need a file, a layout, or the mode's start
         value, reads = READ_BY[name]
         options = {**NEEDS.get(name, {}), name: value}
@@ -384,6 +391,14 @@ def test_rpc_and_launched_mode_read_refuse_or_warn(mode: str, monkeypatch: pytes
     )
     said = [text for text in made(mode)[0].mode.unread(RecordingIO()) if text is not None]
     assert len(said) == 1 and f"{mode} mode with checkpoint_io=RecordingIO" in str(said[0])
+    monkeypatch.setattr("lightning_pipe.strategy.fault_tolerance.torchft", lambda: None)  # as if installed
+    if mode == "rpc":
+        with pytest.raises(ConfigurationError, match="fault_tolerance"):
+            made(mode, fault_tolerance=FAULT_TOLERANCE)
+    else:  # 4 processes, 4 stages: one replica group of a fault-tolerant run, reading its shard of the data
+        tolerant, _ = made(mode, stages=4, fault_tolerance=FAULT_TOLERANCE)
+        assert type(tolerant.mode).__name__ == "FaultTolerantMode"
+        assert tolerant.distributed_sampler_kwargs == {"num_replicas": 2, "rank": 1}
     fsdp, _ = made(mode, data_parallel="fsdp")
     if mode == "rpc":
         assert "nothing is sharded" in str(fsdp.mode.fsdp_warning())

@@ -29,6 +29,7 @@ MODE_FILES = {
     "strategy/modes/mode.py",
     "strategy/modes/rpc_mode.py",
     "strategy/modes/launched_mode.py",
+    "strategy/modes/fault_tolerant_mode.py",
     "strategy/modes/mode_choice.py",
     "strategy/training.py",
     "strategy/async_training.py",

@@ -23,6 +23,9 @@ class DataParallel(Protocol):
     #: input gradient of a stage's last backward); where not, a split backward runs whole at its input half
     splits: bool
 
+    def begin(self) -> None:
+        """Before a training step's first action (torchft's quorum: `engine.quorum_replicas.QuorumReplicas`)."""
+
     def reduce(self, stages: Iterable[int]) -> None:
         """Combine the step's gradients of ``stages`` over the replicas, after the step's last backward."""
 
@@ -47,6 +50,9 @@ class StageReplicas:
                 broadcast_buffers=False,  # BatchNorm statistics stay per replica (docs/exactness.md#batchnorm)
                 find_unused_parameters=False,
             )
+
+    def begin(self) -> None:
+        """Nothing before a step: DDP reduces after it."""
 
     def reduce(self, stages: Iterable[int]) -> None:
         """Average the step's accumulated gradients of ``stages`` over the replicas (after their last backward)."""

@@ -89,6 +89,8 @@ class StageActions:
         if training:
             self.memory.stash.reset()
         try:
+            if set_aside and replicas is not None:
+                replicas.begin()  # torchft: the step's quorum (a joining group heals here, before its forwards)
             if self.versions.active:
                 self.versions.start(plan.update_every, plan.optimizer, plan.shared)
             ready = self._ready

@@ -61,6 +61,9 @@ class StageShards:
         for root in self.modules.values():
             root.set_requires_gradient_sync(False)  # reduced once per step, in `reduce`
 
+    def begin(self) -> None:
+        """Nothing before a step: FSDP gathers each block when it runs and reduces after the step."""
+
     def reduce(self, stages: Iterable[int]) -> None:
         """Reduce-scatter the step's accumulated gradients of ``stages`` (after their last backward)."""
         for index in stages:

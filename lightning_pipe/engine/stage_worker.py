@@ -12,6 +12,7 @@ from lightning_pipe.base.errors import StageError
 from lightning_pipe.checkpoint.stage_part import StageCheckpoint
 from lightning_pipe.comm.base import COORDINATOR, Endpoint, Message, MessageKind
 from lightning_pipe.engine.messages import ASYNC, TRAIN, StageSpec, StepPlan
+from lightning_pipe.engine.quorum_replicas import QuorumReplicas
 from lightning_pipe.engine.replicas import DataParallel, StageReplicas
 from lightning_pipe.engine.stage_actions import StageActions, StepFailed
 from lightning_pipe.engine.stage_inbox import StageInbox, StepAborted
@@ -84,6 +85,13 @@ class StageWorker:
             return
         devices = {index: runtime.torch_device for index, runtime in self.runtimes.items()}
         self.replicas = StageReplicas(modules, group, devices)
+
+    def join_quorum(self, manager: Any) -> None:
+        """Average this worker's gradients over torchft's quorum of replica groups after each step (``manager``: its
+        ``start_quorum``, ``allreduce``, ``should_commit``); its optimizer steps only where the step committed."""
+        replicas = QuorumReplicas({i: s.module for i, s in self.shards.items()}, manager)
+        self.replicas = replicas
+        self.state.commits = replicas.should_step
 
     def sharded(self, shards: StageShards) -> None:
         """This worker's stages are sharded over their replicas with FSDP2 (``shards``: ``fully_shard`` applied to

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -50,6 +50,8 @@ class StageStateCalls:
         self.grads = GradStash(p for shard in shards.values() for p in shard.module.parameters())
         self._optimizer: torch.optim.Optimizer | None = None
         self._optimizer_names: list[list[str]] = []
+        #: whether a step's optimizer step goes ahead (torchft's commit, `QuorumReplicas`); None: always
+        self.commits: Callable[[], bool] | None = None
 
     def _named_parameters(self) -> dict[str, nn.Parameter]:
         return {name: p for shard in self.shards.values() for name, p in shard.module.named_parameters()}
@@ -198,6 +200,8 @@ class StageStateCalls:
         """Step this rank's optimizer, after taking over changed hyperparameters (an LR scheduler's)."""
         if hparams is not None:
             self.call_set_hparams(hparams)
+        if self.commits is not None and not self.commits():
+            return  # a replica group failed during the step: torchft drops it in every group
         self._stage_optimizer().step()
 
     def call_optimizer_state(self) -> dict[str, Any]:

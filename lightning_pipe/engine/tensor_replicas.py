@@ -28,6 +28,9 @@ class TensorStageReplicas:
         self.group = group
         self.size = dist.get_world_size(group)
 
+    def begin(self) -> None:
+        """Nothing before a step: the gradients are all-reduced after it."""
+
     def reduce(self, stages: Iterable[int]) -> None:
         """Average the step's accumulated gradients of ``stages`` over the replicas (after their last backward)."""
         for index in stages:

@@ -24,6 +24,7 @@ from lightning_pipe.strategy.arguments import (
     check_split_points,
     streams,
 )
+from lightning_pipe.strategy.fault_tolerance import fault_tolerance_of
 from lightning_pipe.strategy.tensor_parallel import check_tensor_parallel_arguments
 
 
@@ -89,6 +90,13 @@ class PipeConfig(PipelineSettings):
     ``"gpipe"``, ``"1f1b"``, ``"zero-bubble"``, ``"looped-bfs"`` and ``"interleaved-zero-bubble"`` with
     ``virtual_stages=1``, ``"interleaved-1f1b"`` with ``virtual_stages=2``; runner ``"parallel"``. Others are
     refused, as is ``tensor_parallel > 1`` in one process (local or rpc mode)."""
+    fault_tolerance: Any = None
+    """Launched mode with replica groups that survive a lost process, on torchft (the ``ft`` extra): ``True``
+    (settings from ``$REPLICA_GROUP_ID``, ``$NUM_REPLICA_GROUPS``, ``$TORCHFT_LIGHTHOUSE``), a `FaultTolerance` or a
+    dict of its arguments. Each torchrun is one replica group of ``stages`` (x ``tensor_parallel``) processes; its
+    stages average their gradients with the other groups' through torchft's quorum, a group that lost a process
+    drops out while the others go on, and restarted it heals from a live group
+    (`lightning_pipe.strategy.fault_tolerance`, docs/faults.md)."""
 
     @classmethod
     def of(cls, arguments: Mapping[str, Any]) -> PipeConfig:
@@ -99,7 +107,8 @@ class PipeConfig(PipelineSettings):
         check_memory_arguments(config)
         check_split_points(config.split_points, config.partition)
         check_tensor_parallel_arguments(config)
-        return dataclasses.replace(config, stages=stages, timeout=float(config.timeout))
+        ft = fault_tolerance_of(config.fault_tolerance)
+        return dataclasses.replace(config, stages=stages, timeout=float(config.timeout), fault_tolerance=ft)
 
     @cached_property
     def asynchronous(self) -> bool:

@@ -192,7 +192,7 @@ class LaunchedMode(Mode):
         serve_stages(**{**self._pipeline(), "on_build": self._built_to_serve})
         self.writes.wait()  # the fit's last checkpoint: this process's part written
 
-    def _built(self, worker: Any) -> None:
+    def on_stage_built(self, worker: Any) -> None:
         """A stage built in this process: it binds to this process's model and writes its checkpoints' parts through
         this process's `writes`."""
         worker.checkpoints.writes = self.writes
@@ -200,7 +200,7 @@ class LaunchedMode(Mode):
 
     def _built_to_serve(self, worker: Any) -> None:
         """A stage built in a serving process: this process keeps that stage of its model and nothing else."""
-        self._built(worker)
+        self.on_stage_built(worker)
         self.stage.release()
 
     def _pipeline(self) -> dict[str, Any]:
@@ -212,7 +212,7 @@ class LaunchedMode(Mode):
             "group": groups.pipeline,
             "ranks": self.layout.pipeline_ranks(),
             "describe": self.layout.describe,
-            "on_build": self._built,
+            "on_build": self.on_stage_built,
             "prepare": self.stage.prepare,
             "timeout": self.config.timeout,
             "coordinator": self.layout.coordinator,

@@ -13,6 +13,7 @@ import torch
 
 from lightning_pipe.base.errors import ConfigurationError
 from lightning_pipe.strategy.layout import LOCAL, RPC, Layout, check_launched, choose_mode
+from lightning_pipe.strategy.modes.fault_tolerant_mode import FaultTolerantMode, check_fault_tolerant
 from lightning_pipe.strategy.modes.launched_mode import LaunchedMode
 from lightning_pipe.strategy.modes.mode import LocalMode, Mode
 from lightning_pipe.strategy.modes.rpc_mode import RpcMode
@@ -54,6 +55,7 @@ def mode_of(
     while it is the same (launched mode's while the layout and devices stay: it holds the process groups and
     transport; rpc mode's holds what the last fit left for the checkpoints after it)."""
     name = choose_mode(config.transport, processes)
+    check_fault_tolerant(config, name, processes)
     one_process = {LOCAL: LocalMode, RPC: RpcMode}.get(name)
     if one_process is not None:
         check_one_process(config, processes)
@@ -64,6 +66,7 @@ def mode_of(
     layout = Layout.of(
         processes, global_rank, stages, config.virtual_stages, len(devices), placement, config.tensor_parallel
     )
-    if isinstance(held, LaunchedMode) and (held.layout, held.devices) == (layout, list(devices)):
+    kind = LaunchedMode if config.fault_tolerance is None else FaultTolerantMode
+    if type(held) is kind and (held.layout, held.devices) == (layout, list(devices)):
         return held
-    return LaunchedMode(layout, devices, config, stage)
+    return kind(layout, devices, config, stage)
