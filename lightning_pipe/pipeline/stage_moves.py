@@ -13,15 +13,12 @@ from typing import Any
 
 from lightning_pipe.backends import ExecutionTrace
 from lightning_pipe.comm import Communicator
-from lightning_pipe.comm.parameter_home import STAGES_STAY
 from lightning_pipe.engine import Coordinator, StageProtocol, StageSpec
 from lightning_pipe.pipeline.recompute import AutoCheckpoint
 from lightning_pipe.pipeline.schedule_chooser import StageMoves
 from lightning_pipe.pipeline.stage_layout import stage_devices
 from lightning_pipe.pipeline.stage_state import StageState
 from lightning_pipe.schedule import PLACEMENTS
-
-OWN_PARAMETERS = STAGES_STAY  # why stages that own their parameters do not move
 
 
 def moves_of(

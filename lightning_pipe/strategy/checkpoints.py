@@ -127,20 +127,18 @@ class Checkpoints:
     ) -> None:
         """A checkpoint's optimizer states where one process holds the model: whole, assembled from an opened
         checkpoint (each where its parameters live: the stages' once they exist)."""
-        layouts = self._opened_layouts(optimizers, states, lightning_module)
-        if layouts is not None:
-            assert self.resume is not None
-            self.load_optimizer_states(optimizers, self.resume.optimizer_states(layouts))
-
-    def _opened_layouts(
-        self, optimizers: list[torch.optim.Optimizer], states: list[Any], lightning_module: nn.Module
-    ) -> list[list[list[str]]] | None:
-        """The optimizers' layouts, their groups checked against the opened checkpoint's; None where Lightning loaded
-        the checkpoint whole: ``states`` are loaded here then."""
         resume = self.resume
         if resume is None:
             self.load_optimizer_states(optimizers, states)
-            return None
+            return
+        layouts = self._checked_layouts(resume, optimizers, lightning_module)
+        self.load_optimizer_states(optimizers, resume.optimizer_states(layouts))
+
+    def _checked_layouts(
+        self, resume: Resume, optimizers: list[torch.optim.Optimizer], lightning_module: nn.Module
+    ) -> list[list[list[str]]]:
+        """The optimizers' layouts (each one's parameters by key, per group), their groups checked against the
+        opened checkpoint's."""
         layouts = self.optimization.layouts or optimizer_layouts(lightning_module, optimizers)
         resume.set_layouts(layouts)
         resume.check_groups(layouts, strict=getattr(lightning_module, "strict_loading", True))
@@ -151,10 +149,11 @@ class Checkpoints:
     ) -> None:
         """A checkpoint's optimizer states where the stages own their parameters (launched and rpc mode): each stage
         reads its own state from the opened checkpoint, nothing is gathered."""
-        layouts = self._opened_layouts(optimizers, states, lightning_module)
         resume = self.resume
-        if layouts is None or resume is None:
+        if resume is None:
+            self.load_optimizer_states(optimizers, states)
             return
+        layouts = self._checked_layouts(resume, optimizers, lightning_module)
         stage_params = self.optimization.stage_params
         assert stage_params is not None, "launched and rpc mode: the stages own their parameters"
         pipelined = self.builder.pipelined
