@@ -397,7 +397,7 @@ def test_rpc_and_launched_mode_read_refuse_or_warn(mode: str, monkeypatch: pytes
             made(mode, fault_tolerance=FAULT_TOLERANCE)
     else:  # 4 processes, 4 stages: one replica group of a fault-tolerant run, reading its shard of the data
         tolerant, _ = made(mode, stages=4, fault_tolerance=FAULT_TOLERANCE)
-        assert type(tolerant.mode).__name__ == "FaultTolerantMode"
+        assert type(tolerant.mode.replicas).__name__ == "TorchftGroups"
         assert tolerant.distributed_sampler_kwargs == {"num_replicas": 2, "rank": 1}
     fsdp, _ = made(mode, data_parallel="fsdp")
     if mode == "rpc":

@@ -220,11 +220,12 @@ def test_auto_builds_where_the_unit_costs_say_and_stages_owning_parameters_stay(
     assert ScheduleChooser(AutoSchedule(), 2, "parallel", ranks=2, microbatches=2).placement == "loop"
     auto = PipeStrategy(stages=4, virtual_stages=2, microbatches=8, schedule="auto")
     assert auto.builder.selection.rank_placement == "v"
-    from lightning_pipe.pipeline.stage_moves import OWN_PARAMETERS, moves_of
+    from lightning_pipe.comm.parameter_home import STAGES_STAY, StageCopies
+    from lightning_pipe.pipeline.stage_moves import moves_of
 
-    owning = SimpleNamespace(stages_own_parameters=True)  # as rpc's and launched mode's communicators
+    owning = SimpleNamespace(parameters=StageCopies())  # as rpc's and launched mode's communicators
     moves = moves_of(owning, None, ["cpu"] * 4, 2, lambda placement: None)  # type: ignore[arg-type]
-    assert moves.placements == [] and moves.why_not == OWN_PARAMETERS
+    assert moves.placements == [] and moves.why_not == STAGES_STAY
     local = moves_of(LocalCommunicator(), ["cpu", "meta"], ["cpu", "meta", "cpu", "meta"], 2, lambda placement: None)
     assert local.placements == ["loop"] and "another device" in local.why_not  # one device per rank: stages stay
 

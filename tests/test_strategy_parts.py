@@ -14,8 +14,8 @@ from lightning_pipe.strategy.layout import Layout
 from lightning_pipe.strategy.modes.launched_mode import LaunchedMode
 from lightning_pipe.strategy.optimization import StageOptimization
 from lightning_pipe.strategy.pipe_config import PipeConfig
-from lightning_pipe.strategy.process_stage import ProcessStage
 from lightning_pipe.strategy.random_state import RandomStreams
+from lightning_pipe.strategy.strategy import PipeStrategy
 from lightning_pipe.strategy.training import Training
 
 ONE, TWO = (PipeConfig.of({"timeout": 30.0, "virtual_stages": v}) for v in (1, 2))  # virtual stages per rank
@@ -70,15 +70,17 @@ def test_random_states_go_through_a_checkpoint_before_any_pipeline_exists() -> N
 
 def test_the_world_places_stages_by_the_layout_without_joining_any_process_group() -> None:
     devices = [torch.device("cuda", i) for i in range(4)]  # placement only: no CUDA needed
-    coordinator = LaunchedMode(Layout.of(4, 2, 2, 1, 4), devices, ONE, ProcessStage())
+    parts = PipeStrategy(stages=2).processes.parts  # the strategy's parts a mode holds
+    coordinator = LaunchedMode(Layout.of(4, 2, 2, 1, 4), devices, ONE, parts)
     assert coordinator.layout.coordinates and coordinator.device == torch.device("cuda", 2)
     assert coordinator.stage_devices() == ["cuda:3", "cuda:2"]  # stage 0 on the replica's second process
     assert "replica 1: rank 2 -> pipeline rank 1 (coordinator), rank 3 -> pipeline rank 0" in coordinator.describe()
-    interleaved = LaunchedMode(Layout.of(4, 0, 4, 2, 4), devices, TWO, ProcessStage())
+    interleaved = LaunchedMode(Layout.of(4, 0, 4, 2, 4), devices, TWO, parts)
     assert interleaved.stage_devices() == ["cuda:1", "cuda:0", "cuda:1", "cuda:0"]
     tensor = torch.ones(2)
-    assert coordinator.reduce(tensor) is tensor and coordinator.broadcast("x") == "x"  # not connected: alone
-    server = LaunchedMode(Layout.of(4, 3, 2, 1, 4), devices, ONE, ProcessStage())
+    alone = coordinator.collectives  # not connected: nothing to agree on
+    assert alone.reduce(tensor) is tensor and alone.broadcast("x") == "x"
+    server = LaunchedMode(Layout.of(4, 3, 2, 1, 4), devices, ONE, parts)
     assert not server.layout.coordinates and server.device == torch.device("cuda", 3)
 
 

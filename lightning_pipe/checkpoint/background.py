@@ -131,6 +131,13 @@ class CheckpointWrites:
                 "the checkpoint that was at that path before is still there"
             ) from current.error
 
+    def finish(self, error: BaseException | None = None) -> None:
+        """A fit ends: its last write done and published (`wait`), or after ``error`` left to finish (`abandon`)."""
+        if error is None:
+            self.wait()
+        else:
+            self.abandon()
+
     def abandon(self) -> None:
         """After a failed fit: the write in flight is left to finish by itself (a peer it waits for may be gone);
         it is published only if it completes."""

@@ -13,6 +13,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_pipe.comm.parameter_home import ParameterHome, StageCopies
+
 COORDINATOR = -1
 
 
@@ -101,9 +103,9 @@ class Communicator(ABC):
     #: stages share the coordinator's objects (messages pass by reference): the last stage can run the
     #: criterion itself, so a microbatch's loss costs no round trip through the coordinator
     shares_objects: bool = False
-    #: each stage holds its own copy of its parameters (in another process): gradients, optimizer steps and
-    #: checkpoints go through the stages; False where stages share the module's parameters
-    stages_own_parameters: bool = True
+    #: where the stages keep their parameters: each its own copy (in another process; gradients, optimizer steps
+    #: and checkpoints go through the stages), or `SharedParameters` where they share the module's
+    parameters: ParameterHome = StageCopies()
 
     @abstractmethod
     def launch(self, specs: list[Any], worker_cls: Any) -> Endpoint:

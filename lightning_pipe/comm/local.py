@@ -20,6 +20,7 @@ from lightning_pipe.comm.base import (
     remaining,
 )
 from lightning_pipe.comm.host import StageHost
+from lightning_pipe.comm.parameter_home import SharedParameters
 from lightning_pipe.runtime import runtime_registry
 
 
@@ -50,7 +51,7 @@ class LocalCommunicator(Communicator):
 
     name = "local"
     shares_objects = True
-    stages_own_parameters = False
+    parameters = SharedParameters()
 
     def __init__(self, threads: int | None = None) -> None:
         if threads is not None and threads < 1:

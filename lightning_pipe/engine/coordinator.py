@@ -294,7 +294,7 @@ class Coordinator:
         before the next overlaps with the first stages' last backwards. Not where the inputs need gradients
         (they come from the first stage's last backwards).
         """
-        return self.communicator.stages_own_parameters and not any(any(tree.grad_mask(x)) for x in inputs)
+        return self.communicator.parameters.may_leave(inputs)
 
     def _backward_inputs(self, step: int, inputs: Sequence[Any]) -> None:
         """Carry the first stage's input gradients into whatever produced the inputs."""

@@ -47,10 +47,7 @@ class StageOptimizers:
     def __init__(
         self, pipeline: StagedModel, template: torch.optim.Optimizer, names: dict[int, str] | None = None
     ) -> None:
-        if not pipeline.communicator.stages_own_parameters:
-            raise ConfigurationError(
-                "with transport='local' the stages share the module's parameters: step the optimizer itself"
-            )
+        pipeline.communicator.parameters.check_stage_optimizers()  # refused where the stages share the module
         self.pipeline = pipeline
         self.template = template
         locations = pipeline.parameter_locations()

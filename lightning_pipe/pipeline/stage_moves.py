@@ -20,11 +20,6 @@ from lightning_pipe.pipeline.stage_layout import stage_devices
 from lightning_pipe.pipeline.stage_state import StageState
 from lightning_pipe.schedule import PLACEMENTS
 
-OWN_PARAMETERS = (
-    "the stages own their parameters in other processes (rpc or launched mode), and schedule='auto' does not move "
-    "a stage between processes"
-)
-
 
 def moves_of(
     communicator: Communicator,
@@ -35,12 +30,16 @@ def moves_of(
 ) -> StageMoves:
     """Where a pipeline of ``devices`` (one per stage, from the user's ``given``) can move its stages: every placement
     that keeps each stage on its device, where the stages share the module's parameters; nowhere where they own them."""
-    if communicator.stages_own_parameters:
-        return StageMoves([], move, OWN_PARAMETERS)
+    placements, why = communicator.parameters.movable(lambda: _same_devices(given, devices, virtual_stages))
+    return StageMoves(placements, move, why)
+
+
+def _same_devices(given: Sequence[Any] | None, devices: Sequence[str], virtual_stages: int) -> tuple[list[str], str]:
+    """The placements that keep each stage on its device, and why not the others."""
     stages, ranks = len(devices), len(devices) // virtual_stages
     same = [p for p in PLACEMENTS if stage_devices(given, stages, ranks, p) == list(devices)]
     why = "" if len(same) == len(PLACEMENTS) else "another placement would put a stage on another device"
-    return StageMoves(same, move, why)
+    return same, why
 
 
 def move_stages(

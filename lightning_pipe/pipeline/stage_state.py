@@ -55,7 +55,7 @@ class StageState:
         parameters have them in ``p.grad`` when this returns: the caller's optimizer reads them next.
         """
         stages = self.coordinator.stages
-        send_each = stages.post_each if self.communicator.stages_own_parameters else stages.call_each
+        send_each = self.communicator.parameters.sender(stages)
         tied = self.tied
         if tied:
             names: list[list[str]] = [[] for _ in range(self.coordinator.num_ranks)]
@@ -84,17 +84,7 @@ class StageState:
         is one parameter. With ``transport="rpc"`` every worker unpickles its own copy; the copies
         get the same gradient (`apply_grads`) and so make the same optimizer updates.
         """
-        if not self.communicator.stages_own_parameters:
-            return []
-        rank_of = self.coordinator.rank_of_stage
-        tied = []
-        for places in self._tied_shards:
-            holders: dict[int, str] = {}
-            for index, name in places:
-                holders.setdefault(rank_of[index], name)  # two shards of one rank share one copy
-            if len(holders) > 1:
-                tied.append(list(holders.items()))
-        return tied
+        return self.communicator.parameters.copies(self.coordinator.rank_of_stage, self._tied_shards)
 
     def parameter_locations(self) -> dict[int, tuple[int, str]]:
         """``id(p)`` of each parameter of ``module`` -> (rank, name) of the (first) stage that holds it."""
@@ -177,14 +167,7 @@ class StageState:
 
     def held_names(self) -> list[set[str]]:
         """Per shard, the names of its submodules, parameters and buffers, where stages hold their own copies."""
-        if not self.communicator.stages_own_parameters:
-            return []
-        return [
-            {n for n, _ in shard.module.named_modules(remove_duplicate=False) if n}
-            | {n for n, _ in shard.module.named_parameters(remove_duplicate=False)}
-            | {n for n, _ in shard.module.named_buffers(remove_duplicate=False)}
-            for shard in self.shards
-        ]
+        return self.communicator.parameters.held_names(self.shards)
 
     def install_variants(self, partitioner: TracedPartitioner, first: int, before: list[set[str]]) -> None:
         """Send the stages (in other processes) the code of the call variants traced since ``first``.
@@ -192,8 +175,10 @@ class StageState:
         ``before``: `held_names` before those variants were traced; a variant that makes a stage use a
         submodule, parameter or buffer its worker process does not hold cannot be installed.
         """
-        if not self.communicator.stages_own_parameters:
-            return
+        self.communicator.parameters.update_copies(lambda: self._send_variants(partitioner, first, before))
+
+    def _send_variants(self, partitioner: TracedPartitioner, first: int, before: list[set[str]]) -> None:
+        """`install_variants` where the stages hold copies of their shards."""
         updates: list[dict[int, Any]] = [{} for _ in range(self.coordinator.num_ranks)]
         for shard, held, now in zip(self.shards, before, self.held_names(), strict=True):
             for variant in range(first, len(partitioner.variants)):

@@ -58,11 +58,11 @@ class Checkpoints:
         self.resume: Resume | None = None  # the checkpoint this fit starts from, opened (memory follows the stage)
 
     # reading
-    def opens_itself(self, path: Any, launched: bool, lightning_module: nn.Module | None) -> bool:
-        """Whether ``path`` is opened and read part by part (else Lightning loads it whole); ``launched``: the stages
-        own their parameters (launched and rpc mode), so each reads its own."""
+    def opens_itself(self, path: Any, lightning_module: nn.Module | None) -> bool:
+        """Whether ``path``, read where one process holds the model, is still opened and read part by part (else
+        Lightning loads it whole): a sharded folder, or a model on meta."""
         on_meta_now = lightning_module is not None and on_meta(lightning_module)
-        return launched or is_distributed_checkpoint(path) or on_meta_now
+        return is_distributed_checkpoint(path) or on_meta_now
 
     def open(self, path: Any, weights_only: bool | None, optimizers: int) -> dict[str, Any]:
         """Open ``path`` for this fit; what Lightning restores itself (its tensors are read where they live)."""
@@ -123,20 +123,37 @@ class Checkpoints:
             materialize(lightning_module, device, None, seed, skip=inside)
 
     def load_optimizers(
-        self, optimizers: list[torch.optim.Optimizer], states: list[Any], lightning_module: nn.Module, launched: bool
+        self, optimizers: list[torch.optim.Optimizer], states: list[Any], lightning_module: nn.Module
     ) -> None:
-        """A checkpoint's optimizer states, each where its parameters live (the stages' once they exist); ``launched``:
-        the stages own their parameters (launched and rpc mode), so each reads its own state, nothing is gathered."""
+        """A checkpoint's optimizer states where one process holds the model: whole, assembled from an opened
+        checkpoint (each where its parameters live: the stages' once they exist)."""
         resume = self.resume
         if resume is None:
             self.load_optimizer_states(optimizers, states)
             return
+        layouts = self._checked_layouts(resume, optimizers, lightning_module)
+        self.load_optimizer_states(optimizers, resume.optimizer_states(layouts))
+
+    def _checked_layouts(
+        self, resume: Resume, optimizers: list[torch.optim.Optimizer], lightning_module: nn.Module
+    ) -> list[list[list[str]]]:
+        """The optimizers' layouts (each one's parameters by key, per group), their groups checked against the
+        opened checkpoint's."""
         layouts = self.optimization.layouts or optimizer_layouts(lightning_module, optimizers)
         resume.set_layouts(layouts)
         resume.check_groups(layouts, strict=getattr(lightning_module, "strict_loading", True))
-        if not launched:  # one process: the optimizers' whole states, assembled from the checkpoint
-            self.load_optimizer_states(optimizers, resume.optimizer_states(layouts))
+        return layouts
+
+    def load_stage_optimizers(
+        self, optimizers: list[torch.optim.Optimizer], states: list[Any], lightning_module: nn.Module
+    ) -> None:
+        """A checkpoint's optimizer states where the stages own their parameters (launched and rpc mode): each stage
+        reads its own state from the opened checkpoint, nothing is gathered."""
+        resume = self.resume
+        if resume is None:
+            self.load_optimizer_states(optimizers, states)
             return
+        layouts = self._checked_layouts(resume, optimizers, lightning_module)
         stage_params = self.optimization.stage_params
         assert stage_params is not None, "launched and rpc mode: the stages own their parameters"
         pipelined = self.builder.pipelined

@@ -106,9 +106,10 @@ def torchft() -> Any:
 class ReplicaGroup:
     """This process's place in the fault-tolerant run: its torchft Manager, and the state a healing process takes.
 
-    Made by `FaultTolerantMode.connect` in every process (after the torchrun's default group exists). The engine
-    sees it as the manager of `QuorumReplicas` (``start_quorum``, ``allreduce``, ``should_commit``); every step's
-    quorum that holds fewer groups than the run has is said on the coordinator (the global batch shrank).
+    Made by `TorchftGroups.connect` (launched mode's `connect`) in every process (after the torchrun's default group
+    exists). The engine sees it as the manager of `QuorumReplicas` (``start_quorum``, ``allreduce``,
+    ``should_commit``); every step's quorum that holds fewer groups than the run has is said on the coordinator (the
+    global batch shrank).
     """
 
     def __init__(self, settings: FaultTolerance, rank: int, world: int, device: torch.device, coordinates: bool):

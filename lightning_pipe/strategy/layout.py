@@ -47,6 +47,16 @@ def check_transport(transport: str | None, streams: bool, options: Mapping[str, 
         raise ConfigurationError(f"{' and '.join(options)} {verb} transport='rpc' (stages in worker processes)")
 
 
+def check_tensor_parallel_transport(tensor_parallel: int, transport: str | None) -> None:
+    """``tensor_parallel`` > 1 runs in launched mode only: ``transport="local"`` and ``"rpc"`` are refused."""
+    if transport in (LOCAL, RPC):
+        raise ConfigurationError(
+            f"PipeStrategy(tensor_parallel={tensor_parallel}, transport={transport!r}): tensor parallel runs in "
+            "launched mode, one process per stage and tensor rank; leave transport out (or pass 'p2p') and start "
+            "devices x num_nodes = replicas x stages x tensor_parallel processes"
+        )
+
+
 def check_launched(processes: int, devices: Sequence[str] | None, runner: str, streams: bool) -> None:
     """What launched mode cannot do fails when the Trainer is built, before any process starts (``streams``:
     ``schedule="async"``)."""

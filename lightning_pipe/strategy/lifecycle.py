@@ -76,11 +76,11 @@ class Lifecycle:
         state, builder, optimization = self.state, self.state.builder, self.state.optimization
         module, pipelined = state.module, builder.pipelined
         assert pipelined is not None
-        optimization.setup(mode.stages_own_parameters, builder.outside(module))
+        mode.prepare_optimization(builder.outside(module))
         optimization.name_parameters(module, pipelined, state.host.optimizers)
         self.steps.setup(StepSetting(module, trainer, device, getattr(precision, "scaler", None)))
         self.patches.set(pipelined, "forward", self.steps.forward)
-        mode.install(state, self.patches)
+        mode.install(self.patches)
         callbacks: list[pl.Callback] = trainer.callbacks  # type: ignore[attr-defined]
         install(callbacks, self.runtime_hooks, *([self.pipe_trace] if self.pipe_trace is not None else []))
         optimization.install(callbacks, precision)
@@ -94,7 +94,7 @@ class Lifecycle:
             builder.keep_trace()  # execution_trace() after this fit/validate/test/predict
             self.steps.end_stream()
             self.random.keep(builder.pipeline)
-            mode.keep_stages(self.state)  # rpc mode, a model built on meta: its trained stages, for checkpoints
+            mode.keep_stages()  # rpc mode, a model built on meta: its trained stages, for checkpoints
         finally:
             self.shutdown(mode)
 
@@ -109,7 +109,7 @@ class Lifecycle:
         try:
             self.steps.end_stream()
             self.state.checkpoints.close()
-            mode.fold_back(self.state)  # where one process holds the model: the stages' trained values
+            mode.fold_back()  # where one process holds the model: the stages' trained values
         finally:  # whatever failed above: the user's objects as they were, the stages stopped
             self.patches.restore()
             self.steps.close()

@@ -101,18 +101,20 @@ class ModelState:
         return prefix_of(module, self.stage.pipelined or self.builder.find(module))
 
     # reading
-    def load_checkpoint(
-        self, path: Any, weights_only: bool | None, stages_own_parameters: bool, lightning: Callable[..., Any]
-    ) -> dict[str, Any]:
-        """Open ``path`` part by part where the stages own their parameters (or it is a folder, or the model is on
-        meta); else ``lightning`` (Lightning's reading) loads it whole."""
+    def load_checkpoint(self, path: Any, weights_only: bool | None, lightning: Callable[..., Any]) -> dict[str, Any]:
+        """Where one process holds the model: ``lightning`` (Lightning's reading) loads ``path`` whole, unless it is a
+        folder or the model is on meta (`open_checkpoint`)."""
         visible(path, "ckpt_path")  # every process reads it itself: here, or it names this host
-        optimizers = len(self.host.optimizers) or 1
-        if self.checkpoints.opens_itself(path, stages_own_parameters, self.host.lightning_module):
-            return self.checkpoints.open(path, weights_only, optimizers)
+        if self.checkpoints.opens_itself(path, self.host.lightning_module):
+            return self.checkpoints.open(path, weights_only, len(self.host.optimizers) or 1)
         checkpoint: dict[str, Any] = lightning(path, weights_only=weights_only)
         self.checkpoints.loaded(checkpoint)
         return checkpoint
+
+    def open_checkpoint(self, path: Any, weights_only: bool | None) -> dict[str, Any]:
+        """Open ``path`` and read it part by part: each stage reads its own tensors where it lives."""
+        visible(path, "ckpt_path")  # every process reads it itself: here, or it names this host
+        return self.checkpoints.open(path, weights_only, len(self.host.optimizers) or 1)
 
     def load_model_state_dict(self, checkpoint: Any, strict: bool, lightning: Callable[..., None]) -> None:
         """Lightning's strict loading in every mode; the tensors: ``lightning`` loads them, or (an opened checkpoint)
@@ -122,9 +124,13 @@ class ModelState:
         if self.checkpoints.resume is None:
             lightning(checkpoint, strict=strict)
 
-    def load_optimizer_state_dict(self, checkpoint: Any, stages_own_parameters: bool) -> None:
-        states = checkpoint["optimizer_states"]
-        self.checkpoints.load_optimizers(self.host.optimizers, states, self.module, stages_own_parameters)
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        """Where one process holds the model: the optimizers' whole states."""
+        self.checkpoints.load_optimizers(self.host.optimizers, checkpoint["optimizer_states"], self.module)
+
+    def load_stage_optimizer_states(self, checkpoint: Any) -> None:
+        """Where the stages own their parameters: each stage reads its own optimizer state."""
+        self.checkpoints.load_stage_optimizers(self.host.optimizers, checkpoint["optimizer_states"], self.module)
 
     # writing, where one process holds the model
     def module_state(self, lightning: Callable[[], dict[str, Any]]) -> dict[str, Any]:

@@ -40,12 +40,15 @@ class StageOptimization:
         #: each optimizer's parameters by their LightningModule key, per group (what checkpoints store by position)
         self.layouts: list[list[list[str]]] = []
 
-    def setup(self, stages_own_parameters: bool, outside: Iterable[nn.Parameter]) -> None:
-        """At each setup: whether the stages own their parameters (kept once made: a loaded state may wait
-        there for the stages), and the parameters outside the pipelined module."""
-        if stages_own_parameters and self.stage_params is None:
-            self.stage_params = StageParameters()
+    def setup(self, outside: Iterable[nn.Parameter]) -> None:
+        """At each setup: the parameters outside the pipelined module."""
         self.outside = GradStash(outside)
+
+    def step_stages(self) -> None:
+        """At each setup where the stages own their parameters: Lightning's optimizers step them on the stages (kept
+        once made: a loaded state may wait there for the stages)."""
+        if self.stage_params is None:
+            self.stage_params = StageParameters()
 
     def install(self, callbacks: list[pl.Callback], precision: Any) -> None:
         """Stages that own their parameters: zero their gradients with Lightning's, clip over all of them."""

@@ -143,7 +143,7 @@ class PipeStrategy(ParallelStrategy):
     def device_mesh(self) -> Any:
         """Launched mode's DeviceMesh (as ``ModelParallelStrategy.device_mesh``; the LightningModule's
         ``self.device_mesh``): dims ``data_parallel`` x ``pipeline`` (x ``tensor_parallel`` with tensor parallel)."""
-        return self.mode.joined_mesh()
+        return self.processes.joined_mesh()
 
     def resolve_devices(self) -> list[str]:
         """One device per stage: launched mode's processes (placed as the schedule says), or from ``devices``,
@@ -173,23 +173,23 @@ class PipeStrategy(ParallelStrategy):
     # Lightning's collectives: among the coordinators in launched mode, nothing to agree on in one process
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
-        return self.mode.reduce_boolean_decision(decision, all)
+        return self.mode.collectives.reduce_boolean_decision(decision, all)
 
     @override
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
-        return self.mode.reduce(tensor, group, reduce_op)
+        return self.mode.collectives.reduce(tensor, group, reduce_op)
 
     @override
     def barrier(self, name: str | None = None) -> None:
-        self.mode.barrier()
+        self.mode.collectives.barrier()
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return self.mode.broadcast(obj, src)
+        return self.mode.collectives.broadcast(obj, src)
 
     @override
     def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> torch.Tensor:
-        return self.mode.all_gather(tensor, group, sync_grads)
+        return self.mode.collectives.all_gather(tensor, group, sync_grads)
 
     # setup and teardown
     @override
@@ -201,7 +201,7 @@ class PipeStrategy(ParallelStrategy):
         autocast = autocast_of(self.precision_plugin)
         destination = Destination(self.resolve_devices(), self.root_device, autocast, self.mode.transport, self._built)
         pipelined = self.state.prepare(destination, seed)
-        self.mode.continue_from(self.state, destination)
+        self.mode.continue_from(destination)
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()  # the stages place the pipelined module: no wrapper (Lightning's _setup_model)
@@ -216,7 +216,7 @@ class PipeStrategy(ParallelStrategy):
         """The stages exist: they get the saved generator states, the optimizers their per-stage parts (the mode says
         where: in launched mode this process keeps its own stage and the tensors outside the pipeline)."""
         self.random.restore(pipeline)
-        self.mode.built(self.state, pipeline, self.root_device)
+        self.mode.built(pipeline, self.root_device)
 
     @override
     def model_to_device(self) -> None:
@@ -312,9 +312,8 @@ class PipeStrategy(ParallelStrategy):
     # the training state in a checkpoint: the parts read it, the mode says where it is written from
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        own = self.mode.stages_own_parameters
         self.lifecycle.resuming()  # ckpt_path= wins over weights= (docs/usage.md)
-        return self.state.load_checkpoint(checkpoint_path, weights_only, own, super().load_checkpoint)
+        return self.mode.load_checkpoint(checkpoint_path, weights_only, super().load_checkpoint)
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
@@ -323,24 +322,24 @@ class PipeStrategy(ParallelStrategy):
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        self.state.load_optimizer_state_dict(checkpoint, self.mode.stages_own_parameters)
+        self.mode.load_optimizer_state(checkpoint)
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        return self.mode.module_state(self.state, super().lightning_module_state_dict)
+        return self.mode.module_state(super().lightning_module_state_dict)
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        return self.mode.optimizer_state(self.state, optimizer, super().optimizer_state)
+        return self.mode.optimizer_state(optimizer, super().optimizer_state)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any = None) -> None:
         checkpoint = self.state.checkpoints.saving(checkpoint)  # with the stages' generator states
-        self.mode.save_checkpoint(self.state, checkpoint, Path(filepath), storage_options, super().save_checkpoint)
+        self.mode.save_checkpoint(checkpoint, Path(filepath), storage_options, super().save_checkpoint)
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
-        self.mode.remove_checkpoint(self.state, Path(filepath), super().remove_checkpoint)
+        self.mode.remove_checkpoint(Path(filepath), super().remove_checkpoint)
 
     # what users ask of the strategy
     def staleness(self) -> list[Staleness]:

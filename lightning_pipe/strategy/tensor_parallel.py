@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from lightning_pipe.base.errors import ConfigurationError
+from lightning_pipe.strategy.layout import check_tensor_parallel_transport
 
 #: the dimensions of launched mode's device mesh with tensor parallel, outermost first (Lightning's names)
 MESH_DIMS = ("data_parallel", "pipeline", "tensor_parallel")
@@ -42,12 +43,7 @@ def check_tensor_parallel_arguments(config: Any) -> None:
         )
     if tensor_parallel == 1:
         return
-    if transport in ("local", "rpc"):
-        raise ConfigurationError(
-            f"PipeStrategy(tensor_parallel={tensor_parallel}, transport={transport!r}): tensor parallel runs in "
-            "launched mode, one process per stage and tensor rank; leave transport out (or pass 'p2p') and start "
-            "devices x num_nodes = replicas x stages x tensor_parallel processes"
-        )
+    check_tensor_parallel_transport(tensor_parallel, transport)  # the mode rule: launched mode only
     if not isinstance(schedule, str) or schedule not in TENSOR_PARALLEL_SCHEDULES:
         raise ConfigurationError(
             f"PipeStrategy(tensor_parallel={tensor_parallel}, schedule={schedule!r}): tensor parallel is tested with "

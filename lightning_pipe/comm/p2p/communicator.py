@@ -55,7 +55,6 @@ class P2PCommunicator(Communicator):
     """
 
     name = "p2p"
-    stages_own_parameters = True
 
     @property
     def shares_objects(self) -> bool:  # type: ignore[override]

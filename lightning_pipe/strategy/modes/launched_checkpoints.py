@@ -8,8 +8,8 @@
 - `write_single_file` (``save_distributed_checkpoint=False``): one ``torch.save``-compatible file: the folder
   first, then global rank 0 makes one file of it a tensor at a time (`lightning_pipe.checkpoint.consolidate`): no
   process holds the whole model or optimizer state.
-- `write_file`: one file written by Lightning's ``checkpoint_io`` (local mode, rpc mode after a fit). Each is
-  published once complete (`lightning_pipe.checkpoint.publish`; ``async_checkpoint``: written in the background).
+`LaunchedCheckpoints` chooses between them for each save, and publishes the result once complete
+(`lightning_pipe.checkpoint.publish`; ``async_checkpoint``: written in the background).
 """
 
 from __future__ import annotations
@@ -19,18 +19,84 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
-from lightning.pytorch.trainer.states import TrainerStatus
+import torch.distributed as dist
 
 from lightning_pipe.base.errors import ConfigurationError
 from lightning_pipe.checkpoint.background import CheckpointWrites
 from lightning_pipe.checkpoint.consolidate import consolidate
-from lightning_pipe.checkpoint.publish import is_local, prepare, publish
+from lightning_pipe.checkpoint.publish import prepare, publish, temporary_path
 from lightning_pipe.checkpoint.sharded import prepare_folder
 from lightning_pipe.checkpoint.stage_part import CoordinatorPart
 from lightning_pipe.engine.stage_protocol import StageProtocol
 from lightning_pipe.pipeline.pipeline import Pipeline
+from lightning_pipe.strategy.layout import Layout
+from lightning_pipe.strategy.modes.launched_collectives import CoordinatorCollectives
+from lightning_pipe.strategy.modes.mode_parts import ModeParts
+from lightning_pipe.strategy.modes.whole_file import in_fit
+from lightning_pipe.strategy.pipe_config import PipeConfig
 from lightning_pipe.weights.edited import StateEdits
+
+
+class LaunchedCheckpoints:
+    """Launched mode's saves: every process its part, through ``writes`` (this process's writes in flight).
+
+    ``layout``: this process's place; ``parts``: the strategy's parts (the state, the pipeline, this process's
+    stage); ``collectives``: among the coordinators; ``config``: ``save_distributed_checkpoint`` is read.
+    """
+
+    def __init__(
+        self,
+        config: PipeConfig,
+        layout: Layout,
+        writes: CheckpointWrites,
+        parts: ModeParts,
+        collectives: CoordinatorCollectives,
+    ) -> None:
+        self.config = config
+        self.layout = layout
+        self.writes = writes
+        self.host, self.state, self.builder, self.stage = parts.host, parts.state, parts.builder, parts.stage
+        self.collectives = collectives
+
+    def save(self, checkpoint: dict[str, Any], path: Path) -> None:
+        """A folder every process writes its part of (`write_sharded`), or one file made of it a tensor at a time;
+        written under a temporary name that global rank 0 publishes once DCP finished (every part written), in the
+        background with ``async_checkpoint`` (the save before it written and published first)."""
+        path = Path(self.collectives.broadcast(str(path)))
+        self.writes.wait()  # this process's previous save: written (and on global rank 0 published) before this one
+        first = self.layout.global_rank == 0
+        state = self.state
+        prefix = state.prefix()
+        edits = state.save_edits(checkpoint)  # what the on_save_checkpoint hooks did to the shapes they saw
+        if self.layout.coordinates:
+            part = state.coordinator_part(prefix, edits)
+        else:  # a process serving a stage saves after the fit: the values its hooks added too
+            part = CoordinatorPart(model=dict(edits.given) if edits is not None else {})
+        pipeline, here, worker = self.builder.pipeline, self.layout.coordinator, self.stage.worker
+
+        def save(folder: Path) -> None:
+            write_sharded(folder, prefix, checkpoint, part, first, pipeline, here, worker, edits)
+
+        if self.config.save_distributed_checkpoint is not False:  # None (the default) or True: a folder
+            temporary = prepare(path) if first else temporary_path(path)
+            self._together(pipeline)  # a leftover temporary folder goes before any process writes: removed while
+            save(temporary)  # another process made it, it failed that one's save (FileExistsError in DCP)
+            if first:
+                self.writes.then(lambda: publish(temporary, path))
+        else:
+            write_single_file(save, path, first, self.writes)
+        if not in_fit(self.host.lightning_module):
+            self.writes.wait()  # no training to overlap: the checkpoint is there when save_checkpoint returns
+        self._together(pipeline)  # published (rank 0) before any process starts its next save of the same name
+
+    def _together(self, pipeline: Pipeline | None) -> None:
+        """Every process that saves waits for the others: the coordinators while a fit runs (the processes serving
+        stages write when their coordinator asks, after this), every process of the run after a fit (each calls
+        ``trainer.save_checkpoint`` itself, as with DDP)."""
+        if pipeline is not None or not dist.is_initialized():
+            self.collectives.barrier()
+        else:
+            self.collectives.wait(None)  # the default group: every process of the run
 
 
 def write_sharded(
@@ -82,37 +148,3 @@ def write_single_file(save: Callable[[Path], None], path: Path, first: bool, wri
             publish(temporary, path)
 
         writes.then(make_file)
-
-
-def publishes(checkpoint_io: CheckpointIO, path: Path) -> bool:
-    """Whether a file that ``checkpoint_io`` writes at ``path`` can be written under a temporary name and renamed:
-    Lightning's own ``TorchCheckpointIO`` on this machine's file system (another plugin, such as Lightning's
-    ``AsyncCheckpointIO``, writes where and when it chooses)."""
-    return isinstance(checkpoint_io, TorchCheckpointIO) and is_local(path)
-
-
-def write_file(
-    writes: CheckpointWrites,
-    lightning: Callable[..., None],
-    checkpoint: dict[str, Any],
-    path: Path,
-    storage_options: Any,
-    checkpoint_io: CheckpointIO,
-) -> None:
-    """``checkpoint`` as one file at ``path``, written by Lightning (``lightning``: the strategy's base class's
-    ``save_checkpoint``, through ``checkpoint_io``) under a temporary name and published; with ``writes``
-    asynchronous, from a copy of its tensors in CPU memory, in ``writes``' thread."""
-    if not publishes(checkpoint_io, path):
-        lightning(checkpoint, path, storage_options=storage_options)
-        return
-    temporary = prepare(path)
-    checkpoint = writes.stage(checkpoint)
-    writes.run(lambda: lightning(checkpoint, temporary, storage_options=storage_options), path)
-    writes.then(lambda: publish(temporary, path))
-
-
-def in_fit(module: Any) -> bool:
-    """Whether the Trainer of ``module`` (the LightningModule) runs: a save during a fit may run in the background
-    (its end waits for it); one after it completes before ``save_checkpoint`` returns."""
-    trainer = getattr(module, "_trainer", None)
-    return trainer is not None and trainer.state.status == TrainerStatus.RUNNING

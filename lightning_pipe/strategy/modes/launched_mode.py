@@ -8,40 +8,38 @@ the Trainer's loop, and Lightning's collectives span them only. Process groups: 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.distributed import (
-    _all_gather_ddp_if_available,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
+from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device, _init_dist_connection
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import nn
 from typing_extensions import override
 
 from lightning_pipe.base.allocator import give_back_large_blocks
-from lightning_pipe.checkpoint.publish import prepare, publish, temporary_path
-from lightning_pipe.checkpoint.stage_part import CoordinatorPart
+from lightning_pipe.checkpoint.background import writes_for
 from lightning_pipe.comm import P2PCommunicator, serve_stages
 from lightning_pipe.comm.p2p.dtensor_frames import use_tensor_mesh
 from lightning_pipe.engine.runners import worker_of_stages
 from lightning_pipe.pipeline.pipeline import Pipeline
 from lightning_pipe.schedule import LOOP
 from lightning_pipe.strategy.arguments import fsdp_without_replicas
+from lightning_pipe.strategy.building import Destination
 from lightning_pipe.strategy.launcher import PipeLauncher
 from lightning_pipe.strategy.layout import LAUNCHED, Layout
-from lightning_pipe.strategy.model_state import ModelState
-from lightning_pipe.strategy.modes.launched_checkpoints import in_fit, write_sharded, write_single_file
-from lightning_pipe.strategy.modes.mode import Mode, Write
+from lightning_pipe.strategy.modes.launched_checkpoints import LaunchedCheckpoints
+from lightning_pipe.strategy.modes.launched_collectives import CoordinatorCollectives
+from lightning_pipe.strategy.modes.mode import Collectives, Mode, Write
+from lightning_pipe.strategy.modes.mode_parts import ModeParts
+from lightning_pipe.strategy.modes.replica_groups import replicas_of
+from lightning_pipe.strategy.modes.whole_file import WholeFile
 from lightning_pipe.strategy.patch import Patches
 from lightning_pipe.strategy.pipe_config import PipeConfig
 from lightning_pipe.strategy.process_groups import PROCESS_GROUP_TIMEOUT, ProcessGroups, attempt_store
-from lightning_pipe.strategy.process_stage import ProcessStage
 from lightning_pipe.strategy.unread import checkpoint_io_unused
 
 
@@ -54,20 +52,21 @@ class LaunchedMode(Mode):
 
     name = LAUNCHED
 
-    def __init__(
-        self,
-        layout: Layout,
-        devices: Sequence[torch.device],
-        config: PipeConfig,
-        stage: ProcessStage,
-    ) -> None:
-        super().__init__(config)  # the strategy's arguments (``timeout``, ``runner``, ``virtual_stages`` are read)
+    def __init__(self, layout: Layout, devices: Sequence[torch.device], config: PipeConfig, parts: ModeParts) -> None:
+        self.config = config  # the strategy's arguments (``timeout``, ``runner``, ``virtual_stages`` are read)
         self._layout = layout
         self.devices = list(devices)  # this node's devices, one per local rank
-        self.stage = stage  # this process's part of the model: the stages built here bind to it
+        self.host, self.state, self.builder = parts.host, parts.state, parts.builder
+        self.optimization = parts.optimization
+        self.stage = parts.stage  # this process's part of the model: the stages built here bind to it
         self._groups: ProcessGroups | None = None
         self._p2p: P2PCommunicator | None = None
         self._released = True  # the serving ranks were told that this fit ended
+        self._collectives = CoordinatorCollectives(layout, self.device)
+        self.writes = writes_for(config.async_checkpoint)  # this process's checkpoint write in flight
+        self.file = WholeFile(self.writes, parts.host, first=layout.global_rank == 0)  # no LightningModule attached
+        self.checkpoints = LaunchedCheckpoints(config, layout, self.writes, parts, self._collectives)
+        self.replicas = replicas_of(config)  # the run's own, or torchft replica groups (``fault_tolerance=``)
 
     @property
     @override
@@ -115,7 +114,7 @@ class LaunchedMode(Mode):
     @override
     def sampler_kwargs(self) -> dict[str, Any]:
         """Each replica reads its own shard of the data; the ranks of one pipeline read none (they serve)."""
-        return {"num_replicas": self.layout.replicas, "rank": self.layout.replica}
+        return self.replicas.sampler_kwargs(self.layout)
 
     @property
     @override
@@ -157,11 +156,13 @@ class LaunchedMode(Mode):
             _init_dist_connection(cluster_environment, backend, timeout=PROCESS_GROUP_TIMEOUT, **store)
             ProcessGroups.made_default_group()
         self._groups = groups = ProcessGroups.of(self.layout, device.type)
+        self._collectives.groups = groups  # Lightning's collectives span the coordinators' group from now on
         self.writes.connect(groups.checkpoint_writes)  # async_checkpoint: the group of async_save's collectives
         if self.layout.replicas > 1:  # this process's stage is spread over them (`ProcessStage.sharded`)
             self.stage.replicate_over(groups.replicas, groups.mesh["data_parallel"])
         if self.layout.tensor_parallel > 1:  # DTensors crossing between stages are rebuilt over the stage's ranks
             use_tensor_mesh(self._groups.mesh["tensor_parallel"])
+        self.replicas.connect(self.layout, device)
 
     @property
     @override
@@ -178,7 +179,7 @@ class LaunchedMode(Mode):
         tensor = f" x {layout.tensor_parallel} tensor rank(s)" if layout.tensor_parallel > 1 else ""
         return (
             f"PipeStrategy: launched mode, {layout.world_size} processes = {layout.replicas} replica(s) x "
-            f"{layout.ranks_per_pipeline} pipeline rank(s){tensor}; {layout.picture()}"
+            f"{layout.ranks_per_pipeline} pipeline rank(s){tensor}; {layout.picture()}{self.replicas.describe()}"
         )
 
     def communicator(self) -> P2PCommunicator:
@@ -197,6 +198,7 @@ class LaunchedMode(Mode):
         this process's `writes`."""
         worker.checkpoints.writes = self.writes
         self.stage.built(worker)
+        self.replicas.attach(worker)
 
     def _built_to_serve(self, worker: Any) -> None:
         """A stage built in a serving process: this process keeps that stage of its model and nothing else."""
@@ -240,154 +242,94 @@ class LaunchedMode(Mode):
             text = f"its coordinator, {who}, failed: {type(error).__name__}: {error}"
         p2p.release(text)
 
+    @property
+    @override
+    def collectives(self) -> Collectives:
+        """Among the coordinators (the processes that run Lightning's loop)."""
+        return self._collectives
+
     # where the stages and the optimizers live: each process's own stage, in its own LightningModule
     @override
-    def built(self, state: ModelState, pipeline: Pipeline, device: torch.device) -> None:
-        """This process keeps its own stage and the tensors outside the pipeline, nothing else; the optimizers step
-        the stages' parameters (found by name) and keep only meta stand-ins of them."""
-        module = state.host.lightning_module
-        if module is not None:
-            self.stage.release(keep=state.builder.outside_tensors(module))
-        optimizers = state.host.optimizers
-        state.optimization.step_on_stages(pipeline, optimizers, device, by_name=True)
-        state.optimization.stand_in(optimizers)
+    def prepare_optimization(self, outside: Iterable[nn.Parameter]) -> None:
+        """Lightning's optimizers step this process's stage, on it."""
+        self.optimization.setup(outside)
+        self.optimization.step_stages()
 
     @override
-    def install(self, state: ModelState, patches: Patches) -> None:
+    def built(self, pipeline: Pipeline, device: torch.device) -> None:
+        """This process keeps its own stage and the tensors outside the pipeline, nothing else; the optimizers step
+        the stages' parameters (found by name) and keep only meta stand-ins of them."""
+        module = self.host.lightning_module
+        if module is not None:
+            self.stage.release(keep=self.builder.outside_tensors(module))
+        optimizers = self.host.optimizers
+        self.optimization.step_on_stages(pipeline, optimizers, device, by_name=True)
+        self.optimization.stand_in(optimizers)
+        if module is not None:  # the coordinator: its Trainer heals a joining torchft group's (`Replicas.follow`)
+            self.replicas.follow(module.trainer)
+
+    @override
+    def continue_from(self, destination: Destination) -> None:
+        """Nothing: each process's LightningModule holds its own stage's trained tensors."""
+
+    @override
+    def install(self, patches: Patches) -> None:
         """This process's stage trains the LightningModule's own tensors, in its stage thread, and Lightning posts it
         the optimizer step without waiting. Before validation Lightning frees the module's gradients from the loop's
         thread (``on_validation_model_zero_grad``): the stages first finish what was posted to them, or the step
         would lose gradients it is reading."""
-        module = state.module
+        module, builder = self.state.module, self.builder
         release = module.on_validation_model_zero_grad  # the user's override, or Lightning's
 
         def after_the_stages() -> None:
-            if state.builder.pipeline is not None:
-                state.builder.pipeline.flush()
+            if builder.pipeline is not None:
+                builder.pipeline.flush()
             release()
 
         patches.set(module, "on_validation_model_zero_grad", after_the_stages)
 
     @override
-    def fold_back(self, state: ModelState) -> None:
+    def keep_stages(self) -> None:
+        """Nothing: each process keeps its last stage worker for a checkpoint after the fit (`ProcessStage`)."""
+
+    @override
+    def fold_back(self) -> None:
         """Nothing: each process's LightningModule holds its own stage's trained tensors already."""
 
-    # the training state: every process writes its own stage, nothing is gathered
+    # the training state: every process reads and writes its own stage, nothing is gathered
     @override
-    def module_state(self, state: ModelState, lightning: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-        return state.shapes()  # each process writes its own stage (`save_checkpoint`): the hooks see shapes
+    def load_checkpoint(self, path: Any, weights_only: bool | None, lightning: Callable[..., Any]) -> dict[str, Any]:
+        """Opened part by part: each process reads its own stage."""
+        return self.state.open_checkpoint(path, weights_only)
 
     @override
-    def optimizer_state(
-        self, state: ModelState, optimizer: Any, lightning: Callable[[Any], dict[str, Any]]
-    ) -> dict[str, Any]:
+    def load_optimizer_state(self, checkpoint: Any) -> None:
+        self.state.load_stage_optimizer_states(checkpoint)
+
+    @override
+    def module_state(self, lightning: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        return self.state.shapes()  # each process writes its own stage (`save_checkpoint`): the hooks see shapes
+
+    @override
+    def optimizer_state(self, optimizer: Any, lightning: Callable[[Any], dict[str, Any]]) -> dict[str, Any]:
         return {}  # as above: the stages write their own
 
     @override
-    def save_checkpoint(
-        self, state: ModelState, checkpoint: dict[str, Any], path: Path, storage_options: Any, lightning: Write
-    ) -> None:
-        """A folder every process writes its part of (`write_sharded`), or one file made of it a tensor at a time;
-        written under a temporary name that global rank 0 publishes once DCP finished (every part written), in the
-        background with ``async_checkpoint`` (the save before it written and published first)."""
-        if state.host.lightning_module is None:
-            super().save_checkpoint(state, checkpoint, path, storage_options, lightning)
-            return
-        path = Path(self.broadcast(str(path)))
-        self.writes.wait()  # this process's previous save: written (and on global rank 0 published) before this one
-        first = self.first_process
-        prefix = state.prefix()
-        edits = state.save_edits(checkpoint)  # what the on_save_checkpoint hooks did to the shapes they saw
-        if self.layout.coordinates:
-            part = state.coordinator_part(prefix, edits)
-        else:  # a process serving a stage saves after the fit: the values its hooks added too
-            part = CoordinatorPart(model=dict(edits.given) if edits is not None else {})
-        pipeline, here, worker = state.builder.pipeline, self.layout.coordinator, self.stage.worker
-
-        def save(folder: Path) -> None:
-            write_sharded(folder, prefix, checkpoint, part, first, pipeline, here, worker, edits)
-
-        if self.config.save_distributed_checkpoint is not False:  # None (the default) or True: a folder
-            temporary = prepare(path) if first else temporary_path(path)
-            self._together(pipeline)  # a leftover temporary folder goes before any process writes: removed while
-            save(temporary)  # another process made it, it failed that one's save (FileExistsError in DCP)
-            if first:
-                self.writes.then(lambda: publish(temporary, path))
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Path, storage_options: Any, lightning: Write) -> None:
+        """Every process writes its part (`LaunchedCheckpoints.save`); with no LightningModule attached, Lightning
+        writes one file from global rank 0."""
+        if self.host.lightning_module is None:
+            self.file.save(checkpoint, path, storage_options, lightning)
         else:
-            write_single_file(save, path, first, self.writes)
-        if not in_fit(state.host.lightning_module):
-            self.writes.wait()  # no training to overlap: the checkpoint is there when save_checkpoint returns
-        self._together(pipeline)  # published (rank 0) before any process starts its next save of the same name
-
-    def _together(self, pipeline: Pipeline | None) -> None:
-        """Every process that saves waits for the others: the coordinators while a fit runs (the processes serving
-        stages write when their coordinator asks, after this), every process of the run after a fit (each calls
-        ``trainer.save_checkpoint`` itself, as with DDP)."""
-        if pipeline is not None or not dist.is_initialized():
-            self.barrier()
-        else:
-            self._wait(None)  # the default group: every process of the run
-
-    @property
-    @override
-    def first_process(self) -> bool:
-        return self.layout.global_rank == 0
+            self.checkpoints.save(checkpoint, path)
 
     @override
-    def remove_checkpoint(self, state: ModelState, path: Path, lightning: Write) -> None:
-        if self.first_process:
-            self.writes.then(lambda: state.remove(path, lightning))  # once the checkpoint replacing it is published
+    def remove_checkpoint(self, path: Path, lightning: Write) -> None:
+        if self.layout.global_rank == 0:  # once the checkpoint replacing it is published
+            self.writes.then(lambda: self.state.remove(path, lightning))
         else:
             lightning(path)  # Lightning's removal: on global rank 0 only
 
-    # Lightning's collectives: among the coordinators (the processes that run Lightning's loop)
-    def _coordinator_group(self) -> Any:
-        """The coordinators' group; None where there is nothing to agree on (one replica, or a serving rank)."""
-        layout = self.layout
-        if len(layout.coordinator_ranks) == 1 or self._groups is None or not layout.coordinates:
-            return None
-        return self._groups.coordinators
-
     @override
-    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
-        if self._coordinator_group() is None:
-            return decision
-        votes = self.reduce(torch.tensor(int(decision), device=self.device), reduce_op="sum")
-        return bool(votes == len(self.layout.coordinator_ranks)) if all else bool(votes)
-
-    @override
-    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
-        coordinators = self._coordinator_group()
-        if coordinators is None or not isinstance(tensor, torch.Tensor):
-            return tensor
-        return _sync_ddp_if_available(tensor, group or coordinators, reduce_op=reduce_op)
-
-    @override
-    def barrier(self) -> None:
-        coordinators = self._coordinator_group()
-        if coordinators is not None:
-            self._wait(coordinators)
-
-    def _wait(self, group: Any) -> None:
-        """A barrier of ``group`` (None: every process), on this process's device where NCCL needs one."""
-        if self.device.type == "cuda":
-            dist.barrier(group=group, device_ids=[self.device.index or 0])
-        else:
-            dist.barrier(group=group)
-
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        coordinators = self._coordinator_group()
-        if coordinators is None:
-            return obj
-        box = [obj]
-        ranks = self.layout.coordinator_ranks  # Lightning names a global rank; only coordinators take part
-        dist.broadcast_object_list(box, src=src if src in ranks else ranks[0], group=coordinators)
-        return box[0]
-
-    @override
-    def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> torch.Tensor:
-        coordinators = self._coordinator_group()
-        if coordinators is None:
-            return tensor
-        return _all_gather_ddp_if_available(tensor, group=group or coordinators, sync_grads=sync_grads)
+    def end_fit(self, error: BaseException | None = None) -> None:
+        self.writes.finish(error)

@@ -13,12 +13,16 @@ import torch
 
 from lightning_pipe.base.errors import ConfigurationError
 from lightning_pipe.strategy.layout import LOCAL, RPC, Layout, check_launched, choose_mode
-from lightning_pipe.strategy.modes.fault_tolerant_mode import FaultTolerantMode, check_fault_tolerant
 from lightning_pipe.strategy.modes.launched_mode import LaunchedMode
-from lightning_pipe.strategy.modes.mode import LocalMode, Mode
+from lightning_pipe.strategy.modes.local_mode import LocalMode
+from lightning_pipe.strategy.modes.mode import Mode
+from lightning_pipe.strategy.modes.mode_parts import ModeParts
+from lightning_pipe.strategy.modes.replica_groups import check_fault_tolerant
 from lightning_pipe.strategy.modes.rpc_mode import RpcMode
 from lightning_pipe.strategy.pipe_config import PipeConfig
-from lightning_pipe.strategy.process_stage import ProcessStage
+
+#: the modes that run Lightning's loop in one process, by name
+ONE_PROCESS: dict[str, type[LocalMode] | type[RpcMode]] = {LOCAL: LocalMode, RPC: RpcMode}
 
 
 def process_count(devices: Sequence[torch.device] | None, num_nodes: int, environment: Any) -> int:
@@ -48,25 +52,25 @@ def mode_of(
     devices: Sequence[torch.device] | None,
     global_rank: int,
     placement: str,
-    stage: ProcessStage,
+    parts: ModeParts,
     held: Mode | None,
 ) -> Mode:
-    """The `Mode` of ``config.transport`` and the number of ``processes``; ``held``, the mode chosen before, is kept
-    while it is the same (launched mode's while the layout and devices stay: it holds the process groups and
-    transport; rpc mode's holds what the last fit left for the checkpoints after it)."""
+    """The `Mode` of ``config.transport`` and the number of ``processes``, holding the strategy's ``parts``;
+    ``held``, the mode chosen before, is kept while it is the same (launched mode's while the layout and devices
+    stay: it holds the process groups and transport; rpc mode's holds what the last fit left for the checkpoints
+    after it)."""
     name = choose_mode(config.transport, processes)
     check_fault_tolerant(config, name, processes)
-    one_process = {LOCAL: LocalMode, RPC: RpcMode}.get(name)
+    one_process = ONE_PROCESS.get(name)
     if one_process is not None:
         check_one_process(config, processes)
-        return held if type(held) is one_process else one_process(config)
+        return held if type(held) is one_process else one_process(config, parts)
     check_launched(processes, config.stage_devices, config.runner, config.asynchronous)
     assert devices is not None
     stages = config.stages or len(devices)
     layout = Layout.of(
         processes, global_rank, stages, config.virtual_stages, len(devices), placement, config.tensor_parallel
     )
-    kind = LaunchedMode if config.fault_tolerance is None else FaultTolerantMode
-    if type(held) is kind and (held.layout, held.devices) == (layout, list(devices)):
+    if isinstance(held, LaunchedMode) and (held.layout, held.devices) == (layout, list(devices)):
         return held
-    return kind(layout, devices, config, stage)
+    return LaunchedMode(layout, devices, config, parts)
