@@ -43,6 +43,7 @@ class Config:
     port: int = 0
     trace_dir: str | None = None
     compress: str | None = None  # the rpc contenders' message compression (``compress=``)
+    backend: str | None = None  # lightning_pipe's stage backend (``backend=``: "eager", "inductor"); None: default
     virtual_stages: int = 1  # stages per process (``stages`` counts the model's pieces)
 
     @property
