@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from benchmarks.bench_procs import cpu_seconds, serve
+from benchmarks.contenders_torch import timed_step
 
 WIDTH = 32  # features of each stage's Linear
 ROWS = 2  # rows per microbatch: compute is tiny, what a step costs is the libraries' own work
@@ -158,17 +159,7 @@ class TorchRunner(Runner):
         return timed
 
     def step(self) -> float:
-        x, y = self.batch()
-        self.dist.barrier()
-        start = time.perf_counter()
-        self.optimizer.zero_grad()
-        inputs = (x,) if 0 in self.indices else ()
-        if self.cfg.stages - 1 in self.indices:
-            self.schedule.step(*inputs, target=y, return_outputs=False)
-        else:
-            self.schedule.step(*inputs)
-        self.optimizer.step()
-        return time.perf_counter() - start
+        return timed_step(self, *self.batch(), self.cfg.stages)
 
     def stop(self) -> dict[str, Any]:
         self.dist.barrier()  # the process leaves without tearing its world down (`serve_and_exit`)

@@ -43,7 +43,7 @@ if str(REPO) not in sys.path:
 
 import multiprocessing as mp  # noqa: E402
 
-from benchmarks.bench_procs import Contender, cpu_seconds, free_port, reply, spawn, write_json  # noqa: E402
+from benchmarks.bench_procs import Contender, cpu_seconds, end_all, free_port, reply, spawn, write_results  # noqa: E402
 from benchmarks.contenders_overhead import (  # noqa: E402
     V_SHAPED,
     LaunchedRunner,
@@ -117,9 +117,7 @@ def race(cfg: OverheadConfig, labels: list[str], base: str | None, args: argpars
         for contender in contenders:
             contender.ask("stop")
     finally:
-        for contender in contenders:
-            for failure in contender.end():
-                print(f"warning: {failure}", file=sys.stderr)
+        end_all(contenders)
     return rows
 
 
@@ -187,9 +185,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         results[schedule] = summarize(cfg, race(cfg, labels, args.base, args), args.steps)
     text = table(results)
     print(text)
-    document = {"date": started, "args": vars(args), "cpus": os.cpu_count(), "results": results, "table": text}
-    write_json(args.json, document)
-    return document
+    return write_results(args.json, started, args, results, text)
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from benchmarks.bench_procs import Config, Contender, free_port, reply, serve, spawn, write_json  # noqa: E402
+from benchmarks.bench_procs import Config, Contender, end_all, free_port, reply, serve, spawn, write_results  # noqa: E402
 from benchmarks.compare import compare_params  # noqa: E402
 from benchmarks.contenders_launched import start_launched  # noqa: E402
 from benchmarks.contenders_torch import TORCH_SCHEDULES, TorchPipeRunner  # noqa: E402
@@ -115,9 +115,7 @@ def race(entries: list[Entry], args: argparse.Namespace) -> dict[str, Any]:
         for contender in contenders:
             contender.ask("stop")
     finally:
-        for contender in contenders:
-            for failure in contender.end():
-                print(f"warning: {failure}", file=sys.stderr)
+        end_all(contenders)
     return {"rounds": {c.name: c.rounds for c in contenders}, "same_first_update": checks, "ran": ran}
 
 
@@ -330,9 +328,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if "," in args.backend:
         text += "\n\n" + backend_table(results, [b.strip() for b in args.backend.split(",")])
     print(text)
-    out = {"date": started, "args": vars(args), "cpus": os.cpu_count(), "results": results, "table": text}
-    write_json(args.json, out)
-    return out
+    return write_results(args.json, started, args, results, text)
 
 
 if __name__ == "__main__":
