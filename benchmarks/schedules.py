@@ -184,6 +184,8 @@ def backend_cells(result: dict[str, Any], errors: dict[str, str], name: str, bac
             continue
         rounds = result["rounds"][label]
         cell: dict[str, Any] = {"step_ms": median_ms(rounds), "rounds_ms": round_ms(rounds)}
+        # the first backend's first update is the reference; torch's is checked against it too (the row's flag)
+        cell["same_first_update"] = result["same_first_update"].get(label, False)
         if theirs:
             cell["ratio_vs_torch"] = paired(rounds, theirs)
         if backend != backends[0] and first in result["rounds"]:
@@ -298,6 +300,11 @@ def backend_table(results: dict[str, dict[str, Any]], backends: list[str]) -> st
             ]
             tv = [f"{cells[b]['ratio_vs_torch']:.2f}" if "ratio_vs_torch" in cells[b] else "-" for b in backends]
             note = "; ".join(f"{b}: {cells[b]['error']}" for b in backends if "error" in cells[b])
+            differs = [
+                b for b in backends[1:] if cells[b].get("same_first_update") is False and "error" not in cells[b]
+            ]
+            if differs:
+                note = "; ".join(filter(None, [note, f"first update of {', '.join(differs)} DIFFERS from {first}'s"]))
             lines.append(
                 f"| {workload} | {name} | {r['virtual_stages']} | " + " | ".join([*ms, *vs, *tv]) + f" | {note} |"
             )
