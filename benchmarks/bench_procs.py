@@ -43,6 +43,7 @@ class Config:
     port: int = 0
     trace_dir: str | None = None
     compress: str | None = None  # the rpc contenders' message compression (``compress=``)
+    backend: str | None = None  # lightning_pipe's stage backend (``backend=``: "eager", "inductor"); None: default
     virtual_stages: int = 1  # stages per process (``stages`` counts the model's pieces)
 
     @property
@@ -117,6 +118,13 @@ class Contender:
         return failures
 
 
+def end_all(contenders: list[Contender]) -> None:
+    """End every contender's processes (`Contender.end`), saying how each one that failed ended."""
+    for contender in contenders:
+        for failure in contender.end():
+            print(f"warning: {failure}", file=sys.stderr)
+
+
 def reply(conn: Connection, name: str, what: str) -> Any:
     if not conn.poll(REPLY_TIMEOUT):
         raise TimeoutError(f"{name} did not answer {what!r} within {REPLY_TIMEOUT:.0f} s")
@@ -157,6 +165,14 @@ def write_json(path: str | Path, document: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(document, indent=2))
     print(f"wrote {path}", file=sys.stderr)
+
+
+def write_results(path: str | Path, started: str, args: Any, results: Any, table: str) -> dict[str, Any]:
+    """A benchmark's document (when it started, its arguments, this machine's cores, its results and table),
+    written to ``path``."""
+    document = {"date": started, "args": vars(args), "cpus": os.cpu_count(), "results": results, "table": table}
+    write_json(path, document)
+    return document
 
 
 def free_port() -> int:

@@ -56,17 +56,7 @@ class TorchPipeRunner(Runner):
         self.optimizer = torch.optim.SGD([p for m in self.modules for p in m.parameters()], lr=cfg.lr)
 
     def step(self) -> float:
-        x, y = self.batch()
-        self.dist.barrier()
-        start = time.perf_counter()
-        self.optimizer.zero_grad()
-        args = (x,) if 0 in self.indices else ()
-        if self.cfg.stages - 1 in self.indices:
-            self.schedule.step(*args, target=y, return_outputs=False)
-        else:
-            self.schedule.step(*args)
-        self.optimizer.step()
-        return time.perf_counter() - start
+        return timed_step(self, *self.batch(), self.cfg.stages)
 
     def params(self) -> dict[str, torch.Tensor]:
         return {k: v for m in self.modules for k, v in m.state_dict().items()}
@@ -75,3 +65,18 @@ class TorchPipeRunner(Runner):
         self.dist.barrier()
         self.dist.destroy_process_group()
         return {}
+
+
+def timed_step(runner: Any, x: torch.Tensor, y: torch.Tensor, stages: int) -> float:
+    """One step of a torch rank (``runner``: its ``dist``, ``schedule``, ``optimizer``, stage ``indices``), timed
+    from a barrier: the first stage feeds the inputs, the last the targets."""
+    runner.dist.barrier()
+    start = time.perf_counter()
+    runner.optimizer.zero_grad()
+    inputs = (x,) if 0 in runner.indices else ()
+    if stages - 1 in runner.indices:
+        runner.schedule.step(*inputs, target=y, return_outputs=False)
+    else:
+        runner.schedule.step(*inputs)
+    runner.optimizer.step()
+    return time.perf_counter() - start

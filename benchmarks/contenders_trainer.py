@@ -59,6 +59,8 @@ def strategy_arguments(cfg: Config, transport: str) -> dict[str, Any]:
     kwargs: dict[str, Any] = dict(stages=cfg.stages, microbatches=cfg.microbatches, schedule=cfg.schedule)
     if cfg.virtual_stages > 1:  # several stages per process: cut where torch's are cut
         kwargs.update(virtual_stages=cfg.virtual_stages, partition=list(cfg.balance))
+    if cfg.backend:
+        kwargs["backend"] = cfg.backend
     if transport == "rpc":
         kwargs["transport"] = transport
         if cfg.compress:

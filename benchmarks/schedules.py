@@ -14,6 +14,11 @@ takes one, else two per rank (4 stages, cut as torch's stages are cut). Each sch
   alternating again; reported with what auto chose (and in which placement), its predicted step time, and its
   prediction of every fixed schedule (``predicted_ms`` of each fixed row: compare it with the row's measurement).
 
+``--backend eager,inductor`` runs each schedule once per backend in the same race (``backend=`` of PipeStrategy:
+every stage compiled with inductor, or eager), so compiled against eager is a paired ratio too (the eager step time
+over the compiled one, the median over rounds; > 1: compiled faster); a backend whose run fails (a crash while
+compiling or in an action) gets its error in the table and the race is run again without it.
+
 Prints a table and writes ``benchmarks/results/schedules.json``. The machine's speed drifts: only ratios measured
 in one race mean much.
 """
@@ -34,7 +39,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from benchmarks.bench_procs import Config, Contender, free_port, reply, serve, spawn, write_json  # noqa: E402
+from benchmarks.bench_procs import Config, Contender, end_all, free_port, reply, serve, spawn, write_results  # noqa: E402
 from benchmarks.compare import compare_params  # noqa: E402
 from benchmarks.contenders_launched import start_launched  # noqa: E402
 from benchmarks.contenders_torch import TORCH_SCHEDULES, TorchPipeRunner  # noqa: E402
@@ -102,7 +107,7 @@ def race(entries: list[Entry], args: argparse.Namespace) -> dict[str, Any]:
         for contender in contenders:
             contender.ask("run", args.warmup)
         for r in range(args.rounds):
-            for contender in contenders[r % 2 :] + contenders[: r % 2]:
+            for contender in contenders[r % len(contenders) :] + contenders[: r % len(contenders)]:
                 answers = contender.ask("run", args.steps)
                 contender.rounds.append([max(ts) for ts in zip(*(a["times"] for a in answers), strict=True)])
                 if "ran" in answers[0]:  # lightning_pipe: which schedule ran (auto: its choice) and its prediction
@@ -110,9 +115,7 @@ def race(entries: list[Entry], args: argparse.Namespace) -> dict[str, Any]:
         for contender in contenders:
             contender.ask("stop")
     finally:
-        for contender in contenders:
-            for failure in contender.end():
-                print(f"warning: {failure}", file=sys.stderr)
+        end_all(contenders)
     return {"rounds": {c.name: c.rounds for c in contenders}, "same_first_update": checks, "ran": ran}
 
 
@@ -130,27 +133,94 @@ def median_ms(rounds: list[list[float]]) -> float:
     return statistics.median(t for r in rounds for t in r) * 1e3
 
 
+def backend_label(name: str, backend: str, backends: list[str]) -> str:
+    """A lightning_pipe contender's name in a race: the schedule's, with the backend where several run."""
+    return name if len(backends) == 1 else f"{name} [{backend}]"
+
+
+def race_backends(
+    args: argparse.Namespace, name: str, ours: Config, backends: list[str]
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """One race of the schedule on every backend (and torch's); a backend that fails is raced again without."""
+    errors: dict[str, str] = {}
+    while True:
+        running = [b for b in backends if b not in errors]
+        entries: list[Entry] = [
+            (
+                backend_label(name, b, backends),
+                "lightning_pipe",
+                dataclasses.replace(ours, backend=b if b != "default" else None),
+            )
+            for b in running
+        ]
+        if name in TORCH_SCHEDULES and not args.without_torch:
+            entries.append((f"torch {name}", "torch", dataclasses.replace(ours)))
+        try:
+            return race(entries, args), errors
+        except Exception as exc:  # noqa: BLE001 - the failing cell gets the error, the others still run
+            failed = next((b for b in running if backend_label(name, b, backends) in str(exc)), None)
+            if failed is None or len(running) == 1:
+                errors.update({b: first_error(exc) for b in running})
+                return {"rounds": {}, "same_first_update": {}, "ran": {}}, errors
+            errors[failed] = first_error(exc)
+            print(f"  {name} [{failed}] failed: {errors[failed]}", file=sys.stderr, flush=True)
+
+
+def first_error(exc: BaseException) -> str:
+    """The last line of a contender's traceback (its exception), shortened for a table cell."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return (lines[-1] if lines else type(exc).__name__)[:160]
+
+
+def backend_cells(result: dict[str, Any], errors: dict[str, str], name: str, backends: list[str]) -> dict[str, Any]:
+    """Each backend's step time, its ratio to torch and (after the first backend) to the first, paired."""
+    cells: dict[str, Any] = {}
+    first = backend_label(name, backends[0], backends)
+    theirs = result["rounds"].get(f"torch {name}")
+    for backend in backends:
+        label = backend_label(name, backend, backends)
+        if backend in errors or label not in result["rounds"]:
+            cells[backend] = {"error": errors.get(backend, "did not run")}
+            continue
+        rounds = result["rounds"][label]
+        cell: dict[str, Any] = {"step_ms": median_ms(rounds), "rounds_ms": round_ms(rounds)}
+        # the first backend's first update is the reference; torch's is checked against it too (the row's flag)
+        cell["same_first_update"] = result["same_first_update"].get(label, False)
+        if theirs:
+            cell["ratio_vs_torch"] = paired(rounds, theirs)
+        if backend != backends[0] and first in result["rounds"]:
+            cell[f"ratio_vs_{backends[0]}"] = paired(rounds, result["rounds"][first])
+        cells[backend] = cell
+    return cells
+
+
 def workload_rows(args: argparse.Namespace, workload: str) -> dict[str, Any]:
     rows: dict[str, Any] = {}
+    backends = [b.strip() for b in args.backend.split(",")]
     for name, virtual in schedules(args.ranks, args.microbatches):
         if args.schedules and name not in args.schedules.split(","):
             continue
         ours = config(args, workload, name, virtual)
-        entries: list[Entry] = [(name, "lightning_pipe", ours)]
-        if name in TORCH_SCHEDULES and not args.without_torch:
-            entries.append((f"torch {name}", "torch", dataclasses.replace(ours)))
         print(f"{workload}: {name} ({virtual} stage(s) per rank)", file=sys.stderr, flush=True)
-        result = race(entries, args)
-        row: dict[str, Any] = {"virtual_stages": virtual, "step_ms": median_ms(result["rounds"][name])}
-        row["rounds_ms"] = round_ms(result["rounds"][name])
+        result, errors = race_backends(args, name, ours, backends)
+        cells = backend_cells(result, errors, name, backends)
+        first = backend_label(name, backends[0], backends)
+        if first not in result["rounds"]:
+            rows[name] = {"virtual_stages": virtual, "torch": TORCH_SCHEDULES.get(name), "backends": cells}
+            continue
+        row: dict[str, Any] = {"virtual_stages": virtual, "step_ms": median_ms(result["rounds"][first])}
+        row["backends"] = cells
+        row["rounds_ms"] = round_ms(result["rounds"][first])
         row["torch"] = TORCH_SCHEDULES.get(name)
         if f"torch {name}" in result["rounds"]:
             theirs = result["rounds"][f"torch {name}"]
-            row |= {"torch_step_ms": median_ms(theirs), "ratio_vs_torch": paired(result["rounds"][name], theirs)}
+            row |= {"torch_step_ms": median_ms(theirs), "ratio_vs_torch": paired(result["rounds"][first], theirs)}
         row["same_first_update"] = all(result["same_first_update"].values())
         rows[name] = row
-    for virtual in sorted({r["virtual_stages"] for r in rows.values()}):
-        fixed = {n: r for n, r in rows.items() if r["virtual_stages"] == virtual}
+    if args.without_auto:
+        return rows
+    for virtual in sorted({r["virtual_stages"] for r in rows.values() if "step_ms" in r}):
+        fixed = {n: r for n, r in rows.items() if r["virtual_stages"] == virtual and "step_ms" in r}
         best = min(fixed, key=lambda n: fixed[n]["step_ms"])
         label = "auto" if virtual == 1 else f"auto (V={virtual})"
         print(f"{workload}: {label} against {best}", file=sys.stderr, flush=True)
@@ -187,6 +257,8 @@ def table(results: dict[str, dict[str, Any]]) -> str:
     ]
     for workload, rows in results.items():
         for name, r in rows.items():
+            if "step_ms" not in r:  # its first backend failed: the backend table says why
+                continue
             torch_ms = f"{r['torch_step_ms']:.1f}" if "torch_step_ms" in r else "-"
             ratio = f"{r['ratio_vs_torch']:.2f}" if "ratio_vs_torch" in r else "-"
             note = "" if name.startswith("auto") or r["torch"] else "torch has no such schedule"
@@ -207,6 +279,38 @@ def table(results: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def backend_table(results: dict[str, dict[str, Any]], backends: list[str]) -> str:
+    """Each schedule on each backend: ms per step, compiled against the first backend (paired), each against torch."""
+    first = backends[0]
+    head = " | ".join(f"{b} ms/step" for b in backends)
+    versus = " | ".join(f"{b} vs {first} (paired)" for b in backends[1:])
+    torch_cols = " | ".join(f"{b} vs torch" for b in backends)
+    lines = [
+        f"| workload | schedule | V | {head} | {versus} | {torch_cols} | note |",
+        "| --- " * (4 + 2 * len(backends) + len(backends) - 1) + "|",
+    ]
+    for workload, rows in results.items():
+        for name, r in rows.items():
+            if "backends" not in r:
+                continue
+            cells = r["backends"]
+            ms = [f"{cells[b]['step_ms']:.1f}" if "step_ms" in cells[b] else "failed" for b in backends]
+            vs = [
+                f"{cells[b][f'ratio_vs_{first}']:.2f}" if f"ratio_vs_{first}" in cells[b] else "-" for b in backends[1:]
+            ]
+            tv = [f"{cells[b]['ratio_vs_torch']:.2f}" if "ratio_vs_torch" in cells[b] else "-" for b in backends]
+            note = "; ".join(f"{b}: {cells[b]['error']}" for b in backends if "error" in cells[b])
+            differs = [
+                b for b in backends[1:] if cells[b].get("same_first_update") is False and "error" not in cells[b]
+            ]
+            if differs:
+                note = "; ".join(filter(None, [note, f"first update of {', '.join(differs)} DIFFERS from {first}'s"]))
+            lines.append(
+                f"| {workload} | {name} | {r['virtual_stages']} | " + " | ".join([*ms, *vs, *tv]) + f" | {note} |"
+            )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workloads", default="mlp,gpt")
@@ -218,16 +322,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--steps", type=int, default=2, help="timed steps per contender per round")
     parser.add_argument("--schedules", default="", help="only these fixed schedules (comma-separated; default all)")
     parser.add_argument("--without-torch", action="store_true", help="no torch contenders (auto against ours only)")
+    parser.add_argument("--without-auto", action="store_true", help="no schedule='auto' races")
+    parser.add_argument(
+        "--backend", default="default", help="lightning_pipe's backends, each in every race: e.g. eager,inductor"
+    )
     parser.add_argument("--json", default=str(REPO / "benchmarks" / "results" / "schedules.json"))
     args = parser.parse_args(argv)
     workloads = [w.strip() for w in args.workloads.split(",")]
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     results = {w: workload_rows(args, w) for w in workloads}
     text = table(results)
+    if "," in args.backend:
+        text += "\n\n" + backend_table(results, [b.strip() for b in args.backend.split(",")])
     print(text)
-    out = {"date": started, "args": vars(args), "cpus": os.cpu_count(), "results": results, "table": text}
-    write_json(args.json, out)
-    return out
+    return write_results(args.json, started, args, results, text)
 
 
 if __name__ == "__main__":

@@ -142,3 +142,37 @@ def test_a_v_placed_schedule_keeps_every_rank_in_a_worker_process(
             got = pipe.grads()
     assert_grads_equal(got, want)
     assert "the last stage is on rank 0, not the last rank" in caplog.text
+
+
+def openmp_threads() -> int:
+    """The OpenMP pool size of the calling thread as OpenMP holds it (0: no libgomp in this process).
+
+    ``torch.get_num_threads()`` would first set the thread's pool to the process's count, which hides the case: a
+    matrix multiply through MKL runs on the thread's own pool without that."""
+    import ctypes
+
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            if "libgomp" in line:
+                return int(ctypes.CDLL(line.split()[-1]).omp_get_max_threads())
+    return 0
+
+
+class OpenMPThreads(nn.Module):
+    """Outputs the OpenMP pool size of the thread that runs it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.full_like(x, float(openmp_threads()))
+
+
+def test_a_worker_processs_stage_computes_with_the_processs_threads(pool: RpcCommunicator) -> None:
+    """A worker process's stage thread takes the intra-op threads the worker was started with, not OpenMP's default
+    of every core a new thread starts with (its matrix multiplies spun on every core against the other processes:
+    an action 4-14x slower, benchmarks/overhead.py rpc against rpc@base)."""
+    if not openmp_threads():
+        pytest.skip("this torch does not use libgomp (the check reads OpenMP's own count)")
+    model = nn.Sequential(OpenMPThreads(), nn.Identity())
+    with Pipeline(model, stages=2, transport=pool, partition="uniform", timeout=60) as pipe:
+        assert pool.ranks_served.remote == [0]
+        threads = pipe.forward(torch.zeros(4, 2))
+    assert threads.unique().tolist() == [float(pool._threads or 0)]

@@ -8,17 +8,27 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+# A bare tensor (most activations and gradients) skips pytree's walk: each call below runs several times per
+# pipeline action, and the walk cost more than a small stage's compute (benchmarks/overhead.py).
+_LEAF = pytree.tree_flatten(0)[1]  # the spec of a tree that is a single leaf
+
 
 def flatten(tree: Any) -> tuple[list[Any], Any]:
+    if isinstance(tree, torch.Tensor):
+        return [tree], _LEAF
     return pytree.tree_flatten(tree)
 
 
 def unflatten(leaves: list[Any], spec: Any) -> Any:
+    if spec is _LEAF:
+        return leaves[0]
     return pytree.tree_unflatten(leaves, spec)
 
 
 def map_tensors(fn: Callable[[torch.Tensor], Any], tree: Any) -> Any:
     """Apply ``fn`` to every tensor leaf of ``tree``; other leaves are kept."""
+    if isinstance(tree, torch.Tensor):
+        return fn(tree)
     return pytree.tree_map(lambda x: fn(x) if isinstance(x, torch.Tensor) else x, tree)
 
 

@@ -28,7 +28,7 @@ from lightning_pipe.base.errors import TransportError
 from lightning_pipe.comm.control import parse_address
 from lightning_pipe.comm.control_link import WorkerLink, WorkerRefused
 from lightning_pipe.comm.rpc.plane import PlaneLayout, describe_process, is_cuda, open_plane, world_rank
-from lightning_pipe.comm.rpc.stages import EXIT, PLANE, REPORT
+from lightning_pipe.comm.rpc.stages import EXIT, PLANE, REPORT, THREADS
 from lightning_pipe.comm.rpc.world import join_world, leave_world
 
 WORKER_ENV = "LIGHTNING_PIPE_WORKER"  # set in stage worker processes: `import lightning_pipe` skips Lightning
@@ -54,6 +54,7 @@ def run_slot(
         _exit_with_parent(parent)
     if threads:
         torch.set_num_threads(threads)
+    THREADS[:] = [torch.get_num_threads()]  # the stage threads' pools too (`rpc.stages.build_stage`)
     give_back_large_blocks()  # a worker holds its stage, not the freed space of its gradients (as launched mode)
     try:
         link = WorkerLink(coordinator, wait)

@@ -23,6 +23,9 @@ EXIT = threading.Event()  # a worker process leaves when the coordinator asks
 REPORT: list[Callable[[str], None]] = []
 #: in a worker process: its side of the world's data plane, once it joined the world
 PLANE: list[DataPlane] = []
+#: in a worker process: the intra-op threads of its main thread, which its stage threads take too (a new thread
+#: starts with OpenMP's default pool, every core: on a shared machine its spinning slowed each action many times)
+THREADS: list[int] = []
 
 Built = tuple[bool, Any]  # (True, where the stage runs: `StageHost.describe`) or (False, its StageError)
 
@@ -54,7 +57,7 @@ def build_stage(
     with _LOCK:
         register_inbox(launch, spec.rank, endpoint.inbox)
         _HOSTS[(launch, spec.rank)] = host
-    host.start()
+    host.start(THREADS[0] if THREADS else None)
     return True, host.describe()
 
 
