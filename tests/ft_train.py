@@ -64,7 +64,8 @@ class StepLog(L.Callback):
         self.path, self.groups, self.sleep, self.degraded_sleep = path, groups, sleep, degraded_sleep
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
-        replica_group = getattr(getattr(trainer.strategy, "mode", None), "group", None)
+        replicas = getattr(getattr(trainer.strategy, "mode", None), "replicas", None)  # launched mode's `Replicas`
+        replica_group = getattr(replicas, "group", None)  # torchft's: `TorchftGroups.group`
         groups = replica_group.manager.num_participants() if replica_group is not None else self.groups
         with self.path.open("a") as log:
             log.write(json.dumps({"t": time.time(), "step": trainer.global_step, "groups": groups,
