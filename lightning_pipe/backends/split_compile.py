@@ -9,6 +9,7 @@ within `defer_weights` (an ``I`` action), leaving a `DeferredWeight` that `run_d
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -81,7 +82,8 @@ def compile_split(
         weight_code = compile_fx_inner(split.weight_graph, weight_inputs, **kwargs)
         _count(counts, "backward_weight")
         edges = {position: edge for edge, position in enumerate(tensors)}
-        return SplitBackward(split, input_code, weight_code, [edges[i] for i in split.weight_outputs], len(tensors))
+        made = _as_output_code()(split, input_code, weight_code, [edges[i] for i in split.weight_outputs], len(tensors))
+        return cast(SplitBackward, made)
 
     # donated buffers: an unsplit backward may overwrite saved tensors that W still reads
     with functorch_config.patch(donated_buffer=False, enable_autograd_cache=False):
@@ -103,14 +105,18 @@ def compile_whole(
     return cast(Callable[..., Any], compiled)
 
 
-def _output_code_base() -> type:
+@functools.cache
+def _as_output_code() -> type:
+    """`SplitBackward` as inductor's ``OutputCode``, made on the first split: importing inductor at import time
+    would cost every stage worker process its start (and pull in ``torch.distributed.tensor``)."""
     from torch._inductor.output_code import OutputCode
 
-    return OutputCode
+    return type("SplitBackward", (SplitBackward, OutputCode), {})
 
 
-class SplitBackward(_output_code_base()):  # type: ignore[misc]
-    """A compiled backward as two compiled graphs: ``I`` now, ``W`` now or deferred (boxed calling convention)."""
+class SplitBackward:
+    """A compiled backward as two compiled graphs: ``I`` now, ``W`` now or deferred (boxed calling convention); made
+    as inductor's ``OutputCode`` (`_as_output_code`)."""
 
     def __init__(
         self,

@@ -86,9 +86,12 @@ class Pipeline:
         init: StageInit | None = None,
         **keywords: Any,
     ) -> None:
-        if settings is None:  # the shared arguments as keywords (`PipelineSettings`: one field each)
-            settings = PipelineSettings.from_keywords("Pipeline", {"stages": stages, **keywords})
-        elif stages is not None or keywords:
+        # the shared arguments as keywords (`PipelineSettings`: one field each); the rest are the transport's own
+        # (``threads`` for the local one), which its constructor checks
+        shared = {name: keywords.pop(name) for name in PipelineSettings.names() if name in keywords}
+        if settings is None:
+            settings = PipelineSettings.from_keywords("Pipeline", {"stages": stages, **shared})
+        elif stages is not None or shared:
             raise TypeError("Pipeline(settings=...) takes the shared arguments in settings, not as keywords too")
         if settings.stages is None:
             raise ConfigurationError("Pipeline(stages=...): pass the number of stages")
@@ -115,7 +118,7 @@ class Pipeline:
         self.autocast = autocast
         self.backend = resolve_backends(backend, stages, strict)
         self.coordinator_ops = CoordinatorOps(self.backend, stages - 1)  # op substitution in the loss
-        self.communicator = resolve_transport(transport, settings.transport_options)
+        self.communicator = resolve_transport(transport, {**settings.transport_options, **keywords})
         self.coordinator_device = coordinator_device or self.runtimes[-1].torch_device
         self.seed = run_seed(seed)
         # where the stages' tensors without values come from (built on meta), or a resumed run's values
