@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import pytest
 from torch import nn
 
-from lightning_pipe import Pipeline, PipeStrategy
+from lightning_pipe import ConfigurationError, Pipeline, PipeStrategy
 from lightning_pipe.pipeline.settings import PipelineSettings, signature_of
 from lightning_pipe.strategy.arguments import check_arguments, check_memory_arguments
 from lightning_pipe.strategy.pipe_config import PipeConfig
