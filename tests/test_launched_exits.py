@@ -27,6 +27,8 @@ CRASHES = ("terminate called", "Fatal Python error", "Aborted", "core dumped")
 pytestmark = [pytest.mark.slow, pytest.mark.timed]  # bounds waits by the clock: alone under xdist
 
 
+SHORT_RUNS = 10  # launched runs one after another in `test_ten_short_launched_runs_end_without_an_abort`
+
 def crash_lines(output: str) -> list[str]:
     return [line for line in output.splitlines() if any(crash in line for crash in CRASHES)]
 
@@ -42,21 +44,22 @@ def exits(out: Path, processes: int) -> list[tuple[str, float]]:
     return [(state, float(when)) for state, when in notes]
 
 
-def test_twenty_short_launched_runs_end_without_an_abort(tmp_path: Path) -> None:
-    """2 processes (both started at once, under SLURM's variables), a 2-stage pipeline, 2 steps: 20 times.
+def test_ten_short_launched_runs_end_without_an_abort(tmp_path: Path) -> None:
+    """2 processes (both started at once, under SLURM's variables), a 2-stage pipeline, 2 steps: 10 times (20 took
+    33 s of the suite, alone on the machine).
 
     Each run is a child forked from one process per rank that imported torch and Lightning once
     (`launched_exits.fork_runs`): the run and the interpreter's shutdown after it are a launched process's,
     without 40 interpreter starts.
     """
-    ports = ",".join(str(free_port()) for _ in range(20))
+    ports = ",".join(str(free_port()) for _ in range(SHORT_RUNS))
     run: Run = slurm(SCRIPT, ["--out", str(tmp_path), "--ports", ports], nodes=1, tasks_per_node=2, timeout=300)
     assert run.ok and not crash_lines(run.output), f"{run.returncodes}:\n{run.output[-4000:]}"
     for rank in range(2):
-        assert (tmp_path / f"children-rank{rank}").read_text().split() == ["0"] * 20, run.output[-4000:]
-    for attempt in range(20):
+        assert (tmp_path / f"children-rank{rank}").read_text().split() == ["0"] * SHORT_RUNS, run.output[-4000:]
+    for attempt in range(SHORT_RUNS):
         out = tmp_path / str(attempt)
-        where = f"run {attempt + 1} of 20:\n{run.output[-4000:]}"
+        where = f"run {attempt + 1} of {SHORT_RUNS}:\n{run.output[-4000:]}"
         assert threads_left(out, 2) == {0: [], 1: []}, where
         assert [state for state, _ in exits(out, 2)] == ["destroyed"] * 2, where
 

@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_pipe import PipeStrategy
 from lightning_pipe.strategy.session import Driver, DriverThreads
 
-RUNS = 30
+RUNS = 16
 CRASHES = ("terminate called", "Fatal Python error", "Aborted", "core dumped")
 
 
@@ -76,8 +76,8 @@ def test_closing_driver_threads_joins_them() -> None:
 
 
 @pytest.mark.slow
-def test_thirty_processes_with_local_fits_exit_with_code_0(tmp_path: Path) -> None:
-    """`local_exits.py`: 30 forked children, 2 of the 4 fits each, each ending through the interpreter's shutdown."""
+def test_sixteen_processes_with_local_fits_exit_with_code_0(tmp_path: Path) -> None:
+    """`local_exits.py`: 16 forked children, 2 of the 4 fits each, each ending through the interpreter's shutdown."""
     pytest.importorskip("sklearn", reason="the digits data come with scikit-learn (lightning_pipe[test])")
     command = [sys.executable, str(ROOT / "tests" / "local_exits.py"), "--out", str(tmp_path), "--runs", str(RUNS)]
     run = subprocess.run(command, env=base_env(), capture_output=True, text=True, timeout=600)
