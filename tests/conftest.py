@@ -18,10 +18,10 @@ from machine_share import machine_share  # noqa: E402
 #: file per worker at a time, in this order) the workers end together instead of one running a long launch alone at
 #: the end, and never beside a ``timed`` test (`machine_share`)
 LAUNCHES = (
-    "test_big_models.py", "test_tensor_parallel.py", "test_compiled_split.py", "test_launched.py", "test_example.py", "test_llama_3d.py",
-    "test_docs_examples.py", "test_local_exits.py", "test_launched_validation.py", "test_state_contract.py",
-    "test_restarts.py", "test_checkpoint_hooks.py", "test_rpc_first_contact.py", "test_init_accounting.py",
-    "test_checkpoint_publish.py", "test_fault_tolerance.py",
+    "test_big_models.py", "test_tensor_parallel.py", "test_compiled_split.py", "test_launched.py", "test_example.py",
+    "test_llama_3d.py", "test_docs_examples.py", "test_local_exits.py", "test_launched_validation.py",
+    "test_state_contract.py", "test_restarts.py", "test_checkpoint_hooks.py", "test_rpc_first_contact.py",
+    "test_init_accounting.py", "test_checkpoint_publish.py", "test_fault_tolerance.py",
 )  # fmt: skip
 #: the files that take longest of the others (``--durations``), next: the last units of work are then short ones, so
 #: the workers end together
