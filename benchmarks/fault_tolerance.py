@@ -68,7 +68,8 @@ def measure(run: FtRun) -> dict[str, Any]:
         "healthy_samples_per_s": round(healthy_rate * 2 * BATCH, 1),
         "degraded_samples_per_s": round(degraded_rate * BATCH, 1) if degraded_rate else None,
         "degraded_over_healthy_samples": round(degraded_rate * BATCH / (healthy_rate * 2 * BATCH), 3)
-        if degraded_rate else None,  # fmt: skip
+        if degraded_rate
+        else None,  # fmt: skip
         "steps_alone": len(alone),
         "final_steps": [run.steps[g][-1]["step"] if run.steps[g] else None for g in (0, 1)],
     }

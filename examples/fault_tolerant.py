@@ -95,8 +95,22 @@ def here(groups: int, steps: int, kill_after: int | None) -> int:
     for group in range(groups):
         env = {**os.environ, "TORCHFT_LIGHTHOUSE": lighthouse.address(), "REPLICA_GROUP_ID": str(group),
                "NUM_REPLICA_GROUPS": str(groups), PROGRESS: folder, "OMP_NUM_THREADS": "1"}  # fmt: skip
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1",
-                   "--master-addr", "127.0.0.1", "--master-port", str(free_port()), __file__, "--steps", str(steps)]
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--max-restarts",
+            "1",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(free_port()),
+            __file__,
+            "--steps",
+            str(steps),
+        ]
         procs.append(subprocess.Popen(command, env=env, start_new_session=True))
     try:
         while any(p.poll() is None for p in procs):

@@ -29,6 +29,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timed]  # bounds waits by the clock:
 
 SHORT_RUNS = 10  # launched runs one after another in `test_ten_short_launched_runs_end_without_an_abort`
 
+
 def crash_lines(output: str) -> list[str]:
     return [line for line in output.splitlines() if any(crash in line for crash in CRASHES)]
 
