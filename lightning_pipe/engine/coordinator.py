@@ -18,6 +18,7 @@ from lightning_pipe.engine.loss import Criterion, Loss, as_loss
 from lightning_pipe.engine.messages import ASYNC, EVAL, TRAIN, LossPlan, StageSpec, StepPlan
 from lightning_pipe.engine.runners import check_runner, worker_lists
 from lightning_pipe.engine.shared_weights import SharedWeights
+from lightning_pipe.engine.stage_protocol import StageProtocol
 from lightning_pipe.engine.stage_worker import StageWorker
 from lightning_pipe.engine.step_result import Record, StepResult
 from lightning_pipe.schedule import Schedule
@@ -66,8 +67,10 @@ class Coordinator:
         virtual_stages: int = 1,
         worker_cls: type = StageWorker,
         runner: str = "parallel",
+        tied: Sequence[Sequence[tuple[int, str]]] = (),
     ) -> None:
         self.communicator = communicator
+        self._tied_shards = [list(holders) for holders in tied]  # (stage, name) of each weight several stages hold
         self.specs = list(specs)
         self.schedule_factory = schedule
         self.timeout = timeout
@@ -217,6 +220,47 @@ class Coordinator:
                 plan.loss = loss
             plans.append(plan)
         return self.stages.begin(plans)
+
+    def apply_grads(self, scale: float = 1.0) -> None:
+        """The step's end: add its gradients, times ``scale``, to ``p.grad`` on every stage.
+
+        Each copy of a tied weight (`tied`) first gets the sum of every copy's gradient of the step,
+        the gradient the one shared parameter gets in the unsplit module.
+
+        Stages that own their parameters are posted the work (`CoordinatorLink.post`): only later calls
+        read their gradients, and each stage runs them after it. Stages that share the module's
+        parameters have them in ``p.grad`` when this returns: the caller's optimizer reads them next.
+        """
+        send_each = self.communicator.parameters.sender(self.stages)
+        tied = self.tied
+        if tied:
+            names: list[list[str]] = [[] for _ in range(self.num_ranks)]
+            for holders in tied:
+                for rank, name in holders:
+                    names[rank].append(name)
+            got = self.stages.call_each(StageProtocol.step_grads, [(own,) for own in names])
+            totals: list[dict[str, torch.Tensor]] = [{} for _ in names]
+            for holders in tied:
+                parts = [g for g in (got[rank][name] for rank, name in holders) if g is not None]
+                if not parts:
+                    continue
+                total = parts[0].clone()
+                for g in parts[1:]:
+                    total += g.to(total.device)
+                for rank, name in holders:
+                    totals[rank][name] = total
+            send_each(StageProtocol.set_step_grads, [(own,) for own in totals])
+        send_each(StageProtocol.apply_grads, [(scale,)] * self.num_ranks)
+
+    @property
+    def tied(self) -> list[list[tuple[int, str]]]:
+        """Per weight of which several ranks hold a copy: the (rank, name) of each copy, the first holder first.
+
+        Empty when the stages share the module's parameters (the local transport): then a tied weight
+        is one parameter. With ``transport="rpc"`` every worker unpickles its own copy; the copies
+        get the same gradient (`apply_grads`) and so make the same optimizer updates.
+        """
+        return self.communicator.parameters.copies(self.rank_of_stage, self._tied_shards)
 
     def _losses(
         self,

@@ -171,10 +171,11 @@ class Pipeline:
             self.coordinator_device,
             virtual_stages=self.virtual_stages,
             runner=self.runner,
+            tied=tied,
         )
         if self.init.edits is not None:  # each worker's spec holds the values the checkpoint hook gave it
             self.init.edits.handed_over()
-        self._stage_state = StageState(self._coordinator, self.module, self.shards, tied, self.communicator, self.seed)
+        self._stage_state = StageState(self._coordinator, self.module, self.shards, self.communicator, self.seed)
         if self._started:
             self._coordinator.start()
         return self
@@ -339,7 +340,7 @@ class Pipeline:
         return self.inputs.unpack(output)
 
     def apply_grads(self, scale: float = 1.0) -> None:
-        self.stage_state.apply_grads(scale)
+        self.coordinator.apply_grads(scale)
 
     @property
     def tied(self) -> list[list[tuple[int, str]]]:

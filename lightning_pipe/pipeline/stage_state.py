@@ -33,58 +33,19 @@ class StageState:
         coordinator: Coordinator,
         module: nn.Module,
         shards: list[ShardedTask],
-        tied: list[list[tuple[int, str]]],
         communicator: Communicator,
         seed: int,
     ) -> None:
         self.coordinator = coordinator
         self.module = module
         self.shards = shards
-        self._tied_shards = tied  # (stage, name) of each weight several shards hold, found before they were built
         self.communicator = communicator
         self.seed = seed
 
-    def apply_grads(self, scale: float = 1.0) -> None:
-        """Add the last step's gradients, times ``scale``, to ``p.grad`` on every stage.
-
-        Each copy of a tied weight (`tied`) first gets the sum of every copy's gradient of the step,
-        the gradient the one shared parameter gets in the unsplit module.
-
-        Stages that own their parameters are posted the work (`Coordinator.post`): only later calls
-        read their gradients, and each stage runs them after it. Stages that share ``module``'s
-        parameters have them in ``p.grad`` when this returns: the caller's optimizer reads them next.
-        """
-        stages = self.coordinator.stages
-        send_each = self.communicator.parameters.sender(stages)
-        tied = self.tied
-        if tied:
-            names: list[list[str]] = [[] for _ in range(self.coordinator.num_ranks)]
-            for holders in tied:
-                for rank, name in holders:
-                    names[rank].append(name)
-            got = stages.call_each(StageProtocol.step_grads, [(own,) for own in names])
-            totals: list[dict[str, torch.Tensor]] = [{} for _ in names]
-            for holders in tied:
-                parts = [g for g in (got[rank][name] for rank, name in holders) if g is not None]
-                if not parts:
-                    continue
-                total = parts[0].clone()
-                for g in parts[1:]:
-                    total += g.to(total.device)
-                for rank, name in holders:
-                    totals[rank][name] = total
-            send_each(StageProtocol.set_step_grads, [(own,) for own in totals])
-        send_each(StageProtocol.apply_grads, [(scale,)] * self.coordinator.num_ranks)
-
     @property
     def tied(self) -> list[list[tuple[int, str]]]:
-        """Per weight of which several ranks hold a copy: the (rank, name) of each copy, the first holder first.
-
-        Empty when the stages share ``module``'s parameters (the local transport): then a tied weight
-        is one parameter. With ``transport="rpc"`` every worker unpickles its own copy; the copies
-        get the same gradient (`apply_grads`) and so make the same optimizer updates.
-        """
-        return self.communicator.parameters.copies(self.coordinator.rank_of_stage, self._tied_shards)
+        """Per weight of which several ranks hold a copy: the (rank, name) of each copy (`Coordinator.tied`)."""
+        return self.coordinator.tied
 
     def parameter_locations(self) -> dict[int, tuple[int, str]]:
         """``id(p)`` of each parameter of ``module`` -> (rank, name) of the (first) stage that holds it."""

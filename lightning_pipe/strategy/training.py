@@ -72,9 +72,9 @@ class Training:
         return result
 
     def apply_grads(self, pipeline: Pipeline, scale: float) -> None:
-        """In ``backward``: the step's gradients on the stages, times ``scale``, onto ``p.grad`` (by the part that holds
-        the stages' state, as `step` runs the batch by the coordinator)."""
-        pipeline.stage_state.apply_grads(scale)
+        """In ``backward``: the step's gradients on the stages, times ``scale``, onto ``p.grad`` (the end of the step
+        that `step` began, by the same coordinator)."""
+        pipeline.coordinator.apply_grads(scale)
 
     def end(self, pipeline: Pipeline | None) -> None:
         """Before anything else uses the stages (an evaluation step, a checkpoint, the end of a fit)."""
