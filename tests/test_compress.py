@@ -186,9 +186,11 @@ def test_rpc_with_zstd_trains_exactly_and_puts_fewer_bytes_on_the_wire() -> None
     assert stats[COORDINATOR].wire_bytes[MessageKind.CALL] == stats[COORDINATOR].tensor_bytes[MessageKind.CALL]
 
 
-@pytest.mark.parametrize("compress", ["bf16", HalfPrecision()], ids=["bf16", "own-codec"])
-def test_rpc_with_a_lossy_cast_trains_close_to_the_unsplit_model(compress: Any) -> None:
-    got, want, stats = train_through(compress)
+def test_rpc_with_a_lossy_cast_trains_close_to_the_unsplit_model() -> None:
+    """A codec of one's own, through the `Codec` protocol the named casts also take (``"bf16"``: rounded as
+    `test_casts_round_to_their_precision_and_leave_others_alone` checks, through a fit in
+    `test_pipe_strategy_compresses_its_messages`; one rpc world less in the suite)."""
+    got, want, stats = train_through(HalfPrecision())
     for name, grad in want.items():
         torch.testing.assert_close(got[name], grad, atol=2e-3, rtol=5e-2, msg=name)
     assert any(not torch.equal(got[name], grad) for name, grad in want.items())  # the cast did happen
