@@ -19,7 +19,9 @@ import pytest
 import torch
 from launching import kill
 from rpc_models import worker_env
+from torch.utils import _pytree as pytree
 
+from lightning_pipe.base import tree
 from lightning_pipe.comm.base import Message, MessageKind
 from lightning_pipe.comm.p2p.frames import (
     INLINE_BYTES,
@@ -30,6 +32,7 @@ from lightning_pipe.comm.p2p.frames import (
     frame_bytes,
     frame_tensors,
     header,
+    header_fields,
     inline_size,
     join_payload,
     pack,
@@ -194,12 +197,31 @@ def test_a_signature_describes_a_payload_without_its_tensors() -> None:
     assert Message(MessageKind.GRAD).kind == "grad"
 
 
+def test_a_plain_payload_finds_its_signature_by_its_shape_the_same_as_pytree_makes_it() -> None:
+    x = torch.randn(2, 4)
+    payload = ((x,), [True, None], 3)
+    signature, tensors = split_payload(MessageKind.ACTIVATION, payload)
+    again, _ = split_payload(MessageKind.ACTIVATION, ((x.clone(),), [True, None], 3))
+    assert again is signature and tensors == [x]
+    leaves, spec = pytree.tree_flatten(payload)
+    assert signature.spec == spec and signature.others == tuple((i, v) for i, v in enumerate(leaves) if i)
+    assert tree.flatten(payload)[1] is tree.flatten(payload)[1] == spec
+    assert tree.unflatten(leaves, tree.flatten(payload)[1]) == payload
+    changed = [((x,), [1, None], 3), ((x,), [True, None], 4), ((x[:1],), [True, None], 3), ([x], [True, None], 3)]
+    changed.append(((x.requires_grad_(),), [True, None], 3))
+    for other in changed:  # a scalar's type or value, a tensor's shape or requires_grad, a container's type
+        made, _ = split_payload(MessageKind.ACTIVATION, other)
+        assert made != signature and made == split_payload(MessageKind.ACTIVATION, other)[0]
+        assert made.spec == pytree.tree_flatten(other)[1]
+    assert split_payload(MessageKind.GRAD, payload)[0] != signature
+
+
 def test_an_inline_frame_packs_a_message_into_one_buffer_and_back() -> None:
     tensors = [torch.randn(3, 5), torch.arange(7), torch.tensor([True, False]), torch.empty(0, 4)]
     tensors += [torch.randn(2).half(), torch.randn(4, 6).t()]  # the last is not contiguous
     metas = [TensorHeader.of(t) for t in tensors]
-    head = header(3, 1, Message(MessageKind.GRAD, step=2, stage=1, microbatch=5), extra=5, inline=True)
-    frame = pack(head, b"hello", tensors)
+    fields = header_fields(3, 1, Message(MessageKind.GRAD, step=2, stage=1, microbatch=5), extra=5, inline=True)
+    frame = pack(fields, b"hello", tensors)
     assert frame.dtype == torch.uint8 and frame.numel() == inline_size(5, metas) <= INLINE_BYTES
     assert frame[:64].view(torch.int64).tolist() == [3, 1, -1, 2, 1, 5, 5, 1]
     blob, back = frame_bytes(frame, 5), frame_tensors(frame, 5, metas)

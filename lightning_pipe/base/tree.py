@@ -13,23 +13,78 @@ from torch.utils import _pytree as pytree
 _LEAF = pytree.tree_flatten(0)[1]  # the spec of a tree that is a single leaf
 
 
+# Plain tuples and lists of tensors and scalars (an activation and its mask, a list of gradients) skip it too: their
+# shape is a small hashable key, and pytree's spec for each shape is made once (`structure`).
+_SCALARS = frozenset((torch.Tensor, bool, int, float, str))  # exact types: pytree leaves, never nodes
+if pytree.tree_flatten(None)[0] == [None]:  # None is a leaf in this torch's pytree (in others a node)
+    _SCALARS |= {type(None)}
+_SPECS: dict[Any, Any] = {}  # shape key -> pytree's TreeSpec for it
+_SHAPES: dict[int, Any] = {}  # id of a TreeSpec in _SPECS (kept alive there) -> its shape key
+_MAX_SHAPES = 256  # beyond this many shapes, new ones take pytree's walk each time
+
+
 def flatten(tree: Any) -> tuple[list[Any], Any]:
+    """``pytree.tree_flatten(tree)``: its leaves and spec (the same spec object for every tree of one shape)."""
     if isinstance(tree, torch.Tensor):
         return [tree], _LEAF
-    return pytree.tree_flatten(tree)
+    leaves: list[Any] = []
+    key = _shape(tree, leaves)
+    if key is not None:
+        spec = _SPECS.get(key)
+        if spec is not None:
+            return leaves, spec
+    leaves, spec = pytree.tree_flatten(tree)
+    if key is not None and len(_SPECS) < _MAX_SHAPES:
+        _SPECS[key], _SHAPES[id(spec)] = spec, key
+    return leaves, spec
+
+
+def structure(tree: Any) -> tuple[list[Any], Any] | None:
+    """The leaves of a plain tree (tuples and lists of tensors and scalars) and a hashable key of its shape;
+    None for any other tree (a dict, a namedtuple, a tensor subclass, None in it)."""
+    leaves: list[Any] = []
+    key = _shape(tree, leaves)
+    return None if key is None else (leaves, key)
 
 
 def unflatten(leaves: list[Any], spec: Any) -> Any:
     if spec is _LEAF:
         return leaves[0]
-    return pytree.tree_unflatten(leaves, spec)
+    key = _SHAPES.get(id(spec))
+    if key is None or len(leaves) != spec.num_leaves:  # pytree's error for a wrong count of leaves
+        return pytree.tree_unflatten(leaves, spec)
+    return _build(key, iter(leaves))
+
+
+def _shape(node: Any, leaves: list[Any]) -> Any:
+    kind = type(node)
+    if kind in _SCALARS:
+        leaves.append(node)
+        return kind  # a scalar's type is part of the shape: pytree's spec does not hold it, the key must
+    if kind is tuple or kind is list:
+        children = []
+        for child in node:
+            key = _shape(child, leaves)
+            if key is None:
+                return None
+            children.append(key)
+        return (kind, tuple(children))
+    return None
+
+
+def _build(key: Any, leaves: Any) -> Any:
+    if not isinstance(key, tuple):
+        return next(leaves)
+    kind, children = key
+    return kind(_build(child, leaves) for child in children)
 
 
 def map_tensors(fn: Callable[[torch.Tensor], Any], tree: Any) -> Any:
     """Apply ``fn`` to every tensor leaf of ``tree``; other leaves are kept."""
     if isinstance(tree, torch.Tensor):
         return fn(tree)
-    return pytree.tree_map(lambda x: fn(x) if isinstance(x, torch.Tensor) else x, tree)
+    leaves, spec = flatten(tree)
+    return unflatten([fn(x) if isinstance(x, torch.Tensor) else x for x in leaves], spec)
 
 
 def map_leaves(fn: Callable[[Any], Any], tree: Any) -> Any:

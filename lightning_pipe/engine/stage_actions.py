@@ -73,6 +73,7 @@ class StageActions:
         self._weight_work: dict[tuple[int, int], WeightGradient] = {}  # I done, W pending
         self._initialized: set[int] = set()  # stages whose runtime initialized their module
         self._parts: list[Record] = []  # this step's action parts (see lightning_pipe.pipeline.timeline)
+        self._label = ""  # the running action's text (``1F0``)
         self._loss: LossPlan | None = None  # set when this rank computes the step's losses
         self._outputs: dict[int, Any] = {}  # last stage: outputs awaiting their loss, by microbatch
         self._losses: list[Message] = []  # last stage: this step's losses, sent with its end (one wake-up)
@@ -111,7 +112,8 @@ class StageActions:
             early = self._early_input_grad(plan) if set_aside and not whole else None
             for action in order:  # each action's inputs are here: its record times the work, not the wait
                 start = time.perf_counter()
-                self._parts.append((f"{action} idle", idle_since, start))  # waiting for its inputs
+                self._label = label = str(action)  # its text once: each of its parts' names starts with it
+                self._parts.append((f"{label} idle", idle_since, start))  # waiting for its inputs
                 if action.kind is Kind.FORWARD:
                     self._forward(step, action, training)
                 elif action == early:
@@ -124,7 +126,7 @@ class StageActions:
                 else:
                     self._backward_weight(action)
                 idle_since = time.perf_counter()
-                records.append((str(action), start, idle_since))
+                records.append((label, start, idle_since))
             if set_aside and replicas is not None:
                 start = time.perf_counter()
                 replicas.reduce(self.shards)
@@ -176,7 +178,7 @@ class StageActions:
         if s not in self._initialized:
             self._initialized.add(s)
             runtime.initialize_module(shard.module, inputs, None)
-        t = self._span(action, "recv", t)
+        t = self._span("recv", t)
         stage_rng = self.random[s]
         stash = self.memory.stash
         with self._autocast(device), stage_rng.drawing(training):  # the stage's own generators
@@ -199,7 +201,7 @@ class StageActions:
                 self._saved[(s, m)] = Activation(leaves, outputs)
                 stash.hold((s, m), self.memory.size(s, self._saved[(s, m)], False))
                 out_mask = tree.grad_mask(outputs)
-        t = self._span(action, "compute", t)
+        t = self._span("compute", t)
         payload = (tree.detach(outputs), out_mask)
         if s + 1 < self.spec.num_stages:
             message = Message(MessageKind.ACTIVATION, step, s + 1, m, payload)
@@ -207,13 +209,13 @@ class StageActions:
         elif self._loss is not None:
             self._outputs[m] = payload
             if not self._loss.after_all_forwards or len(self._outputs) == len(self._loss.labels):
-                t = self._span(action, "send", t)
+                t = self._span("send", t)
                 self._compute_losses(step, s)
-                self._span(action, "loss", t)
+                self._span("loss", t)
                 return
         else:
             self.endpoint.send(COORDINATOR, Message(MessageKind.OUTPUT, step, s, m, payload))
-        self._span(action, "send", t)
+        self._span("send", t)
 
     def _early_input_grad(self, plan: StepPlan) -> Action | None:
         """The rank's last backward of a training step, to run as ``I`` then ``W``, where that is the same.
@@ -241,7 +243,7 @@ class StageActions:
         grads = self.inbox.wait(step, MessageKind.GRAD, s, m).payload
         grads = [runtime.move_tensor(g) if isinstance(g, torch.Tensor) else None for g in grads]
         saved = self._saved.pop((s, m))
-        t = self._span(action, "recv", t)
+        t = self._span("recv", t)
         model = self._model(s, m)
         with self._autocast(runtime.torch_device):
             self.memory.measure_auto(s, model, saved)
@@ -249,9 +251,9 @@ class StageActions:
         if self.versions.active:
             self.versions.backward_done(s, m)
         self.memory.stash.release((s, m))
-        t = self._span(action, "compute", t)
+        t = self._span("compute", t)
         self._send_input_grads(step, s, m, saved, input_grads)
-        self._span(action, "send", t)
+        self._span("send", t)
 
     def _backward_input(self, step: int, action: Action, held: bool = True) -> None:
         """``I``: the gradient of the stage input now; the graph stays for the weight gradient ``W``.
@@ -268,7 +270,7 @@ class StageActions:
         model = self._model(s, m)
         memory = self.memory
         if held:  # its own action: the timeline shows I's parts (within a B, the B's span covers both halves)
-            t = self._span(action, "recv", t)
+            t = self._span("recv", t)
         with self._autocast(runtime.torch_device):
             outputs = saved.outputs
             if outputs is None:  # checkpointed: the recomputed graph is kept until W
@@ -284,10 +286,10 @@ class StageActions:
         if held:
             memory.stash.hold((s, m), work.nbytes())
             memory.stash.note(s, "split", work.nbytes())
-            t = self._span(action, "compute", t)
+            t = self._span("compute", t)
         self._send_input_grads(step, s, m, saved, input_grads)
         if held:
-            self._span(action, "send", t)
+            self._span("send", t)
 
     def _backward_weight(self, action: Action) -> None:
         """``W``: the parameter gradients left pending by ``I``; frees the microbatch's stash."""
@@ -297,7 +299,7 @@ class StageActions:
         with self._autocast(self.runtimes[s].torch_device):
             backward_weight(work)
         if action.kind is Kind.BACKWARD_WEIGHT:
-            self._span(action, "compute", t)
+            self._span("compute", t)
         del self._saved[(s, m)]
         self.memory.stash.release((s, m))
 
@@ -335,10 +337,10 @@ class StageActions:
             self.inbox.store(Message(MessageKind.GRAD, step, s, m, grads))
             self._losses.append(Message(MessageKind.LOSS, step, s, m, loss))
 
-    def _span(self, action: Action, part: str, start: float) -> float:
-        """Record ``part`` (recv, loss, compute or send) of ``action`` from ``start`` until now; returns now."""
+    def _span(self, part: str, start: float) -> float:
+        """Record ``part`` (recv, loss, compute or send) of the running action from ``start`` until now; returns now."""
         now = time.perf_counter()
-        self._parts.append((f"{action} {part}", start, now))
+        self._parts.append((f"{self._label} {part}", start, now))
         return now
 
     def _send_input_grads(

@@ -42,10 +42,13 @@ class StageMemory:
 
     def size(self, s: int, activation: Activation, checkpointed: bool) -> int:
         """The bytes ``activation`` of stage ``s`` keeps alive (measured once per input signature)."""
+        key = signature(s, checkpointed, activation.inputs)
+        if self.stash.known(key):  # every forward: the parameters are listed only to measure a new signature
+            return self.stash.measure(key, activation, ())
         params = list(self.shards[s].module.parameters())
         if self.versions.active:
             params += self.versions.weights(s)
-        return self.stash.measure(signature(s, checkpointed, activation.inputs), activation, params)
+        return self.stash.measure(key, activation, params)
 
     def measure_auto(self, s: int, model: torch.nn.Module, saved: Activation) -> None:
         """``"auto"``: a microbatch's bytes with and without recomputation, once per input signature.

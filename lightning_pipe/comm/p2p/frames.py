@@ -13,6 +13,7 @@ negative markers are control messages, keep-alives and closes. Inline frames, bu
 from __future__ import annotations
 
 import pickle
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +28,7 @@ from lightning_pipe.comm.p2p.dtensor_frames import DTensorLayout, local_part, re
 
 HEADER_FIELDS = 8
 HEADER_BYTES = HEADER_FIELDS * 8
+_HEADER = struct.Struct(f"={HEADER_FIELDS}q")  # native order, as the receiver's int64 view reads it
 ALIGN = 64  # offsets of the parts of an inline frame: any dtype's view of the bytes is aligned
 INLINE_BYTES = 1 << 20  # the largest inline frame: a receiver keeps two buffers of this size per peer
 CONTROL, CLOSE, KEEPALIVE = -1, -2, -3
@@ -70,6 +72,13 @@ class FrameSignature:
     others: tuple[tuple[int, Any], ...]  # (position, leaf) of every leaf that is not a tensor
     metas: tuple[TensorHeader, ...]
 
+    def __hash__(self) -> int:  # looked up on every send: its spec's hash walks the tree, so it is kept
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash((self.kind, self.spec, self.others, self.metas))
+            object.__setattr__(self, "_hash", cached)
+        return cached
+
     @property
     def nbytes(self) -> int:
         return sum(_numel(m.shape) * m.dtype.itemsize for m in self.metas)
@@ -98,8 +107,37 @@ def _signature(
     return FrameSignature(kind, _spec_of(parts), others, metas)
 
 
+#: signatures of plain payloads (`tree.structure`: tuples and lists of tensors and scalars) by their shape and leaves
+_PLAIN: dict[Any, FrameSignature] = {}
+_MAX_PLAIN = 256
+
+
 def split_payload(kind: str, payload: Any) -> tuple[FrameSignature | None, list[torch.Tensor]]:
-    """The signature of a tensor message and its tensors; None where it cannot be cached (unhashable leaves)."""
+    """The signature of a tensor message and its tensors; None where it cannot be cached (unhashable leaves).
+
+    A plain payload's signature is found by a key of its shape, tensor metadata and scalars (one dict lookup,
+    the same object each time); any other is made from its pytree."""
+    plain = tree.structure(payload)
+    key = None
+    if plain is not None:
+        leaves, shape = plain
+        key = (kind, shape, tuple(_leaf_key(leaf) for leaf in leaves))
+        known = _PLAIN.get(key)
+        if known is not None:
+            return known, [leaf for leaf in leaves if type(leaf) is torch.Tensor]
+    signature, tensors = _split(kind, payload)
+    if key is not None and signature is not None and len(_PLAIN) < _MAX_PLAIN:
+        _PLAIN[key] = signature
+    return signature, tensors
+
+
+def _leaf_key(leaf: Any) -> Any:
+    if type(leaf) is torch.Tensor:
+        return (tuple(leaf.shape), leaf.dtype, leaf.requires_grad)
+    return leaf  # a scalar (its type is in the shape key)
+
+
+def _split(kind: str, payload: Any) -> tuple[FrameSignature | None, list[torch.Tensor]]:
     leaves, spec = tree.flatten(payload)
     tensors, metas = [], []
     for leaf in leaves:
@@ -133,9 +171,14 @@ def join_payload(signature: FrameSignature, tensors: list[torch.Tensor]) -> Any:
 def header(
     marker: int, destination: int, message: Message, extra: int, inline: bool = False, bundled: int = 1
 ) -> torch.Tensor:
+    return torch.tensor(header_fields(marker, destination, message, extra, inline, bundled), dtype=torch.int64)
+
+
+def header_fields(
+    marker: int, destination: int, message: Message, extra: int, inline: bool = False, bundled: int = 1
+) -> list[int]:
     flags = int(inline) + 2 * (bundled - 1)
-    fields = [marker, destination, message.source, message.step, message.stage, message.microbatch, extra, flags]
-    return torch.tensor(fields, dtype=torch.int64)
+    return [marker, destination, message.source, message.step, message.stage, message.microbatch, extra, flags]
 
 
 def bundle(messages: Sequence[Message]) -> Message:
@@ -173,14 +216,15 @@ def ahead_of_time(signature: FrameSignature) -> bool:
     return inline_size(0, signature.metas) > INLINE_BYTES
 
 
-def pack(head: torch.Tensor, extra: bytes, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """One uint8 buffer holding a frame's header, pickled bytes and tensors (a copy of each)."""
-    parts = [head.view(torch.uint8)]
-    if extra:
-        parts.append(torch.frombuffer(bytearray(extra), dtype=torch.uint8))
-    parts += [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors]
-    frame = torch.empty(sum(_aligned(p.numel()) for p in parts), dtype=torch.uint8)
-    offset = 0
+def pack(fields: list[int], extra: bytes, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One uint8 buffer holding a frame's header (`header_fields`), pickled bytes and tensors (a copy of each)."""
+    parts = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors]
+    start = _aligned(HEADER_BYTES) + _aligned(len(extra))
+    buffer = bytearray(start + sum(_aligned(p.numel()) for p in parts))
+    _HEADER.pack_into(buffer, 0, *fields)
+    buffer[_aligned(HEADER_BYTES) : _aligned(HEADER_BYTES) + len(extra)] = extra
+    frame = torch.frombuffer(buffer, dtype=torch.uint8)  # shares the buffer, which it keeps alive
+    offset = start
     for part in parts:
         frame[offset : offset + part.numel()].copy_(part)
         offset += _aligned(part.numel())

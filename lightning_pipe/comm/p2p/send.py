@@ -104,15 +104,16 @@ class Sender:
             marker = frames.CONTROL
             extra, tensors, metas = frames.encode_control(message)
         inline = self.framed and frames.inline_size(len(extra), metas) <= frames.INLINE_BYTES
-        head = frames.header(marker, destination, message, len(extra), inline, bundled)
+        fields = frames.header_fields(marker, destination, message, len(extra), inline, bundled)
         with self.lock:
             stats.messages[kind] += 1
-            stats.header_bytes[kind] += head.numel() * 8
+            stats.header_bytes[kind] += frames.HEADER_BYTES
             stats.pickled_bytes[kind] += len(extra)
             stats.tensor_bytes[kind] += sum(t.numel() * t.element_size() for t in tensors)
-        if inline:
-            self.transmit(peer, link, [(frames.pack(head, extra, tensors), FRAME_TAG)])
+        if inline:  # a new contiguous buffer on the CPU: posted as it is (gloo only)
+            self.transmit(peer, link, [(frames.pack(fields, extra, tensors), FRAME_TAG)], packed=True)
             return
+        head = torch.tensor(fields, dtype=torch.int64)
         spill = SPILL_TAG if self.framed else 0  # what follows a header-only frame, in order
         tensor_tag = body_tag(marker) if self.framed and signature is not None else spill
         parts = [(head, FRAME_TAG)]
@@ -136,11 +137,12 @@ class Sender:
     def keepalive(self, peer: int, link: Link) -> None:
         self.transmit(peer, link, [(frames.control_header(frames.KEEPALIVE), FRAME_TAG)])
 
-    def transmit(self, peer: int, link: Link, parts: list[tuple[torch.Tensor, int]]) -> None:
+    def transmit(self, peer: int, link: Link, parts: list[tuple[torch.Tensor, int]], packed: bool = False) -> None:
         """Post one frame's sends; its tensors stay referenced until sent."""
         dst = self.group_ranks[peer]
         link.reap(self.timeout)
         for part, tag in parts:
-            part = part.detach().to(self.device).contiguous()
+            if not packed:
+                part = part.detach().to(self.device).contiguous()
             link.pending.append((dist.isend(part, group=self.group, tag=tag, group_dst=dst), part))
         link.last_send = time.monotonic()

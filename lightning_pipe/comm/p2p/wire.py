@@ -210,8 +210,11 @@ class Wire:
             inbox.put(message)
 
     def _count(self, source: int) -> WireStats:
-        with self._lock:
-            return self._stats.setdefault(source, WireStats())
+        stats = self._stats.get(source)  # on every send: a new WireStats only for a new source
+        if stats is None:
+            with self._lock:
+                stats = self._stats.setdefault(source, WireStats())
+        return stats
 
     # the keep-alives
     def _keepalive_loop(self) -> None:
