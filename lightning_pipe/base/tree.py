@@ -35,7 +35,10 @@ def flatten(tree: Any) -> tuple[list[Any], Any]:
             return leaves, spec
     leaves, spec = pytree.tree_flatten(tree)
     if key is not None and len(_SPECS) < _MAX_SHAPES:
-        _SPECS[key], _SHAPES[id(spec)] = spec, key
+        # stage threads may flatten the same new shape at once: one spec wins and stays alive in _SPECS, so the id
+        # that _SHAPES is keyed by is never reused by another object
+        spec = _SPECS.setdefault(key, spec)
+        _SHAPES[id(spec)] = key
     return leaves, spec
 
 
