@@ -5,10 +5,11 @@
 
 A stage (``--model mlp``: transformer-style MLP blocks, LayerNorm, Linear 4x, GELU, Linear, residual;
 ``--model gpt``: ``--blocks`` decoder blocks of the `workloads` gpt at a pipeline microbatch, 4 x 128 tokens) run
-four ways: eager with one ordinary backward; eager with its backward split as the eager split-backward schedules
+five ways: eager with one ordinary backward; eager with its backward split as the eager split-backward schedules
 split it (`backward_input` then `backward_weight`, over the retained autograd graph); compiled as torch.compile
 compiles it (one backward graph); and as the ``inductor`` stage backend compiles it (its backward split into an
-input-gradient graph and a weight-gradient graph). Each round times each of them once (forward, backward or I, W),
+input-gradient graph and a weight-gradient graph), that last one also with a plain backward (a ``B`` action: both
+graphs at once). Each round times each of them once (forward, backward or I, W),
 alternating; it prints the medians, the ratio (I + W) / backward of the compiled stage, the compiled split's step
 against the eager split's (what a zero-bubble schedule's stage gains from inductor), and checks that the compiled
 split gives the ordinary gradients.
@@ -101,6 +102,7 @@ def main() -> None:
         "eager split": lambda: halves(stage),
         "compiled": lambda: whole(ordinary),
         "compiled split": lambda: halves(split),
+        "compiled split B": lambda: whole(split),  # a B action (1f1b, dualpipev's main phase): I and W graphs at once
     }
     stage.zero_grad(set_to_none=True)
     ways["compiled"]()
@@ -132,6 +134,10 @@ def main() -> None:
     print(f"(I + W) / backward of the compiled stage, median of the rounds: {statistics.median(ratios):.3f}")
     gain = [e / c for e, c in zip(steps["eager split"], steps["compiled split"], strict=True)]
     print(f"eager split step / compiled split step, median of the rounds: {statistics.median(gain):.3f}")
+    as_b = [s[1] / c[1] for s, c in zip(samples["compiled split B"], samples["compiled"], strict=True)]
+    print(f"B on the split stage / one compiled backward, median of the rounds: {statistics.median(as_b):.3f}")
+    as_b = [s[1] / e[1] for s, e in zip(samples["compiled split B"], samples["eager"], strict=True)]
+    print(f"B on the split stage / eager backward, median of the rounds: {statistics.median(as_b):.3f}")
 
 
 if __name__ == "__main__":
