@@ -120,6 +120,26 @@ class UnsplitRunner(Runner):
             torch.set_num_threads(cfg.unsplit_threads)
 
 
+class MicrobatchRunner(UnsplitRunner):
+    """The whole model in one process on the pipeline's microbatches (gradients accumulated), with a stage's threads;
+    ``backend="inductor"``: the model under a plain ``torch.compile``. Compiled against eager here is what inductor
+    gains on this model at the sizes a stage runs, with no pipeline and no split backward."""
+
+    def __init__(self, cfg: Config) -> None:
+        super().__init__(cfg)
+        torch.set_num_threads(cfg.threads)
+        self.forward = torch.compile(self.model) if cfg.backend == "inductor" else self.model
+
+    def step(self) -> float:
+        x, y = self.batch()
+        start = time.perf_counter()
+        self.optimizer.zero_grad()
+        for xm, ym in zip(x.chunk(self.cfg.microbatches), y.chunk(self.cfg.microbatches), strict=True):
+            (self.loss(self.forward(xm), ym) / self.cfg.microbatches).backward()
+        self.optimizer.step()
+        return time.perf_counter() - start
+
+
 class EngineRunner(Runner):
     """lightning_pipe's `Pipeline` (no Lightning): the engine alone, on ``transport``.
 

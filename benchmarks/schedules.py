@@ -17,7 +17,10 @@ takes one, else two per rank (4 stages, cut as torch's stages are cut). Each sch
 ``--backend eager,inductor`` runs each schedule once per backend in the same race (``backend=`` of PipeStrategy:
 every stage compiled with inductor, or eager), so compiled against eager is a paired ratio too (the eager step time
 over the compiled one, the median over rounds; > 1: compiled faster); a backend whose run fails (a crash while
-compiling or in an action) gets its error in the table and the race is run again without it.
+compiling or in an action) gets its error in the table and the race is run again without it. With several
+backends an ``unsplit`` row races the whole model in one process per backend (``MicrobatchRunner``: the same
+microbatches, gradients accumulated, a stage's threads; inductor as a plain ``torch.compile``): what the backend
+gains on the model itself, no pipeline and no split backward (``--without-unsplit``: not raced).
 
 Prints a table and writes ``benchmarks/results/schedules.json``. The machine's speed drifts: only ratios measured
 in one race mean much.
@@ -42,11 +45,13 @@ if str(REPO) not in sys.path:
 from benchmarks.bench_procs import Config, Contender, end_all, free_port, reply, serve, spawn, write_results  # noqa: E402
 from benchmarks.compare import compare_params  # noqa: E402
 from benchmarks.contenders_launched import start_launched  # noqa: E402
+from benchmarks.contenders_local import MicrobatchRunner  # noqa: E402
 from benchmarks.contenders_torch import TORCH_SCHEDULES, TorchPipeRunner  # noqa: E402
 from benchmarks.workloads import WORKLOADS, build_model  # noqa: E402
 from lightning_pipe.schedule import registered_schedules  # noqa: E402
 
-Entry = tuple[str, str, Config]  # (label, "torch" or "lightning_pipe", configuration)
+Entry = tuple[str, str, Config]  # (label, "torch", "lightning_pipe" or "unsplit", configuration)
+UNSPLIT = "unsplit"  # the row of the whole model in one process, per backend (`MicrobatchRunner`)
 
 
 def schedules(ranks: int, microbatches: int) -> list[tuple[str, int]]:
@@ -91,7 +96,9 @@ def race(entries: list[Entry], args: argparse.Namespace) -> dict[str, Any]:
         for label, kind, cfg in entries:
             contender = Contender(label, transport="p2p" if kind == "lightning_pipe" else "local")
             contenders.append(contender)
-            if kind == "torch":
+            if kind == UNSPLIT:
+                spawn(ctx, contender, serve, (MicrobatchRunner, (cfg,)))
+            elif kind == "torch":
                 cfg.port = free_port()
                 for rank in range(cfg.ranks):
                     spawn(ctx, contender, serve, (TorchPipeRunner, (cfg, rank)))
@@ -143,14 +150,11 @@ def race_backends(
 ) -> tuple[dict[str, Any], dict[str, str]]:
     """One race of the schedule on every backend (and torch's); a backend that fails is raced again without."""
     errors: dict[str, str] = {}
+    kind = UNSPLIT if name == UNSPLIT else "lightning_pipe"
     while True:
         running = [b for b in backends if b not in errors]
         entries: list[Entry] = [
-            (
-                backend_label(name, b, backends),
-                "lightning_pipe",
-                dataclasses.replace(ours, backend=b if b != "default" else None),
-            )
+            (backend_label(name, b, backends), kind, dataclasses.replace(ours, backend=b if b != "default" else None))
             for b in running
         ]
         if name in TORCH_SCHEDULES and not args.without_torch:
@@ -217,8 +221,25 @@ def workload_rows(args: argparse.Namespace, workload: str) -> dict[str, Any]:
             row |= {"torch_step_ms": median_ms(theirs), "ratio_vs_torch": paired(result["rounds"][first], theirs)}
         row["same_first_update"] = all(result["same_first_update"].values())
         rows[name] = row
-    if args.without_auto:
-        return rows
+    if not args.without_auto:
+        auto_rows(args, workload, rows)
+    if len(backends) > 1 and not args.without_unsplit:
+        rows[UNSPLIT] = unsplit_row(args, workload, backends)
+    return rows
+
+
+def unsplit_row(args: argparse.Namespace, workload: str, backends: list[str]) -> dict[str, Any]:
+    """The whole model in one process on every backend (plain ``torch.compile`` for inductor), raced like a schedule:
+    what the backend gains on this model without a pipeline, at a stage's microbatch size and threads."""
+    print(f"{workload}: {UNSPLIT} (the whole model in one process)", file=sys.stderr, flush=True)
+    result, errors = race_backends(args, UNSPLIT, config(args, workload, "1f1b", 1), backends)
+    row: dict[str, Any] = {"virtual_stages": "-", "torch": None}
+    row["backends"] = backend_cells(result, errors, UNSPLIT, backends)
+    return row
+
+
+def auto_rows(args: argparse.Namespace, workload: str, rows: dict[str, Any]) -> None:
+    """Adds ``schedule="auto"`` per stages per rank to ``rows``, raced against their fastest fixed schedule."""
     for virtual in sorted({r["virtual_stages"] for r in rows.values() if "step_ms" in r}):
         fixed = {n: r for n, r in rows.items() if r["virtual_stages"] == virtual and "step_ms" in r}
         best = min(fixed, key=lambda n: fixed[n]["step_ms"])
@@ -247,7 +268,6 @@ def workload_rows(args: argparse.Namespace, workload: str) -> dict[str, Any]:
         for name, seconds in (chose.get("predictions_s") or {}).items():
             if name in fixed:
                 fixed[name]["predicted_ms"] = seconds * 1e3  # auto's prediction of each fixed schedule
-    return rows
 
 
 def table(results: dict[str, dict[str, Any]]) -> str:
@@ -300,6 +320,8 @@ def backend_table(results: dict[str, dict[str, Any]], backends: list[str]) -> st
             ]
             tv = [f"{cells[b]['ratio_vs_torch']:.2f}" if "ratio_vs_torch" in cells[b] else "-" for b in backends]
             note = "; ".join(f"{b}: {cells[b]['error']}" for b in backends if "error" in cells[b])
+            if name == UNSPLIT:
+                note = "; ".join(filter(None, ["the whole model in one process (plain torch.compile)", note]))
             differs = [
                 b for b in backends[1:] if cells[b].get("same_first_update") is False and "error" not in cells[b]
             ]
@@ -323,6 +345,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--schedules", default="", help="only these fixed schedules (comma-separated; default all)")
     parser.add_argument("--without-torch", action="store_true", help="no torch contenders (auto against ours only)")
     parser.add_argument("--without-auto", action="store_true", help="no schedule='auto' races")
+    parser.add_argument(
+        "--without-unsplit", action="store_true", help="no race of the whole model per backend (several backends)"
+    )
     parser.add_argument(
         "--backend", default="default", help="lightning_pipe's backends, each in every race: e.g. eager,inductor"
     )

@@ -95,8 +95,10 @@ class InductorCompiler(EagerCompiler):
             return "torch.compile does not support this Python version"
         if ctx.random:
             return (
-                "the stage draws random numbers (dropout): compiled code would draw them from torch's process-wide "
-                "generator instead of the stage's own, and activation recomputation could not replay them"
+                "this forward's random draws are routed to the stage's own generators (the stage draws random "
+                "numbers, e.g. dropout; or it is the first forward of modules not known to draw nothing, a probe: "
+                "if nothing drew, the next forwards compile): compiled code would draw from torch's process-wide "
+                "generator instead, and activation recomputation could not replay them"
             )
         if ctx.device.type == "cpu":
             try:
