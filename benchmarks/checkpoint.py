@@ -106,15 +106,26 @@ def row(layout: str, mode: str, args: argparse.Namespace, folder: Path) -> dict[
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     subprocess.run(command, env=env, check=True, timeout=args.timeout, stdout=subprocess.DEVNULL)
     found = json.loads(report.read_text())
+    return {"layout": layout, "mode": mode, **summary(mode, found)}
+
+
+def summary(mode: str, found: dict[str, Any]) -> dict[str, Any]:
+    """One row's numbers from global rank 0's report (``found``: its step durations, which steps saved, ...)."""
     durations, saved = found["durations"][1:], found["saved"][1:]  # the first step builds the pipeline
-    plain = [d for d, s in zip(durations, saved, strict=True) if not s or mode == "none"]
-    with_save = [d for d, s in zip(durations, saved, strict=True) if s and mode != "none"]
+    after = [False, *saved[:-1]]  # the step right after a save
+    saving = mode != "none"
+    plain = [d for d, s in zip(durations, saved, strict=True) if not s or not saving]
+    with_save = [d for d, s in zip(durations, saved, strict=True) if s and saving]
     median = statistics.median(plain)
+    # net: a save step and the one after it against two plain steps (neither saving nor right after a save): the
+    # save step also waits for the pipeline's other processes to end its step, which a plain step leaves to the next
+    apart = [d for d, s, a in zip(durations, saved, after, strict=True) if not (s or a) or not saving]
+    pairs = [d + n for d, n, s in zip(durations, durations[1:], saved, strict=False) if s and saving]
     steps = len(durations)
     return {
-        "layout": layout, "mode": mode, "median_step_s": median,
-        "stall_s": statistics.mean(with_save) - median if with_save else 0.0,
-        "save_s": statistics.mean(found["saves"]) if found["saves"] else 0.0,
+        "median_step_s": median, "stall_s": statistics.mean(with_save) - median if with_save else 0.0,
+        "net_stall_s": statistics.mean(pairs) - 2 * statistics.median(apart) if pairs else 0.0,
+        "save_s": statistics.mean(found["saves"]) if found.get("saves") else 0.0,
         "rows_per_s": found["rows_per_step"] * steps / found["seconds"], "checkpoints": len(with_save),
         "durations_s": durations,
     }  # fmt: skip
@@ -146,17 +157,20 @@ def main() -> None:
         for layout in args.layouts:
             for mode in MODES:
                 rows.append(row(layout, mode, args, Path(tmp)))
-    print(f"{'layout':<10} {'mode':<6} {'step s':>8} {'stall s':>8} {'save s':>8} {'rows/s':>8} {'of none':>8}")
+    print(f"{'layout':<10} {'mode':<6} {'step s':>8} {'stall s':>8} {'net s':>8} {'save s':>8} {'rows/s':>8} "
+          f"{'of none':>8}")  # fmt: skip
     for r in rows:
         none = next(x for x in rows if x["layout"] == r["layout"] and x["mode"] == "none")
         r["throughput_of_none"] = r["rows_per_s"] / none["rows_per_s"]
-        print(f"{r['layout']:<10} {r['mode']:<6} {r['median_step_s']:>8.3f} {r['stall_s']:>8.3f} {r['save_s']:>8.3f} "
-              f"{r['rows_per_s']:>8.1f} {r['throughput_of_none']:>8.2f}")  # fmt: skip
+        print(f"{r['layout']:<10} {r['mode']:<6} {r['median_step_s']:>8.3f} {r['stall_s']:>8.3f} "
+              f"{r['net_stall_s']:>8.3f} {r['save_s']:>8.3f} {r['rows_per_s']:>8.1f} "
+              f"{r['throughput_of_none']:>8.2f}")  # fmt: skip
     for layout in args.layouts:
         sync, asyn = (next(x for x in rows if x["layout"] == layout and x["mode"] == m) for m in ("sync", "async"))
         if sync["stall_s"] > 0:
-            print(f"{layout}: async stall / sync stall = {asyn['stall_s'] / sync['stall_s']:.2f} (goal <= 0.25); "
-                  f"seconds in the save, async / sync = {asyn['save_s'] / sync['save_s']:.2f}")  # fmt: skip
+            ratios = {k: asyn[k] / sync[k] if sync[k] else float("nan") for k in ("stall_s", "net_stall_s", "save_s")}
+            print(f"{layout}: async / sync: stall {ratios['stall_s']:.2f} (goal <= 0.25), net stall "
+                  f"{ratios['net_stall_s']:.2f}, seconds in the save {ratios['save_s']:.2f}")  # fmt: skip
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
