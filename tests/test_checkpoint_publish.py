@@ -119,6 +119,35 @@ def test_steps_after_a_failed_write_do_not_run_and_its_error_is_raised_at_the_ne
     assert ran == ["write", "publish"]
 
 
+def test_background_sharded_saves_hold_the_state_at_each_save_while_training_goes_on(tmp_path: Path) -> None:
+    """Three saves of one process's part through `BackgroundWrites` (one kept staging copy, reused by every save
+    after the first); after each, the tensors change in place as an optimizer step would, before its write may have
+    run: each folder holds the state at its save, as torch.save of a clone then holds it."""
+    from torch.distributed.checkpoint import load
+
+    from lightning_pipe.checkpoint.reader import optimizer_key
+    from lightning_pipe.checkpoint.sharded import OptimizerPart
+    from lightning_pipe.weights.sources import MODEL
+
+    torch.manual_seed(0)
+    weight, momentum = torch.randn(64, 32), torch.randn(64, 32)
+    writes, expected = BackgroundWrites(), []
+    try:
+        for save in range(3):
+            expected.append((weight.clone(), momentum.clone()))
+            part = OptimizerPart({"w": {"momentum_buffer": momentum}})
+            writes.save_sharded(tmp_path / str(save), {"w": weight}, [part], None)
+            weight.add_(1.0), momentum.mul_(0.5)  # the next step, in place, while the write may still run
+            writes.wait()
+    finally:
+        writes.release()
+    for save, (w, m) in enumerate(expected):
+        read = {MODEL: {"w": torch.zeros_like(w)}, optimizer_key(0): {"state": {"w": {"momentum_buffer": m * 0}}}}
+        load(read, checkpoint_id=tmp_path / str(save))
+        assert torch.equal(read[MODEL]["w"], w), save
+        assert torch.equal(read[optimizer_key(0)]["state"]["w"]["momentum_buffer"], m), save
+
+
 class FailingIO(TorchCheckpointIO):
     """Writes half of the ``fail_at``-th checkpoint's bytes, then fails (a process that dies while it writes)."""
 

@@ -21,6 +21,7 @@ from typing_extensions import override
 
 from lightning_pipe.base.errors import PipeError, PipeTimeoutError
 from lightning_pipe.checkpoint.sharded import OptimizerPart, save_sharded, save_sharded_in_background
+from lightning_pipe.checkpoint.staging import Staging
 from lightning_pipe.weights.sources import PathLike
 
 #: how long the next save or the end of fit waits for a write in flight (a collective's own timeout, 30 minutes
@@ -132,11 +133,18 @@ class CheckpointWrites:
             ) from current.error
 
     def finish(self, error: BaseException | None = None) -> None:
-        """A fit ends: its last write done and published (`wait`), or after ``error`` left to finish (`abandon`)."""
-        if error is None:
-            self.wait()
-        else:
-            self.abandon()
+        """A fit ends: its last write done and published (`wait`), or after ``error`` left to finish (`abandon`);
+        then what the writes kept between saves is released (`release`)."""
+        try:
+            if error is None:
+                self.wait()
+            else:
+                self.abandon()
+        finally:
+            self.release()
+
+    def release(self) -> None:
+        """Release what the writes keep from one save to the next (nothing here)."""
 
     def abandon(self) -> None:
         """After a failed fit: the write in flight is left to finish by itself (a peer it waits for may be gone);
@@ -147,11 +155,13 @@ class CheckpointWrites:
 class BackgroundWrites(CheckpointWrites):
     """Writes in the background (``async_checkpoint``): a save copies its tensors to CPU memory and returns; a thread
     writes them (DCP's ``async_save`` for a sharded folder, over ``group``: a gloo group that nothing else uses, so
-    its collectives never interleave with another thread's on one group)."""
+    its collectives never interleave with another thread's on one group). A sharded folder's copy goes into the
+    buffers of the save before it (`Staging`), kept until `release`."""
 
     def __init__(self) -> None:
         super().__init__()
         self.group: Any = None
+        self.staging = Staging()
 
     @override
     def connect(self, group: Callable[[], Any]) -> None:
@@ -166,7 +176,12 @@ class BackgroundWrites(CheckpointWrites):
     @override
     def save_sharded(self, path: PathLike, model: dict[str, Any], optimizers: list[OptimizerPart],
                      extra: dict[str, Any] | None) -> None:  # fmt: skip
-        self.started(save_sharded_in_background(path, model, optimizers, extra, self.group), Path(path))
+        written = save_sharded_in_background(path, model, optimizers, extra, self.group, self.staging.stager())
+        self.started(written, Path(path))
+
+    @override
+    def release(self) -> None:
+        self.staging.close()
 
     @override
     def run(self, write: Callable[[], None], path: Path) -> None:

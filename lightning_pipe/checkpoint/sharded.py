@@ -57,9 +57,11 @@ def save_sharded_in_background(
     optimizers: list[OptimizerPart],
     extra: dict[str, Any] | None,
     group: Any,
+    stager: Any = None,
 ) -> Future[Any]:
     """`save_sharded` in the background (DCP's ``async_save``): the tensors are copied to CPU memory before it
-    returns, then written in a thread; the future completes when this process's part is written (on ``group``'s
+    returns (by ``stager``, a DCP ``AsyncStager`` that stages synchronously; None: a new ``DefaultStager`` each
+    time), then written in a thread; the future completes when this process's part is written (on ``group``'s
     rank 0: every process's, the folder's metadata too). ``group``: a gloo group that nothing else uses while the
     write runs (its collectives run in that thread)."""
     import torch.distributed.checkpoint as dcp
@@ -67,8 +69,9 @@ def save_sharded_in_background(
     folder = Path(path)
     if extra is not None:
         torch.save(extra, folder / META_FILE)
-    written = dcp.async_save(sharded_state(model, optimizers), checkpoint_id=folder, process_group=group)
-    assert isinstance(written, Future), "async_save with its default stager returns one future"
+    state = sharded_state(model, optimizers)
+    written = dcp.async_save(state, checkpoint_id=folder, process_group=group, async_stager=stager)
+    assert isinstance(written, Future), "async_save with a stager that stages before it returns gives one future"
     return written
 
 

@@ -86,7 +86,7 @@ class LaunchedCheckpoints:
         else:
             write_single_file(save, path, first, self.writes)
         if not in_fit(self.host.lightning_module):
-            self.writes.wait()  # no training to overlap: the checkpoint is there when save_checkpoint returns
+            self.writes.finish()  # no training to overlap: the checkpoint is there when save_checkpoint returns
         self._together(pipeline)  # published (rank 0) before any process starts its next save of the same name
 
     def _together(self, pipeline: Pipeline | None) -> None:

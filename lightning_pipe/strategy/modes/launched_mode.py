@@ -191,7 +191,7 @@ class LaunchedMode(Mode):
     def serve(self) -> None:
         """What a process that does not coordinate runs instead of the Trainer's loop (after `connect`)."""
         serve_stages(**{**self._pipeline(), "on_build": self._built_to_serve})
-        self.writes.wait()  # the fit's last checkpoint: this process's part written
+        self.writes.finish()  # the fit's last checkpoint: this process's part written (its staging copy released)
 
     def on_stage_built(self, worker: Any) -> None:
         """A stage built in this process: it binds to this process's model and writes its checkpoints' parts through
