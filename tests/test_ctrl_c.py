@@ -143,12 +143,13 @@ def test_ctrl_c_after_earlier_local_fits(interrupts: Interrupts) -> None:
 
 @pytest.mark.slow
 def test_ctrl_c_at_every_point_of_rpc_fits_after_an_earlier_fit(interrupts: Interrupts, tmp_path: Path) -> None:
-    """A fit; then fits that Ctrl-C stops while building, in the first step, mid-step, between steps and while
-    a checkpoint is written (each one builds and steps after the Ctrl-C before it); then a fit that works."""
+    """A fit; then fits that Ctrl-C stops while building, in the first step, between steps and while a checkpoint
+    is written (each one builds and steps after the Ctrl-C before it); then a fit that works. Mid-step in a later
+    step: `test_rpc_faults.py::test_ctrl_c_mid_step_stops_every_worker` (one rpc fit less here)."""
     trigger = CtrlCAt("never", os.getpid())
     module = net(trigger)
     fit(module, "rpc", [])
-    for when, call in [("build", 1), ("forward", 1), ("forward", 3)]:
+    for when, call in [("build", 1), ("forward", 1)]:
         trigger.when, trigger.call, trigger.armed = when, call, True
         interrupted_fit(module, "rpc", [], interrupts)
     trigger.when, trigger.armed = "never", False
@@ -157,7 +158,7 @@ def test_ctrl_c_at_every_point_of_rpc_fits_after_an_earlier_fit(interrupts: Inte
     interrupted_fit(module, "rpc", [between], interrupts)
     trigger.when, trigger.armed = "state", True
     interrupted_fit(module, "rpc", [], interrupts, tmp_path)
-    assert len(interrupts.times) == 5
+    assert len(interrupts.times) == 4
     trigger.armed = False
     next_fit_works(module, "rpc")
 
