@@ -15,9 +15,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import itertools
 import logging
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -34,11 +33,12 @@ from lightning_pipe.comm.transports import resolve_transport
 from lightning_pipe.engine import AutocastSpec, Coordinator, StageProtocol, StageSpec, StepResult
 from lightning_pipe.engine.loss import Criterion, Loss, WeightedLoss, as_loss
 from lightning_pipe.engine.runners import worker_of_stages
-from lightning_pipe.engine.stream import AsyncRun, train_stream
+from lightning_pipe.engine.stream import AsyncRun
 from lightning_pipe.partition import ShardedTask
 from lightning_pipe.partition.selection import resolve_partitioner as resolve_partitioner  # re-exported: strategy
 from lightning_pipe.partition.tied_parameters import tied_parameters
 from lightning_pipe.partition.traced import TracedPartitioner
+from lightning_pipe.pipeline.async_batches import train_batches
 from lightning_pipe.pipeline.choices import PipelineChoices
 from lightning_pipe.pipeline.inputs import PipelineInputs
 from lightning_pipe.pipeline.optimizers import StageOptimizers
@@ -306,21 +306,14 @@ class Pipeline:
         """
         argument = "Pipeline.train_async(microbatch_weight=...)"
         check_weight_function(microbatch_weight, argument)
-        count = num_batches if num_batches is not None else len(batches)  # type: ignore[arg-type]
 
-        def pieces() -> Iterator[tuple[list[Any], list[Any]]]:
-            for x, y in batches:
-                yield self.inputs.labelled(x, y, None, microbatches, microbatch_weight, argument)
+        def labelled(x: Any, y: Any) -> tuple[list[Any], list[Any]]:
+            return self.inputs.labelled(x, y, None, microbatches, microbatch_weight, argument)
 
-        stream = pieces()
-        first = next(stream, None)  # builds the pipeline
-        if first is None:
-            raise ConfigurationError("train_async needs at least one batch")
-        batches_in = itertools.chain([first], stream)
-        result = train_stream(self.coordinator, batches_in, count, self._weighted(criterion), optimizer)
-        per_batch = [sum(result.losses[b * microbatches : (b + 1) * microbatches]) for b in range(count)]
-        staleness = [s for stats in self.coordinator.stages.call(StageProtocol.async_stats) for s in stats]
-        return AsyncRun(losses=per_batch, staleness=sorted(staleness, key=lambda s: s.stage), step=result)
+        criterion_ = self._weighted(criterion)
+        return train_batches(  # the coordinator is asked for once the first batch's cut built the pipeline
+            lambda: self.coordinator, batches, labelled, criterion_, optimizer, microbatches, num_batches
+        )
 
     def stash_peaks(self) -> list[int]:
         """Most bytes of stashed activations each worker held at once in the last training step."""
