@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from processes import owned_env
+from zygote_client import ZYGOTE, ForkedRun
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -57,9 +58,10 @@ def start_session(command: list[str], env: dict[str, str]) -> subprocess.Popen[s
 
 
 def run_all(commands: list[tuple[list[str], dict[str, str]]], timeout: float) -> Run:
-    """Start every command (each in a session of its own), wait for all within ``timeout``, kill what is left."""
+    """Start every command (each in a session of its own), wait for all within ``timeout``, kill what is left. A
+    `forked_command` runs forked from this test process's `Zygote` where its environment allows."""
     start = time.monotonic()
-    procs = [start_session(cmd, env) for cmd, env in commands]
+    procs = [ZYGOTE.start(cmd, env) or start_session(cmd, env) for cmd, env in commands]
     outputs = []
     try:
         for proc in procs:
@@ -77,7 +79,7 @@ def run_all(commands: list[tuple[list[str], dict[str, str]]], timeout: float) ->
     return Run([p.returncode for p in procs], "\n".join(outputs), time.monotonic() - start, time.time())
 
 
-def kill(proc: subprocess.Popen) -> None:
+def kill(proc: subprocess.Popen | ForkedRun) -> None:
     try:
         os.killpg(proc.pid, signal.SIGKILL)  # the launcher's children are in its session
     except (ProcessLookupError, PermissionError):
@@ -110,7 +112,8 @@ def forked_ranks(
     on_failure: str = "stop",
 ) -> Run:
     """The ranks as torchrun (or ``cluster="slurm"``: srun) starts them, its variables, forked from one process that
-    imported torch, Lightning and lightning_pipe once (`forked_ranks.py`): for the tests whose subject is a run, not
+    imported torch, Lightning and lightning_pipe once (`forked_ranks.py`, itself forked from this test process's
+    `zygote_client.Zygote`, which imported them once for all its runs): for the tests whose subject is a run, not
     the process launcher (a cold process spends about 5 s of CPU importing them). ``nodes`` simulates that many nodes
     of ``nproc`` processes. ``on_failure="wait"``: a failing rank ends no other, each must end by itself (a test of
     a lost rank); ``"stop"`` ends them, as torchrun does."""

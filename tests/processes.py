@@ -17,6 +17,8 @@ import time
 from lightning_pipe.comm.local_workers import SPAWNED_ENV
 
 OWNER_ENV = "LIGHTNING_PIPE_TEST_OWNER"
+#: processes a test process keeps for its whole life, never a test's leftover (`zygote_client.Zygote`)
+EXEMPT: set[int] = set()
 
 
 def owned_env(env: dict[str, str]) -> dict[str, str]:
@@ -29,7 +31,7 @@ def started_by(pid: int | None = None) -> list[int]:
     pid = os.getpid() if pid is None else pid
     found = []
     for entry in _pids():
-        if entry == os.getpid() or _state(entry) in (None, "Z"):
+        if entry == os.getpid() or entry in EXEMPT or _state(entry) in (None, "Z"):
             continue
         if marked_by(_read(f"/proc/{entry}/environ").split(b"\0"), pid):
             found.append(entry)

@@ -1,0 +1,121 @@
+"""This test process's `Zygote`: `forked_ranks.py` runs forked from one process that imported everything once.
+
+`launching.run_all` asks `ZYGOTE` first for every command; it takes the ``python tests/forked_ranks.py ...``
+commands whose environment is the one it started with (a port aside, which is read when a run connects), and
+leaves every other command, and those with another environment (a variable that torch or Lightning read when
+imported would not take effect in a fork), to a process of its own. What a test gets back behaves as the
+``subprocess.Popen`` it replaces does for `launching.run_all` and `launching.kill`: a process id that leads a
+session of its own, ``communicate`` with a timeout, the exit code (negative: the signal that ended it).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import processes
+
+HERE = Path(__file__).resolve().parent
+FORKED_RANKS = str(HERE / "forked_ranks.py")
+PER_RUN = {"MASTER_PORT", "PYTEST_CURRENT_TEST"}  # read when a run connects, or by no one: never at import
+
+
+class ForkedRun:
+    """A `forked_ranks.py` run forked by the zygote: its output and exit code come through files."""
+
+    def __init__(self, pid: int, output: Path) -> None:
+        self.pid = pid
+        self.output = output
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            with_code = Path(f"{self.output}.rc")
+            if with_code.exists():
+                self.returncode = int(with_code.read_text())
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        until = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if until is not None and time.monotonic() > until:
+                raise subprocess.TimeoutExpired(FORKED_RANKS, timeout or 0.0)
+            time.sleep(0.02)
+        assert self.returncode is not None
+        return self.returncode
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, None]:
+        """Wait for the run to end (``timeout``: raise ``subprocess.TimeoutExpired``), then its output. Without a
+        timeout (after `launching.kill`) the wait is bounded all the same: a run whose end the zygote did not report
+        within 60 s counts as killed."""
+        try:
+            self.wait(timeout if timeout is not None else 60.0)
+        except subprocess.TimeoutExpired:
+            if timeout is not None:
+                raise
+            self.returncode = -9
+        return self.output.read_text(errors="replace"), None
+
+
+class Zygote:
+    """Started at the first forked run of this test process, ended with it (or when this process ends)."""
+
+    def __init__(self) -> None:
+        self.process: subprocess.Popen[bytes] | None = None
+        self.env: dict[str, str] = {}
+        self.folder = ""
+
+    def start(self, command: list[str], env: dict[str, str]) -> ForkedRun | None:
+        """The run of ``command`` forked from the zygote, or None where it is not a forked_ranks.py run in the
+        zygote's environment."""
+        if command[1:2] != [FORKED_RANKS] or os.environ.get("LIGHTNING_PIPE_TEST_NO_ZYGOTE"):
+            return None
+        fixed = {k: v for k, v in env.items() if k not in PER_RUN}
+        if self.process is None or self.process.poll() is not None:
+            self.launch(command[0], fixed)
+        elif fixed != self.env:
+            return None
+        assert self.process is not None and self.process.stdin is not None and self.process.stdout is not None
+        handle, output = tempfile.mkstemp(prefix="forked-", suffix=".log", dir=self.folder)
+        os.close(handle)
+        request = {"argv": command[2:], "env": env, "output": output}
+        self.process.stdin.write(json.dumps(request).encode() + b"\n")
+        self.process.stdin.flush()
+        reply = self.process.stdout.readline()
+        if not reply:
+            raise RuntimeError("the zygote process (tests/zygote.py) ended; its output went to this test's stderr")
+        return ForkedRun(json.loads(reply)["pid"], Path(output))
+
+    def launch(self, python: str, env: dict[str, str]) -> None:
+        self.env = env
+        self.folder = tempfile.mkdtemp(prefix="zygote-")
+        self.process = subprocess.Popen(
+            [python, str(HERE / "zygote.py")], env=env, cwd=HERE.parent, stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, start_new_session=True,
+        )  # fmt: skip
+        processes.EXEMPT.add(self.process.pid)  # never a test's leftover: it lives as long as this test process
+        atexit.register(self.close)
+
+    def close(self) -> None:
+        """End the zygote (the end of its input ends it; killed if it does not within 10 s)."""
+        process, self.process = self.process, None
+        if process is None:
+            return
+        assert process.stdin is not None
+        process.stdin.close()
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(10)
+        processes.EXEMPT.discard(process.pid)
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+ZYGOTE = Zygote()
