@@ -1,15 +1,16 @@
-"""A process that imported torch, Lightning and lightning_pipe once and forks each `forked_ranks.py` run from there.
+"""A process that imported torch, Lightning and lightning_pipe once and forks each forked launch's runner from there.
 
 ``python tests/zygote.py`` (`launching.Zygote` starts one per test process, at its first forked launch): a cold
 process spends about 5 s of CPU importing torch, Lightning and lightning_pipe, and every `forked_ranks.py` run
-paid it again before forking its ranks; the suite starts about twenty such runs. Here the import is paid once per
-test process: each run is a child forked from this one, which then does what ``python tests/forked_ranks.py ARGS``
-does (its ranks forked from it in turn).
+paid it again before forking its ranks (`forked_processes.py` its processes); the suite starts about twenty such
+runs. Here the import is paid once per test process: each run is a child forked from this one, which then does what
+``python tests/forked_ranks.py ARGS`` does (its ranks forked from it in turn).
 
-The protocol is lines of JSON. On standard input, a request: ``{"argv": [...], "env": {...}, "output": path}``;
+The protocol is lines of JSON. On standard input, a request: ``{"runner": "forked_ranks.py", "argv": [...], "env":
+{...}, "output": path}`` (runner: ``forked_ranks.py`` or ``forked_processes.py``);
 this process forks a child that starts a session of its own (so that `launching.kill` ends it and its ranks as it
 ends a started process's), writes its standard output and error to ``output``, takes ``env`` as its environment
-and runs `forked_ranks.main` with ``argv``. On standard output, the reply: ``{"pid": pid}``. When a child ends,
+and runs the runner's ``main`` with ``argv``. On standard output, the reply: ``{"pid": pid}``. When a child ends,
 its exit code (negative: the signal that ended it, as `subprocess` gives it) is written to ``output + ".rc"``
 (written to a temporary name first, then renamed: a reader never sees half of it). The end of standard input (the
 test process ended, even killed) ends this process; its children are in sessions of their own and the test that
@@ -23,7 +24,10 @@ import os
 import select
 import sys
 
+import forked_processes
 import forked_ranks  # torch, Lightning and lightning_pipe: imported here once
+
+RUNNERS = {"forked_ranks.py": forked_ranks, "forked_processes.py": forked_processes}
 
 
 def run_child(request: dict) -> None:
@@ -38,10 +42,11 @@ def run_child(request: dict) -> None:
     os.close(null)
     os.environ.clear()
     os.environ.update(request["env"])
-    sys.argv = [forked_ranks.__file__, *request["argv"]]
+    runner = RUNNERS[request["runner"]]
+    sys.argv = [runner.__file__, *request["argv"]]
     code = 0
     try:
-        forked_ranks.main()
+        runner.main()
     except SystemExit as exit:
         code = exit.code if isinstance(exit.code, int) else (0 if exit.code is None else 1)
         if not isinstance(exit.code, int | None):

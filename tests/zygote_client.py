@@ -23,7 +23,9 @@ import processes
 
 HERE = Path(__file__).resolve().parent
 FORKED_RANKS = str(HERE / "forked_ranks.py")
-PER_RUN = {"MASTER_PORT", "PYTEST_CURRENT_TEST"}  # read when a run connects, or by no one: never at import
+RUNNERS = {FORKED_RANKS, str(HERE / "forked_processes.py")}  # the scripts the zygote runs (tests/zygote.py)
+#: variables read when a run connects, or by no one: never at import, so a fork may take another value
+PER_RUN = {"MASTER_PORT", "WORLD_SIZE", "PYTEST_CURRENT_TEST"}
 
 
 class ForkedRun:
@@ -74,7 +76,7 @@ class Zygote:
     def start(self, command: list[str], env: dict[str, str]) -> ForkedRun | None:
         """The run of ``command`` forked from the zygote, or None where it is not a forked_ranks.py run in the
         zygote's environment."""
-        if command[1:2] != [FORKED_RANKS] or os.environ.get("LIGHTNING_PIPE_TEST_NO_ZYGOTE"):
+        if len(command) < 2 or command[1] not in RUNNERS or os.environ.get("LIGHTNING_PIPE_TEST_NO_ZYGOTE"):
             return None
         fixed = {k: v for k, v in env.items() if k not in PER_RUN}
         if self.process is None or self.process.poll() is not None:
@@ -84,7 +86,7 @@ class Zygote:
         assert self.process is not None and self.process.stdin is not None and self.process.stdout is not None
         handle, output = tempfile.mkstemp(prefix="forked-", suffix=".log", dir=self.folder)
         os.close(handle)
-        request = {"argv": command[2:], "env": env, "output": output}
+        request = {"runner": Path(command[1]).name, "argv": command[2:], "env": env, "output": output}
         self.process.stdin.write(json.dumps(request).encode() + b"\n")
         self.process.stdin.flush()
         reply = self.process.stdout.readline()
