@@ -23,9 +23,8 @@ from lightning_pipe.comm.p2p.frames import FRAME_BUFFERS, FRAME_TAG, SPILL_TAG, 
 class ReceivingWire(Protocol):
     """What a `Receiver` needs of the links it receives for (`p2p.wire.Wire` is this)."""
 
-    group: Any  # the process group
     ranks: list[int]  # the pipeline's processes, in pipeline order
-    group_ranks: list[int]  # each one's rank in ``group``: what a receive names as its source
+    sources: dict[int, tuple[Any, int]]  # per peer: the group its messages come in on, and its rank there
     device: torch.device  # where the frames land
     framed: bool  # gloo: frames into buffers posted ahead; else (NCCL) every part in order
     timeout: float
@@ -43,7 +42,8 @@ class Receiver:
     """The receiving thread of one peer's link (``Wire`` starts it); delivers into the wire's inboxes."""
 
     def __init__(self, wire: ReceivingWire, peer: int) -> None:
-        self.wire, self.peer, self.src = wire, peer, wire.group_ranks[peer]
+        self.wire, self.peer = wire, peer
+        self.group, self.src = wire.sources[peer]
         self.signatures: dict[int, frames.FrameSignature] = {}
         self.ahead: dict[int, tuple[list[torch.Tensor], list[Any]]] = {}  # framed: one body per large signature
 
@@ -154,7 +154,7 @@ class Receiver:
 
     def _irecv(self, tensor: torch.Tensor, tag: int) -> Any:
         with self.wire.on_stream(None):
-            return dist.irecv(tensor, group=self.wire.group, tag=tag, group_src=self.src)
+            return dist.irecv(tensor, group=self.group, tag=tag, group_src=self.src)
 
     def _complete(self, works: list[Any]) -> None:
         with self.wire.on_stream(None):
