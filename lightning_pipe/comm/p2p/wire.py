@@ -58,6 +58,7 @@ class Wire:
         device: str | None = None,
         reverse: Any = None,
     ) -> None:
+        group = group if group is not None else dist.group.WORLD  # the default group
         self.group, self.ranks, self.me, self.describe, self.timeout = group, list(ranks), me, describe, timeout
         self.coordinator = coordinator  # the pipeline rank whose process runs the coordinator
         #: each process's rank in ``group``, what its sends and receives name: given for a group made apart from
