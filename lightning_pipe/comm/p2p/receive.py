@@ -69,14 +69,18 @@ class Receiver:
                 self._closed()
                 return
             keepalive = marker == frames.KEEPALIVE
-            message = self._inline(fields, frame) if inline and not keepalive else None
-            works[turn] = self._irecv(frame, FRAME_TAG)  # taken apart, or a header only: post it again
-            if message is None and not keepalive:
-                message = self._spilled(fields, marker, extra)
-            if message is not None:
-                for each in frames.unbundle(message, fields):
-                    self.wire.deliver(destination, each)
+            if inline and not keepalive:  # delivered before the buffer is posted again: the stage wakes sooner
+                self._deliver(destination, self._inline(fields, frame), fields)  # (the other buffer is posted)
+                works[turn] = self._irecv(frame, FRAME_TAG)
+            else:  # a header only: posted again before the parts that follow it are received
+                works[turn] = self._irecv(frame, FRAME_TAG)
+                if not keepalive:
+                    self._deliver(destination, self._spilled(fields, marker, extra), fields)
             turn = (turn + 1) % FRAME_BUFFERS
+
+    def _deliver(self, destination: int, message: Message, fields: list[int]) -> None:
+        for each in frames.unbundle(message, fields):
+            self.wire.deliver(destination, each)
 
     def _inline(self, fields: list[int], frame: torch.Tensor) -> Message:
         marker, extra = fields[0], fields[6]
