@@ -236,6 +236,18 @@ def launched_ranks(cfg: OverheadConfig) -> tuple[list[int], int]:
     return [(k - last) % cfg.ranks for k in range(cfg.ranks)], last
 
 
+def reverse_group(cfg: OverheadConfig, takes: Any) -> dict[str, Any]:
+    """A second gloo group of the world for the messages to lower pipeline ranks, as launched mode makes one
+    (`ProcessGroups`); none where ``takes`` (a checkout's transport before it took one) has no ``reverse``."""
+    import inspect
+
+    import torch.distributed as dist
+
+    if "reverse" not in inspect.signature(takes).parameters:
+        return {}
+    return {"reverse": dist.new_group(list(range(cfg.ranks)), backend="gloo")}
+
+
 class LaunchedRunner(PipelineRunner):
     """Launched mode's engine: global rank 0 coordinates over `P2PCommunicator`, the others run `serve_rank`."""
 
@@ -247,7 +259,8 @@ class LaunchedRunner(PipelineRunner):
 
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{cfg.port}", rank=0, world_size=cfg.ranks)
         ranks, here = launched_ranks(cfg)
-        self.communicator = P2PCommunicator(dist.group.WORLD, ranks, coordinator=here, timeout=120)
+        reverse = reverse_group(cfg, P2PCommunicator)
+        self.communicator = P2PCommunicator(dist.group.WORLD, ranks, coordinator=here, timeout=120, **reverse)
         self._start(self.communicator)
 
     def stop(self) -> dict[str, Any]:
@@ -266,6 +279,6 @@ def serve_rank(cfg: OverheadConfig, rank: int) -> None:
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{cfg.port}", rank=rank, world_size=cfg.ranks)
     ranks, here = launched_ranks(cfg)
-    serve_stages(dist.group.WORLD, ranks, coordinator=here, timeout=120)
+    serve_stages(dist.group.WORLD, ranks, coordinator=here, timeout=120, **reverse_group(cfg, serve_stages))
     sys.stdout.flush()
     os._exit(0)

@@ -12,7 +12,8 @@ alternate their order, so the machine's drift hits all alike:
 - ``local``: lightning_pipe's `Pipeline` with stage threads in one process;
 - ``rpc``: the same with ``transport="rpc"`` (a worker process for stage 0, the last stage with the coordinator);
 - ``launched``: launched mode's engine, `P2PCommunicator` over a gloo world of 2 processes, global rank 0 the
-  coordinator with the last stage (as a torchrun launch places it), without Lightning's loop.
+  coordinator with the last stage (as a torchrun launch places it), without Lightning's loop; with a second gloo
+  group for the messages to the lower pipeline rank (``reverse``), as launched mode makes one.
 
 ``--base DIR`` adds ``local@base``, ``rpc@base`` and ``launched@base``: the same contenders on the lightning_pipe
 of another checkout (``git worktree add DIR <commit>``), to measure a change before and after in one run.

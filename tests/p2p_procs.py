@@ -94,8 +94,10 @@ def train_and_compare(comm: P2PCommunicator, stages: int, schedule: str, batches
     return out
 
 
-def coordinator_train(group: Any, ranks: list[int], replica: int = 0, on_build: Any = None) -> dict[str, Any]:
-    comm = P2PCommunicator(group, ranks, describer(ranks, replica), on_build=on_build, timeout=60)
+def coordinator_train(
+    group: Any, ranks: list[int], replica: int = 0, on_build: Any = None, reverse: Any = None
+) -> dict[str, Any]:
+    comm = P2PCommunicator(group, ranks, describer(ranks, replica), on_build=on_build, timeout=60, reverse=reverse)
     result: dict[str, Any] = {}
     try:
         mine = [data(10 * replica + step) for step in range(2)]
@@ -184,9 +186,10 @@ def kill_coordinator(group: Any, ranks: list[int], outdir: str) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def coordinator_last(group: Any) -> dict[str, Any]:
-    """The layout launched mode uses: global rank 0 holds the last stage and feeds stage 0 in rank 1."""
-    comm = P2PCommunicator(group, [1, 0], describer([1, 0], 0), timeout=60, coordinator=1)
+def coordinator_last(group: Any, reverse: Any) -> dict[str, Any]:
+    """The layout launched mode uses: global rank 0 holds the last stage and feeds stage 0 in rank 1 (a group per
+    direction, as launched mode makes them)."""
+    comm = P2PCommunicator(group, [1, 0], describer([1, 0], 0), timeout=60, coordinator=1, reverse=reverse)
     try:
         batches = [([x], [y]) for x, y in (data(step) for step in range(2))]
         result: dict[str, Any] = {"1f1b": train_and_compare(comm, 2, "1f1b", batches)}
@@ -200,10 +203,13 @@ def coordinator_last(group: Any) -> dict[str, Any]:
     return result
 
 
-def serve(group: Any, ranks: list[int], replica: int, on_build: Any = None, coordinator: int = 0) -> dict[str, Any]:
+def serve(
+    group: Any, ranks: list[int], replica: int, on_build: Any = None, coordinator: int = 0, reverse: Any = None
+) -> dict[str, Any]:
     start = time.time()
     try:
-        serve_stages(group, ranks, describer(ranks, replica), on_build=on_build, timeout=60, coordinator=coordinator)
+        describe = describer(ranks, replica)
+        serve_stages(group, ranks, describe, on_build=on_build, timeout=60, coordinator=coordinator, reverse=reverse)
     except TransportError as exc:
         return {"error": str(exc), "at": time.time(), "start": start}
     return {"error": None}
@@ -221,12 +227,16 @@ def run(scenario: str, rank: int, world: int, outdir: str) -> dict[str, Any]:
         return serve(pipelines[replica], ranks, replica, on_build)
     ranks = list(range(world))
     group = dist.new_group(ranks)
+    # training runs with a group per direction (launched mode's), the faults over one group
+    reverse = dist.new_group(ranks) if scenario in ("train", "last") else None
     if scenario == "last":
-        return coordinator_last(group) if rank == 0 else serve(group, [1, 0], 0, coordinator=1)
+        if rank == 0:
+            return coordinator_last(group, reverse)
+        return serve(group, [1, 0], 0, coordinator=1, reverse=reverse)
     if rank > 0:
-        return serve(group, ranks, 0)
+        return serve(group, ranks, 0, reverse=reverse)
     if scenario == "train":
-        return coordinator_train(group, ranks)
+        return coordinator_train(group, ranks, reverse=reverse)
     if scenario == "kill_stage":
         return kill_stage(group, ranks)
     if scenario == "kill_coordinator":

@@ -70,6 +70,9 @@ class ProcessGroups:
         self.replicas = mesh.get_group("data_parallel")
         self.tensor = mesh.get_group("tensor_parallel") if layout.tensor_parallel > 1 else None  # a stage's T ranks
         self.coordinators = dist.new_group(layout.coordinator_ranks)
+        #: gloo: the pipeline again, for the messages to lower pipeline ranks (`p2p.wire`: a link's two directions
+        #: never share a gloo pair, whose lock a send waited for while the group's thread read); None under NCCL
+        self.reverse = reverse_pipelines(mesh) if device_type == "cpu" else None
         self._writes: dist.ProcessGroup | None = None
 
     def checkpoint_writes(self) -> dist.ProcessGroup:
@@ -98,7 +101,7 @@ class ProcessGroups:
         """Destroy this layout's groups (a dimension that spans the world is the default group: kept; a process
         outside the coordinators' group holds no such group)."""
         default = dist.distributed_c10d._get_default_group()
-        groups = (self.pipeline, self.replicas, self.tensor, self.coordinators, self._writes)
+        groups = (self.pipeline, self.reverse, self.replicas, self.tensor, self.coordinators, self._writes)
         for group in {id(g): g for g in groups}.values():
             if isinstance(group, dist.ProcessGroup) and group is not default:
                 dist.destroy_process_group(group)
@@ -115,3 +118,16 @@ class ProcessGroups:
         if cls._default_made:
             cls._default_made = False
             dist.destroy_process_group()
+
+
+def reverse_pipelines(mesh: Any) -> Any:
+    """This process's pipeline again, as a gloo group of its own (every process makes every pipeline's: ``new_group``
+    is collective over the world; a process gets the group it is in)."""
+    ranks = mesh.mesh  # global ranks by (data_parallel, pipeline[, tensor_parallel])
+    pipelines = ranks.movedim(1, -1).reshape(-1, ranks.size(1)).tolist()
+    me, mine = dist.get_rank(), None
+    for pipeline in pipelines:
+        group = dist.new_group(pipeline, backend="gloo")
+        if me in pipeline:
+            mine = group
+    return mine

@@ -52,6 +52,8 @@ class P2PCommunicator(Communicator):
             own copy of the model and ``prepare`` binds the stage to it (launched mode): shapes only travel.
         timeout: seconds any single wait may take (a build, a send, a stop, hearing from a peer).
         coordinator: the pipeline rank whose stage worker runs in this process (the others are remote).
+        reverse: a second group over the same processes (gloo), for the messages to lower pipeline ranks: a link's
+            two directions then never share a gloo pair (`p2p.wire`); every process of the pipeline passes one, or none.
     """
 
     name = "p2p"
@@ -71,6 +73,7 @@ class P2PCommunicator(Communicator):
         coordinator: int = 0,
         prepare: Hook | None = None,
         send_values: bool = True,
+        reverse: Any = None,
     ) -> None:
         if not 0 <= coordinator < len(ranks) or dist.get_rank() != ranks[coordinator]:
             raise ConfigurationError(
@@ -82,6 +85,7 @@ class P2PCommunicator(Communicator):
         self.on_build = on_build
         self.prepare = prepare
         self.send_values = send_values
+        self.reverse = reverse
         self._wire: Wire | None = None
         self._built: list[int] = []  # pipeline ranks whose worker runs
         self._local: StageHost | None = None  # the stage worker of this process (pipeline rank coordinator)
@@ -189,7 +193,7 @@ class P2PCommunicator(Communicator):
     def _open(self) -> Wire:
         if self._wire is None:
             here = self.coordinator
-            self._wire = Wire(self.group, self.ranks, here, self.describe, self.timeout, here)
+            self._wire = Wire(self.group, self.ranks, here, self.describe, self.timeout, here, reverse=self.reverse)
         return self._wire
 
     def _others(self) -> list[int]:

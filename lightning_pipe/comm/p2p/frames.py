@@ -231,6 +231,11 @@ def pack(fields: list[int], extra: bytes, tensors: Sequence[torch.Tensor]) -> to
     return frame
 
 
+def header_of(frame: Any) -> list[int]:
+    """The header fields of a received frame (its buffer as a numpy array, or any object with the buffer protocol)."""
+    return list(_HEADER.unpack_from(frame))
+
+
 def frame_bytes(frame: torch.Tensor, extra: int) -> bytes:
     """The ``extra`` pickled bytes of an inline frame."""
     offset = _aligned(HEADER_BYTES)

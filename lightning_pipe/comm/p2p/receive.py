@@ -13,7 +13,6 @@ from datetime import timedelta
 from typing import Any, Protocol
 
 import torch
-import torch.distributed as dist
 
 from lightning_pipe.comm.base import Message
 from lightning_pipe.comm.p2p import frames
@@ -23,9 +22,8 @@ from lightning_pipe.comm.p2p.frames import FRAME_BUFFERS, FRAME_TAG, SPILL_TAG, 
 class ReceivingWire(Protocol):
     """What a `Receiver` needs of the links it receives for (`p2p.wire.Wire` is this)."""
 
-    group: Any  # the process group
     ranks: list[int]  # the pipeline's processes, in pipeline order
-    group_ranks: list[int]  # each one's rank in ``group``: what a receive names as its source
+    sources: dict[int, tuple[Any, int]]  # per peer: the group its messages come in on, and its rank there
     device: torch.device  # where the frames land
     framed: bool  # gloo: frames into buffers posted ahead; else (NCCL) every part in order
     timeout: float
@@ -43,7 +41,9 @@ class Receiver:
     """The receiving thread of one peer's link (``Wire`` starts it); delivers into the wire's inboxes."""
 
     def __init__(self, wire: ReceivingWire, peer: int) -> None:
-        self.wire, self.peer, self.src = wire, peer, wire.group_ranks[peer]
+        self.wire, self.peer = wire, peer
+        self.patience = timedelta(seconds=wire.timeout)  # a gloo wait that times out closes the link: the whole timeout
+        self.group, self.src = wire.sources[peer]
         self.signatures: dict[int, frames.FrameSignature] = {}
         self.ahead: dict[int, tuple[list[torch.Tensor], list[Any]]] = {}  # framed: one body per large signature
 
@@ -56,26 +56,31 @@ class Receiver:
     # framed (gloo)
     def _framed(self) -> None:
         buffers = [torch.empty(frames.INLINE_BYTES, dtype=torch.uint8) for _ in range(FRAME_BUFFERS)]
+        views = [buffer.numpy() for buffer in buffers]  # the same memory: a header is read without torch ops
         works = [self._irecv(buffer, FRAME_TAG) for buffer in buffers]
         turn = 0
         while True:
             self._complete([works[turn]])
             frame = buffers[turn]
-            fields = frame[: frames.HEADER_BYTES].view(torch.int64).tolist()
+            fields = frames.header_of(views[turn])
             marker, destination, extra, inline = fields[0], fields[1], fields[6], fields[7] & 1  # bit 0 of flags
             if marker == frames.CLOSE:
                 self._complete([work for k, work in enumerate(works) if k != turn])  # the peer's other close frames
                 self._closed()
                 return
             keepalive = marker == frames.KEEPALIVE
-            message = self._inline(fields, frame) if inline and not keepalive else None
-            works[turn] = self._irecv(frame, FRAME_TAG)  # taken apart, or a header only: post it again
-            if message is None and not keepalive:
-                message = self._spilled(fields, marker, extra)
-            if message is not None:
-                for each in frames.unbundle(message, fields):
-                    self.wire.deliver(destination, each)
+            if inline and not keepalive:  # delivered before the buffer is posted again: the stage wakes sooner
+                self._deliver(destination, self._inline(fields, frame), fields)  # (the other buffer is posted)
+                works[turn] = self._irecv(frame, FRAME_TAG)
+            else:  # a header only: posted again before the parts that follow it are received
+                works[turn] = self._irecv(frame, FRAME_TAG)
+                if not keepalive:
+                    self._deliver(destination, self._spilled(fields, marker, extra), fields)
             turn = (turn + 1) % FRAME_BUFFERS
+
+    def _deliver(self, destination: int, message: Message, fields: list[int]) -> None:
+        for each in frames.unbundle(message, fields):
+            self.wire.deliver(destination, each)
 
     def _inline(self, fields: list[int], frame: torch.Tensor) -> Message:
         marker, extra = fields[0], fields[6]
@@ -153,16 +158,24 @@ class Receiver:
         return tensors, [self._irecv(t, tag) for t in tensors if t.numel() > 0]
 
     def _irecv(self, tensor: torch.Tensor, tag: int) -> Any:
+        """The process group's own receive (what ``dist.irecv`` calls after checks that hold for a wire's group)."""
+        tensor = torch.view_as_real(tensor) if tensor.is_complex() else tensor  # the same memory
+        if self.wire.device.type != "cuda":
+            return self.group.recv([tensor], self.src, tag)
         with self.wire.on_stream(None):
-            return dist.irecv(tensor, group=self.wire.group, tag=tag, group_src=self.src)
+            return self.group.recv([tensor], self.src, tag)
 
     def _complete(self, works: list[Any]) -> None:
+        if self.wire.device.type != "cuda":
+            for work in works:
+                if work is not None:
+                    work.wait(self.patience)
+            return
         with self.wire.on_stream(None):
             for work in works:
                 if work is not None:
-                    work.wait(timedelta(seconds=self.wire.timeout))
-            if self.wire.device.type == "cuda":  # ready for the stage's stream, whichever it is
-                torch.cuda.current_stream().synchronize()
+                    work.wait(self.patience)
+            torch.cuda.current_stream().synchronize()  # ready for the stage's stream, whichever it is
 
 
 def first_line(exc: BaseException) -> str:

@@ -70,6 +70,7 @@ def serve_stages(
     timeout: float = 300.0,
     coordinator: int = 0,
     prepare: Hook | None = None,
+    reverse: Any = None,
 ) -> None:
     """Serve the stages the coordinator (the process of ``ranks[coordinator]``) builds here, until it releases
     the pipeline.
@@ -77,10 +78,10 @@ def serve_stages(
     Raises `TransportError` naming the lost process when a process of the pipeline dies (also while
     idle between builds), or when the coordinator releases the pipeline with an error. ``prepare`` sees each
     spec before its worker is built, ``on_build`` each worker after (the strategy's: bind the stage to this
-    process's own copy of the model, replicate or shard it over its replicas).
+    process's own copy of the model, replicate or shard it over its replicas). ``reverse``: as `P2PCommunicator`'s.
     """
     me = _pipeline_rank(ranks, coordinator)
-    wire = Wire(group, ranks, me, describe or default_describe, timeout, coordinator)
+    wire = Wire(group, ranks, me, describe or default_describe, timeout, coordinator, reverse=reverse)
     control = wire.inbox(WIRE)
     try:
         while True:

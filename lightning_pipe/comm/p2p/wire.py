@@ -56,12 +56,28 @@ class Wire:
         sends_to: Sequence[int] | None = None,
         hears_from: Sequence[int] | None = None,
         device: str | None = None,
+        reverse: Any = None,
     ) -> None:
+        group = group if group is not None else dist.group.WORLD  # the default group
         self.group, self.ranks, self.me, self.describe, self.timeout = group, list(ranks), me, describe, timeout
         self.coordinator = coordinator  # the pipeline rank whose process runs the coordinator
         #: each process's rank in ``group``, what its sends and receives name: given for a group made apart from
         #: the default one (the rpc transport's, which torch.distributed does not know), else ``ranks`` translated
         self.group_ranks = list(group_ranks) if group_ranks is not None else group_ranks_of(group, self.ranks)
+        #: ``reverse``: a second group over the same processes that carries the messages to lower pipeline ranks
+        #: (``group`` those to higher ones), so a link's two directions never share a gloo pair (one connection,
+        #: whose lock the group's I/O thread holds while it reads: a send waited behind the peer's messages)
+        downward = (group, self.group_ranks)
+        upward = downward
+        if reverse is not None:
+            upward = (reverse, list(group_ranks) if group_ranks is not None else group_ranks_of(reverse, self.ranks))
+        #: per peer, the group and the peer's rank in it that messages to it go out on, and those from it come in on
+        self.routes: dict[int, tuple[Any, int]] = {}
+        self.sources: dict[int, tuple[Any, int]] = {}
+        for peer in range(len(self.ranks)):
+            out, back = (downward, upward) if peer > me else (upward, downward)
+            self.routes[peer] = (out[0], out[1][peer])
+            self.sources[peer] = (back[0], back[1][peer])
         self.backend = backend or str(dist.get_backend(group))
         #: where its tensors travel: the CPU under gloo; under NCCL ``device``, or the process's current CUDA device
         self.device = process_device(self.backend, device)
@@ -76,7 +92,7 @@ class Wire:
         self._stats: dict[int, WireStats] = {}
         self._lock = threading.Lock()
         self._links: dict[int, Link] = {}
-        self.sender = Sender(group, self.group_ranks, self.device, self.framed, timeout, self._count, self._lock)
+        self.sender = Sender(self.routes, self.device, self.framed, timeout, self._count, self._lock)
         self._threads: list[threading.Thread] = []
         self._local = threading.local()  # each thread's CUDA stream for sends and receives
         self._closing = threading.Event()

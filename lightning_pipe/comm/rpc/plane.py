@@ -174,7 +174,9 @@ def open_plane(
     """
     everyone = list(range(layout.size))
     gloo = _gloo_group(dist.PrefixStore(f"{prefix}-gloo", store), me, layout.size, interface, timeout)
-    wire = Wire(gloo, everyone, me, describe, timeout, group_ranks=everyone, backend="gloo")
+    # a group per direction: a link's sends and receives never share a gloo pair (`p2p.wire`)
+    reverse = _gloo_group(dist.PrefixStore(f"{prefix}-gloo-up", store), me, layout.size, interface, timeout)
+    wire = Wire(gloo, everyone, me, describe, timeout, group_ranks=everyone, backend="gloo", reverse=reverse)
     routes = {w: (wire, w) for w in everyone}  # to itself: into its own inbox, by reference
     wires = [wire]
     if me in layout.nccl:

@@ -212,6 +212,7 @@ class LaunchedMode(Mode):
         assert groups is not None, "LaunchedMode.connect makes the process groups first"
         return {
             "group": groups.pipeline,
+            "reverse": groups.reverse,
             "ranks": self.layout.pipeline_ranks(),
             "describe": self.layout.describe,
             "on_build": self.on_stage_built,
