@@ -2,14 +2,17 @@
 
     python benchmarks/compiled_split.py --width 256 --rows 512 --blocks 2 --pairs 20 [--threads 1]
     python benchmarks/compiled_split.py --model gpt --blocks 2 --pairs 20 --threads 1
+    python benchmarks/compiled_split.py --model gpt --stage last --pairs 20 --threads 1
 
 A stage (``--model mlp``: transformer-style MLP blocks, LayerNorm, Linear 4x, GELU, Linear, residual;
-``--model gpt``: ``--blocks`` decoder blocks of the `workloads` gpt at a pipeline microbatch, 4 x 128 tokens) run
-five ways: eager with one ordinary backward; eager with its backward split as the eager split-backward schedules
-split it (`backward_input` then `backward_weight`, over the retained autograd graph); compiled as torch.compile
-compiles it (one backward graph); and as the ``inductor`` stage backend compiles it (its backward split into an
-input-gradient graph and a weight-gradient graph), that last one also with a plain backward (a ``B`` action: both
-graphs at once). Each round times each of them once (forward, backward or I, W),
+``--model gpt``: ``--blocks`` decoder blocks of the `workloads` gpt at a pipeline microbatch, 4 x 128 tokens, as a
+middle stage holds them; ``--stage first`` / ``last``: the first or the last stage of the 2-stage gpt pipeline, the
+embedding and 4 blocks, or 4 blocks and the head) run five ways: eager with one ordinary backward; eager with its
+backward split as the eager split-backward schedules split it (`backward_input` then `backward_weight`, over the
+retained autograd graph); compiled as torch.compile compiles it (one backward graph); and as the ``inductor`` stage
+backend compiles it through the `StageExecutable` the pipeline runs (its backward split into an input-gradient graph
+and a weight-gradient graph, beside the whole backward), that last one also with a plain backward (a ``B`` action:
+the whole backward graph). Each round times each of them once (forward, backward or I, W),
 alternating; it prints the medians, the ratio (I + W) / backward of the compiled stage, the compiled split's step
 against the eager split's (what a zero-bubble schedule's stage gains from inductor), and checks that the compiled
 split gives the ordinary gradients.
@@ -26,14 +29,16 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch._dynamo.utils import counters
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from benchmarks.workloads import D_MODEL, SEQ, build_model, stage_module  # noqa: E402
-from lightning_pipe.backends import InductorCompiler, OpCounter, StageTrace  # noqa: E402
-from lightning_pipe.backends.ops import OpTable  # noqa: E402
+from benchmarks.workloads import BALANCES, D_MODEL, SEQ, VOCAB, build_model, stage_module  # noqa: E402
+from lightning_pipe.backends import StageTrace  # noqa: E402
+from lightning_pipe.backends.config import resolve_backends  # noqa: E402
+from lightning_pipe.backends.executable import StageExecutable  # noqa: E402
 from lightning_pipe.engine.split_backward import backward_input, backward_weight  # noqa: E402
 
 Timed = tuple[float, float, float]  # forward, backward (or I), W seconds
@@ -50,13 +55,22 @@ class Block(nn.Module):
         return x + self.down(nn.functional.gelu(self.up(self.norm(x))))
 
 
-def stage_and_input(args: argparse.Namespace) -> tuple[nn.Module, torch.Tensor]:
+def stage_and_input(args: argparse.Namespace) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    """The stage, its input and the gradient of its output."""
     torch.manual_seed(0)
+    if args.model == "gpt" and args.stage != "middle":  # a stage of the 2-stage pipeline, as schedules.py cuts it
+        model = build_model("gpt")
+        index = 0 if args.stage == "first" else 1
+        stage = stage_module(model, BALANCES[("gpt", 2)], index)
+        if index == 0:  # token ids: no input gradient, so no I (W runs the whole backward)
+            return stage, torch.randint(0, VOCAB, (4, SEQ)), torch.randn(4, SEQ, D_MODEL)
+        return stage, torch.randn(4, SEQ, D_MODEL), torch.randn(4, SEQ, VOCAB)
     if args.model == "gpt":  # the blocks after the embedding, as a middle stage holds them
         model = build_model("gpt")
         stage = stage_module(model, [1, args.blocks, len(model) - 1 - args.blocks], 1)
-        return stage, torch.randn(4, SEQ, D_MODEL)
-    return nn.Sequential(*[Block(args.width) for _ in range(args.blocks)]), torch.randn(args.rows, args.width)
+        return stage, torch.randn(4, SEQ, D_MODEL), torch.randn(4, SEQ, D_MODEL)
+    x = torch.randn(args.rows, args.width)
+    return nn.Sequential(*[Block(args.width) for _ in range(args.blocks)]), x, torch.randn_like(x)
 
 
 def main() -> None:
@@ -65,22 +79,24 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=256, help="mlp only")
     parser.add_argument("--rows", type=int, default=512, help="mlp only")
     parser.add_argument("--blocks", type=int, default=2)
+    parser.add_argument("--stage", choices=("middle", "first", "last"), default="middle", help="gpt only")
     parser.add_argument("--pairs", type=int, default=20, help="rounds")
     parser.add_argument("--threads", type=int, default=None, help="intra-op threads (default: torch's)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    stage, x = stage_and_input(args)
-    g = torch.randn_like(x)
+    stage, x, g = stage_and_input(args)
     params = list(stage.parameters())
     ordinary = torch.compile(stage, backend="inductor", fullgraph=True)
     trace = StageTrace(1)
-    compiler = InductorCompiler(stage, OpTable([]), OpCounter(), "inductor", "bench", {})
-    compiler.attach(trace, "train")
-    split = compiler.build()
+    chain = resolve_backends("inductor", 2).chain(1, "train")  # inductor, then eager
+    split = StageExecutable(stage, 1, "train", chain, trace, torch.device("cpu"))  # what a pipeline's stage runs
+
+    def leaf_of(x: torch.Tensor) -> torch.Tensor:
+        return x.detach().requires_grad_() if x.is_floating_point() else x
 
     def whole(forward: Callable[[torch.Tensor], torch.Tensor]) -> Timed:
-        leaf = x.detach().requires_grad_()
+        leaf = leaf_of(x)
         start = time.perf_counter()
         out = forward(leaf)
         middle = time.perf_counter()
@@ -88,7 +104,7 @@ def main() -> None:
         return middle - start, time.perf_counter() - middle, 0.0
 
     def halves(forward: Callable[[torch.Tensor], torch.Tensor]) -> Timed:
-        leaf = x.detach().requires_grad_()
+        leaf = leaf_of(x)
         start = time.perf_counter()
         out = forward(leaf)
         forwarded = time.perf_counter()
@@ -102,17 +118,20 @@ def main() -> None:
         "eager split": lambda: halves(stage),
         "compiled": lambda: whole(ordinary),
         "compiled split": lambda: halves(split),
-        "compiled split B": lambda: whole(split),  # a B action (1f1b, dualpipev's main phase): I and W graphs at once
+        "compiled split B": lambda: whole(split),  # a B action (1f1b, dualpipev's main phase): the whole graph
     }
     stage.zero_grad(set_to_none=True)
     ways["compiled"]()
     want = [p.grad.clone() for p in params]  # type: ignore[union-attr]
-    stage.zero_grad(set_to_none=True)
-    ways["compiled split"]()
-    error = max((p.grad - w).abs().max().item() for p, w in zip(params, want, strict=True))  # type: ignore[operator]
+    errors = []
+    for name in ("compiled split", "compiled split B"):
+        stage.zero_grad(set_to_none=True)
+        ways[name]()
+        errors.append(max((p.grad - w).abs().max().item() for p, w in zip(params, want, strict=True)))  # type: ignore[operator]
     for _ in range(3):  # warm up all
         for way in ways.values():
             way()
+    frames = counters["frames"]["ok"]  # frames Dynamo compiled: a recompile in the rounds would add one
     samples: dict[str, list[Timed]] = {name: [] for name in ways}
     for r in range(args.pairs):
         for name in list(ways)[r % len(ways) :] + list(ways)[: r % len(ways)]:
@@ -120,9 +139,11 @@ def main() -> None:
     stage.zero_grad(set_to_none=True)
     ms = 1e3
     shape = "x".join(map(str, x.shape))
-    print(f"stage: {args.model}, {args.blocks} blocks, input {shape}; threads {torch.get_num_threads()}")
-    print(f"compiled graphs of the split stage: {trace.graphs['train']}")
-    print(f"max |grad difference| compiled split vs compiled: {error:.2e}")
+    what = f"{args.blocks} blocks" if args.model == "mlp" or args.stage == "middle" else f"{args.stage} stage of 2"
+    print(f"stage: {args.model}, {what}, input {shape}; threads {torch.get_num_threads()}")
+    print(f"compiled graphs of the split stage: {trace.graphs['train']}; backends that ran it: {trace.runs['train']}")
+    print(f"frames Dynamo compiled during the {args.pairs} rounds (recompiles): {counters['frames']['ok'] - frames}")
+    print(f"max |grad difference| against compiled: compiled split {errors[0]:.2e}, compiled split B {errors[1]:.2e}")
     print(f"{'':16} {'forward':>8} {'bwd / I':>8} {'W':>8} {'step':>8}  (ms, medians of {args.pairs})")
     steps = {name: [sum(t) for t in got] for name, got in samples.items()}
     for name, got in samples.items():

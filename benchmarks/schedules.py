@@ -16,7 +16,9 @@ takes one, else two per rank (4 stages, cut as torch's stages are cut). Each sch
 
 ``--backend eager,inductor`` runs each schedule once per backend in the same race (``backend=`` of PipeStrategy:
 every stage compiled with inductor, or eager), so compiled against eager is a paired ratio too (the eager step time
-over the compiled one, the median over rounds; > 1: compiled faster); a backend whose run fails (a crash while
+over the compiled one, the median over rounds; > 1: compiled faster), and so is the CPU time per step (user and
+system seconds of all the contender's processes in a round, per step: the work done, which a loaded machine moves
+far less than the step time); a backend whose run fails (a crash while
 compiling or in an action) gets its error in the table and the race is run again without it. With several
 backends an ``unsplit`` row races the whole model in one process per backend (``MicrobatchRunner``: the same
 microbatches, gradients accumulated, a stage's threads; inductor as a plain ``torch.compile``): what the backend
@@ -115,15 +117,22 @@ def race(entries: list[Entry], args: argparse.Namespace) -> dict[str, Any]:
             contender.ask("run", args.warmup)
         for r in range(args.rounds):
             for contender in contenders[r % len(contenders) :] + contenders[: r % len(contenders)]:
+                silent = contender.silent_cpu()
                 answers = contender.ask("run", args.steps)
                 contender.rounds.append([max(ts) for ts in zip(*(a["times"] for a in answers), strict=True)])
+                if all("cpu" in a for a in answers):  # every process's CPU seconds in the round, per step
+                    now = contender.silent_cpu()
+                    user = sum(a["cpu"][0] for a in answers) + now[0] - silent[0]
+                    system = sum(a["cpu"][1] for a in answers) + now[1] - silent[1]
+                    contender.cpu.append((user / args.steps, system / args.steps))
                 if "ran" in answers[0]:  # lightning_pipe: which schedule ran (auto: its choice) and its prediction
                     ran[contender.name] = answers[0]["ran"]
         for contender in contenders:
             contender.ask("stop")
     finally:
         end_all(contenders)
-    return {"rounds": {c.name: c.rounds for c in contenders}, "same_first_update": checks, "ran": ran}
+    cpu = {c.name: [user + system for user, system in c.cpu] for c in contenders if len(c.cpu) == len(c.rounds)}
+    return {"rounds": {c.name: c.rounds for c in contenders}, "same_first_update": checks, "ran": ran, "cpu": cpu}
 
 
 def paired(ours: list[list[float]], theirs: list[list[float]]) -> float:
@@ -165,7 +174,7 @@ def race_backends(
             failed = next((b for b in running if backend_label(name, b, backends) in str(exc)), None)
             if failed is None or len(running) == 1:
                 errors.update({b: first_error(exc) for b in running})
-                return {"rounds": {}, "same_first_update": {}, "ran": {}}, errors
+                return {"rounds": {}, "same_first_update": {}, "ran": {}, "cpu": {}}, errors
             errors[failed] = first_error(exc)
             print(f"  {name} [{failed}] failed: {errors[failed]}", file=sys.stderr, flush=True)
 
@@ -194,6 +203,12 @@ def backend_cells(result: dict[str, Any], errors: dict[str, str], name: str, bac
             cell["ratio_vs_torch"] = paired(rounds, theirs)
         if backend != backends[0] and first in result["rounds"]:
             cell[f"ratio_vs_{backends[0]}"] = paired(rounds, result["rounds"][first])
+        cpu = result.get("cpu", {})
+        if label in cpu:  # CPU seconds per step of all the contender's processes: the work, less the machine's load
+            cell["cpu_ms_per_step"] = [round(c * 1e3, 1) for c in cpu[label]]
+            if backend != backends[0] and first in cpu:
+                ratios = [f / c for f, c in zip(cpu[first], cpu[label], strict=True)]
+                cell[f"cpu_ratio_vs_{backends[0]}"] = statistics.median(ratios)
         cells[backend] = cell
     return cells
 
@@ -303,11 +318,11 @@ def backend_table(results: dict[str, dict[str, Any]], backends: list[str]) -> st
     """Each schedule on each backend: ms per step, compiled against the first backend (paired), each against torch."""
     first = backends[0]
     head = " | ".join(f"{b} ms/step" for b in backends)
-    versus = " | ".join(f"{b} vs {first} (paired)" for b in backends[1:])
+    versus = " | ".join(f"{b} vs {first} (paired) | CPU per step, {b} vs {first}" for b in backends[1:])
     torch_cols = " | ".join(f"{b} vs torch" for b in backends)
     lines = [
         f"| workload | schedule | V | {head} | {versus} | {torch_cols} | note |",
-        "| --- " * (4 + 2 * len(backends) + len(backends) - 1) + "|",
+        "| --- " * (4 + 2 * len(backends) + 2 * (len(backends) - 1)) + "|",
     ]
     for workload, rows in results.items():
         for name, r in rows.items():
@@ -316,7 +331,11 @@ def backend_table(results: dict[str, dict[str, Any]], backends: list[str]) -> st
             cells = r["backends"]
             ms = [f"{cells[b]['step_ms']:.1f}" if "step_ms" in cells[b] else "failed" for b in backends]
             vs = [
-                f"{cells[b][f'ratio_vs_{first}']:.2f}" if f"ratio_vs_{first}" in cells[b] else "-" for b in backends[1:]
+                " | ".join(
+                    f"{cells[b][key]:.2f}" if key in cells[b] else "-"
+                    for key in (f"ratio_vs_{first}", f"cpu_ratio_vs_{first}")
+                )
+                for b in backends[1:]
             ]
             tv = [f"{cells[b]['ratio_vs_torch']:.2f}" if "ratio_vs_torch" in cells[b] else "-" for b in backends]
             note = "; ".join(f"{b}: {cells[b]['error']}" for b in backends if "error" in cells[b])

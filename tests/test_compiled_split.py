@@ -79,7 +79,7 @@ def test_input_action_leaves_every_weight_gradient_to_the_weight_action() -> Non
         backward_weight(work)
         for p, w in zip(module.parameters(), want_w, strict=True):
             torch.testing.assert_close(p.grad, w, atol=1e-6, rtol=1e-6)
-    assert trace.graphs["train"] == {"forward": 1, "backward_input": 1, "backward_weight": 1}
+    assert trace.graphs["train"] == {"forward": 1, "backward_input": 1, "backward_weight": 1, "backward": 1}
     # a microbatch of another size (an uneven last one): Dynamo recompiles with dynamic shapes, split again
     x3, g3 = x[:3], g[:3]
     want_x3, want_w3 = eager_grads(module, x3, g3)
@@ -91,9 +91,9 @@ def test_input_action_leaves_every_weight_gradient_to_the_weight_action() -> Non
     torch.testing.assert_close(got_x, want_x3, atol=1e-6, rtol=1e-6)
     for p, w in zip(module.parameters(), want_w3, strict=True):
         torch.testing.assert_close(p.grad, w, atol=1e-6, rtol=1e-6)
-    assert trace.graphs["train"] == {"forward": 2, "backward_input": 2, "backward_weight": 2}
+    assert trace.graphs["train"] == {"forward": 2, "backward_input": 2, "backward_weight": 2, "backward": 2}
     assert trace.unsplit == {}
-    # an ordinary backward through the same node runs I then W at once
+    # an ordinary backward through the same node (a B action) runs the whole compiled backward, a third graph
     module.zero_grad(set_to_none=True)
     run(x).backward(g)
     for p, w in zip(module.parameters(), want_w, strict=True):
@@ -239,7 +239,7 @@ def test_every_schedule_with_inductor_stages_trains_like_a_plain_trainer(
         assert trace[s].unsplit == {} and graphs["forward"] == 1, (s, graphs)
         # the first stage has no input gradient: its backward is one graph; the others split theirs
         assert graphs.keys() == (
-            {"forward", "backward"} if s == 0 else {"forward", "backward_input", "backward_weight"}
+            {"forward", "backward"} if s == 0 else {"forward", "backward_input", "backward_weight", "backward"}
         )
 
 

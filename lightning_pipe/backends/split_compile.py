@@ -2,7 +2,8 @@
 
 `compile_split` is the Dynamo backend of a training stage: inductor's `compile_fx` as usual, except that the
 backward graph AOTAutograd partitions out of the joint graph is split again (`split_graph`) into two compiled
-graphs. The stage's autograd node then runs a `SplitBackward`: both halves when called plainly, only ``I``
+graphs, beside the whole backward compiled as inductor compiles it. The stage's autograd node then runs a
+`SplitBackward`: the whole backward when called plainly (a ``B`` action: one compiled backward's cost), only ``I``
 within `defer_weights` (an ``I`` action), leaving a `DeferredWeight` that `run_deferred` (``W``) computes.
 """
 
@@ -75,14 +76,18 @@ def compile_split(
         if not split.input_outputs or not split.weight_outputs:  # nothing to split (a first stage: no input grads)
             _count(counts, "backward")
             return compile_fx_inner(graph, inputs, **kwargs)
-        kwargs["static_input_idxs"] = []  # the halves' inputs are not the backward's
-        input_code = compile_fx_inner(split.input_graph, [inputs[i] for i in split.input_placeholders], **kwargs)
+        halves = {**kwargs, "static_input_idxs": []}  # the halves' inputs are not the backward's
+        input_code = compile_fx_inner(split.input_graph, [inputs[i] for i in split.input_placeholders], **halves)
         _count(counts, "backward_input")
         weight_inputs = [inputs[i] for i in split.weight_placeholders] + [n.meta["val"] for n in split.boundary]
-        weight_code = compile_fx_inner(split.weight_graph, weight_inputs, **kwargs)
+        weight_code = compile_fx_inner(split.weight_graph, weight_inputs, **halves)
         _count(counts, "backward_weight")
+        # last: inductor's passes rewrite the graph it compiles, and the halves were cut from it as traced
+        whole_code = compile_fx_inner(graph, inputs, **kwargs)
+        _count(counts, "backward")
         edges = {position: edge for edge, position in enumerate(tensors)}
-        made = _as_output_code()(split, input_code, weight_code, [edges[i] for i in split.weight_outputs], len(tensors))
+        codes = (input_code, weight_code, whole_code)
+        made = _as_output_code()(split, *codes, [edges[i] for i in split.weight_outputs], len(tensors))
         return cast(SplitBackward, made)
 
     # donated buffers: an unsplit backward may overwrite saved tensors that W still reads
@@ -115,18 +120,23 @@ def _as_output_code() -> type:
 
 
 class SplitBackward:
-    """A compiled backward as two compiled graphs: ``I`` now, ``W`` now or deferred (boxed calling convention); made
-    as inductor's ``OutputCode`` (`_as_output_code`)."""
+    """A compiled backward as three compiled graphs: the whole backward for a plain call, or ``I`` now and ``W``
+    deferred (boxed calling convention); made as inductor's ``OutputCode`` (`_as_output_code`).
+
+    A plain call (a ``B`` action) runs the whole graph, not ``I`` then ``W``: inductor fuses across the boundary
+    there (a layer's bias gradient with its pre-activation gradient) and nothing is handed between two graphs.
+    """
 
     def __init__(
         self,
         split: SplitGraphs,
         input_code: Callable[..., Any],
         weight_code: Callable[..., Any],
+        whole_code: Callable[..., Any],
         weight_edges: list[int],
         num_edges: int,
     ) -> None:
-        self.split, self.input_code, self.weight_code = split, input_code, weight_code
+        self.split, self.input_code, self.weight_code, self.whole_code = split, input_code, weight_code, whole_code
         self.weight_edges = weight_edges  # for each weight gradient W returns, the node's next edge it goes to
         self.num_edges = num_edges
         self._boxed_call = True  # on the instance: AOTAutograd's wrappers copy the instance's __dict__
@@ -135,6 +145,10 @@ class SplitBackward:
         split = self.split
         deferring: tuple[Node, list[DeferredWeight]] | None = getattr(_deferring, "target", None)
         _deferring.target = None
+        if deferring is not None and len(deferring[0].next_functions) != self.num_edges:
+            deferring = None  # the node's inputs are not the graph's (a wrapper of AOTAutograd's): W now, in I
+        if deferring is None:  # a B action (or I of a node whose W cannot be handed on): one compiled backward
+            return list(self.whole_code(args))
         input_args = [args[i] for i in split.input_placeholders]
         weight_args = [args[i] for i in split.weight_placeholders]
         args.clear()  # boxed: the saved tensors live on only where a half reads them
@@ -149,25 +163,19 @@ class SplitBackward:
             with torch.no_grad():  # deferred, it runs outside autograd's backward (which runs it without grad)
                 return list(self.weight_code([*weight_args, *boundary]))
 
-        if deferring is not None and len(deferring[0].next_functions) != self.num_edges:
-            deferring = None  # the node's inputs are not the graph's (a wrapper of AOTAutograd's): W now, in I
-        if deferring is None:
-            for i, g in zip(split.weight_outputs, compute(), strict=True):
-                grads[i] = g
-        else:
-            node, store = deferring
-            size = sum(t.numel() * t.element_size() for t in boundary if isinstance(t, torch.Tensor))
-            store.append(DeferredWeight(node, self.weight_edges, compute, size))
+        node, store = deferring
+        size = sum(t.numel() * t.element_size() for t in boundary if isinstance(t, torch.Tensor))
+        store.append(DeferredWeight(node, self.weight_edges, compute, size))
         return grads
 
     def post_compile(self, *args: Any, **kwargs: Any) -> None:
-        """Each half was post-compiled by `compile_fx_inner`."""
+        """Each graph was post-compiled by `compile_fx_inner`."""
 
     def prepare_for_serialization(self) -> None:
         raise NotImplementedError("a split backward is not cached by AOTAutograd (its cache is off while it compiles)")
 
     def set_triton_bundle(self, triton_bundle: Any) -> None:
-        """Each half keeps its own."""
+        """Each graph keeps its own."""
 
 
 def compiled_nodes(roots: Iterable[Node]) -> list[Node]:

@@ -33,6 +33,7 @@ from lightning_pipe.runtime import BaseRuntime
 from lightning_pipe.schedule import Action, Kind
 
 _NO_AUTOCAST = contextlib.nullcontext()
+_SPLIT_BACKENDS = (EAGER, "inductor")  # backends whose backward `backward_input` splits into I and W
 
 
 class StepFailed(Exception):
@@ -225,16 +226,16 @@ class StageActions:
         by one weight gradient per stage (`split_backward`: the same gradients). Between ``I`` and ``W`` the
         gradients at the weights' boundary nodes are kept: the action's transient peak is up to one
         microbatch's worth of them above a plain backward's. Only for stages with a previous stage, whose
-        backward is the default executor (`BackwardModule`) on eager modules (a compiled backward cannot
-        run twice on one graph).
+        backward is the default executor (`BackwardModule`) on eager or inductor stages (eager's autograd graph
+        is split where the weights' paths leave the input's, inductor's by its own ``I`` and ``W`` graphs).
         """
         backwards = [a for a in plan.actions if a.kind is Kind.BACKWARD]
         if not backwards or backwards[-1].stage == 0:
             return None
         last = backwards[-1]
         default = type(self.shards[last.stage].backward) is BackwardModule
-        eager = all(b.name == EAGER for b in self.executables[(last.stage, TRAIN)].chain.backends)
-        return last if default and eager else None
+        splits = all(b.name in _SPLIT_BACKENDS for b in self.executables[(last.stage, TRAIN)].chain.backends)
+        return last if default and splits else None
 
     def _backward(self, step: int, action: Action) -> None:
         s, m = action.stage, action.microbatch
