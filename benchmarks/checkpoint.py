@@ -13,7 +13,8 @@ ModelCheckpoint's ``trainer.save_checkpoint`` (a direct reading of the same, les
 includes waiting for the pipeline's other processes to finish the step, which a step without a save waits for
 later); the run's throughput (rows a second, from the second step's start to ``fit``'s return, which waits for the
 last write) and its share of the ``none`` run's. The JSON holds every timed step too (``durations_s``).
-The goal (issue 38): the async stall at most a quarter of the synchronous one.
+The goal (issue 38): the async stall at most a quarter of the synchronous one. ``--parts`` also times each part
+of every save on every process (`save_parts`) and prints a table per row; ``--modes`` runs some of the modes only.
 """
 
 from __future__ import annotations
@@ -60,6 +61,10 @@ def worker(args: argparse.Namespace) -> None:
         def on_train_batch_start(self, *_: Any) -> None:
             self.starts.append(time.perf_counter())
 
+    if args.parts_to:
+        from save_parts import install  # the script's folder is on the path
+
+        install(args.parts_to)
     width, depth = shape(args.size)
     layout = LAYOUTS[args.layout]
     replicas = 4 // layout["stages"]
@@ -103,10 +108,19 @@ def row(layout: str, mode: str, args: argparse.Namespace, folder: Path) -> dict[
     command = [sys.executable, __file__, "--worker", "--layout", layout, "--mode", mode, "--size", str(args.size),
                "--steps", str(args.steps), "--every", str(args.every), "--batch", str(args.batch),
                "--dir", str(folder / f"{layout}-{mode}"), "--report", str(report)]  # fmt: skip
+    parts = folder / f"{layout}-{mode}-parts"
+    if args.parts and mode != "none":
+        command += ["--parts-to", str(parts)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     subprocess.run(command, env=env, check=True, timeout=args.timeout, stdout=subprocess.DEVNULL)
     found = json.loads(report.read_text())
-    return {"layout": layout, "mode": mode, **summary(mode, found)}
+    result = {"layout": layout, "mode": mode, **summary(mode, found)}
+    if args.parts and mode != "none":
+        from save_parts import show, table
+
+        result["parts"] = table(parts)
+        show(result["parts"], f"{layout} {mode}")
+    return result
 
 
 def summary(mode: str, found: dict[str, Any]) -> dict[str, Any]:
@@ -138,6 +152,8 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=4, help="a checkpoint every K steps")
     parser.add_argument("--batch", type=int, default=16, help="rows per replica and step")
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    parser.add_argument("--modes", nargs="+", default=MODES, choices=MODES, help="the modes to run (none is the base)")
+    parser.add_argument("--parts", action="store_true", help="time each part of every save on every process")
     parser.add_argument("--json", default=None, help="write the rows here")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per run at most")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -145,6 +161,7 @@ def main() -> None:
     parser.add_argument("--mode", default="sync", help=argparse.SUPPRESS)
     parser.add_argument("--dir", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--report", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--parts-to", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker(args)
@@ -155,17 +172,17 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory(prefix="lightning_pipe-checkpoint-bench-") as tmp:
         for layout in args.layouts:
-            for mode in MODES:
+            for mode in args.modes:
                 rows.append(row(layout, mode, args, Path(tmp)))
     print(f"{'layout':<10} {'mode':<6} {'step s':>8} {'stall s':>8} {'net s':>8} {'save s':>8} {'rows/s':>8} "
           f"{'of none':>8}")  # fmt: skip
     for r in rows:
-        none = next(x for x in rows if x["layout"] == r["layout"] and x["mode"] == "none")
-        r["throughput_of_none"] = r["rows_per_s"] / none["rows_per_s"]
+        none = next((x for x in rows if x["layout"] == r["layout"] and x["mode"] == "none"), None)
+        r["throughput_of_none"] = r["rows_per_s"] / none["rows_per_s"] if none else float("nan")
         print(f"{r['layout']:<10} {r['mode']:<6} {r['median_step_s']:>8.3f} {r['stall_s']:>8.3f} "
               f"{r['net_stall_s']:>8.3f} {r['save_s']:>8.3f} {r['rows_per_s']:>8.1f} "
               f"{r['throughput_of_none']:>8.2f}")  # fmt: skip
-    for layout in args.layouts:
+    for layout in args.layouts if {"sync", "async"} <= set(args.modes) else ():
         sync, asyn = (next(x for x in rows if x["layout"] == layout and x["mode"] == m) for m in ("sync", "async"))
         if sync["stall_s"] > 0:
             ratios = {k: asyn[k] / sync[k] if sync[k] else float("nan") for k in ("stall_s", "net_stall_s", "save_s")}

@@ -120,32 +120,50 @@ def test_steps_after_a_failed_write_do_not_run_and_its_error_is_raised_at_the_ne
 
 
 def test_background_sharded_saves_hold_the_state_at_each_save_while_training_goes_on(tmp_path: Path) -> None:
-    """Three saves of one process's part through `BackgroundWrites` (one kept staging copy, reused by every save
-    after the first); after each, the tensors change in place as an optimizer step would, before its write may have
-    run: each folder holds the state at its save, as torch.save of a clone then holds it."""
+    """Three saves of one process's part through `BackgroundWrites` as launched mode makes them: the coordinator
+    expects the write and queues its publish before the stage begins it; the copy is made in a thread into the kept
+    buffers (reused by every save after the first). After each save a forward updates a buffer at once (the save
+    copied it, `hold`), the optimizer step waits for the copy (`staged`) and changes the parameter and its momentum
+    in place while the write may still run: each folder holds the state at its save, as torch.save of a clone then
+    holds it, with the stage's generator states, and is published after its write."""
     from torch.distributed.checkpoint import load
 
-    from lightning_pipe.checkpoint.reader import optimizer_key
+    from lightning_pipe.checkpoint.reader import IN_PARTS, OURS, ShardedCheckpoint, optimizer_key
     from lightning_pipe.checkpoint.sharded import OptimizerPart
     from lightning_pipe.weights.sources import MODEL
 
     torch.manual_seed(0)
-    weight, momentum = torch.randn(64, 32), torch.randn(64, 32)
-    writes, expected = BackgroundWrites(), []
+    weight, momentum, buffer = torch.randn(64, 32), torch.randn(64, 32), torch.zeros(32)
+    generator = torch.Generator().manual_seed(1)
+    writes, expected, published = BackgroundWrites(), [], []
+    meta = {OURS: {"random_state": {"stages": IN_PARTS}}}
     try:
         for save in range(3):
-            expected.append((weight.clone(), momentum.clone()))
+            folder = tmp_path / str(save)
+            folder.mkdir()
+            expected.append((weight.clone(), momentum.clone(), buffer.clone(), generator.get_state()))
+            writes.expect(folder)  # the coordinator: the save is posted to the stage
+            writes.then(lambda folder=folder: published.append((folder, (folder / ".metadata").exists())))
+            writes.before_save()  # the stage: the write it fulfils is not waited for
             part = OptimizerPart({"w": {"momentum_buffer": momentum}})
-            writes.save_sharded(tmp_path / str(save), {"w": weight}, [part], None)
-            weight.add_(1.0), momentum.mul_(0.5)  # the next step, in place, while the write may still run
+            model = {"w": weight, **writes.hold({"b": buffer})}
+            writes.save_sharded(folder, model, [part], meta, {0: {"cpu": generator.get_state()}})
+            buffer.add_(1.0), torch.rand(3, generator=generator)  # the next forward, at once
+            writes.staged()  # the next optimizer step waits for the copy, then changes the tensors in place
+            weight.add_(1.0), momentum.mul_(0.5)
             writes.wait()
     finally:
         writes.release()
-    for save, (w, m) in enumerate(expected):
-        read = {MODEL: {"w": torch.zeros_like(w)}, optimizer_key(0): {"state": {"w": {"momentum_buffer": m * 0}}}}
+    assert published == [(tmp_path / str(save), True) for save in range(3)]
+    for save, (w, m, b, state) in enumerate(expected):
+        read = {MODEL: {"w": torch.zeros_like(w), "b": torch.zeros_like(b)},
+                optimizer_key(0): {"state": {"w": {"momentum_buffer": m * 0}}}}  # fmt: skip
         load(read, checkpoint_id=tmp_path / str(save))
         assert torch.equal(read[MODEL]["w"], w), save
+        assert torch.equal(read[MODEL]["b"], b), save
         assert torch.equal(read[optimizer_key(0)]["state"]["w"]["momentum_buffer"], m), save
+        random = ShardedCheckpoint(tmp_path / str(save)).lightning_state()[OURS]["random_state"]
+        assert torch.equal(random["stages"][0]["cpu"], state), save
 
 
 class FailingIO(TorchCheckpointIO):

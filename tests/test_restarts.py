@@ -23,6 +23,8 @@ import torch
 from launching import ROOT, forked_ranks
 from restart_train import KILL_AT, STEPS, run
 
+from lightning_pipe.checkpoint.reader import ShardedCheckpoint
+
 SCRIPT = str(ROOT / "tests" / "restart_train.py")
 LAUNCHED = ("ddp", "fsdp", "3d")
 
@@ -157,8 +159,9 @@ def test_launched_ddp_fsdp_and_3d_resumed_mid_epoch_equal_their_uninterrupted_ru
 
 def check_what_the_checkpoint_holds(folder: Path, mode: str) -> None:
     """``last`` (written at step 9 of the resumed attempt) holds what a restart needs besides the tensors: the
-    stages' generator states, the LR scheduler, the loader's position (its sampler's too), the loops' progress."""
-    meta = torch.load(folder / "meta.pt", weights_only=False)
+    stages' generator states (each process's part holds its own stages'), the LR scheduler, the loader's position (its
+    sampler's too), the loops' progress."""
+    meta = ShardedCheckpoint(folder, weights_only=False).lightning_state()
     streams = meta["lightning_pipe"]["random_state"]
     assert sorted(streams["stages"]) == [0, 1], mode  # both stages' generators
     assert meta["lr_schedulers"][0]["last_epoch"] == 9, mode

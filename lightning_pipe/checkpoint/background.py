@@ -1,26 +1,29 @@
 """`CheckpointWrites`: a process's checkpoint write, and what follows it; `BackgroundWrites`: while training goes on.
 
-``PipeStrategy(async_checkpoint=True)``: a save stages its tensors (a copy in CPU memory) and returns; the write runs
-in a thread (torch.distributed.checkpoint's ``async_save`` for a sharded folder, a thread of this process for one
-file). What must follow the write (`then`: publish the checkpoint at its path, remove the one it replaces) runs when
-it completes, in that order. At most one write is in flight: the next save and the end of ``fit`` `wait` for it, and
-raise its error there. A synchronous save goes through the same steps with a write that is already complete.
+``PipeStrategy(async_checkpoint=True)``: a save copies its tensors to CPU memory and returns; the write runs in a
+thread (DCP's ``async_save`` for a sharded folder, a thread of this process for one file). What must follow the write
+(`then`: publish it, remove the checkpoint it replaces) runs when it completes, in order; the next save and the end of
+``fit`` `wait` for it and raise its error there. A sharded part's copy is made in a thread too: what changes the saved
+tensors next waits for it (`staged`), what changes sooner is copied at the save (`hold`); a save that a stage of this
+process makes later is the write in flight from the moment it is asked for (`expect`). A synchronous save goes
+through the same steps with a write that is already complete (docs/internals.md).
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from concurrent import futures
 from concurrent.futures import Future
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from typing_extensions import override
 
 from lightning_pipe.base.errors import PipeError, PipeTimeoutError
-from lightning_pipe.checkpoint.sharded import OptimizerPart, save_sharded, save_sharded_in_background
+from lightning_pipe.checkpoint.sharded import OptimizerPart, RandomStates, save_sharded, save_sharded_in_background
 from lightning_pipe.checkpoint.staging import Staging
 from lightning_pipe.weights.sources import PathLike
 
@@ -77,8 +80,13 @@ class CheckpointWrites:
     `BackgroundWrites` runs them in the background instead; `writes_for` chooses, once.
     """
 
+    #: whether a save returns before its part is written (the coordinator then need not wait for its processes)
+    in_background: ClassVar[bool] = False
+
     def __init__(self) -> None:
         self._current: _Write | None = None
+        self._expected: Future[Any] | None = None  # the write in flight that a stage of this process starts
+        self._staged: Future[Any] | None = None  # the copy of the write in flight, made in the background
 
     def connect(self, group: Callable[[], Any]) -> None:
         """The processes joined: ``group`` makes the process group for writes in the background (unused here)."""
@@ -87,11 +95,63 @@ class CheckpointWrites:
         """What the write of ``checkpoint`` reads: the checkpoint itself (it is written before training goes on)."""
         return checkpoint
 
+    def hold(self, tensors: dict[str, Any]) -> dict[str, Any]:
+        """What the write reads of ``tensors``, which training changes before the next optimizer step: as they are
+        (the write is complete before training goes on)."""
+        return tensors
+
     def save_sharded(self, path: PathLike, model: dict[str, Any], optimizers: list[OptimizerPart],
-                     extra: dict[str, Any] | None) -> None:  # fmt: skip
-        """This process's part of the folder ``path`` (`lightning_pipe.checkpoint.sharded.save_sharded`)."""
-        save_sharded(path, model, optimizers, extra)
-        self.completed(Path(path))
+                     extra: dict[str, Any] | None, random: RandomStates | None = None) -> None:  # fmt: skip
+        """This process's part of the folder ``path`` (`lightning_pipe.checkpoint.sharded.save_sharded`);
+        ``random``: its stages' generator states."""
+        try:
+            save_sharded(path, model, optimizers, extra, random=random)
+        except BaseException as error:
+            self.not_begun(error)
+            raise
+        written: Future[Any] = Future()
+        written.set_result(None)
+        self._begun(written, Path(path))
+
+    def expect(self, path: PathLike) -> None:
+        """A save that a stage of this process starts later (one posted to it): the write in flight from now on, so
+        what `then` adds follows it; the stage's `save_sharded` fulfils it (`before_save` does not wait for it)."""
+        written: Future[Any] = Future()
+        self.started(written, Path(path))
+        self._expected = written
+
+    def before_save(self) -> None:
+        """Before this process's part of a save: the write before it done (not one that this save fulfils)."""
+        if self._expected is None:
+            self.wait()
+
+    def staged(self) -> None:
+        """Before training changes the saved tensors (an optimizer step, a state loaded): the copy made."""
+        staged, self._staged = self._staged, None
+        if staged is not None:  # a copy that failed fails the write: raised at the next `wait`
+            futures.wait([staged], timeout=WRITE_TIMEOUT.total_seconds())
+
+    def _begun(self, written: Future[Any], path: Path) -> None:
+        """This process's part of the save of ``path`` began (``written``: its write)."""
+        expected, self._expected = self._expected, None
+        if expected is None:
+            self.started(written, path)
+            return
+
+        def fulfil(done: Future[Any]) -> None:
+            error = done.exception()
+            if error is None:
+                expected.set_result(done.result())
+            else:
+                expected.set_exception(error)
+
+        written.add_done_callback(fulfil)
+
+    def not_begun(self, error: BaseException) -> None:
+        """This process's part of a save failed before its write began: the write expected of it fails too."""
+        expected, self._expected = self._expected, None
+        if expected is not None:
+            expected.set_exception(error)
 
     def run(self, write: Callable[[], None], path: Path) -> None:
         """Run ``write`` (of the checkpoint at ``path``)."""
@@ -149,14 +209,16 @@ class CheckpointWrites:
     def abandon(self) -> None:
         """After a failed fit: the write in flight is left to finish by itself (a peer it waits for may be gone);
         it is published only if it completes."""
-        self._current = None
+        self._current = self._expected = None
 
 
 class BackgroundWrites(CheckpointWrites):
     """Writes in the background (``async_checkpoint``): a save copies its tensors to CPU memory and returns; a thread
     writes them (DCP's ``async_save`` for a sharded folder, over ``group``: a gloo group that nothing else uses, so
-    its collectives never interleave with another thread's on one group). A sharded folder's copy goes into the
-    buffers of the save before it (`Staging`), kept until `release`."""
+    its collectives never interleave with another thread's on one group). A sharded folder's copy is made in a thread
+    too, into the buffers of the save before it (`Staging`), kept until `release`; `staged` waits for it."""
+
+    in_background = True
 
     def __init__(self) -> None:
         super().__init__()
@@ -174,10 +236,22 @@ class BackgroundWrites(CheckpointWrites):
         return staged
 
     @override
+    def hold(self, tensors: dict[str, Any]) -> dict[str, Any]:
+        """A copy of ``tensors`` (small: buffers, the coordinator's own tensors), made now."""
+        copied: dict[str, Any] = _copied(tensors)
+        return copied
+
+    @override
     def save_sharded(self, path: PathLike, model: dict[str, Any], optimizers: list[OptimizerPart],
-                     extra: dict[str, Any] | None) -> None:  # fmt: skip
-        written = save_sharded_in_background(path, model, optimizers, extra, self.group, self.staging.stager())
-        self.started(written, Path(path))
+                     extra: dict[str, Any] | None, random: RandomStates | None = None) -> None:  # fmt: skip
+        try:
+            written, self._staged = save_sharded_in_background(
+                path, model, optimizers, extra, self.group, self.staging.stager(), random
+            )
+        except BaseException as error:
+            self.not_begun(error)
+            raise
+        self._begun(written, Path(path))
 
     @override
     def release(self) -> None:

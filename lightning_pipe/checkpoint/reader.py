@@ -1,15 +1,15 @@
 """Reading a Lightning checkpoint one stage at a time: a single file or a sharded folder, the same interface.
 
 A stage asks for its own tensors by the LightningModule's keys (``"model.3.weight"``) and for its optimizer
-state by the same names; nothing else is read. Two layouts on disk:
+state by the same names. Two layouts on disk:
 
 - a single file (``torch.save``; what a plain Trainer writes): ``state_dict`` by key, ``optimizer_states``
-  as torch optimizers save them (state by position in the optimizer's parameter list). Reading needs the
-  optimizer's parameter order (`OptimizerLayout`), which only the user's ``configure_optimizers`` knows.
+  by position in each optimizer's parameter list (`OptimizerLayout`: only ``configure_optimizers`` knows it).
 - a folder written by torch.distributed.checkpoint (`lightning_pipe.checkpoint.sharded`, or Lightning's
   ``ModelParallelStrategy``: the same keys): tensors under ``state_dict.<key>``, ``optimizer_<i>.state.<key>.<name>``,
   each group's hyperparameters and parameter order under ``optimizer_<i>.param_groups.<group>.<name>``
-  (``params``: the keys), Lightning's loop and callback state in ``meta.pt``.
+  (``params``: the keys), Lightning's loop and callback state in ``meta.pt``; the stages' generator states in
+  ``meta.pt`` too, or where it says `IN_PARTS` (launched mode), each stage's in the parts (`RANDOM_STATES`).
 """
 
 from __future__ import annotations
@@ -36,6 +36,11 @@ from lightning_pipe.weights.sources import (
 
 META_FILE = "meta.pt"  # Lightning's name for the non-tensor part of a sharded checkpoint (ModelParallelStrategy)
 OptimizerLayout = list[list[str]]  # per parameter group, the keys of its parameters in the optimizer's order
+OURS = "lightning_pipe"  # the checkpoint's top-level key of what PipeStrategy adds (``random_state``, ``schedule``)
+#: where a sharded folder's parts hold their stages' generator states: ``<this>.<stage index>.<generator key>``
+RANDOM_STATES = f"{OURS}.random_state.stages"
+#: ``meta.pt``'s ``lightning_pipe.random_state.stages`` when the parts hold them (every process writes its own)
+IN_PARTS = "in the parts"
 
 
 def optimizer_key(index: int) -> str:
@@ -211,11 +216,24 @@ class ShardedCheckpoint(CheckpointReader):
             return {}
         load: dict[str, Any] = {} if self._weights_only is None else {"weights_only": self._weights_only}
         try:
-            return torch.load(meta, map_location="cpu", **load)  # type: ignore[no-any-return]
+            state: dict[str, Any] = torch.load(meta, map_location="cpu", **load)
         except pickle.UnpicklingError as error:  # never retried unsafely (`unsafe_file_message`)
             if self._weights_only is False:
                 raise
             raise ConfigurationError(unsafe_file_message(meta, error)) from error
+        random = state.get(OURS, {}).get("random_state") if isinstance(state.get(OURS), dict) else None
+        if isinstance(random, dict) and random.get("stages") == IN_PARTS:
+            state[OURS] = {**state[OURS], "random_state": {**random, "stages": self.random_states()}}
+        return state
+
+    def random_states(self) -> dict[int, dict[str, torch.Tensor]]:
+        """The stages' generator states the parts hold (`RANDOM_STATES`), by stage index and generator key."""
+        keys = [key for key in self.folder.metadata if key.startswith(f"{RANDOM_STATES}.")]
+        states: dict[int, dict[str, torch.Tensor]] = {}
+        for key, value in self.folder.read(keys).items():
+            index, _, generator = key[len(RANDOM_STATES) + 1 :].partition(".")
+            states.setdefault(int(index), {})[generator] = value
+        return dict(sorted(states.items()))
 
     def state_names(self, index: int, key: str) -> list[str]:
         """The names of the states optimizer ``index`` saved for ``key`` (tensors and other values)."""

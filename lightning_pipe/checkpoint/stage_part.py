@@ -7,6 +7,8 @@ rank serves at once (`lightning_pipe.checkpoint.sharded`, `lightning_pipe.checkp
 ``transport="rpc"`` the ranks share no process group with the coordinator: it carries DCP's plans over two
 control calls, ``plan_part`` and ``write_part`` (`lightning_pipe.checkpoint.sharded_steps`); the folder is the
 same. Keys are the LightningModule's: ``prefix`` (the pipelined module's path, ``"model."``) before a shard's own names.
+A launched part also holds its stages' generator states, as they are when this process reaches the save (after its
+step), so the coordinator need not ask every process for them first.
 """
 
 from __future__ import annotations
@@ -62,6 +64,10 @@ class WorkerOptimizer(Protocol):
 
     def named_parameters(self) -> dict[str, nn.Parameter]: ...
 
+    def call_random_state(self) -> dict[int, dict[str, torch.Tensor]]:
+        """Each of the worker's stages' generator states, by stage index."""
+        ...
+
 
 class StageCheckpoint:
     """Serves ``save_sharded``, ``plan_part``, ``write_part`` and ``load_optimizer_from`` over the worker's shards
@@ -74,8 +80,19 @@ class StageCheckpoint:
         self.part: FolderPart | None = None  # a folder being written step by step (between plan_part and write_part)
 
     def _model(self, prefix: str, edits: StateEdits | None) -> dict[str, torch.Tensor]:
-        model = {prefix + k: v for shard in self.shards.values() for k, v in shard.module.state_dict().items()}
+        """The shards' tensors; the buffers (which a forward may update before the next optimizer step) as the
+        writes hold them (`CheckpointWrites.hold`: copied now where the copy is made in the background)."""
+        model: dict[str, torch.Tensor] = {}
+        for shard in self.shards.values():
+            state = shard.module.state_dict()
+            params = {name for name, _ in shard.module.named_parameters()}
+            held = self.writes.hold({k: v for k, v in state.items() if k not in params})
+            model.update({prefix + k: held.get(k, v) for k, v in state.items()})
         return model if edits is None else edits.apply(model)
+
+    def staged(self) -> None:
+        """Before the saved tensors change: the copy of the write in flight made (`CheckpointWrites.staged`)."""
+        self.writes.staged()
 
     def _optimizer_state(self, prefix: str, edits: StateEdits | None) -> dict[str, dict[str, Any]]:
         if not self.state.has_optimizer():
@@ -89,15 +106,21 @@ class StageCheckpoint:
         self, path: str, prefix: str, coordinator: CoordinatorPart | None = None, edits: StateEdits | None = None
     ) -> None:
         """Write this process's part of the folder ``path`` (every process of the world at once), under the keys
-        the ``on_save_checkpoint`` hooks left (``edits``; the coordinator's part has them already)."""
-        self.writes.wait()
-        part = coordinator or CoordinatorPart()
-        model = {**part.model, **self._model(prefix, edits)}
-        optimizers = []
-        if self.state.has_optimizer() or part.layout is not None:
-            state = {**self._optimizer_state(prefix, edits), **part.optimizer_state}
-            optimizers.append(OptimizerPart(state, part.groups, part.layout))
-        self.writes.save_sharded(path, model, optimizers, part.meta)
+        the ``on_save_checkpoint`` hooks left (``edits``; the coordinator's part has them already), with its stages'
+        generator states."""
+        self.writes.before_save()
+        try:
+            part = coordinator or CoordinatorPart()
+            model = {**part.model, **self._model(prefix, edits)}
+            optimizers = []
+            if self.state.has_optimizer() or part.layout is not None:
+                state = {**self._optimizer_state(prefix, edits), **part.optimizer_state}
+                optimizers.append(OptimizerPart(state, part.groups, part.layout))
+            random = self.state.call_random_state()
+        except BaseException as error:
+            self.writes.not_begun(error)  # a save expected of this process (`CheckpointWrites.expect`) fails
+            raise
+        self.writes.save_sharded(path, model, optimizers, part.meta, random)
 
     def call_plan_part(
         self, path: str, prefix: str, optimizer: bool, index: int, edits: StateEdits | None = None
@@ -127,6 +150,7 @@ class StageCheckpoint:
     ) -> None:
         """Read this rank's optimizer state from the checkpoint ``path`` by parameter name (a shard of each state
         where FSDP shards the parameter), and the groups' hyperparameters."""
+        self.staged()
         optimizer, names = self.state.optimizer()
         params = self.state.named_parameters()
         reader = open_checkpoint(path, [layout])

@@ -1,15 +1,13 @@
-"""`Staging`: the CPU copy a background checkpoint write reads, in buffers kept from one save to the next.
+"""`Staging`: the CPU copy a background checkpoint write reads, in buffers kept from one save to the next, made in a
+thread.
 
-DCP's ``async_save`` copies a process's part to CPU memory before it returns (staging); training goes on while a
-thread writes the copy. With no stager given it makes a new ``DefaultStager`` for every save, so every save allocates
-its copy afresh: on a CPU run that first touch of every page, more than the copy itself, is most of the time the
-loop stands still. `Staging` keeps one ``DefaultStager`` for a fit instead: torch's stager caches the CPU copy of
-each tensor's storage (by the storage, weakly) and copies into it at the next save, so only the first save of a fit
-allocates. The copy stays synchronous (done when the save returns), so the write holds the state at the save
-whatever the optimizer does next; the next save copies into the buffers only after the previous write completed
-(`CheckpointWrites.wait`). The cost: each process keeps that copy (the size of its part: parameters and optimizer
-state) from its first save to the end of the fit (`close`). Pinned memory and non-blocking copies where CUDA is
-there (copies from the GPU), plain memory on a CPU run.
+DCP's ``async_save`` with no stager makes a new ``DefaultStager`` for every save, which allocates its copy afresh (on
+a CPU run, touching those pages first costs more than the copy). `Staging` keeps one for a fit: torch's stager caches
+the CPU copy of each tensor's storage and copies into it at the next save, so only the first save of a fit allocates;
+and it copies in a thread of its own (``StagingOptions(use_async_staging=True)``): ``async_save`` returns at once,
+and what changes the saved tensors waits for the copy first (`lightning_pipe.checkpoint.background`). The cost: each
+process keeps that copy (its parameters and optimizer state) until the end of the fit (`close`). Pinned memory and
+non-blocking copies on a side stream where CUDA is there, plain memory on a CPU run.
 """
 
 from __future__ import annotations
@@ -26,13 +24,14 @@ class Staging:
         self._stager: Any = None
 
     def stager(self) -> Any:
-        """The stager of this fit's saves: copies each tensor into the buffer of the save before, where there is one."""
+        """The stager of this fit's saves: copies each tensor, in its thread, into the buffer of the save before,
+        where there is one."""
         if self._stager is None:
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
             cuda = torch.cuda.is_available()
             options = StagingOptions(
-                use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=cuda
+                use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=True, use_non_blocking_copy=cuda
             )
             self._stager = DefaultStager(options)
         return self._stager

@@ -72,6 +72,7 @@ class StageWorker:
             spec, self.inbox, self.shards, self.runtimes, executables, random, self.memory, self.versions
         )
         self.checkpoints = StageCheckpoint(self.shards, self.state)
+        self.state.before_change = self.checkpoints.staged  # a step or a load waits for a checkpoint's copy
         self.replicas: DataParallel | None = None  # launched mode: the stage over its replicas
         self.protocol = StageProtocol(self.rank, self.state, self.memory, self.versions, self.checkpoints)
         self._failed: int | None = None  # a step that failed here, until the coordinator's abort says it knows

@@ -52,6 +52,9 @@ class StageStateCalls:
         self._optimizer_names: list[list[str]] = []
         #: whether a step's optimizer step goes ahead (torchft's commit, `QuorumReplicas`); None: always
         self.commits: Callable[[], bool] | None = None
+        #: before the parameters, buffers or optimizer state change in place (a step, a load): a checkpoint's copy of
+        #: them, made in the background, is complete first (`StageCheckpoint.staged`, set by the worker)
+        self.before_change: Callable[[], None] = lambda: None
 
     def _named_parameters(self) -> dict[str, nn.Parameter]:
         return {name: p for shard in self.shards.values() for name, p in shard.module.named_parameters()}
@@ -69,6 +72,7 @@ class StageStateCalls:
 
     def call_load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Load this rank's keys of ``state`` (only its own keys are sent)."""
+        self.before_change()
         for shard in self.shards.values():
             own = shard.module.state_dict().keys()
             missing = [k for k in own if k not in state]
@@ -202,6 +206,7 @@ class StageStateCalls:
             self.call_set_hparams(hparams)
         if self.commits is not None and not self.commits():
             return  # a replica group failed during the step: torchft drops it in every group
+        self.before_change()
         self._stage_optimizer().step()
 
     def call_optimizer_state(self) -> dict[str, Any]:
@@ -215,6 +220,7 @@ class StageStateCalls:
 
     def call_load_optimizer_state(self, state: dict[str, Any], hparams: list[dict[str, Any]]) -> None:
         """Load state given by parameter name (this rank's only) and the groups' hyperparameters."""
+        self.before_change()
         optimizer = self._stage_optimizer()
         index, groups = 0, []
         flat: list[str] = []

@@ -14,12 +14,15 @@ Trainer ignores. Two ways, by where the state lives:
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
+from lightning_pipe.checkpoint.reader import OURS
 from lightning_pipe.checkpoint.resume import Resume, optimizer_layouts
 from lightning_pipe.engine import StageProtocol
 from lightning_pipe.strategy.building import PipelineBuilder
@@ -29,7 +32,7 @@ from lightning_pipe.strategy.training import Training
 from lightning_pipe.weights import StageInit, aliases_of, is_distributed_checkpoint, on_meta, open_source
 from lightning_pipe.weights.keys import WEIGHTS_FIX, compare_keys
 
-CHECKPOINT_KEY = "lightning_pipe"
+CHECKPOINT_KEY = OURS
 
 
 class Checkpoints:
@@ -202,9 +205,14 @@ class Checkpoints:
             resume.close()
 
     # writing
-    def saving(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
-        """``checkpoint`` with the stages' generator states and ``schedule="auto"``'s choice added (those there are)."""
-        ours = {"random_state": self.random.state(self.builder.pipeline), "schedule": self.builder.chosen()}
+    def saving(
+        self, checkpoint: dict[str, Any], random: Callable[[Callable[[], Any]], Any] | None = None
+    ) -> dict[str, Any]:
+        """``checkpoint`` with the stages' generator states and ``schedule="auto"``'s choice added (those there are);
+        ``random``: the mode's say on the generator states, given how to ask the stages for them
+        (`lightning_pipe.strategy.modes.mode.TrainingStateIO.random_state`; None: ask them)."""
+        ask = functools.partial(self.random.state, self.builder.pipeline)
+        ours = {"random_state": ask() if random is None else random(ask), "schedule": self.builder.chosen()}
         ours = {k: v for k, v in ours.items() if v is not None}
         return {**checkpoint, CHECKPOINT_KEY: ours} if ours else checkpoint
 

@@ -334,7 +334,7 @@ class PipeStrategy(ParallelStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any = None) -> None:
-        checkpoint = self.state.checkpoints.saving(checkpoint)  # with the stages' generator states
+        checkpoint = self.state.checkpoints.saving(checkpoint, self.mode.random_state)  # with the generator states
         self.mode.save_checkpoint(checkpoint, Path(filepath), storage_options, super().save_checkpoint)
 
     @override

@@ -1,30 +1,32 @@
 """Writing a checkpoint in launched mode without any process holding the whole state.
 
 - `write_sharded` (the default, ``PipeStrategy(save_distributed_checkpoint=True)``): one folder written with
-  torch.distributed.checkpoint, every process its own stage (with FSDP, its shard), under the LightningModule's
-  keys; the coordinators add the tensors outside the pipeline, the optimizers' groups and parameter order, and
-  global rank 0 Lightning's loop and callback state (``meta.pt``). Each coordinator asks its pipeline's
-  processes to write (a control call all of them serve at once: DCP's save is a collective over the world).
+  torch.distributed.checkpoint, every process its own stage (with FSDP, its shard) and its stages' generator states;
+  the coordinators add the tensors outside the pipeline, the optimizers' groups and parameter order, and global rank
+  0 Lightning's loop and callback state (``meta.pt``). Each coordinator asks its pipeline's processes to write (a
+  control call all of them serve at once; with ``async_checkpoint`` in a fit it is posted, not waited for).
 - `write_single_file` (``save_distributed_checkpoint=False``): one ``torch.save``-compatible file: the folder
-  first, then global rank 0 makes one file of it a tensor at a time (`lightning_pipe.checkpoint.consolidate`): no
-  process holds the whole model or optimizer state.
+  first, then global rank 0 makes one file of it a tensor at a time (`lightning_pipe.checkpoint.consolidate`).
 `LaunchedCheckpoints` chooses between them for each save, and publishes the result once complete
-(`lightning_pipe.checkpoint.publish`; ``async_checkpoint``: written in the background).
+(`lightning_pipe.checkpoint.publish`; ``async_checkpoint``: written in the background, docs/internals.md).
 """
 
 from __future__ import annotations
 
 import shutil
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from lightning_pipe.base.errors import ConfigurationError
 from lightning_pipe.checkpoint.background import CheckpointWrites
 from lightning_pipe.checkpoint.consolidate import consolidate
 from lightning_pipe.checkpoint.publish import prepare, publish, temporary_path
+from lightning_pipe.checkpoint.reader import META_FILE
 from lightning_pipe.checkpoint.sharded import prepare_folder
 from lightning_pipe.checkpoint.stage_part import CoordinatorPart
 from lightning_pipe.engine.stage_protocol import StageProtocol
@@ -73,9 +75,16 @@ class LaunchedCheckpoints:
         else:  # a process serving a stage saves after the fit: the values its hooks added too
             part = CoordinatorPart(model=dict(edits.given) if edits is not None else {})
         pipeline, here, worker = self.builder.pipeline, self.layout.coordinator, self.stage.worker
+        posted = self.writes.in_background and pipeline is not None
+        if posted:  # this process's stage makes its part later, while the coordinator steps these
+            part = replace(
+                part, model=self.writes.hold(part.model), optimizer_state=self.writes.hold(part.optimizer_state)
+            )
 
         def save(folder: Path) -> None:
-            write_sharded(folder, prefix, checkpoint, part, first, pipeline, here, worker, edits)
+            if posted:
+                self.writes.expect(folder)  # the write in flight: publish follows it
+            write_sharded(folder, prefix, checkpoint, part, first, pipeline, here, worker, edits, posted)
 
         if self.config.save_distributed_checkpoint is not False:  # None (the default) or True: a folder
             temporary = prepare(path) if first else temporary_path(path)
@@ -109,21 +118,30 @@ def write_sharded(
     here: int,
     worker: Any,
     edits: StateEdits | None = None,
+    posted: bool = False,
 ) -> None:
     """This process's part of the folder ``path``: in a fit, the coordinator asks its pipeline's processes to
-    write theirs (``here``: the pipeline rank in this process, which adds ``coordinator``'s part); after a fit
-    every process writes its own (each calls ``trainer.save_checkpoint``, as with DDP) from its last stage
-    ``worker``. ``first`` (global rank 0) prepares the folder and writes Lightning's state: what
-    ``checkpoint`` holds besides tensors. ``edits``: what the ``on_save_checkpoint`` hooks did to the state_dict
-    (``coordinator`` has them applied already; every process applies them to its own part).
+    write theirs (``here``: the pipeline rank in this process, which adds ``coordinator``'s part; ``posted``: without
+    waiting for them, Lightning's state written here); after a fit every process writes its own (each calls
+    ``trainer.save_checkpoint``, as with DDP) from its last stage ``worker``. ``first`` (global rank 0) prepares the
+    folder and writes Lightning's state: what ``checkpoint`` holds besides tensors. ``edits``: what the
+    ``on_save_checkpoint`` hooks did to the state_dict (``coordinator`` has them applied already; every process
+    applies them to its own part).
     """
     if first:
         prepare_folder(path)  # before any process writes: each waits for all in DCP's planning
-        coordinator.meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        if posted:
+            torch.save(meta, path / META_FILE)  # now: the loop's state changes before the stage makes its part
+        else:
+            coordinator.meta = meta
     if pipeline is not None:
         names = edits.only(()) if edits is not None else None  # the values the hooks gave: the coordinator's part
         each = [(coordinator if rank == here else None, names) for rank in range(pipeline.coordinator.num_ranks)]
-        pipeline.coordinator.stages.call_each(StageProtocol.save_sharded, each, str(path), prefix)
+        if posted:
+            pipeline.coordinator.stages.post_each(StageProtocol.save_sharded, each, str(path), prefix)
+        else:
+            pipeline.coordinator.stages.call_each(StageProtocol.save_sharded, each, str(path), prefix)
         return
     if worker is None:
         raise ConfigurationError(

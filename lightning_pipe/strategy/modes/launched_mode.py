@@ -22,6 +22,7 @@ from typing_extensions import override
 
 from lightning_pipe.base.allocator import give_back_large_blocks
 from lightning_pipe.checkpoint.background import writes_for
+from lightning_pipe.checkpoint.reader import IN_PARTS
 from lightning_pipe.comm import P2PCommunicator, serve_stages
 from lightning_pipe.comm.p2p.dtensor_frames import use_tensor_mesh
 from lightning_pipe.engine.runners import worker_of_stages
@@ -314,6 +315,15 @@ class LaunchedMode(Mode):
     @override
     def optimizer_state(self, optimizer: Any, lightning: Callable[[Any], dict[str, Any]]) -> dict[str, Any]:
         return {}  # as above: the stages write their own
+
+    @override
+    def random_state(self, stages: Callable[[], dict[str, Any] | None]) -> dict[str, Any] | None:
+        """Not asked: each process's part of a checkpoint holds its own stages' (`LaunchedCheckpoints`), so a save
+        does not wait for every process to end the step first; asked where Lightning writes one file (no
+        LightningModule attached)."""
+        if self.host.lightning_module is None:
+            return stages()
+        return {"stages": IN_PARTS}
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Path, storage_options: Any, lightning: Write) -> None:

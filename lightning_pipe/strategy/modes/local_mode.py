@@ -173,6 +173,10 @@ class LocalMode(Mode):
         return self.state.optimizer_state(optimizer, lightning)
 
     @override
+    def random_state(self, stages: Callable[[], dict[str, Any] | None]) -> dict[str, Any] | None:
+        return stages()  # the stages, threads of this process, answer at once
+
+    @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Path, storage_options: Any, lightning: Write) -> None:
         self.file.save(checkpoint, path, storage_options, lightning)
 

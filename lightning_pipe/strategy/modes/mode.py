@@ -183,6 +183,10 @@ class TrainingStateIO(ABC):
         """``optimizer_state``: ``optimizer``'s state (``lightning``: Lightning's reading)."""
 
     @abstractmethod
+    def random_state(self, stages: Callable[[], dict[str, Any] | None]) -> dict[str, Any] | None:
+        """What a checkpoint holds of the stages' generator states (``stages``: asks the stages for theirs)."""
+
+    @abstractmethod
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Path, storage_options: Any, lightning: Write) -> None:
         """``save_checkpoint``: ``checkpoint`` at ``path`` (``lightning``: Lightning's writing)."""
 

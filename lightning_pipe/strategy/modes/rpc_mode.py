@@ -202,6 +202,10 @@ class RpcMode(Mode):
         return self.state.optimizer_state(optimizer, lightning)
 
     @override
+    def random_state(self, stages: Callable[[], dict[str, Any] | None]) -> dict[str, Any] | None:
+        return stages()  # in Lightning's state: the workers write their tensors step by step (rpc_checkpoints)
+
+    @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Path, storage_options: Any, lightning: Write) -> None:
         """The workers write their stages and this process the rest, into one folder (or one file of it), while a
         fit runs or from what the last fit of a model built on meta left; else Lightning writes the whole model."""
