@@ -1,10 +1,10 @@
 """This test process's `Zygote`: `forked_ranks.py` runs forked from one process that imported everything once.
 
 `launching.run_all` asks `ZYGOTE` first for every command; it takes the ``python tests/forked_ranks.py ...``
-commands whose environment is the one it started with (a port aside, which is read when a run connects), and
-leaves every other command, and those with another environment (a variable that torch or Lightning read when
-imported would not take effect in a fork), to a process of its own. What a test gets back behaves as the
-``subprocess.Popen`` it replaces does for `launching.run_all` and `launching.kill`: a process id that leads a
+(and ``forked_processes.py``) commands and leaves every other command to a process of its own. A run whose
+environment differs from the one the zygote started with (`PER_RUN` aside) gets a new zygote started with it: a
+variable that torch or Lightning read when imported would not take effect in a fork. What a test gets back behaves
+as the ``subprocess.Popen`` it replaces does for `launching.run_all` and `launching.kill`: a process id that leads a
 session of its own, ``communicate`` with a timeout, the exit code (negative: the signal that ended it).
 """
 
@@ -72,17 +72,19 @@ class Zygote:
         self.process: subprocess.Popen[bytes] | None = None
         self.env: dict[str, str] = {}
         self.folder = ""
+        self.folders: list[str] = []  # the runs' outputs, removed when this process ends
+        atexit.register(self.shutdown)
 
     def start(self, command: list[str], env: dict[str, str]) -> ForkedRun | None:
-        """The run of ``command`` forked from the zygote, or None where it is not a forked_ranks.py run in the
-        zygote's environment."""
+        """The run of ``command`` forked from the zygote (started, or started again, with ``env``), or None where it
+        is not a command of `RUNNERS`."""
         if len(command) < 2 or command[1] not in RUNNERS or os.environ.get("LIGHTNING_PIPE_TEST_NO_ZYGOTE"):
             return None
         fixed = {k: v for k, v in env.items() if k not in PER_RUN}
-        if self.process is None or self.process.poll() is not None:
+        if self.process is not None and (self.process.poll() is not None or fixed != self.env):
+            self.close()  # ended, or another environment (a test's setting): a zygote of that environment
+        if self.process is None:
             self.launch(command[0], fixed)
-        elif fixed != self.env:
-            return None
         assert self.process is not None and self.process.stdin is not None and self.process.stdout is not None
         handle, output = tempfile.mkstemp(prefix="forked-", suffix=".log", dir=self.folder)
         os.close(handle)
@@ -97,12 +99,12 @@ class Zygote:
     def launch(self, python: str, env: dict[str, str]) -> None:
         self.env = env
         self.folder = tempfile.mkdtemp(prefix="zygote-")
+        self.folders.append(self.folder)
         self.process = subprocess.Popen(
             [python, str(HERE / "zygote.py")], env=env, cwd=HERE.parent, stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, start_new_session=True,
         )  # fmt: skip
         processes.EXEMPT.add(self.process.pid)  # never a test's leftover: it lives as long as this test process
-        atexit.register(self.close)
 
     def close(self) -> None:
         """End the zygote (the end of its input ends it; killed if it does not within 10 s)."""
@@ -117,7 +119,12 @@ class Zygote:
             process.kill()
             process.wait(10)
         processes.EXEMPT.discard(process.pid)
-        shutil.rmtree(self.folder, ignore_errors=True)
+
+    def shutdown(self) -> None:
+        """At this process's end: the zygote, then the runs' outputs."""
+        self.close()
+        for folder in self.folders:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 ZYGOTE = Zygote()
