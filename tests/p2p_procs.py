@@ -81,6 +81,7 @@ def train_and_compare(comm: P2PCommunicator, stages: int, schedule: str, batches
                 pipe.coordinator.settle()  # the first stages end their step after train_step returned
                 comm.stats(reset=True)
         pipe.coordinator.settle()
+        out["in_flight"] = max(comm.in_flight().values())
         stats = comm.stats()
         state = pipe.state_dict()
         out["state"] = max(close(state[k], v) for k, v in reference.state_dict().items())

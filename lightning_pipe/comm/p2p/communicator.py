@@ -189,6 +189,10 @@ class P2PCommunicator(Communicator):
             out.update(stats)
         return out
 
+    def in_flight(self) -> dict[int, int]:
+        """Per pipeline rank this process sends to, the sends not yet known complete (a bounded few)."""
+        return self._open().in_flight()
+
     # internals
     def _open(self) -> Wire:
         if self._wire is None:

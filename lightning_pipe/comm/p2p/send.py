@@ -26,6 +26,8 @@ from lightning_pipe.comm.base import Message
 from lightning_pipe.comm.p2p import frames
 from lightning_pipe.comm.p2p.frames import FRAME_BUFFERS, FRAME_TAG, SPILL_TAG, ahead_of_time, body_tag
 
+IN_FLIGHT = 8  # sends a link holds before it waits for the oldest (each a frame or one part of a spilled one)
+
 
 @dataclass
 class WireStats:
@@ -53,10 +55,16 @@ class Link:
         self.closed = False
 
     def reap(self, timeout: float) -> None:
-        """Forget the sends that completed (raising a failed one's error); the oldest go first."""
-        while self.pending and self.pending[0][0].is_completed():
+        """Forget the sends that completed (raising a failed one's error), the oldest first, and wait for those
+        beyond `IN_FLIGHT`: gloo's send work says it completed only once waited on, so without the wait a link
+        would hold every frame it ever sent (and a spilled message's tensors) until it closes."""
+        while self.pending and (len(self.pending) > IN_FLIGHT or self.pending[0][0].is_completed()):
             work, _ = self.pending.popleft()
-            work.wait(timedelta(seconds=timeout))  # done: returns at once, or raises its error
+            work.wait(timedelta(seconds=timeout))  # sent long ago into a buffer posted ahead: returns at once
+
+    def in_flight(self) -> int:
+        """The sends this link still holds (at most `IN_FLIGHT` plus one frame's parts)."""
+        return len(self.pending)
 
     def drain(self, timeout: float) -> None:
         """Wait until every send of this link completed."""

@@ -158,6 +158,10 @@ class Wire:
         """Whether nothing can reach ``peer`` any more (its link broke or it closed it)."""
         return peer in self._dead or peer in self._closed
 
+    def in_flight(self) -> dict[int, int]:
+        """Per peer this process sends to, the sends its link still holds (`p2p.send.Link.reap` bounds them)."""
+        return {peer: link.in_flight() for peer, link in self._links.items()}
+
     def error(self) -> TransportError | None:
         """The error every endpoint raises once a peer is lost."""
         if self.lost is None:
