@@ -26,7 +26,7 @@ from lightning_pipe.comm.base import Message
 from lightning_pipe.comm.p2p import frames
 from lightning_pipe.comm.p2p.frames import FRAME_BUFFERS, FRAME_TAG, SPILL_TAG, ahead_of_time, body_tag
 
-IN_FLIGHT = 8  # sends a link holds before it waits for the oldest (each a frame or one part of a spilled one)
+IN_FLIGHT = 8  # sends a gloo link holds before it waits for the oldest (each a frame or one part of a spilled one)
 
 
 @dataclass
@@ -54,16 +54,17 @@ class Link:
         self.last_send = time.monotonic()
         self.closed = False
 
-    def reap(self, timeout: float) -> None:
+    def reap(self, timeout: float, bound: int | None) -> None:
         """Forget the sends that completed (raising a failed one's error), the oldest first, and wait for those
-        beyond `IN_FLIGHT`: gloo's send work says it completed only once waited on, so without the wait a link
-        would hold every frame it ever sent (and a spilled message's tensors) until it closes."""
-        while self.pending and (len(self.pending) > IN_FLIGHT or self.pending[0][0].is_completed()):
+        beyond ``bound``: gloo's send work says it completed only once waited on, so without the wait a link
+        would hold every frame it ever sent (and a spilled message's tensors) until it closes. (NCCL's work
+        knows when it completed, and its wait only orders streams: no bound there.)"""
+        while self.pending and ((bound is not None and len(self.pending) > bound) or self.pending[0][0].is_completed()):
             work, _ = self.pending.popleft()
             work.wait(timedelta(seconds=timeout))  # sent long ago into a buffer posted ahead: returns at once
 
     def in_flight(self) -> int:
-        """The sends this link still holds (at most `IN_FLIGHT` plus one frame's parts)."""
+        """The sends this link still holds (over gloo at most `IN_FLIGHT` plus one frame's parts)."""
         return len(self.pending)
 
     def drain(self, timeout: float) -> None:
@@ -146,7 +147,7 @@ class Sender:
     def transmit(self, peer: int, link: Link, parts: list[tuple[torch.Tensor, int]], packed: bool = False) -> None:
         """Post one frame's sends; its tensors stay referenced until sent."""
         group, dst = self.routes[peer]
-        link.reap(self.timeout)
+        link.reap(self.timeout, IN_FLIGHT if self.device.type == "cpu" else None)
         for part, tag in parts:
             if not packed:
                 part = part.detach().to(self.device).contiguous()
