@@ -125,11 +125,12 @@ def test_colocate_false_keeps_every_rank_in_a_worker_process(pool: RpcCommunicat
     assert sent[1].messages[MessageKind.OUTPUT] == 4 and sent[COORDINATOR].messages[MessageKind.GRAD] == 4
 
 
-def test_a_v_placed_schedule_keeps_every_rank_in_a_worker_process(
+def test_a_v_placed_schedule_brings_rank_0_with_the_first_and_last_stages(
     pool: RpcCommunicator, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """zbv puts the last stage on rank 0 (with stage 0): served by worker process 0, the coordinator computes the
-    losses; the gradients are the unsplit model's."""
+    """zbv puts the last stage on rank 0, with stage 0: rank 0 runs here and the pool's slot 0 serves rank 1, so a
+    microbatch's input, its output and the loss never cross processes (as launched mode places a V); the gradients
+    are the unsplit model's. Then a 1F1B pipeline on the same pool maps slot 0 to rank 0 again."""
     model = mlp(depth=4)
     x, y = data()
     want = unsplit_grads(model, x, y)
@@ -137,11 +138,30 @@ def test_a_v_placed_schedule_keeps_every_rank_in_a_worker_process(
         with Pipeline(
             model, stages=4, virtual_stages=2, schedule="zbv", transport=pool, partition="uniform", timeout=60
         ) as pipe:  # fmt: skip
-            assert pool.ranks_served.home is None and pool.ranks_served.remote == [0, 1]
+            assert pool.ranks_served.home == 0 and pool.ranks_served.remote == [1] and pool.shares_objects
+            assert set(pool.pids) == {1}  # rank 1's worker process: the pool's first slot
             pipe.train_step(x, y, F.cross_entropy, microbatches=4)
+            pipe.coordinator.settle()
             got = pipe.grads()
+            sent = pool.stats()
     assert_grads_equal(got, want)
-    assert "the last stage is on rank 0, not the last rank" in caplog.text
+    assert "rank 0 (stages 0, 3) in the coordinator's process on cpu, with the last stage" in caplog.text
+    assert "rank 1 (stages 1, 2) in worker process 0" in caplog.text
+    # the losses were computed here, on stage 3: no output left rank 0, and the coordinator sent no gradient
+    assert sent[0].local[MessageKind.LOSS] == 4 and MessageKind.OUTPUT not in sent[0].messages
+    assert MessageKind.GRAD not in sent[COORDINATOR].messages
+    # and the microbatches' inputs went to stage 0 by reference, in this process
+    assert (
+        sent[COORDINATOR].local[MessageKind.ACTIVATION] == 4
+        and MessageKind.ACTIVATION not in sent[COORDINATOR].messages
+    )
+    model = mlp()
+    want = unsplit_grads(model, x, y)
+    with Pipeline(model, stages=2, transport=pool, partition="uniform", timeout=60) as pipe:
+        assert pool.ranks_served.home == 1 and pool.ranks_served.remote == [0] and set(pool.pids) == {0}
+        pipe.train_step(x, y, F.cross_entropy, microbatches=4)
+        got = pipe.grads()
+    assert_grads_equal(got, want)
 
 
 def openmp_threads() -> int:

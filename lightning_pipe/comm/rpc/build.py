@@ -25,10 +25,10 @@ WaitStep = Callable[[float, str], None]  # (deadline, what is awaited): raises i
 
 
 def start_builds(
-    launch: str, ranks: Sequence[int], specs: list[Any], worker_cls: Any, devices: Sequence[str | None],
+    launch: str, ranks: Sequence[int], specs: list[Any], worker_cls: Any, devices: Mapping[int, str | None],
     names: Mapping[int, str], hosts: Mapping[int, str], codec: Any, processes: Any,
 ) -> dict[int, Any]:  # fmt: skip
-    """Ask each of ``ranks`` to build its stage (``devices[rank]``: the device its slot was given, or None);
+    """Ask each of ``ranks`` to build its stage (``devices[rank]``: the device of the slot serving it, or None);
     the futures by rank."""
     futures = {}
     for rank in ranks:

@@ -114,9 +114,13 @@ class RpcCommunicator(Communicator):
 
     @property
     def pids(self) -> dict[int, int]:
-        """Process id of each worker process by its slot (on its own machine): slot r serves rank r; the rank
-        of the last stage runs in this process ((`ranks_served`))."""
-        return {rank: slot.pid for rank, slot in enumerate(self._world.slots)} if self._world else {}
+        """Process id of the worker process (on its own machine) of each rank served by one, in the running (or
+        last) pipeline; the rank of the last stage runs in this process (`ranks_served`). Before any pipeline
+        ran: by slot."""
+        if self._world is None:
+            return {}
+        pids = [slot.pid for slot in self._world.slots]
+        return self._ranks.slot_values(pids) if self._ranks.ranks else dict(enumerate(pids))
 
     @property
     def data_plane(self) -> DataPlane | None:
@@ -146,7 +150,8 @@ class RpcCommunicator(Communicator):
                     f"{len(world.slots)} slots; create it with workers=... large enough"
                 )
             self._stages_of = {spec.rank: [shard.index for shard in spec.shards] for spec in specs}
-            layout = world.plane.layout.describe(served.home) if world.plane is not None else ""
+            by_process = {process: rank for rank, process in served.processes().items() if process > 0}
+            layout = world.plane.layout.describe(served.home, by_process) if world.plane is not None else ""
             log.info("lightning_pipe rpc: %s; %s", served.describe(self._stages_of, here or "cpu"), layout)
             return self._build(world, specs, worker_cls, until, timeout)
         except BaseException:
@@ -162,7 +167,8 @@ class RpcCommunicator(Communicator):
             endpoint.close()
             until = deadline(timeout)
             futures = []
-            lost = {slot.rank for slot, _ in self._world.server.lost(self.heartbeat_timeout)} if self._world else set()
+            lost_slots = self._world.server.lost(self.heartbeat_timeout) if self._world else []
+            lost = {self._ranks.rank_of_slot(slot.rank) for slot, _ in lost_slots}
             for rank in self._ranks.remote:
                 if rank in lost or rank not in self._stages_of:
                     continue
@@ -296,7 +302,7 @@ class RpcCommunicator(Communicator):
         endpoint = RpcEndpoint(COORDINATOR, launch, names, hosts, self.codec, world.plane, processes)
         register_inbox(launch, COORDINATOR, endpoint.inbox)
         self._endpoint = endpoint
-        devices = [None if self.local else slot.device for slot in world.slots]  # a local worker's is in its spec
+        devices = served.slot_values([None if self.local else slot.device for slot in world.slots])  # local: spec's
         futures = start_builds(launch, served.remote, specs, worker_cls, devices, names, hosts, self.codec, processes)
         if served.home is not None:  # built here meanwhile; stopped by `close` if anything fails from here on
             home = self._home = HomeStage(launch, served.home)
@@ -312,10 +318,11 @@ class RpcCommunicator(Communicator):
 
     # describing losses
     def _describe(self, slot: Slot, reason: str) -> str:
-        rank = slot.rank if slot.rank is not None else -1
-        stages = self._stages_of.get(rank) if rank in self._ranks.remote else None
-        what = f"stage {', '.join(map(str, stages))}" if stages else "an idle worker"
-        return f"{what} (rank {rank}) on {slot.where()}: {reason}"
+        rank = self._ranks.rank_of_slot(slot.rank)
+        stages = self._stages_of.get(rank) if rank is not None else None
+        if not stages:
+            return f"an idle worker (slot {slot.rank}) on {slot.where()}: {reason}"
+        return f"stage {', '.join(map(str, stages))} (rank {rank}) on {slot.where()}: {reason}"
 
     def _exit_reason(self, slot: Slot) -> str | None:
         world = self._world

@@ -26,7 +26,7 @@ from lightning_pipe.comm.base import Endpoint, Message, MessageKind, QueueInbox
 from lightning_pipe.comm.by_value import ByValue
 from lightning_pipe.comm.compress import Codec, decode_payload, encode_payload, wire_bytes
 from lightning_pipe.comm.p2p.wire import LOST
-from lightning_pipe.comm.rpc.plane import DataPlane, address, world_rank
+from lightning_pipe.comm.rpc.plane import DataPlane, address
 
 _CONTROL = (MessageKind.STEP, MessageKind.CALL, MessageKind.POST)  # the coordinator's control messages to stages
 _TENSORS = (MessageKind.ACTIVATION, MessageKind.OUTPUT, MessageKind.GRAD, MessageKind.INPUT_GRAD)  # compressed
@@ -106,8 +106,8 @@ class RpcEndpoint(Endpoint):
     """One participant: an ordered inbox filled by RPC and the data plane; ``rpc_async`` or the plane to anyone else.
 
     With a ``plane`` the endpoint's inbox is attached to it until `close`. ``processes`` gives the world rank of
-    the pipeline ranks that `rpc.plane.world_rank` does not place (the coordinator's process and the rank it
-    holds); endpoints of one process hand their messages over by reference.
+    every pipeline rank and of the coordinator (`rpc.home.RankProcesses.processes`); endpoints of one process hand
+    their messages over by reference.
     """
 
     def __init__(
@@ -186,7 +186,7 @@ class RpcEndpoint(Endpoint):
 
     def process(self, rank: int) -> int:
         """The world rank of the process that holds pipeline rank ``rank`` (``COORDINATOR``: -1)."""
-        return self.processes.get(rank, world_rank(rank))
+        return self.processes[rank]
 
     def _here(self, rank: int) -> bool:
         """Whether ``rank`` is another endpoint of this process (a rank's messages to itself take the plane's

@@ -28,7 +28,9 @@ from lightning_pipe.comm.rpc.stages import build_stage, stage_ended, stage_stats
 
 @dataclass(frozen=True)
 class RankProcesses:
-    """Which process serves each pipeline rank of one launch: ``home`` in the coordinator's, the rest in slots."""
+    """Which process serves each pipeline rank of one launch: ``home`` in the coordinator's, the others in the
+    world's slots in order (slot k serves the k-th of `remote`: rank r by slot r when the home rank is the last,
+    ranks 1.. by slots 0.. when it is rank 0, as a V-shaped schedule places the last stage)."""
 
     ranks: int
     home: int | None  # the rank the coordinator's process holds (the last stage's), None: every rank in a worker
@@ -36,23 +38,36 @@ class RankProcesses:
 
     @property
     def remote(self) -> list[int]:
-        """The ranks served by worker processes (rank r by slot r)."""
+        """The ranks served by worker processes, in the order of the slots that serve them."""
         return [rank for rank in range(self.ranks) if rank != self.home]
 
+    def rank_of_slot(self, slot: int | None) -> int | None:
+        """The pipeline rank slot ``slot`` serves in this launch (None: it serves none)."""
+        remote = self.remote
+        return remote[slot] if slot is not None and 0 <= slot < len(remote) else None
+
     def processes(self) -> dict[int, int]:
-        """The world ranks that `rpc.plane.world_rank` does not give: the coordinator's, and its rank's."""
-        return {COORDINATOR: 0} | ({self.home: 0} if self.home is not None else {})
+        """The world rank of every pipeline rank of this launch, and of the coordinator (world rank 0, with the
+        home rank); a slot's world rank is `rpc.plane.world_rank` of its index."""
+        home = {self.home: 0} if self.home is not None else {}
+        return {COORDINATOR: 0} | home | {rank: world_rank(slot) for slot, rank in enumerate(self.remote)}
 
     def process(self, rank: int) -> int:
-        return self.processes().get(rank, world_rank(rank))
+        return self.processes()[rank]
 
     def address_book(self, names: dict[int, str], hosts: dict[int, str]) -> tuple[dict[int, str], dict[int, str]]:
-        """The RPC names and places of the ranks for this launch, the world's by slot: the home rank is the
+        """The RPC names and places of the ranks for this launch, from the world's by slot: the home rank is the
         coordinator's process (its RPC name, and how errors name it)."""
-        names, hosts = dict(names), dict(hosts)
+        by_rank, where = {COORDINATOR: names[COORDINATOR]}, {COORDINATOR: hosts[COORDINATOR]}
+        for slot, rank in enumerate(self.remote):
+            by_rank[rank], where[rank] = names[slot], hosts[slot]
         if self.home is not None:
-            names[self.home], hosts[self.home] = names[COORDINATOR], coordinator_host()
-        return names, hosts
+            by_rank[self.home], where[self.home] = names[COORDINATOR], coordinator_host()
+        return by_rank, where
+
+    def slot_values(self, values: Sequence[Any]) -> dict[int, Any]:
+        """``values`` given by slot (a device, a pid), by the pipeline rank each slot serves."""
+        return {rank: values[slot] for slot, rank in enumerate(self.remote) if slot < len(values)}
 
     def describe(self, stages_of: dict[int, list[int]], device: str) -> str:
         """Which process holds which rank, for the log."""
@@ -61,7 +76,7 @@ class RankProcesses:
             held = stages_of.get(rank, [])
             return ("stages " if len(held) > 1 else "stage ") + ", ".join(map(str, held))
 
-        remote = "; ".join(f"rank {r} ({stages(r)}) in worker process {r}" for r in self.remote)
+        remote = "; ".join(f"rank {r} ({stages(r)}) in worker process {k}" for k, r in enumerate(self.remote))
         if self.home is None:
             return f"every rank in a worker process ({self.why_not}): {remote}"
         here = f"rank {self.home} ({stages(self.home)}) in the coordinator's process on {device}, with the last stage"
@@ -76,8 +91,6 @@ def place(specs: Sequence[Any], colocate: bool) -> RankProcesses:
         return RankProcesses(ranks, None, "colocate=False")
     if ranks < 2:
         return RankProcesses(ranks, None, "one rank holds every stage: it runs apart from the coordinator")
-    if last != ranks - 1:  # the runners place the last stage on the last rank; another layout stays apart
-        return RankProcesses(ranks, None, f"the last stage is on rank {last}, not the last rank")
     missing = [str(shard.device) for shard in specs[last].shards if not usable_here(str(shard.device))]
     if missing:
         return RankProcesses(ranks, None, f"this process cannot use {', '.join(missing)}")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import zlib
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -28,14 +28,15 @@ def address(launch: str, rank: int) -> int:
     return (zlib.crc32(launch.encode()) << 20) + rank + 2  # positive: apart from the wire's own inbox (-2)
 
 
-def world_rank(rank: int) -> int:
-    """The process of pipeline rank ``rank`` (``COORDINATOR``: -1) in the world: the coordinator 0, slot r r + 1."""
-    return rank + 1
+def world_rank(slot: int) -> int:
+    """The world rank of the worker process in slot ``slot``: the coordinator is 0, slot k k + 1 (which pipeline
+    rank a slot serves is each launch's: `rpc.home.RankProcesses`)."""
+    return slot + 1
 
 
 def describe_process(process: int) -> str:
-    """World rank ``process`` in words (the coordinator names a worker better: its host and pid)."""
-    return "the coordinator" if process == 0 else f"the worker of rank {process - 1}"
+    """World rank ``process`` in words (the coordinator names a worker better: its rank, host and pid)."""
+    return "the coordinator" if process == 0 else f"the worker process of slot {process - 1}"
 
 
 @dataclass(frozen=True)
@@ -72,12 +73,14 @@ class PlaneLayout:
         shared = tuple((str(d), tuple(int(w) for w in ws)) for d, ws in data.get("shared", []))
         return PlaneLayout(int(data["size"]), tuple(int(w) for w in data.get("nccl", [])), shared)
 
-    def describe(self, home: int | None = None) -> str:
+    def describe(self, home: int | None = None, served: Mapping[int, int] | None = None) -> str:
         """How tensors travel between the processes, for the log; ``home``: the pipeline rank the coordinator's
-        process serves (its world rank 0), else that process is named as the coordinator."""
+        process serves (its world rank 0), else that process is named as the coordinator; ``served``: the pipeline
+        rank of each slot's world rank (default: slot k serves rank k)."""
 
         def ranks(ws: Sequence[int]) -> str:
-            named = sorted([w - 1 for w in ws if w] + ([home] if 0 in ws and home is not None else []))
+            slots = [(served or {}).get(w, w - 1) for w in ws if w]
+            named = sorted(slots + ([home] if 0 in ws and home is not None else []))
             text = ", ".join(str(r) for r in named)
             return text + (" and the coordinator" if 0 in ws and home is None else "")
 

@@ -43,8 +43,8 @@ def build_stage(
 ) -> Built:
     """Build the stage worker of ``spec`` in this process and start its event loop.
 
-    ``processes``: the world rank of each pipeline rank that another rule than `rpc.plane.world_rank` places
-    (the coordinator's and the rank its process holds); ``plane``: this process's data plane (a worker's own).
+    ``processes``: the world rank of every pipeline rank and of the coordinator (`rpc.home.RankProcesses`);
+    ``plane``: this process's data plane (a worker's own).
     A failed build comes back as its `StageError` (a value: RPC would lose its fields if it were raised).
     """
     plane = plane if plane is not None else PLANE[0] if PLANE else None
