@@ -196,3 +196,23 @@ def test_a_worker_processs_stage_computes_with_the_processs_threads(pool: RpcCom
         assert pool.ranks_served.remote == [0]
         threads = pipe.forward(torch.zeros(4, 2))
     assert threads.unique().tolist() == [float(pool._threads or 0)]
+
+
+def test_a_pool_mapped_anew_names_the_ranks_whose_devices_moved() -> None:
+    """A pool's worker processes keep the devices they were started for: a V pipeline after a 1F1B one maps slot k
+    to rank k + 1, whose stage may be on another GPU; `launch` warns with these lines (no GPU needed to check them)."""
+    from types import SimpleNamespace
+
+    from lightning_pipe.comm.rpc.home import RankProcesses, moved_devices
+
+    def specs(*devices: str) -> list[SimpleNamespace]:
+        return [SimpleNamespace(shards=[SimpleNamespace(device=d)]) for d in devices]
+
+    started = ["cuda:0", "cuda:1"]  # a 3-rank 1F1B pool: ranks 0 and 1 in slots 0 and 1, rank 2 at home
+    assert moved_devices(specs("cuda:0", "cuda:1", "cuda:2"), RankProcesses(3, 2), started) == []
+    v = RankProcesses(3, 0)  # a V: rank 0 at home, slots 0 and 1 serve ranks 1 and 2
+    assert moved_devices(specs("cuda:0", "cuda:1", "cuda:2"), v, started) == [
+        "rank 1 (on cuda:1) in the worker started for cuda:0",
+        "rank 2 (on cuda:2) in the worker started for cuda:1",
+    ]
+    assert moved_devices(specs("cpu", "cpu", "cpu"), v, ["cpu", "cpu"]) == []  # CPU stages move freely

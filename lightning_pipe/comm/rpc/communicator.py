@@ -29,7 +29,7 @@ from lightning_pipe.comm.control import ControlServer, Slot, parse_address
 from lightning_pipe.comm.local_workers import exit_reason
 from lightning_pipe.comm.rpc.build import await_builds, ready_ping, start_builds
 from lightning_pipe.comm.rpc.endpoint import RpcEndpoint, TransportStats, register_inbox
-from lightning_pipe.comm.rpc.home import HomeStage, RankProcesses, home_device, place
+from lightning_pipe.comm.rpc.home import HomeStage, RankProcesses, home_device, moved_devices, place
 from lightning_pipe.comm.rpc.hosted import HostedWorld, wait_all
 from lightning_pipe.comm.rpc.plane import DataPlane
 from lightning_pipe.comm.rpc.stages import stage_stats, stop_stage
@@ -143,7 +143,17 @@ class RpcCommunicator(Communicator):
             served = self._ranks = place(specs, self.colocate)
             remote = served.remote
             here = home_device(specs, served)
+            reused = self._world
             world = self._world or self._open(len(remote), timeout, [_device_of(specs[r]) for r in remote], here)
+            moved = moved_devices(specs, served, [slot.device for slot in world.slots]) if reused else []
+            if moved:
+                warnings.warn(
+                    f"this pool's worker processes were started for another pipeline's devices: {'; '.join(moved)}; "
+                    "their tensors are copied between devices on every send: use an RpcCommunicator of its own "
+                    "for this pipeline",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
             if len(remote) > len(world.slots):
                 raise TransportError(
                     f"the pipeline's workers serve {len(remote)} ranks but this communicator's workers offer "

@@ -22,7 +22,7 @@ from lightning_pipe.base.errors import PipeError
 from lightning_pipe.comm import by_value
 from lightning_pipe.comm.base import COORDINATOR
 from lightning_pipe.comm.rpc.endpoint import TransportStats
-from lightning_pipe.comm.rpc.plane import DataPlane, world_rank
+from lightning_pipe.comm.rpc.plane import DataPlane, is_cuda, world_rank
 from lightning_pipe.comm.rpc.stages import build_stage, stage_ended, stage_stats, stop_stage
 
 
@@ -95,6 +95,17 @@ def place(specs: Sequence[Any], colocate: bool) -> RankProcesses:
     if missing:
         return RankProcesses(ranks, None, f"this process cannot use {', '.join(missing)}")
     return RankProcesses(ranks, last)
+
+
+def moved_devices(specs: Sequence[Any], served: RankProcesses, slot_devices: Sequence[str]) -> list[str]:
+    """The ranks whose stage is on another CUDA device than the slot now serving it was started for (a pool's
+    earlier pipeline mapped its slots to other ranks): their tensors cross devices on every send."""
+    moved = []
+    for rank, device in served.slot_values(slot_devices).items():
+        wanted = str(specs[rank].shards[0].device) if specs[rank].shards else "cpu"
+        if wanted != device and (is_cuda(wanted) or is_cuda(device)):
+            moved.append(f"rank {rank} (on {wanted}) in the worker started for {device}")
+    return moved
 
 
 def usable_here(device: str) -> bool:
