@@ -91,6 +91,7 @@ class Sender:
     ) -> None:
         self.routes, self.device, self.framed = routes, device, framed
         self.timeout, self.count, self.lock = timeout, count, lock
+        self.bound = IN_FLIGHT if device.type == "cpu" else None  # gloo's sends need waiting for (`Link.reap`)
 
     def message(self, peer: int, link: Link, destination: int, message: Message, bundled: int = 1) -> None:
         """Send ``message`` to endpoint ``destination`` of ``peer``: as one inline frame where it fits."""
@@ -147,7 +148,7 @@ class Sender:
     def transmit(self, peer: int, link: Link, parts: list[tuple[torch.Tensor, int]], packed: bool = False) -> None:
         """Post one frame's sends; its tensors stay referenced until sent."""
         group, dst = self.routes[peer]
-        link.reap(self.timeout, IN_FLIGHT if self.device.type == "cpu" else None)
+        link.reap(self.timeout, self.bound)
         for part, tag in parts:
             if not packed:
                 part = part.detach().to(self.device).contiguous()

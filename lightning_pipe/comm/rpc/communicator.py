@@ -29,7 +29,7 @@ from lightning_pipe.comm.control import ControlServer, Slot, parse_address
 from lightning_pipe.comm.local_workers import exit_reason
 from lightning_pipe.comm.rpc.build import await_builds, ready_ping, start_builds
 from lightning_pipe.comm.rpc.endpoint import RpcEndpoint, TransportStats, register_inbox
-from lightning_pipe.comm.rpc.home import HomeStage, RankProcesses, home_device, moved_devices, place
+from lightning_pipe.comm.rpc.home import HomeStage, RankProcesses, device_of, home_device, moved_devices, place
 from lightning_pipe.comm.rpc.hosted import HostedWorld, wait_all
 from lightning_pipe.comm.rpc.plane import DataPlane
 from lightning_pipe.comm.rpc.stages import stage_stats, stop_stage
@@ -144,7 +144,7 @@ class RpcCommunicator(Communicator):
             remote = served.remote
             here = home_device(specs, served)
             reused = self._world
-            world = self._world or self._open(len(remote), timeout, [_device_of(specs[r]) for r in remote], here)
+            world = self._world or self._open(len(remote), timeout, [device_of(specs[r]) for r in remote], here)
             moved = moved_devices(specs, served, [slot.device for slot in world.slots]) if reused else []
             if moved:
                 warnings.warn(
@@ -347,7 +347,3 @@ def _close_all() -> None:
     for communicator in list(_OPEN):
         with contextlib.suppress(Exception):
             communicator.close(5.0)
-
-
-def _device_of(spec: Any) -> str:
-    return str(spec.shards[0].device) if spec.shards else "cpu"

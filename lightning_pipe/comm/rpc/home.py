@@ -52,9 +52,6 @@ class RankProcesses:
         home = {self.home: 0} if self.home is not None else {}
         return {COORDINATOR: 0} | home | {rank: world_rank(slot) for slot, rank in enumerate(self.remote)}
 
-    def process(self, rank: int) -> int:
-        return self.processes()[rank]
-
     def address_book(self, names: dict[int, str], hosts: dict[int, str]) -> tuple[dict[int, str], dict[int, str]]:
         """The RPC names and places of the ranks for this launch, from the world's by slot: the home rank is the
         coordinator's process (its RPC name, and how errors name it)."""
@@ -102,10 +99,15 @@ def moved_devices(specs: Sequence[Any], served: RankProcesses, slot_devices: Seq
     earlier pipeline mapped its slots to other ranks): their tensors cross devices on every send."""
     moved = []
     for rank, device in served.slot_values(slot_devices).items():
-        wanted = str(specs[rank].shards[0].device) if specs[rank].shards else "cpu"
+        wanted = device_of(specs[rank])
         if wanted != device and (is_cuda(wanted) or is_cuda(device)):
             moved.append(f"rank {rank} (on {wanted}) in the worker started for {device}")
     return moved
+
+
+def device_of(spec: Any) -> str:
+    """The device of a rank's stage (its first shard's; a rank without shards: the CPU)."""
+    return str(spec.shards[0].device) if spec.shards else "cpu"
 
 
 def usable_here(device: str) -> bool:
