@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from launching import kill
@@ -222,16 +223,22 @@ def test_a_plain_payload_finds_its_signature_by_its_shape_the_same_as_pytree_mak
 def test_an_inline_frame_packs_a_message_into_one_buffer_and_back() -> None:
     tensors = [torch.randn(3, 5), torch.arange(7), torch.tensor([True, False]), torch.empty(0, 4)]
     tensors += [torch.randn(2).half(), torch.randn(4, 6).t()]  # the last is not contiguous
+    tensors += [torch.randn(3, dtype=torch.bfloat16), torch.randn(2, 2, requires_grad=True)]  # numpy lacks bf16
+    tensors += [torch.randn(3, dtype=torch.complex64).conj()]  # a conjugate view numpy cannot see
     metas = [TensorHeader.of(t) for t in tensors]
     fields = header_fields(3, 1, Message(MessageKind.GRAD, step=2, stage=1, microbatch=5), extra=5, inline=True)
     frame = pack(fields, b"hello", tensors)
-    assert frame.dtype == torch.uint8 and frame.numel() == inline_size(5, metas) <= INLINE_BYTES
-    assert frame[:64].view(torch.int64).tolist() == [3, 1, -1, 2, 1, 5, 5, 1]
+    assert frame.dtype == np.uint8 and frame.size == inline_size(5, metas) <= INLINE_BYTES
+    assert frame[:64].view(np.int64).tolist() == [3, 1, -1, 2, 1, 5, 5, 1]
+    into = np.full(frame.size + 100, 7, dtype=np.uint8)  # a sender's ring buffer, larger than the frame
+    assert pack(fields, b"hello", tensors, into) is into
     blob, back = frame_bytes(frame, 5), frame_tensors(frame, 5, metas)
-    assert blob == b"hello"
-    assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(back, tensors, strict=True))
-    copied = back[0].untyped_storage().data_ptr() != frame.untyped_storage().data_ptr()
-    assert copied, "copies: the receiver posts the frame's buffer again at once"
+    assert blob == b"hello" == frame_bytes(into, 5)
+    expected = [t.detach().resolve_conj() for t in tensors]
+    for received in (back, frame_tensors(into, 5, metas)):
+        assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(received, expected, strict=True))
+    frame[:] = 0  # the receiver posts the frame's buffer again at once: what it returned are copies
+    assert torch.equal(back[0], expected[0]) and torch.equal(back[-3], expected[-3])
 
 
 def test_a_bundle_carries_consecutive_microbatches_as_one_message() -> None:

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils import _pytree as pytree
 
@@ -82,6 +83,15 @@ class FrameSignature:
     @property
     def nbytes(self) -> int:
         return sum(_numel(m.shape) * m.dtype.itemsize for m in self.metas)
+
+    @property
+    def sizes(self) -> tuple[int, int]:
+        """The bytes of its inline frame (without pickled bytes) and of its tensors, worked out once."""
+        cached = self.__dict__.get("_sizes")
+        if cached is None:
+            cached = (inline_size(0, self.metas), self.nbytes)
+            object.__setattr__(self, "_sizes", cached)
+        return cached
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         # a TreeSpec pickles its leaves as the deprecated LeafSpec (a FutureWarning on every load): send its parts
@@ -216,19 +226,48 @@ def ahead_of_time(signature: FrameSignature) -> bool:
     return inline_size(0, signature.metas) > INLINE_BYTES
 
 
-def pack(fields: list[int], extra: bytes, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """One uint8 buffer holding a frame's header (`header_fields`), pickled bytes and tensors (a copy of each)."""
-    parts = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors]
-    start = _aligned(HEADER_BYTES) + _aligned(len(extra))
-    buffer = bytearray(start + sum(_aligned(p.numel()) for p in parts))
-    _HEADER.pack_into(buffer, 0, *fields)
-    buffer[_aligned(HEADER_BYTES) : _aligned(HEADER_BYTES) + len(extra)] = extra
-    frame = torch.frombuffer(buffer, dtype=torch.uint8)  # shares the buffer, which it keeps alive
-    offset = start
-    for part in parts:
-        frame[offset : offset + part.numel()].copy_(part)
-        offset += _aligned(part.numel())
+def pack(
+    fields: list[int], extra: bytes, tensors: Sequence[torch.Tensor], into: np.ndarray | None = None
+) -> np.ndarray:
+    """A frame's header (`header_fields`), pickled bytes and tensors (a copy of each) in one uint8 array: ``into``
+    (a buffer of the sender's, `p2p.frame_ring`, at least `inline_size` long) or a new one.
+
+    The copies go through numpy where it has the dtype: one torch op per tensor instead of four (a small
+    message's send is mostly such ops, each several microseconds in a thread that was just woken)."""
+    if into is None:
+        into = np.empty(inline_size(len(extra), [TensorHeader.of(t) for t in tensors]), dtype=np.uint8)
+    frame = into
+    _HEADER.pack_into(frame.data, 0, *fields)
+    offset = _aligned(HEADER_BYTES)
+    frame[offset : offset + len(extra)] = np.frombuffer(extra, dtype=np.uint8)
+    offset += _aligned(len(extra))
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        part, dtype = frame[offset : offset + nbytes], numpy_dtype(t.dtype)
+        offset += _aligned(nbytes)
+        if dtype is not None:
+            try:
+                np.copyto(part.view(dtype).reshape(t.shape), (t.detach() if t.requires_grad else t).numpy())
+                continue
+            except RuntimeError:  # numpy cannot see it (on a GPU, a conjugate or negative view): torch copies
+                pass
+        torch.from_numpy(part).copy_(t.detach().resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8))
     return frame
+
+
+def numpy_dtype(dtype: torch.dtype) -> Any:
+    """The numpy dtype of a torch dtype, or None where numpy has none (bfloat16, float8, ...)."""
+    known = _NUMPY.get(dtype, _MISSING)
+    if known is _MISSING:
+        try:
+            known = _NUMPY[dtype] = torch.empty(0, dtype=dtype).numpy().dtype
+        except TypeError:
+            known = _NUMPY[dtype] = None
+    return known
+
+
+_NUMPY: dict[torch.dtype, Any] = {}
+_MISSING = object()
 
 
 def header_of(frame: Any) -> list[int]:
@@ -236,19 +275,24 @@ def header_of(frame: Any) -> list[int]:
     return list(_HEADER.unpack_from(frame))
 
 
-def frame_bytes(frame: torch.Tensor, extra: int) -> bytes:
-    """The ``extra`` pickled bytes of an inline frame."""
+def frame_bytes(frame: np.ndarray, extra: int) -> bytes:
+    """The ``extra`` pickled bytes of an inline frame (its buffer as a numpy array)."""
     offset = _aligned(HEADER_BYTES)
-    return bytes(frame[offset : offset + extra].numpy()) if extra else b""
+    return frame[offset : offset + extra].tobytes() if extra else b""
 
 
-def frame_tensors(frame: torch.Tensor, extra: int, metas: Sequence[TensorHeader]) -> list[torch.Tensor]:
-    """Copies of an inline frame's tensors: the receiver posts the frame's buffer again at once."""
+def frame_tensors(frame: np.ndarray, extra: int, metas: Sequence[TensorHeader]) -> list[torch.Tensor]:
+    """Copies of an inline frame's tensors (its buffer as a numpy array): the receiver posts the buffer again at
+    once. Copied by numpy where it has the dtype (one torch op per tensor, as `pack`)."""
     offset = _aligned(HEADER_BYTES) + _aligned(extra)
     tensors = []
     for meta in metas:
         size = _numel(meta.shape) * meta.dtype.itemsize
-        tensors.append(frame[offset : offset + size].view(meta.dtype).view(meta.shape).clone())
+        part, dtype = frame[offset : offset + size], numpy_dtype(meta.dtype)
+        if dtype is not None:
+            tensors.append(torch.from_numpy(part.view(dtype).reshape(meta.shape).copy()))
+        else:
+            tensors.append(torch.from_numpy(part.copy()).view(meta.dtype).view(meta.shape))
         offset += _aligned(size)
     return tensors
 

@@ -12,10 +12,12 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from lightning_pipe.comm.base import Message
 from lightning_pipe.comm.p2p import frames
+from lightning_pipe.comm.p2p.direct import Baton
 from lightning_pipe.comm.p2p.frames import FRAME_BUFFERS, FRAME_TAG, SPILL_TAG, ahead_of_time, body_tag
 
 
@@ -40,49 +42,78 @@ class ReceivingWire(Protocol):
 class Receiver:
     """The receiving thread of one peer's link (``Wire`` starts it); delivers into the wire's inboxes."""
 
-    def __init__(self, wire: ReceivingWire, peer: int) -> None:
+    def __init__(self, wire: ReceivingWire, peer: int, baton: Baton | None = None) -> None:
         self.wire, self.peer = wire, peer
         self.patience = timedelta(seconds=wire.timeout)  # a gloo wait that times out closes the link: the whole timeout
         self.group, self.src = wire.sources[peer]
         self.signatures: dict[int, frames.FrameSignature] = {}
         self.ahead: dict[int, tuple[list[torch.Tensor], list[Any]]] = {}  # framed: one body per large signature
+        #: framed: the link's receive shared with the thread that waits for its messages (`p2p.direct`); None: this
+        #: receiving thread alone waits on it
+        self.baton = baton
+        self.ended = False  # the link closed or broke: no frame comes any more
+        if wire.framed:  # posted at once: the first frame may be waited for by either thread
+            self._buffers = [torch.empty(frames.INLINE_BYTES, dtype=torch.uint8) for _ in range(FRAME_BUFFERS)]
+            self._views = [buffer.numpy() for buffer in self._buffers]  # the same memory: read without torch ops
+            self._works = [self._irecv(buffer, FRAME_TAG) for buffer in self._buffers]
+            self._turn = 0
 
     def run(self) -> None:
+        """The receiving thread: every frame of the link (with a baton: those nobody else waits for)."""
+        if not self.wire.framed:
+            self._guarded(self._ordered)
+            return
+        while not self.ended:
+            if self.baton is not None and not self.baton.take_for_thread():
+                return
+            self.pump()
+            if self.baton is not None:
+                self.baton.thread_done()
+
+    def pump(self) -> None:
+        """Wait for the link's next frame and deliver its message (framed links; from either thread)."""
+        self._guarded(self._frame)
+
+    def _guarded(self, receive: Any) -> None:
         try:
-            self._framed() if self.wire.framed else self._ordered()
+            receive()
         except Exception as exc:
+            self._end()
             self.wire.mark_lost(self.peer, first_line(exc))
 
+    def _end(self) -> None:
+        self.ended = True
+        if self.baton is not None:
+            self.baton.end()
+
     # framed (gloo)
-    def _framed(self) -> None:
-        buffers = [torch.empty(frames.INLINE_BYTES, dtype=torch.uint8) for _ in range(FRAME_BUFFERS)]
-        views = [buffer.numpy() for buffer in buffers]  # the same memory: a header is read without torch ops
-        works = [self._irecv(buffer, FRAME_TAG) for buffer in buffers]
-        turn = 0
-        while True:
-            self._complete([works[turn]])
-            frame = buffers[turn]
-            fields = frames.header_of(views[turn])
-            marker, destination, extra, inline = fields[0], fields[1], fields[6], fields[7] & 1  # bit 0 of flags
-            if marker == frames.CLOSE:
-                self._complete([work for k, work in enumerate(works) if k != turn])  # the peer's other close frames
-                self._closed()
-                return
-            keepalive = marker == frames.KEEPALIVE
-            if inline and not keepalive:  # delivered before the buffer is posted again: the stage wakes sooner
-                self._deliver(destination, self._inline(fields, frame), fields)  # (the other buffer is posted)
-                works[turn] = self._irecv(frame, FRAME_TAG)
-            else:  # a header only: posted again before the parts that follow it are received
-                works[turn] = self._irecv(frame, FRAME_TAG)
-                if not keepalive:
-                    self._deliver(destination, self._spilled(fields, marker, extra), fields)
-            turn = (turn + 1) % FRAME_BUFFERS
+    def _frame(self) -> None:
+        if self.ended:
+            return
+        turn, works = self._turn, self._works
+        self._turn = (turn + 1) % FRAME_BUFFERS
+        self._complete([works[turn]])
+        frame, view = self._buffers[turn], self._views[turn]
+        fields = frames.header_of(view)
+        marker, destination, extra, inline = fields[0], fields[1], fields[6], fields[7] & 1  # bit 0 of flags
+        if marker == frames.CLOSE:
+            self._complete([work for k, work in enumerate(works) if k != turn])  # the peer's other close frames
+            self._closed()
+            return
+        keepalive = marker == frames.KEEPALIVE
+        if inline and not keepalive:  # delivered before the buffer is posted again: the stage wakes sooner
+            self._deliver(destination, self._inline(fields, view), fields)  # (the other buffer is posted)
+            works[turn] = self._irecv(frame, FRAME_TAG)
+        else:  # a header only: posted again before the parts that follow it are received
+            works[turn] = self._irecv(frame, FRAME_TAG)
+            if not keepalive:
+                self._deliver(destination, self._spilled(fields, marker, extra), fields)
 
     def _deliver(self, destination: int, message: Message, fields: list[int]) -> None:
         for each in frames.unbundle(message, fields):
             self.wire.deliver(destination, each)
 
-    def _inline(self, fields: list[int], frame: torch.Tensor) -> Message:
+    def _inline(self, fields: list[int], frame: np.ndarray) -> Message:
         marker, extra = fields[0], fields[6]
         if marker == frames.CONTROL or marker not in self.signatures:  # the bytes say what the tensors are
             blob = frames.frame_bytes(frame, extra)
@@ -138,6 +169,7 @@ class Receiver:
     def _closed(self) -> None:
         for _, works in self.ahead.values():  # the peer fills them with dummies on close
             self._complete(works)
+        self._end()
         self.wire.peer_closed(self.peer)
 
     def _receive_bytes(self, count: int, tag: int) -> bytes:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+import numpy as np
 import torch
 
 from lightning_pipe.comm.base import Message
@@ -27,6 +28,7 @@ from lightning_pipe.comm.p2p import frames
 from lightning_pipe.comm.p2p.frames import FRAME_BUFFERS, FRAME_TAG, SPILL_TAG, ahead_of_time, body_tag
 
 IN_FLIGHT = 8  # sends a gloo link holds before it waits for the oldest (each a frame or one part of a spilled one)
+RING = IN_FLIGHT + 2  # buffers a link packs its inline frames into, each reused once its send completed
 
 
 @dataclass
@@ -44,15 +46,51 @@ class WireStats:
         return sum(self.tensor_bytes.values())
 
 
+class FrameBuffer:
+    """One buffer of a link's ring (`Link.buffer`): an inline frame is packed into it and sent from it."""
+
+    def __init__(self) -> None:
+        self.array = np.empty(0, dtype=np.uint8)
+        self.busy = False  # its send has not completed yet
+        self._frames: dict[int, torch.Tensor] = {}  # by size: the tensor a send of that many bytes posts
+
+    def frame(self, size: int) -> torch.Tensor:
+        """The first ``size`` bytes as a tensor, to send (made once per size: a frame's size repeats)."""
+        frame = self._frames.get(size)
+        if frame is None:
+            frame = self._frames[size] = torch.from_numpy(self.array[:size])
+        return frame
+
+    def fit(self, size: int) -> np.ndarray:
+        if self.array.size < size:
+            self.array = np.empty(max(size, 2 * self.array.size, 256), dtype=np.uint8)
+            self._frames = {}
+        return self.array
+
+
 class Link:
-    """This process's side of one link: its lock, the signatures it negotiated, the sends in flight."""
+    """This process's side of one link: its lock, the signatures it negotiated, the sends in flight, the ring of
+    buffers its inline frames are packed into (no allocation per message: a small message's send is mostly the
+    Python and torch ops around gloo's own)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.signatures: dict[frames.FrameSignature, int] = {}
-        self.pending: collections.deque[tuple[Any, torch.Tensor]] = collections.deque()
+        #: each send's work and what it sends from, kept alive until the send completed
+        self.pending: collections.deque[tuple[Any, torch.Tensor | FrameBuffer]] = collections.deque()
         self.last_send = time.monotonic()
         self.closed = False
+        self.ring = [FrameBuffer() for _ in range(RING)]
+        self.turn = 0
+
+    def buffer(self, size: int, timeout: float) -> FrameBuffer:
+        """The ring's next buffer, at least ``size`` bytes, once the send from it completed (waiting if not)."""
+        buffer = self.ring[self.turn]
+        self.turn = (self.turn + 1) % len(self.ring)
+        while buffer.busy:
+            self._wait_oldest(timeout)
+        buffer.fit(size)
+        return buffer
 
     def reap(self, timeout: float, bound: int | None) -> None:
         """Forget the sends that completed (raising a failed one's error), the oldest first, and wait for those
@@ -60,8 +98,7 @@ class Link:
         would hold every frame it ever sent (and a spilled message's tensors) until it closes. (NCCL's work
         knows when it completed, and its wait only orders streams: no bound there.)"""
         while self.pending and ((bound is not None and len(self.pending) > bound) or self.pending[0][0].is_completed()):
-            work, _ = self.pending.popleft()
-            work.wait(timedelta(seconds=timeout))  # sent long ago into a buffer posted ahead: returns at once
+            self._wait_oldest(timeout)  # sent long ago into a buffer posted ahead: returns at once
 
     def in_flight(self) -> int:
         """The sends this link still holds (over gloo at most `IN_FLIGHT` plus one frame's parts)."""
@@ -70,8 +107,13 @@ class Link:
     def drain(self, timeout: float) -> None:
         """Wait until every send of this link completed."""
         while self.pending:
-            work, _ = self.pending.popleft()
-            work.wait(timedelta(seconds=max(0.1, timeout)))
+            self._wait_oldest(max(0.1, timeout))
+
+    def _wait_oldest(self, timeout: float) -> None:
+        work, sent = self.pending.popleft()
+        work.wait(timedelta(seconds=timeout))  # a gloo send's work is waited once: its second wait never returns
+        if type(sent) is FrameBuffer:
+            sent.busy = False
 
 
 class Sender:
@@ -108,18 +150,24 @@ class Sender:
                 extra = frames.encode_signature(signature)
                 stats.signatures += 1
             metas: Sequence[frames.TensorHeader] = signature.metas
+            size, nbytes = signature.sizes  # worked out once per signature: this runs for every message
+            if extra:
+                size = frames.inline_size(len(extra), metas)
         else:
             marker = frames.CONTROL
             extra, tensors, metas = frames.encode_control(message)
-        inline = self.framed and frames.inline_size(len(extra), metas) <= frames.INLINE_BYTES
+            size, nbytes = frames.inline_size(len(extra), metas), sum(t.numel() * t.element_size() for t in tensors)
+        inline = self.framed and size <= frames.INLINE_BYTES
         fields = frames.header_fields(marker, destination, message, len(extra), inline, bundled)
         with self.lock:
             stats.messages[kind] += 1
             stats.header_bytes[kind] += frames.HEADER_BYTES
             stats.pickled_bytes[kind] += len(extra)
-            stats.tensor_bytes[kind] += sum(t.numel() * t.element_size() for t in tensors)
-        if inline:  # a new contiguous buffer on the CPU: posted as it is (gloo only)
-            self.transmit(peer, link, [(frames.pack(fields, extra, tensors), FRAME_TAG)], packed=True)
+            stats.tensor_bytes[kind] += nbytes
+        if inline:  # packed into the link's next buffer on the CPU: posted as it is (gloo only)
+            buffer = link.buffer(size, self.timeout)
+            frames.pack(fields, extra, tensors, buffer.array)
+            self.transmit(peer, link, [(buffer.frame(size), FRAME_TAG)], packed=True, buffer=buffer)
             return
         head = torch.tensor(fields, dtype=torch.int64)
         spill = SPILL_TAG if self.framed else 0  # what follows a header-only frame, in order
@@ -145,8 +193,15 @@ class Sender:
     def keepalive(self, peer: int, link: Link) -> None:
         self.transmit(peer, link, [(frames.control_header(frames.KEEPALIVE), FRAME_TAG)])
 
-    def transmit(self, peer: int, link: Link, parts: list[tuple[torch.Tensor, int]], packed: bool = False) -> None:
-        """Post one frame's sends; its tensors stay referenced until sent."""
+    def transmit(
+        self,
+        peer: int,
+        link: Link,
+        parts: list[tuple[torch.Tensor, int]],
+        packed: bool = False,
+        buffer: FrameBuffer | None = None,
+    ) -> None:
+        """Post one frame's sends; its tensors (or the ring ``buffer`` it was packed into) stay held until sent."""
         group, dst = self.routes[peer]
         link.reap(self.timeout, self.bound)
         for part, tag in parts:
@@ -154,5 +209,8 @@ class Sender:
                 part = part.detach().to(self.device).contiguous()
                 part = torch.view_as_real(part) if part.is_complex() else part
             # the process group's own send (what ``dist.isend`` calls after checks that hold for every wire's group)
-            link.pending.append((group.send([part], dst, tag), part))
+            work = group.send([part], dst, tag)
+            if buffer is not None:
+                buffer.busy = True
+            link.pending.append((work, part if buffer is None else buffer))
         link.last_send = time.monotonic()

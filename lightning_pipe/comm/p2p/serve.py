@@ -16,6 +16,7 @@ import torch.distributed as dist
 from lightning_pipe.base.errors import ConfigurationError, StageError, TransportError
 from lightning_pipe.comm.base import COORDINATOR, Endpoint, Message, MessageKind
 from lightning_pipe.comm.host import Hook, StageHost
+from lightning_pipe.comm.p2p import direct
 from lightning_pipe.comm.p2p.wire import CRASHED, LOST, WIRE, Wire
 
 BUILD = "p2p-build"  # coordinator -> process: (spec, worker class), pickled by value
@@ -30,10 +31,13 @@ class P2PEndpoint(Endpoint):
 
     bundles = True
 
-    def __init__(self, rank: int, wire: Wire) -> None:
+    def __init__(self, rank: int, wire: Wire, consumer: bool = False) -> None:
         self.rank = rank
         self.wire = wire
         self.inbox = wire.inbox(rank)
+        #: the one consumer of what the wire's one link brings (a serving process's stage): it waits on the link
+        #: itself while its inbox is empty (`p2p.direct`)
+        self.direct = wire.direct if consumer else None
 
     def send(self, rank: int, message: Message) -> None:
         message.source = self.rank
@@ -45,7 +49,10 @@ class P2PEndpoint(Endpoint):
         self.wire.send_many(self._process(rank), rank, messages)
 
     def recv(self, timeout: float | None) -> Message | None:
-        message = self.inbox.get(timeout)
+        if self.direct is not None:
+            message = direct.receive(self.inbox, *self.direct, timeout)
+        else:
+            message = self.inbox.get(timeout)
         error = self.wire.error()
         if error is not None:
             raise error
@@ -81,7 +88,8 @@ def serve_stages(
     process's own copy of the model, replicate or shard it over its replicas). ``reverse``: as `P2PCommunicator`'s.
     """
     me = _pipeline_rank(ranks, coordinator)
-    wire = Wire(group, ranks, me, describe or default_describe, timeout, coordinator, reverse=reverse)
+    # a process of a two-process pipeline hears from one peer only: its stage reads that link itself (`p2p.direct`)
+    wire = Wire(group, ranks, me, describe or default_describe, timeout, coordinator, reverse=reverse, direct=True)
     control = wire.inbox(WIRE)
     try:
         while True:
@@ -104,7 +112,7 @@ def serve_stages(
 
 def _serve_one(wire: Wire, spec: Any, worker_cls: Any, on_build: Hook | None, prepare: Hook | None) -> None:
     host = StageHost(
-        spec, worker_cls, P2PEndpoint(spec.rank, wire), str(wire.device), prepare, on_build,
+        spec, worker_cls, P2PEndpoint(spec.rank, wire, consumer=True), str(wire.device), prepare, on_build,
         on_crash=lambda crash: wire.send(wire.coordinator, WIRE, Message(CRASHED, payload=str(crash), source=wire.me)),
     )  # fmt: skip
     failure = host.build()

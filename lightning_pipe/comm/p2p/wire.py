@@ -27,6 +27,7 @@ import torch.distributed as dist
 from lightning_pipe.base.errors import TransportError
 from lightning_pipe.comm.base import COORDINATOR, Message, QueueInbox, deadline, remaining
 from lightning_pipe.comm.p2p import frames
+from lightning_pipe.comm.p2p.direct import Baton
 from lightning_pipe.comm.p2p.receive import Receiver, first_line
 from lightning_pipe.comm.p2p.send import Link, Sender, WireStats
 from lightning_pipe.comm.process_device import group_ranks_of, process_device
@@ -57,6 +58,7 @@ class Wire:
         hears_from: Sequence[int] | None = None,
         device: str | None = None,
         reverse: Any = None,
+        direct: bool = False,
     ) -> None:
         group = group if group is not None else dist.group.WORLD  # the default group
         self.group, self.ranks, self.me, self.describe, self.timeout = group, list(ranks), me, describe, timeout
@@ -84,6 +86,8 @@ class Wire:
         #: gloo matches a receive by (source, tag) and takes a receive larger than its send: messages go as
         #: inline frames into buffers posted ahead (`p2p.receive`); NCCL gets each part of a frame in order
         self.framed = self.backend == "gloo"
+        #: on the CPU a send needs no stream: this one do-nothing context, not a new one per message
+        self.no_stream = contextlib.nullcontext() if self.device.type == "cpu" else None
         self.keepalive = max(0.05, min(5.0, timeout / 4))
         self.lost: tuple[int, str] | None = None  # the first peer lost (its index in ranks) and why
         self._dead: set[int] = set()  # peers whose link broke
@@ -103,9 +107,16 @@ class Wire:
         # one way each
         for peer in others if sends_to is None else sends_to:
             self._links[peer] = Link()
-        for peer in others if hears_from is None else hears_from:
+        hears = others if hears_from is None else list(hears_from)
+        #: ``direct``: the one link this process hears from is read by its consumer while it waits (`p2p.direct`)
+        baton = Baton() if direct and self.framed and len(hears) == 1 else None
+        self.direct: tuple[Baton, Callable[[], None]] | None = None
+        for peer in hears:
+            receiver = Receiver(self, peer, baton)
+            if baton is not None:
+                self.direct = (baton, receiver.pump)
             name = f"lightning_pipe-p2p-recv-{self.ranks[peer]}"
-            thread = threading.Thread(target=Receiver(self, peer).run, name=name, daemon=True)
+            thread = threading.Thread(target=receiver.run, name=name, daemon=True)
             thread.start()
             self._threads.append(thread)
         if self._links:
@@ -139,7 +150,7 @@ class Wire:
         elif process not in self._dead and process not in self._closed:
             link = self._links[process]
             try:
-                with link.lock, self.on_stream(self._ready()):
+                with link.lock, self.on_stream(self._ready()) if self.no_stream is None else self.no_stream:
                     if not link.closed:
                         self.sender.message(process, link, destination, message, bundled)
             except Exception as exc:
@@ -224,8 +235,7 @@ class Wire:
         if destination == WIRE and message.kind == CRASHED:
             self.mark_lost(message.source, message.payload)
             return
-        with self._lock:
-            inbox = self._inboxes.get(destination)
+        inbox = self._inboxes.get(destination)  # one dict read, atomic: no lock on every message
         if inbox is not None:  # else: an endpoint that has already stopped
             inbox.put(message)
 
