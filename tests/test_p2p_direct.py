@@ -105,3 +105,25 @@ def test_a_consumer_times_out_on_an_empty_inbox_once_the_link_ended() -> None:
     start = time.monotonic()
     assert direct.receive(inbox, baton, lambda: None, timeout=0.05) is None
     assert time.monotonic() - start < 1
+
+
+def test_a_message_another_thread_puts_in_wakes_the_consumer_waiting_on_the_link() -> None:
+    baton = Baton()
+    pokes: list[str] = []
+
+    def wake() -> None:  # the wire pokes the peer, which answers with a keep-alive: a frame without a message
+        pokes.append(threading.current_thread().name)
+        link.frames.put(None)
+
+    inbox = direct.WakingInbox(baton, wake)
+    link = FakeLink(inbox)
+    putter = threading.Timer(0.2, lambda: inbox.put(Message("step", step=7)))  # the coordinator's thread
+    putter.start()
+    start = time.monotonic()
+    message = direct.receive(inbox, baton, link.pump, timeout=5)  # the consumer waits on the (silent) link
+    assert message is not None and message.step == 7 and time.monotonic() - start < 2
+    assert len(pokes) == 1 and pokes[0] != "MainThread"
+    link.frames.put(Message("activation", microbatch=0))  # the consumer's own deliveries wake no one
+    assert direct.receive(inbox, baton, link.pump, timeout=5).microbatch == 0  # type: ignore[union-attr]
+    assert len(pokes) == 1
+    putter.join(5)

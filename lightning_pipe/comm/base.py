@@ -95,6 +95,9 @@ class QueueInbox:
         except queue.Empty:
             return None
 
+    def empty(self) -> bool:
+        return self._queue.empty()
+
 
 class Communicator(ABC):
     """Starts stage workers somewhere and connects them with the coordinator."""

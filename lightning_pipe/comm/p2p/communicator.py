@@ -118,7 +118,7 @@ class P2PCommunicator(Communicator):
         self._last_rank = specs[0].rank_of_stage[-1]
         local = specs[here] if not self.send_values else by_value.copy(specs[here])
         host = self._local = StageHost(
-            local, worker_cls, P2PEndpoint(here, wire), str(wire.device), self.prepare, self.on_build
+            local, worker_cls, P2PEndpoint(here, wire, consumer=True), str(wire.device), self.prepare, self.on_build
         )
         # built in its thread, on that thread's pool: the remote ranks build meanwhile
         host.start(
@@ -197,7 +197,10 @@ class P2PCommunicator(Communicator):
     def _open(self) -> Wire:
         if self._wire is None:
             here = self.coordinator
-            self._wire = Wire(self.group, self.ranks, here, self.describe, self.timeout, here, reverse=self.reverse)
+            # two processes: each hears from one peer, and its stage reads that link itself (`p2p.direct`)
+            self._wire = Wire(
+                self.group, self.ranks, here, self.describe, self.timeout, here, reverse=self.reverse, direct=True
+            )
         return self._wire
 
     def _others(self) -> list[int]:

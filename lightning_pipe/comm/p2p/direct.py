@@ -6,8 +6,8 @@ while its inbox is empty, as torch.distributed.pipelining's ranks do. gloo's wai
 the receiving thread stays and the two share the receive through a `Baton`: the consumer takes it when it is
 free; the thread takes it back once the consumer has left it for `GRACE` seconds (a long action, a
 collective), so the link is read as before while the consumer does something else. A consumer waiting in gloo
-wakes with the link's next frame (a message, or the peer's keep-alive): nothing else may deliver into its
-inbox (docs/overhead.md, docs/internals.md).
+wakes with the link's next frame: another thread that puts a message into its inbox (`WakingInbox`) pokes the
+peer, which answers with a keep-alive (docs/overhead.md, docs/internals.md).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 from lightning_pipe.comm.base import Message, QueueInbox, deadline, remaining
 
+TAKEN, ARRIVED, BUSY = "taken", "arrived", "busy"  # what `Baton.take` found
 GRACE = 0.005  # seconds the receiving thread leaves the link to the consumer after the consumer gave it back
 LOOK = 0.05  # seconds between the receiving thread's looks while the consumer holds the baton
 
@@ -26,21 +27,25 @@ class Baton:
     """Who waits on a link's receive: nobody, the consumer, or the receiving thread."""
 
     def __init__(self) -> None:
-        self._cond = threading.Condition()
+        self._cond = threading.Condition(threading.Lock())  # a plain lock: cheaper than the default RLock
         self._holder: str | None = None  # "consumer" or "thread"
+        self._consumer = 0  # the consumer's thread while it holds the baton
         self._wanted = False  # the consumer waits on its inbox while the thread holds the baton
         self._returned = 0.0  # when the consumer last gave it back
         self._ended = False  # the link closed or broke
 
     # the consumer
-    def take(self) -> bool:
-        """Hold the baton if it is free (then wait on the link and `give_back`); else note that it is wanted."""
-        with self._cond:
+    def take(self, inbox: QueueInbox) -> str:
+        """`TAKEN`: the consumer holds the baton (it waits on the link, then gives it back); `ARRIVED`: its inbox
+        is not empty; `BUSY`: the receiving thread holds it (and hands it over after its next frame)."""
+        with self._cond:  # with the inbox's puts (`WakingInbox`): a message put meanwhile is seen, or it wakes us
+            if not inbox.empty():
+                return ARRIVED
             if self._holder is None and not self._ended:
-                self._holder = "consumer"
-                return True
+                self._holder, self._consumer = "consumer", threading.get_ident()
+                return TAKEN
             self._wanted = True
-            return False
+            return BUSY
 
     def give_back(self) -> None:
         with self._cond:
@@ -76,6 +81,12 @@ class Baton:
                 self._holder = None
                 self._returned = time.monotonic()
 
+    def put(self, inbox: QueueInbox, message: Message) -> bool:
+        """Put ``message`` into the consumer's inbox; whether the consumer waits on the link (to be woken)."""
+        with self._cond:
+            QueueInbox.put(inbox, message)
+            return self._holder == "consumer" and threading.get_ident() != self._consumer
+
     def end(self) -> None:
         with self._cond:
             self._ended = True
@@ -86,11 +97,25 @@ class Baton:
         return self._ended
 
 
+class WakingInbox(QueueInbox):
+    """The inbox of a link's one consumer: a message another thread puts in while the consumer waits on the link
+    (its own process's coordinator, a stop, a lost peer) wakes it through ``wake`` (a poke of the peer)."""
+
+    def __init__(self, baton: Baton, wake: Callable[[], None]) -> None:
+        super().__init__()
+        self.baton, self.wake = baton, wake
+
+    def put(self, message: Message) -> None:
+        if self.baton.put(self, message):
+            self.wake()
+
+
 def receive(inbox: QueueInbox, baton: Baton, pump: Callable[[], None], timeout: float | None) -> Message | None:
     """The inbox's next message for its one consumer, waiting on the link itself while the baton is free.
 
-    A wait on the link ends with its next frame, not at ``timeout``: on an idle link the peer's keep-alive comes
-    within `Wire.keepalive` seconds (or the link breaks, and the wire puts LOST into the inbox)."""
+    A wait on the link ends with its next frame, not at ``timeout``: another thread's message wakes it
+    (`WakingInbox`), and on an idle link the peer's keep-alive comes within `Wire.keepalive` seconds (or the
+    link breaks, and the wire puts LOST into the inbox)."""
     until = deadline(timeout) if timeout is not None else None
     while True:
         message = inbox.get(0)
@@ -98,7 +123,10 @@ def receive(inbox: QueueInbox, baton: Baton, pump: Callable[[], None], timeout: 
             return message
         if until is not None and remaining(until) <= 0:
             return None
-        if baton.take():
+        taken = baton.take(inbox)
+        if taken == ARRIVED:
+            continue
+        if taken == TAKEN:
             try:
                 pump()
             finally:

@@ -33,6 +33,7 @@ _HEADER = struct.Struct(f"={HEADER_FIELDS}q")  # native order, as the receiver's
 ALIGN = 64  # offsets of the parts of an inline frame: any dtype's view of the bytes is aligned
 INLINE_BYTES = 1 << 20  # the largest inline frame: a receiver keeps two buffers of this size per peer
 CONTROL, CLOSE, KEEPALIVE = -1, -2, -3
+POKE = -4  # asks the peer for a keep-alive: it wakes a thread of this process that waits on the link (`p2p.direct`)
 # the tags of a framed link (gloo), which matches a receive by (source, tag); an ordered link (NCCL) sends on tag 0
 FRAME_TAG = 0  # every frame's header (inline frames: the whole message)
 SPILL_TAG = 1  # the pickled bytes and control tensors of a message too large to send inline

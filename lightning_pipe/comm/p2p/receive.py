@@ -36,6 +36,8 @@ class ReceivingWire(Protocol):
 
     def peer_closed(self, peer: int) -> None: ...
 
+    def keepalive_to(self, peer: int) -> None: ...
+
     def on_stream(self, ready: Any) -> Any: ...
 
 
@@ -100,7 +102,9 @@ class Receiver:
             self._complete([work for k, work in enumerate(works) if k != turn])  # the peer's other close frames
             self._closed()
             return
-        keepalive = marker == frames.KEEPALIVE
+        if marker == frames.POKE:
+            self.wire.keepalive_to(self.peer)
+        keepalive = marker in (frames.KEEPALIVE, frames.POKE)
         if inline and not keepalive:  # delivered before the buffer is posted again: the stage wakes sooner
             self._deliver(destination, self._inline(fields, view), fields)  # (the other buffer is posted)
             works[turn] = self._irecv(frame, FRAME_TAG)

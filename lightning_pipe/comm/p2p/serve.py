@@ -34,10 +34,10 @@ class P2PEndpoint(Endpoint):
     def __init__(self, rank: int, wire: Wire, consumer: bool = False) -> None:
         self.rank = rank
         self.wire = wire
-        self.inbox = wire.inbox(rank)
-        #: the one consumer of what the wire's one link brings (a serving process's stage): it waits on the link
-        #: itself while its inbox is empty (`p2p.direct`)
+        #: the one consumer of what the wire's one link brings (the stage of a process of a two-process pipeline):
+        #: it waits on the link itself while its inbox is empty (`p2p.direct`)
         self.direct = wire.direct if consumer else None
+        self.inbox = wire.consumer_inbox(rank) if consumer else wire.inbox(rank)
 
     def send(self, rank: int, message: Message) -> None:
         message.source = self.rank

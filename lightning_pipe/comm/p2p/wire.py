@@ -27,7 +27,8 @@ import torch.distributed as dist
 from lightning_pipe.base.errors import TransportError
 from lightning_pipe.comm.base import COORDINATOR, Message, QueueInbox, deadline, remaining
 from lightning_pipe.comm.p2p import frames
-from lightning_pipe.comm.p2p.direct import Baton
+from lightning_pipe.comm.p2p.direct import Baton, WakingInbox
+from lightning_pipe.comm.p2p.frames import FRAME_TAG
 from lightning_pipe.comm.p2p.receive import Receiver, first_line
 from lightning_pipe.comm.p2p.send import Link, Sender, WireStats
 from lightning_pipe.comm.process_device import group_ranks_of, process_device
@@ -111,6 +112,7 @@ class Wire:
         #: ``direct``: the one link this process hears from is read by its consumer while it waits (`p2p.direct`)
         baton = Baton() if direct and self.framed and len(hears) == 1 else None
         self.direct: tuple[Baton, Callable[[], None]] | None = None
+        self._peers_heard = hears
         for peer in hears:
             receiver = Receiver(self, peer, baton)
             if baton is not None:
@@ -130,6 +132,39 @@ class Wire:
         """The inbox of ``endpoint`` in this process (made on first use)."""
         with self._lock:
             return self._inboxes.setdefault(endpoint, QueueInbox())
+
+    def consumer_inbox(self, endpoint: int) -> QueueInbox:
+        """The inbox of ``endpoint``, the one consumer of the wire's one link (`direct`): a message put into it by
+        another thread of this process while the consumer waits on the link wakes it (`p2p.direct.WakingInbox`)."""
+        if self.direct is None:
+            return self.inbox(endpoint)
+        peer = self._peers_heard[0]
+        with self._lock:
+            before = self._inboxes.get(endpoint)
+            if isinstance(before, WakingInbox):
+                return before
+            inbox = self._inboxes[endpoint] = WakingInbox(self.direct[0], lambda: self._poke(peer))
+        while before is not None and (message := before.get(0)) is not None:  # what came before it was made
+            inbox.put(message)
+        return inbox
+
+    def keepalive_to(self, peer: int) -> None:
+        """Send ``peer`` a keep-alive now (the answer to its poke)."""
+        self._control_frame(peer, frames.KEEPALIVE)
+
+    def _poke(self, peer: int) -> None:
+        self._control_frame(peer, frames.POKE)
+
+    def _control_frame(self, peer: int, marker: int) -> None:
+        link = self._links.get(peer)
+        if link is None or peer in self._dead or peer in self._closed:
+            return
+        try:
+            with link.lock:
+                if not link.closed:
+                    self.sender.transmit(peer, link, [(frames.control_header(marker), FRAME_TAG)])
+        except Exception as exc:
+            self.mark_lost(peer, f"sending failed: {first_line(exc)}")
 
     def attach(self, endpoint: int, inbox: QueueInbox) -> None:
         """Deliver the messages for ``endpoint`` into ``inbox`` (an inbox its owner made)."""
