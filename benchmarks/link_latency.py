@@ -10,8 +10,11 @@ alternating in each round:
   do: the thread that computes waits on the receive itself);
 - ``gloo + thread``: the same receives made by a thread of each process, which hands each tensor to the main
   thread through a ``queue.SimpleQueue`` (the least a receiving thread per peer costs);
-- ``lightning_pipe``: `lightning_pipe.comm.p2p.wire.Wire` with a group per direction, as launched mode and the rpc
-  transport's data plane use it (inline frames, a receiving thread per peer delivering into the endpoint's inbox).
+- ``lightning_pipe``: `lightning_pipe.comm.p2p.wire.Wire` with a group per direction, as the rpc transport's data
+  plane and launched mode beyond two processes use it (inline frames, a receiving thread per peer delivering into
+  the endpoint's inbox);
+- ``lightning_pipe direct``: the same wire as a two-process pipeline of launched mode opens it (``direct=True``):
+  the thread that waits for a message reads the link itself (`lightning_pipe.comm.p2p.direct`).
 
 Reported: the median round trip in microseconds over the rounds, and the CPU microseconds of both processes per
 round trip (every thread: gloo's I/O threads, the receiving threads). Writes ``benchmarks/results/link_latency.json``.
@@ -41,7 +44,7 @@ import torch.multiprocessing as mp  # noqa: E402
 
 from benchmarks.bench_procs import free_port, write_results  # noqa: E402
 
-WAYS = ["gloo", "gloo + thread", "lightning_pipe"]
+WAYS = ["gloo", "gloo + thread", "lightning_pipe", "lightning_pipe direct"]
 
 
 def cpu() -> float:
@@ -83,15 +86,20 @@ def gloo_thread(rank: int, count: int, x: torch.Tensor) -> None:
 
 def wired(rank: int, count: int, x: torch.Tensor, wire: Any) -> None:
     from lightning_pipe.comm.base import Message, MessageKind
+    from lightning_pipe.comm.p2p import direct
 
-    inbox = wire.inbox(0)
+    inbox = wire.consumer_inbox(0)  # a plain inbox unless the wire is direct
+
+    def get() -> Any:
+        return inbox.get(60) if wire.direct is None else direct.receive(inbox, *wire.direct, 60)
+
     for i in range(count):
         message = Message(MessageKind.ACTIVATION, 0, 0, i, (x,), rank)
         if rank == 0:
             wire.send(1, 0, message)
-            inbox.get(60)
+            get()
         else:
-            inbox.get(60)
+            get()
             wire.send(0, 0, message)
 
 
@@ -103,9 +111,11 @@ def run(rank: int, port: int, args: argparse.Namespace, out: Any) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=2)
     # groups of its own: a receive the wire posts ahead on the default group would take the plain ways' messages
     wire = Wire(dist.new_group([0, 1]), [0, 1], rank, str, 60.0, reverse=dist.new_group([0, 1]))
+    direct = Wire(dist.new_group([0, 1]), [0, 1], rank, str, 60.0, reverse=dist.new_group([0, 1]), direct=True)
     x = torch.randn(2, 32)
     ways = {"gloo": lambda n: gloo(rank, n, x), "gloo + thread": lambda n: gloo_thread(rank, n, x)}
     ways["lightning_pipe"] = lambda n: wired(rank, n, x, wire)
+    ways["lightning_pipe direct"] = lambda n: wired(rank, n, x, direct)
     for way in ways.values():  # warm up
         way(200)
     times: dict[str, list[float]] = {name: [] for name in ways}
@@ -119,6 +129,7 @@ def run(rank: int, port: int, args: argparse.Namespace, out: Any) -> None:
             times[name].append((time.perf_counter() - start) / args.messages)
             cpus[name].append((cpu() - used) / args.messages)
     wire.close(10.0)
+    direct.close(10.0)
     out.put((rank, times, cpus))
     dist.barrier()
     dist.destroy_process_group()

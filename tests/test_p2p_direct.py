@@ -127,3 +127,21 @@ def test_a_message_another_thread_puts_in_wakes_the_consumer_waiting_on_the_link
     assert direct.receive(inbox, baton, link.pump, timeout=5).microbatch == 0  # type: ignore[union-attr]
     assert len(pokes) == 1
     putter.join(5)
+
+
+def test_several_messages_put_during_one_wait_poke_the_peer_once() -> None:
+    baton, pokes = Baton(), []
+    inbox = direct.WakingInbox(baton, lambda: pokes.append(1))
+    assert baton.take(inbox) == direct.TAKEN  # the consumer waits on the link
+    done = threading.Event()
+
+    def coordinator() -> None:  # the microbatches of a step, put one by one by another thread
+        for i in range(5):
+            inbox.put(Message("input", microbatch=i))
+        done.set()
+
+    threading.Thread(target=coordinator, daemon=True).start()
+    assert done.wait(5)
+    assert len(pokes) == 1
+    baton.give_back()
+    assert baton.take(inbox) == direct.ARRIVED  # the consumer finds them before it waits again

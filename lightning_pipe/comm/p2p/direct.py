@@ -30,6 +30,7 @@ class Baton:
         self._cond = threading.Condition(threading.Lock())  # a plain lock: cheaper than the default RLock
         self._holder: str | None = None  # "consumer" or "thread"
         self._consumer = 0  # the consumer's thread while it holds the baton
+        self._woken = False  # a put already woke the consumer's present wait (one poke per wait)
         self._wanted = False  # the consumer waits on its inbox while the thread holds the baton
         self._returned = 0.0  # when the consumer last gave it back
         self._ended = False  # the link closed or broke
@@ -42,7 +43,7 @@ class Baton:
             if not inbox.empty():
                 return ARRIVED
             if self._holder is None and not self._ended:
-                self._holder, self._consumer = "consumer", threading.get_ident()
+                self._holder, self._consumer, self._woken = "consumer", threading.get_ident(), False
                 return TAKEN
             self._wanted = True
             return BUSY
@@ -85,7 +86,9 @@ class Baton:
         """Put ``message`` into the consumer's inbox; whether the consumer waits on the link (to be woken)."""
         with self._cond:
             QueueInbox.put(inbox, message)
-            return self._holder == "consumer" and threading.get_ident() != self._consumer
+            wake = self._holder == "consumer" and not self._woken and threading.get_ident() != self._consumer
+            self._woken |= wake
+            return wake
 
     def end(self) -> None:
         with self._cond:
