@@ -59,7 +59,6 @@ class Receiver:
             self._views = [buffer.numpy() for buffer in self._buffers]  # the same memory: read without torch ops
             self._works = [self._irecv(buffer, FRAME_TAG) for buffer in self._buffers]
             self._turn = 0
-            self._repost: int | None = None  # a buffer whose frame was read, not yet posted again
 
     def run(self) -> None:
         """The receiving thread: every frame of the link (with a baton: those nobody else waits for)."""
@@ -94,9 +93,6 @@ class Receiver:
         if self.ended:
             return
         turn, works = self._turn, self._works
-        if self._repost is not None:  # the buffer of the last inline frame: posted before this wait, not after it
-            works[self._repost] = self._irecv(self._buffers[self._repost], FRAME_TAG)
-            self._repost = None
         self._turn = (turn + 1) % FRAME_BUFFERS
         self._complete([works[turn]])
         frame, view = self._buffers[turn], self._views[turn]
@@ -111,9 +107,7 @@ class Receiver:
         keepalive = marker in (frames.KEEPALIVE, frames.POKE)
         if inline and not keepalive:  # delivered before the buffer is posted again: the stage wakes sooner
             self._deliver(destination, self._inline(fields, view), fields)  # (the other buffer is posted)
-            # posted again when the next frame is waited for: a stage that reads its link itself (`p2p.direct`)
-            # goes back to computing first (the post is gloo's own tens of microseconds)
-            self._repost = turn
+            works[turn] = self._irecv(frame, FRAME_TAG)
         else:  # a header only: posted again before the parts that follow it are received
             works[turn] = self._irecv(frame, FRAME_TAG)
             if not keepalive:
