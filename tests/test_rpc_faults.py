@@ -53,6 +53,8 @@ def test_sigkill_mid_step_is_detected_within_seconds() -> None:
     communicator = RpcCommunicator()
     with Pipeline(model, stages=2, partition=[2, 1], transport=communicator, timeout=120) as pipe:
         victim = communicator.pids[0]  # the worker process of stage 0 (stage 1 runs in this process)
+        plane = communicator.data_plane
+        assert plane is not None and plane.direct is not None, "two processes: stage 1 reads its link itself"
         killer = threading.Timer(1.0, os.kill, (victim, signal.SIGKILL))
         start = time.monotonic()
         killer.start()
@@ -73,6 +75,8 @@ def test_a_silent_worker_is_lost_after_the_heartbeat_timeout() -> None:
     communicator = RpcCommunicator(heartbeat_timeout=3.0)
     with Pipeline(model, stages=2, transport=communicator, timeout=120) as pipe:
         victim = communicator.pids[0]  # the worker process of stage 0 (stage 1 runs in this process)
+        plane = communicator.data_plane
+        assert plane is not None and plane.direct is not None, "two processes: stage 1 reads its link itself"
         os.kill(victim, signal.SIGSTOP)
         start = time.monotonic()
         with pytest.raises(TransportError, match=rf"stage 0 \(rank 0\) on .*pid {victim}\): no heartbeat for \d+ s"):

@@ -93,6 +93,7 @@ def test_a_pool_keeps_its_data_plane_across_pipelines(pool: RpcCommunicator) -> 
         for name, grad in want.items():
             torch.testing.assert_close(got[name], grad, rtol=0, atol=1e-5, msg=name)
     assert planes[0] is not None and planes[0] is planes[1] is pool.data_plane
+    assert pool.data_plane.direct is None, "a world of four processes keeps a receiving thread per peer"
 
 
 def test_a_rank_holding_consecutive_stages_hands_them_their_inputs_itself(pool: RpcCommunicator) -> None:

@@ -109,8 +109,13 @@ class WakingInbox(QueueInbox):
         self.baton, self.wake = baton, wake
 
     def put(self, message: Message) -> None:
-        if self.baton.put(self, message):
-            self.wake()
+        put_waking(self, self.baton, self.wake, message)
+
+
+def put_waking(inbox: QueueInbox, baton: Baton, wake: Callable[[], None], message: Message) -> None:
+    """Put ``message`` into a consumer's ``inbox`` (any `QueueInbox`), waking the consumer if it waits on the link."""
+    if baton.put(inbox, message):
+        wake()
 
 
 def receive(inbox: QueueInbox, baton: Baton, pump: Callable[[], None], timeout: float | None) -> Message | None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import copy
+import functools
 import sys
 import threading
 import time
@@ -112,11 +113,13 @@ class Wire:
         #: ``direct``: the one link this process hears from is read by its consumer while it waits (`p2p.direct`)
         baton = Baton() if direct and self.framed and len(hears) == 1 else None
         self.direct: tuple[Baton, Callable[[], None]] | None = None
-        self._peers_heard = hears
+        #: with ``direct``: wakes the consumer while it waits on the link (a poke of the peer, `p2p.direct`)
+        self.wake: Callable[[], None] | None = None
         for peer in hears:
             receiver = Receiver(self, peer, baton)
             if baton is not None:
                 self.direct = (baton, receiver.pump)
+                self.wake = functools.partial(self._poke, peer)
             name = f"lightning_pipe-p2p-recv-{self.ranks[peer]}"
             thread = threading.Thread(target=receiver.run, name=name, daemon=True)
             thread.start()
@@ -136,14 +139,13 @@ class Wire:
     def consumer_inbox(self, endpoint: int) -> QueueInbox:
         """The inbox of ``endpoint``, the one consumer of the wire's one link (`direct`): a message put into it by
         another thread of this process while the consumer waits on the link wakes it (`p2p.direct.WakingInbox`)."""
-        if self.direct is None:
+        if self.direct is None or self.wake is None:
             return self.inbox(endpoint)
-        peer = self._peers_heard[0]
         with self._lock:
             before = self._inboxes.get(endpoint)
             if isinstance(before, WakingInbox):
                 return before
-            inbox = self._inboxes[endpoint] = WakingInbox(self.direct[0], lambda: self._poke(peer))
+            inbox = self._inboxes[endpoint] = WakingInbox(self.direct[0], self.wake)
         while before is not None and (message := before.get(0)) is not None:  # what came before it was made
             inbox.put(message)
         return inbox

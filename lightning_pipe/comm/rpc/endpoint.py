@@ -22,9 +22,11 @@ import torch
 import torch.distributed.rpc as rpc
 
 from lightning_pipe.base import tree
-from lightning_pipe.comm.base import Endpoint, Message, MessageKind, QueueInbox
+from lightning_pipe.comm.base import COORDINATOR, Endpoint, Message, MessageKind, QueueInbox
 from lightning_pipe.comm.by_value import ByValue
 from lightning_pipe.comm.compress import Codec, decode_payload, encode_payload, wire_bytes
+from lightning_pipe.comm.p2p import direct
+from lightning_pipe.comm.p2p.direct import Baton
 from lightning_pipe.comm.p2p.wire import LOST
 from lightning_pipe.comm.rpc.plane import DataPlane, address
 
@@ -45,9 +47,17 @@ class OrderedInbox(QueueInbox):
     def __init__(self, decode: Callable[[Message], Message] | None = None) -> None:
         super().__init__()
         self.decode = decode
+        #: a stage that reads the data plane's link itself (`p2p.direct`): what is put in wakes it from that wait
+        self.waking: tuple[Baton, Callable[[], None]] | None = None
         self._order = threading.Lock()
         self._next: dict[int, int] = defaultdict(int)
         self._early: dict[int, dict[int, Message]] = defaultdict(dict)
+
+    def put(self, message: Message) -> None:
+        if self.waking is None:
+            super().put(message)
+        else:
+            direct.put_waking(self, *self.waking, message)
 
     def receive(self, source: int, seq: int, message: Message) -> None:
         """Decode ``message`` (in the calling I/O thread, in parallel with others) and put it in order."""
@@ -133,6 +143,11 @@ class RpcEndpoint(Endpoint):
         self._seq: dict[int, int] = defaultdict(int)
         self._lock = threading.Lock()
         self._watched: set[int] = set()
+        #: a stage's endpoint on a plane of two processes reads the plane's link itself while its inbox is empty
+        self.direct = plane.direct if plane is not None and rank != COORDINATOR else None
+        if self.direct is not None:
+            baton, _, wake = self.direct
+            self.inbox.waking = (baton, wake)
         if plane is not None:
             arrivals = self.inbox if codec is None else _Arrivals(self.inbox, self._decode)
             plane.attach(address(launch, rank), arrivals)
@@ -177,7 +192,11 @@ class RpcEndpoint(Endpoint):
             super().send_many(rank, messages)
 
     def recv(self, timeout: float | None) -> Message | None:
-        message = self.inbox.get(timeout)
+        if self.direct is not None:
+            baton, pump, _ = self.direct
+            message = direct.receive(self.inbox, baton, pump, timeout)
+        else:
+            message = self.inbox.get(timeout)
         # the data plane lost a peer: the waiting caller checks the communicator (which names the worker)
         return None if message is not None and message.kind == LOST else message
 

@@ -19,6 +19,7 @@ from typing import Any
 import torch.distributed as dist
 
 from lightning_pipe.comm.base import Message, QueueInbox, deadline, remaining
+from lightning_pipe.comm.p2p.direct import Baton
 from lightning_pipe.comm.p2p.send import WireStats
 from lightning_pipe.comm.p2p.wire import Wire
 
@@ -128,6 +129,15 @@ class DataPlane:
                 total.signatures += stats.signatures
         return out
 
+    @property
+    def direct(self) -> tuple[Baton, Callable[[], None], Callable[[], None]] | None:
+        """Where a stage reads the plane's one link itself (`p2p.direct`): the baton, a read of one frame, and the
+        wake of a stage waiting on the link; None where the plane has a receiving thread per peer."""
+        wire = self._wires[0]
+        if wire.direct is None or wire.wake is None or len(self._wires) > 1:
+            return None
+        return (*wire.direct, wire.wake)
+
     def attach(self, destination: int, inbox: QueueInbox) -> None:
         for wire in self._wires:
             wire.attach(destination, inbox)
@@ -179,7 +189,11 @@ def open_plane(
     gloo = _gloo_group(dist.PrefixStore(f"{prefix}-gloo", store), me, layout.size, interface, timeout)
     # a group per direction: a link's sends and receives never share a gloo pair (`p2p.wire`)
     reverse = _gloo_group(dist.PrefixStore(f"{prefix}-gloo-up", store), me, layout.size, interface, timeout)
-    wire = Wire(gloo, everyone, me, describe, timeout, group_ranks=everyone, backend="gloo", reverse=reverse)
+    # a world of two processes on the CPU: each hears from one peer, and its stage reads that link itself (`p2p.direct`)
+    direct = layout.size == 2 and not layout.nccl
+    wire = Wire(
+        gloo, everyone, me, describe, timeout, group_ranks=everyone, backend="gloo", reverse=reverse, direct=direct
+    )
     routes = {w: (wire, w) for w in everyone}  # to itself: into its own inbox, by reference
     wires = [wire]
     if me in layout.nccl:
