@@ -10,11 +10,11 @@ alternating in each round:
   do: the thread that computes waits on the receive itself);
 - ``gloo + thread``: the same receives made by a thread of each process, which hands each tensor to the main
   thread through a ``queue.SimpleQueue`` (the least a receiving thread per peer costs);
-- ``lightning_pipe``: `lightning_pipe.comm.p2p.wire.Wire` with a group per direction, as the rpc transport's data
-  plane and launched mode beyond two processes use it (inline frames, a receiving thread per peer delivering into
+- ``lightning_pipe``: `lightning_pipe.comm.p2p.wire.Wire` with a group per direction, as launched mode and the rpc
+  transport's data plane use it beyond two processes (inline frames, a receiving thread per peer delivering into
   the endpoint's inbox);
-- ``lightning_pipe direct``: the same wire as a two-process pipeline of launched mode opens it (``direct=True``):
-  the thread that waits for a message reads the link itself (`lightning_pipe.comm.p2p.direct`).
+- ``lightning_pipe direct``: the same wire as a pipeline of two processes opens it (``direct=True``, launched mode
+  and the rpc plane): the thread that waits for a message reads the link itself (`lightning_pipe.comm.p2p.direct`).
 
 Reported: the median round trip in microseconds over the rounds, and the CPU microseconds of both processes per
 round trip (every thread: gloo's I/O threads, the receiving threads). Writes ``benchmarks/results/link_latency.json``.
