@@ -26,7 +26,8 @@ LOOK = 0.05  # seconds between the receiving thread's looks while the consumer h
 class Baton:
     """Who waits on a link's receive: nobody, the consumer, or the receiving thread."""
 
-    def __init__(self) -> None:
+    def __init__(self, look: float = LOOK) -> None:
+        self.look = look  # seconds between the receiving thread's looks while the consumer holds the baton
         self._cond = threading.Condition(threading.Lock())  # a plain lock: cheaper than the default RLock
         self._holder: str | None = None  # "consumer" or "thread"
         self._consumer = 0  # the consumer's thread while it holds the baton
@@ -71,7 +72,7 @@ class Baton:
                         return True
                     self._cond.wait(GRACE - idle)
                 else:  # the consumer waits on the link: look again later (its give_back wakes no one)
-                    self._cond.wait(LOOK)
+                    self._cond.wait(self.look)
             return False
 
     def thread_done(self) -> None:

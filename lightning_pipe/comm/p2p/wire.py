@@ -28,7 +28,7 @@ import torch.distributed as dist
 from lightning_pipe.base.errors import TransportError
 from lightning_pipe.comm.base import COORDINATOR, Message, QueueInbox, deadline, remaining
 from lightning_pipe.comm.p2p import frames
-from lightning_pipe.comm.p2p.direct import Baton, WakingInbox
+from lightning_pipe.comm.p2p.direct import LOOK, Baton, WakingInbox
 from lightning_pipe.comm.p2p.frames import FRAME_TAG
 from lightning_pipe.comm.p2p.receive import Receiver, first_line
 from lightning_pipe.comm.p2p.send import Link, Sender, WireStats
@@ -61,6 +61,7 @@ class Wire:
         device: str | None = None,
         reverse: Any = None,
         direct: bool = False,
+        look: float = LOOK,
     ) -> None:
         group = group if group is not None else dist.group.WORLD  # the default group
         self.group, self.ranks, self.me, self.describe, self.timeout = group, list(ranks), me, describe, timeout
@@ -111,7 +112,8 @@ class Wire:
             self._links[peer] = Link()
         hears = others if hears_from is None else list(hears_from)
         #: ``direct``: the one link this process hears from is read by its consumer while it waits (`p2p.direct`)
-        baton = Baton() if direct and self.framed and len(hears) == 1 else None
+        #: ``look``: how soon the receiving thread notices the consumer left the link (`p2p.direct.Baton`)
+        baton = Baton(look) if direct and self.framed and len(hears) == 1 else None
         self.direct: tuple[Baton, Callable[[], None]] | None = None
         #: with ``direct``: wakes the consumer while it waits on the link (a poke of the peer, `p2p.direct`)
         self.wake: Callable[[], None] | None = None
