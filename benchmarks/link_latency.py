@@ -91,7 +91,7 @@ def wired(rank: int, count: int, x: torch.Tensor, wire: Any) -> None:
     inbox = wire.consumer_inbox(0)  # a plain inbox unless the wire is direct
 
     def get() -> Any:
-        return inbox.get(60) if wire.direct is None else direct.receive(inbox, *wire.direct, 60)
+        return inbox.get(60) if wire.direct is None else direct.receive(inbox, wire.direct.baton, wire.direct.pump, 60)
 
     for i in range(count):
         message = Message(MessageKind.ACTIVATION, 0, 0, i, (x,), rank)

@@ -15,12 +15,21 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 from lightning_pipe.comm.base import Message, QueueInbox, deadline, remaining
 
 TAKEN, ARRIVED, BUSY = "taken", "arrived", "busy"  # what `Baton.take` found
 GRACE = 0.005  # seconds the receiving thread leaves the link to the consumer after the consumer gave it back
 LOOK = 0.05  # seconds between the receiving thread's looks while the consumer holds the baton
+
+
+class DirectLink(NamedTuple):
+    """A link its consumer reads itself: the baton they share, a read of one frame, a wake of the waiting consumer."""
+
+    baton: Baton
+    pump: Callable[[], None]
+    wake: Callable[[], None]
 
 
 class Baton:

@@ -190,8 +190,9 @@ class Sender:
                 dummies = [meta.empty(self.device).zero_() for meta in signature.metas]
                 self.transmit(peer, link, [(t, body_tag(marker)) for t in dummies if t.numel() > 0])
 
-    def keepalive(self, peer: int, link: Link) -> None:
-        self.transmit(peer, link, [(frames.control_header(frames.KEEPALIVE), FRAME_TAG)])
+    def control(self, peer: int, link: Link, marker: int) -> None:
+        """A frame without a message: a keep-alive, or a poke the peer answers with one (`p2p.direct`)."""
+        self.transmit(peer, link, [(frames.control_header(marker), FRAME_TAG)])
 
     def transmit(
         self,

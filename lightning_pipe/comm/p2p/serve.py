@@ -50,7 +50,7 @@ class P2PEndpoint(Endpoint):
 
     def recv(self, timeout: float | None) -> Message | None:
         if self.direct is not None:
-            message = direct.receive(self.inbox, *self.direct, timeout)
+            message = direct.receive(self.inbox, self.direct.baton, self.direct.pump, timeout)
         else:
             message = self.inbox.get(timeout)
         error = self.wire.error()

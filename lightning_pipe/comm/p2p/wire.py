@@ -28,8 +28,7 @@ import torch.distributed as dist
 from lightning_pipe.base.errors import TransportError
 from lightning_pipe.comm.base import COORDINATOR, Message, QueueInbox, deadline, remaining
 from lightning_pipe.comm.p2p import frames
-from lightning_pipe.comm.p2p.direct import LOOK, Baton, WakingInbox
-from lightning_pipe.comm.p2p.frames import FRAME_TAG
+from lightning_pipe.comm.p2p.direct import LOOK, Baton, DirectLink, WakingInbox
 from lightning_pipe.comm.p2p.receive import Receiver, first_line
 from lightning_pipe.comm.p2p.send import Link, Sender, WireStats
 from lightning_pipe.comm.process_device import group_ranks_of, process_device
@@ -89,8 +88,6 @@ class Wire:
         #: gloo matches a receive by (source, tag) and takes a receive larger than its send: messages go as
         #: inline frames into buffers posted ahead (`p2p.receive`); NCCL gets each part of a frame in order
         self.framed = self.backend == "gloo"
-        #: on the CPU a send needs no stream: this one do-nothing context, not a new one per message
-        self.no_stream = contextlib.nullcontext() if self.device.type == "cpu" else None
         self.keepalive = max(0.05, min(5.0, timeout / 4))
         self.lost: tuple[int, str] | None = None  # the first peer lost (its index in ranks) and why
         self._dead: set[int] = set()  # peers whose link broke
@@ -114,14 +111,12 @@ class Wire:
         #: ``direct``: the one link this process hears from is read by its consumer while it waits (`p2p.direct`)
         #: ``look``: how soon the receiving thread notices the consumer left the link (`p2p.direct.Baton`)
         baton = Baton(look) if direct and self.framed and len(hears) == 1 else None
-        self.direct: tuple[Baton, Callable[[], None]] | None = None
-        #: with ``direct``: wakes the consumer while it waits on the link (a poke of the peer, `p2p.direct`)
-        self.wake: Callable[[], None] | None = None
+        self.direct: DirectLink | None = None  # its consumer wakes by a poke of the peer
         for peer in hears:
             receiver = Receiver(self, peer, baton)
             if baton is not None:
-                self.direct = (baton, receiver.pump)
-                self.wake = functools.partial(self._poke, peer)
+                poke = functools.partial(self._control_frame, peer, frames.POKE)
+                self.direct = DirectLink(baton, receiver.pump, poke)
             name = f"lightning_pipe-p2p-recv-{self.ranks[peer]}"
             thread = threading.Thread(target=receiver.run, name=name, daemon=True)
             thread.start()
@@ -141,13 +136,13 @@ class Wire:
     def consumer_inbox(self, endpoint: int) -> QueueInbox:
         """The inbox of ``endpoint``, the one consumer of the wire's one link (`direct`): a message put into it by
         another thread of this process while the consumer waits on the link wakes it (`p2p.direct.WakingInbox`)."""
-        if self.direct is None or self.wake is None:
+        if self.direct is None:
             return self.inbox(endpoint)
         with self._lock:
             before = self._inboxes.get(endpoint)
             if isinstance(before, WakingInbox):
                 return before
-            inbox = self._inboxes[endpoint] = WakingInbox(self.direct[0], self.wake)
+            inbox = self._inboxes[endpoint] = WakingInbox(self.direct.baton, self.direct.wake)
         while before is not None and (message := before.get(0)) is not None:  # what came before it was made
             inbox.put(message)
         return inbox
@@ -156,17 +151,15 @@ class Wire:
         """Send ``peer`` a keep-alive now (the answer to its poke)."""
         self._control_frame(peer, frames.KEEPALIVE)
 
-    def _poke(self, peer: int) -> None:
-        self._control_frame(peer, frames.POKE)
-
     def _control_frame(self, peer: int, marker: int) -> None:
+        """A frame without a message (a keep-alive, a poke) to ``peer``, unless its link is gone."""
         link = self._links.get(peer)
         if link is None or peer in self._dead or peer in self._closed:
             return
         try:
             with link.lock:
                 if not link.closed:
-                    self.sender.transmit(peer, link, [(frames.control_header(marker), FRAME_TAG)])
+                    self.sender.control(peer, link, marker)
         except Exception as exc:
             self.mark_lost(peer, f"sending failed: {first_line(exc)}")
 
@@ -189,7 +182,7 @@ class Wire:
         elif process not in self._dead and process not in self._closed:
             link = self._links[process]
             try:
-                with link.lock, self.on_stream(self._ready()) if self.no_stream is None else self.no_stream:
+                with link.lock, self.on_stream(self._ready()):
                     if not link.closed:
                         self.sender.message(process, link, destination, message, bundled)
             except Exception as exc:
@@ -290,14 +283,8 @@ class Wire:
         while not self._closing.wait(self.keepalive / 2):
             now = time.monotonic()
             for peer, link in self._links.items():
-                if now - link.last_send < self.keepalive or peer in self._dead:
-                    continue
-                try:
-                    with link.lock:
-                        if not link.closed:
-                            self.sender.keepalive(peer, link)
-                except Exception as exc:
-                    self.mark_lost(peer, f"sending failed: {first_line(exc)}")
+                if now - link.last_send >= self.keepalive:
+                    self._control_frame(peer, frames.KEEPALIVE)
 
     # CUDA ordering (the same code with another device; not exercised on CPU)
     def _ready(self) -> Any:
@@ -311,7 +298,7 @@ class Wire:
     def on_stream(self, ready: Any) -> Any:
         """A dedicated stream of the calling link thread, after ``ready``; nothing on the CPU."""
         if self.device.type != "cuda":
-            return contextlib.nullcontext()
+            return _NO_STREAM  # one do-nothing context, not a new one per message
         stream = torch.cuda.Stream(self.device) if not hasattr(self._local, "stream") else self._local.stream
         self._local.stream = stream
         if ready is not None:
@@ -319,6 +306,7 @@ class Wire:
         return torch.cuda.stream(stream)
 
 
+_NO_STREAM = contextlib.nullcontext()
 _OPEN: weakref.WeakSet[Wire] = weakref.WeakSet()  # wires whose threads have not all ended
 
 

@@ -26,7 +26,7 @@ from lightning_pipe.comm.base import COORDINATOR, Endpoint, Message, MessageKind
 from lightning_pipe.comm.by_value import ByValue
 from lightning_pipe.comm.compress import Codec, decode_payload, encode_payload, wire_bytes
 from lightning_pipe.comm.p2p import direct
-from lightning_pipe.comm.p2p.direct import Baton
+from lightning_pipe.comm.p2p.direct import DirectLink
 from lightning_pipe.comm.p2p.wire import LOST
 from lightning_pipe.comm.rpc.plane import DataPlane, address
 
@@ -48,7 +48,7 @@ class OrderedInbox(QueueInbox):
         super().__init__()
         self.decode = decode
         #: a stage that reads the data plane's link itself (`p2p.direct`): what is put in wakes it from that wait
-        self.waking: tuple[Baton, Callable[[], None]] | None = None
+        self.waking: DirectLink | None = None
         self._order = threading.Lock()
         self._next: dict[int, int] = defaultdict(int)
         self._early: dict[int, dict[int, Message]] = defaultdict(dict)
@@ -57,7 +57,7 @@ class OrderedInbox(QueueInbox):
         if self.waking is None:
             super().put(message)
         else:
-            direct.put_waking(self, *self.waking, message)
+            direct.put_waking(self, self.waking.baton, self.waking.wake, message)
 
     def receive(self, source: int, seq: int, message: Message) -> None:
         """Decode ``message`` (in the calling I/O thread, in parallel with others) and put it in order."""
@@ -145,9 +145,7 @@ class RpcEndpoint(Endpoint):
         self._watched: set[int] = set()
         #: a stage's endpoint on a plane of two processes reads the plane's link itself while its inbox is empty
         self.direct = plane.direct if plane is not None and rank != COORDINATOR else None
-        if self.direct is not None:
-            baton, _, wake = self.direct
-            self.inbox.waking = (baton, wake)
+        self.inbox.waking = self.direct
         if plane is not None:
             arrivals = self.inbox if codec is None else _Arrivals(self.inbox, self._decode)
             plane.attach(address(launch, rank), arrivals)
@@ -193,8 +191,7 @@ class RpcEndpoint(Endpoint):
 
     def recv(self, timeout: float | None) -> Message | None:
         if self.direct is not None:
-            baton, pump, _ = self.direct
-            message = direct.receive(self.inbox, baton, pump, timeout)
+            message = direct.receive(self.inbox, self.direct.baton, self.direct.pump, timeout)
         else:
             message = self.inbox.get(timeout)
         # the data plane lost a peer: the waiting caller checks the communicator (which names the worker)

@@ -19,7 +19,7 @@ from typing import Any
 import torch.distributed as dist
 
 from lightning_pipe.comm.base import Message, QueueInbox, deadline, remaining
-from lightning_pipe.comm.p2p.direct import Baton
+from lightning_pipe.comm.p2p.direct import DirectLink
 from lightning_pipe.comm.p2p.send import WireStats
 from lightning_pipe.comm.p2p.wire import Wire
 
@@ -135,13 +135,10 @@ class DataPlane:
         return out
 
     @property
-    def direct(self) -> tuple[Baton, Callable[[], None], Callable[[], None]] | None:
-        """Where a stage reads the plane's one link itself (`p2p.direct`): the baton, a read of one frame, and the
-        wake of a stage waiting on the link; None where the plane has a receiving thread per peer."""
-        wire = self._wires[0]
-        if wire.direct is None or wire.wake is None or len(self._wires) > 1:
-            return None
-        return (*wire.direct, wire.wake)
+    def direct(self) -> DirectLink | None:
+        """The plane's one link, where a stage reads it itself (`p2p.direct`); None where the plane has a receiving
+        thread per peer."""
+        return self._wires[0].direct if len(self._wires) == 1 else None
 
     def attach(self, destination: int, inbox: QueueInbox) -> None:
         for wire in self._wires:
