@@ -48,7 +48,7 @@ def test_each_launch_and_rank_has_its_own_address() -> None:
 
 
 # the plane at work
-def test_tensors_cross_over_the_data_plane_and_control_over_rpc(pool: RpcCommunicator) -> None:
+def test_tensors_and_control_cross_over_the_data_plane(pool: RpcCommunicator) -> None:
     model = mlp(depth=4, width=32)
     x, y = data()
     microbatches = 4
@@ -64,12 +64,14 @@ def test_tensors_cross_over_the_data_plane_and_control_over_rpc(pool: RpcCommuni
         stats = pool.stats()
         sent, last = stats[COORDINATOR], stats[2]
         framed = plane.stats()
-    # the coordinator's activations (microbatch 0 alone, the others as one bundle) went as frames
-    assert framed[COORDINATOR].messages == {MessageKind.ACTIVATION: 2}
+    # the coordinator's activations (microbatch 0 alone, the others as one bundle) went as frames, and so did its
+    # control messages to the two ranks in worker processes (the step, the post applying its gradients): one link
+    # per pair of processes keeps each sender's order
+    control = {MessageKind.STEP: 2, MessageKind.POST: 2}
+    assert framed[COORDINATOR].messages == {MessageKind.ACTIVATION: 2, **control}
     assert framed[COORDINATOR].tensor_bytes[MessageKind.ACTIVATION] == x.numel() * 4
     assert sent.tensor_bytes[MessageKind.ACTIVATION] == x.numel() * 4
     assert sent.messages[MessageKind.ACTIVATION] == microbatches and sent.messages[MessageKind.STEP] == 2
-    assert MessageKind.STEP not in framed[COORDINATOR].messages  # control stays on RPC
     assert sum(sent.host_bytes.values()) == 0  # CPU tensors: nothing to copy
     # the last stage (rank 2) runs in this process: it computes the losses, its step comes by reference, and
     # neither its output nor the output's gradient crosses; its input gradients go back over the plane

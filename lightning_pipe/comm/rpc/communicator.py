@@ -3,8 +3,8 @@
 Built on ``torch.distributed.rpc`` (TensorPipe). The coordinator owns a private RPC world, apart from
 Lightning's: it waits for enough stage slots on its control port (`control.ControlServer`), hands out ranks,
 and every participant joins a world whose store it hosts; each stage is built remotely from its `StageSpec`
-and pings back when ready. Control messages are ``rpc_async`` calls (`rpc.endpoint`); activations and
-gradients go point to point over the world's data plane (`rpc.plane`). The coordinator's process holds the
+and pings back when ready. Steps, calls, activations and gradients go point to point over the world's data plane
+(`rpc.plane`, `rpc.endpoint`); RPC builds and stops the stages. The coordinator's process holds the
 last stage itself (`rpc.home`): an S-rank pipeline takes S - 1 worker processes (docs/internals.md).
 """
 

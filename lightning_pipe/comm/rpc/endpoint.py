@@ -1,12 +1,12 @@
-"""A participant of an RPC world: an inbox that keeps each sender's order, and sends by ``rpc_async`` or the data plane.
+"""A participant of an RPC world: an inbox that keeps each sender's order, and sends over the data plane or RPC.
 
-A control message is one ``rpc_async`` call of `deliver` on the receiving process: TensorPipe's I/O
-threads deserialize it and put it into the receiver's `OrderedInbox`, which wakes its event loop (the
-seed's "I/O thread and callback"). Activations, outputs and gradients go over the world's data plane
-(`rpc.plane`, point to point), whose receiving thread decompresses their tensors (`compress`) and puts
-them into the same inbox. Without a data plane they go by ``rpc_async`` too. Messages between endpoints of
-one process (the coordinator and the rank its process holds, `rpc.home`) go straight into the receiver's
-inbox, by reference: nothing is pickled, compressed or counted as sent.
+Every message to another process crosses the world's data plane (`rpc.plane`, point to point): activations,
+outputs and gradients, and the control messages (steps, calls, replies, a stage's end), each pair of processes
+over one link, so each sender's order holds. Its reader decompresses the tensors (`compress`) and puts the
+message into the receiver's inbox, the stage's own thread where it reads its link itself (`p2p.direct`). Without
+a data plane a message is one ``rpc_async`` call of `deliver`, which the `OrderedInbox` puts in the sender's order.
+Messages between endpoints of one process (the coordinator and the rank its process holds, `rpc.home`) go
+straight into the receiver's inbox, by reference: nothing is pickled, compressed or counted as sent.
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ class _Arrivals(QueueInbox):
 
 
 class RpcEndpoint(Endpoint):
-    """One participant: an ordered inbox filled by RPC and the data plane; ``rpc_async`` or the plane to anyone else.
+    """One participant: an ordered inbox filled by the data plane (or RPC); the plane (or ``rpc_async``) to the rest.
 
     With a ``plane`` the endpoint's inbox is attached to it until `close`. ``processes`` gives the world rank of
     every pipeline rank and of the coordinator (`rpc.home.RankProcesses.processes`); endpoints of one process hand
@@ -163,7 +163,7 @@ class RpcEndpoint(Endpoint):
         if self._here(rank):
             self._hand_over(rank, message)
             return
-        if self.plane is not None and message.kind in _TENSORS:
+        if self.plane is not None:  # every message, in the order sent: one link per pair of processes
             self._send_on_plane(rank, [message])
             return
         payload, nbytes = self._account(message)
@@ -234,19 +234,26 @@ class RpcEndpoint(Endpoint):
         return message
 
     def _send_on_plane(self, rank: int, messages: list[Message]) -> None:
-        """Tensor messages of one kind over the data plane (several: one bundle); the codec runs before the send."""
+        """Messages of one kind over the data plane (several: one bundle of tensor messages).
+
+        Tensor messages go the plane's fastest way (NCCL between GPUs of their own) and through the codec;
+        control messages over its gloo link, their tensors on the CPU as RPC delivered them, the payload pickled
+        by value (the user's objects: an optimizer class, a traced call's code).
+        """
         assert self.plane is not None
         process = self.process(rank)
-        through_host = self.plane.through_host(process)
+        tensors = messages[0].kind in _TENSORS
+        through_host = self.plane.through_host(process) if tensors else True
+        portable = self.codec is not None or not tensors
         ready = []
         for message in messages:
             # the wire copies what it sends (or keeps it until sent); a codec needs the tensors on the CPU
-            payload, nbytes = self._account(message, portable=self.codec is not None, through_host=through_host)
-            if self.codec is not None:
+            payload, nbytes = self._account(message, portable=portable, through_host=through_host)
+            if self.codec is not None and tensors:
                 payload, nbytes = self._encode(payload)
             self.stats.wire_bytes[message.kind] += nbytes
             ready.append(replace(message, source=self.rank, payload=payload))
-        self.plane.send(process, address(self.launch, rank), ready)
+        self.plane.send(process, address(self.launch, rank), ready, control=not tensors)
 
     def _encode(self, payload: Any) -> tuple[Any, int]:
         assert self.codec is not None

@@ -1,6 +1,6 @@
-"""The data plane of an RPC world: activations and gradients between its processes, point to point.
+"""The data plane of an RPC world: a pipeline's messages between its processes, point to point.
 
-Control stays on RPC; tensor messages go over private process groups in launched mode's p2p wire format,
+Steps, calls, replies, activations and gradients go over private process groups in launched mode's p2p wire format,
 made on the RPC world's own store apart from torch.distributed's default group (Lightning's): gloo over every
 process of the world, NCCL between slots on CUDA devices that no other slot of their machine uses
 (`PlaneLayout.describe` says who goes how). An endpoint's inbox is attached under an *address* of its launch
@@ -24,8 +24,8 @@ from lightning_pipe.comm.p2p.send import WireStats
 from lightning_pipe.comm.p2p.wire import Wire
 
 #: how soon a plane's receiving thread notices that its stage left the link (`p2p.direct.Baton`): sooner than
-#: launched mode's, because every control message by RPC to a stage waiting on the link pokes the peer, whose answer
-#: waits until its link is read (a look every 50 ms made the rpc tests about 8% slower)
+#: launched mode's, because a message to a stage waiting on the link from its own process (the coordinator's) pokes
+#: the peer, whose answer waits until its link is read (a look every 50 ms made the rpc tests about 8% slower)
 RPC_LOOK = 0.005
 
 
@@ -110,9 +110,10 @@ class DataPlane:
         self._routes = routes  # world rank -> (the wire that reaches it, its index on that wire)
         self._wires = wires
 
-    def send(self, process: int, destination: int, messages: list[Message]) -> None:
-        """Deliver ``messages`` (tensor messages, in order) to ``destination`` in world rank ``process``."""
-        wire, peer = self._routes[process]
+    def send(self, process: int, destination: int, messages: list[Message], control: bool = False) -> None:
+        """Deliver ``messages`` (in order) to ``destination`` in world rank ``process``; ``control``: over the gloo
+        link, which reaches every process (tensor messages may take NCCL's)."""
+        wire, peer = (self._wires[0], process) if control else self._routes[process]
         if len(messages) == 1:
             wire.send(peer, destination, messages[0])
         else:

@@ -60,7 +60,7 @@ def join_world(
     """
     # TCP (libuv) only: TensorPipe's shared-memory transport polls without sleeping, and each of its
     # processes took about 60% of a core doing so while idle (measured on 2 cores: the stages' cores); what
-    # RPC carries (control messages; tensors go over the data plane, `rpc.plane`) is small
+    # RPC carries (builds, stops, stats; a pipeline's messages go over the data plane, `rpc.plane`) is small
     options = rpc.TensorPipeRpcBackendOptions(
         num_worker_threads=RPC_THREADS, rpc_timeout=timeout, _transports=["uv"], _channels=["basic"]
     )
