@@ -14,7 +14,9 @@ alternating in each round:
   transport's data plane use it beyond two processes (inline frames, a receiving thread per peer delivering into
   the endpoint's inbox);
 - ``lightning_pipe direct``: the same wire as a pipeline of two processes opens it (``direct=True``, launched mode
-  and the rpc plane): the thread that waits for a message reads the link itself (`lightning_pipe.comm.p2p.direct`).
+  and the rpc plane): the thread that waits for a message reads the link itself (`lightning_pipe.comm.p2p.direct`);
+- ``tcp socket``: no library, the floor of a stream link: the tensor's bytes over one TCP connection
+  (``TCP_NODELAY``) by ``sendall``, read by the waiting thread with ``recv_into`` and made a tensor again.
 
 Reported: the median round trip in microseconds over the rounds, and the CPU microseconds of both processes per
 round trip (every thread: gloo's I/O threads, the receiving threads). Writes ``benchmarks/results/link_latency.json``.
@@ -26,6 +28,7 @@ import argparse
 import os
 import queue
 import resource
+import socket
 import statistics
 import sys
 import threading
@@ -44,7 +47,7 @@ import torch.multiprocessing as mp  # noqa: E402
 
 from benchmarks.bench_procs import free_port, write_results  # noqa: E402
 
-WAYS = ["gloo", "gloo + thread", "lightning_pipe", "lightning_pipe direct"]
+WAYS = ["gloo", "gloo + thread", "lightning_pipe", "lightning_pipe direct", "tcp socket"]
 
 
 def cpu() -> float:
@@ -84,6 +87,43 @@ def gloo_thread(rank: int, count: int, x: torch.Tensor) -> None:
     thread.join(60)
 
 
+def tcp(count: int, x: torch.Tensor, sock: socket.socket, first: bool) -> None:
+    data = x.numpy().tobytes()
+    buffer = bytearray(len(data))
+    view = memoryview(buffer)
+
+    def receive() -> torch.Tensor:
+        got = 0
+        while got < len(buffer):
+            got += sock.recv_into(view[got:])
+        return torch.frombuffer(buffer, dtype=x.dtype).clone().view(x.shape)
+
+    for _ in range(count):
+        if first:
+            sock.sendall(data)
+            receive()
+        else:
+            receive()
+            sock.sendall(data)
+
+
+def connect(rank: int) -> socket.socket:
+    """A TCP connection between the two processes (rank 0 listens; the port crosses by the default group)."""
+    if rank == 0:
+        server = socket.create_server(("127.0.0.1", 0))
+        port = [server.getsockname()[1]]
+        dist.broadcast_object_list(port, src=0)
+        sock, _ = server.accept()
+        server.close()
+    else:
+        port = [0]
+        dist.broadcast_object_list(port, src=0)
+        sock = socket.create_connection(("127.0.0.1", port[0]), timeout=60)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.settimeout(60)
+    return sock
+
+
 def wired(rank: int, count: int, x: torch.Tensor, wire: Any) -> None:
     from lightning_pipe.comm.base import Message, MessageKind
     from lightning_pipe.comm.p2p import direct
@@ -116,6 +156,8 @@ def run(rank: int, port: int, args: argparse.Namespace, out: Any) -> None:
     ways = {"gloo": lambda n: gloo(rank, n, x), "gloo + thread": lambda n: gloo_thread(rank, n, x)}
     ways["lightning_pipe"] = lambda n: wired(rank, n, x, wire)
     ways["lightning_pipe direct"] = lambda n: wired(rank, n, x, direct)
+    sock = connect(rank)
+    ways["tcp socket"] = lambda n: tcp(n, x, sock, rank == 0)
     for way in ways.values():  # warm up
         way(200)
     times: dict[str, list[float]] = {name: [] for name in ways}
@@ -130,6 +172,7 @@ def run(rank: int, port: int, args: argparse.Namespace, out: Any) -> None:
             cpus[name].append((cpu() - used) / args.messages)
     wire.close(10.0)
     direct.close(10.0)
+    sock.close()
     out.put((rank, times, cpus))
     dist.barrier()
     dist.destroy_process_group()
