@@ -72,7 +72,9 @@ def gloo_thread(rank: int, count: int, x: torch.Tensor) -> None:
     def receive() -> None:
         for _ in range(count):
             buffer = torch.empty_like(x)
-            dist.irecv(buffer, 1 - rank).wait()
+            work = dist.irecv(buffer, 1 - rank)
+            assert work is not None  # None only for a rank outside the group
+            work.wait()
             inbox.put(buffer)
 
     thread = threading.Thread(target=receive, daemon=True)
