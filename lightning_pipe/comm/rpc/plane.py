@@ -21,6 +21,7 @@ import torch.distributed as dist
 from lightning_pipe.comm.base import Message, QueueInbox, deadline, remaining
 from lightning_pipe.comm.p2p.direct import DirectLink
 from lightning_pipe.comm.p2p.send import WireStats
+from lightning_pipe.comm.p2p.stream import StreamGroup, pair_on_loopback
 from lightning_pipe.comm.p2p.wire import Wire
 
 #: how soon a plane's receiving thread notices that its stage left the link (`p2p.direct.Baton`): sooner than
@@ -104,11 +105,19 @@ class PlaneLayout:
 class DataPlane:
     """This process's side of the data plane: its wires, and which wire reaches which process."""
 
-    def __init__(self, me: int, layout: PlaneLayout, routes: dict[int, tuple[Wire, int]], wires: list[Wire]) -> None:
+    def __init__(
+        self,
+        me: int,
+        layout: PlaneLayout,
+        routes: dict[int, tuple[Wire, int]],
+        wires: list[Wire],
+        streams: Sequence[StreamGroup] = (),
+    ) -> None:
         self.me = me
         self.layout = layout
         self._routes = routes  # world rank -> (the wire that reaches it, its index on that wire)
         self._wires = wires
+        self.streams = list(streams)  # the connections a wire runs on instead of gloo's (`p2p.stream`), closed last
 
     def send(self, process: int, destination: int, messages: list[Message], control: bool = False) -> None:
         """Deliver ``messages`` (in order) to ``destination`` in world rank ``process``; ``control``: over the gloo
@@ -170,6 +179,8 @@ class DataPlane:
         left: list[str] = []
         for wire in self._wires:
             left += wire.close(remaining(until))
+        for stream in self.streams:
+            stream.close()
         return left
 
 
@@ -189,11 +200,17 @@ def open_plane(
     the device of the stage it holds, without making it the current device of the user's process).
     """
     everyone = list(range(layout.size))
-    gloo = _gloo_group(dist.PrefixStore(f"{prefix}-gloo", store), me, layout.size, interface, timeout)
-    # a group per direction: a link's sends and receives never share a gloo pair (`p2p.wire`)
-    reverse = _gloo_group(dist.PrefixStore(f"{prefix}-gloo-up", store), me, layout.size, interface, timeout)
     # a world of two processes on the CPU: each hears from one peer, and its stage reads that link itself (`p2p.direct`)
     direct = layout.size == 2 and not layout.nccl
+    # two processes of one machine: one TCP connection on 127.0.0.1 instead of gloo's send and receive (`p2p.stream`)
+    sock = pair_on_loopback(store, prefix, me, timeout) if direct else None
+    streams = [StreamGroup(sock, me, timeout)] if sock is not None else []
+    if streams:
+        gloo = reverse = streams[0]  # one connection carries both directions
+    else:
+        gloo = _gloo_group(dist.PrefixStore(f"{prefix}-gloo", store), me, layout.size, interface, timeout)
+        # a group per direction: a link's sends and receives never share a gloo pair (`p2p.wire`)
+        reverse = _gloo_group(dist.PrefixStore(f"{prefix}-gloo-up", store), me, layout.size, interface, timeout)
     wire = Wire(
         gloo, everyone, me, describe, timeout, group_ranks=everyone, backend="gloo", reverse=reverse, direct=direct,
         look=RPC_LOOK,
@@ -213,7 +230,7 @@ def open_plane(
             )  # fmt: skip
             wires.append(directed)
             routes.update({members[k]: (directed, k) for k in targets})
-    return DataPlane(me, layout, routes, wires)
+    return DataPlane(me, layout, routes, wires, streams)
 
 
 def _gloo_group(store: dist.Store, rank: int, size: int, interface: str | None, timeout: float) -> Any:
