@@ -236,16 +236,26 @@ def launched_ranks(cfg: OverheadConfig) -> tuple[list[int], int]:
     return [(k - last) % cfg.ranks for k in range(cfg.ranks)], last
 
 
-def reverse_group(cfg: OverheadConfig, takes: Any) -> dict[str, Any]:
-    """A second gloo group of the world for the messages to lower pipeline ranks, as launched mode makes one
-    (`ProcessGroups`); none where ``takes`` (a checkout's transport before it took one) has no ``reverse``."""
+def pipeline_groups(cfg: OverheadConfig, takes: Any) -> dict[str, Any]:
+    """The groups of the pipeline, as launched mode makes them (`ProcessGroups`): the world, a second gloo group for
+    the messages to lower pipeline ranks, and for two processes their own connection (`p2p.stream`), which replaces
+    both; a checkout's transport that predates one of them (``takes`` has no ``reverse``, no ``p2p.stream``) gets
+    what it takes."""
+    import importlib.util
     import inspect
 
     import torch.distributed as dist
 
-    if "reverse" not in inspect.signature(takes).parameters:
-        return {}
-    return {"reverse": dist.new_group(list(range(cfg.ranks)), backend="gloo")}
+    groups: dict[str, Any] = {"group": dist.group.WORLD}
+    if "reverse" in inspect.signature(takes).parameters:
+        groups["reverse"] = dist.new_group(list(range(cfg.ranks)), backend="gloo")
+    if cfg.ranks == 2 and importlib.util.find_spec("lightning_pipe.comm.p2p.stream") is not None:
+        from lightning_pipe.comm.p2p.stream import pipeline_stream
+
+        stream = pipeline_stream(list(range(cfg.ranks)))
+        if stream is not None:
+            groups.update(group=stream, reverse=stream)
+    return groups
 
 
 class LaunchedRunner(PipelineRunner):
@@ -259,8 +269,8 @@ class LaunchedRunner(PipelineRunner):
 
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{cfg.port}", rank=0, world_size=cfg.ranks)
         ranks, here = launched_ranks(cfg)
-        reverse = reverse_group(cfg, P2PCommunicator)
-        self.communicator = P2PCommunicator(dist.group.WORLD, ranks, coordinator=here, timeout=120, **reverse)
+        groups = pipeline_groups(cfg, P2PCommunicator)
+        self.communicator = P2PCommunicator(ranks=ranks, coordinator=here, timeout=120, **groups)
         self._start(self.communicator)
 
     def stop(self) -> dict[str, Any]:
@@ -279,6 +289,6 @@ def serve_rank(cfg: OverheadConfig, rank: int) -> None:
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{cfg.port}", rank=rank, world_size=cfg.ranks)
     ranks, here = launched_ranks(cfg)
-    serve_stages(dist.group.WORLD, ranks, coordinator=here, timeout=120, **reverse_group(cfg, serve_stages))
+    serve_stages(ranks=ranks, coordinator=here, timeout=120, **pipeline_groups(cfg, serve_stages))
     sys.stdout.flush()
     os._exit(0)

@@ -29,6 +29,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lightning_pipe import PipeStrategy  # noqa: E402
+from lightning_pipe.strategy.process_groups import ProcessGroups  # noqa: E402
 
 GLOBAL_BATCH = 16
 DROPOUT = 0.3
@@ -197,6 +198,8 @@ def main() -> None:
             if trainer.is_global_zero:
                 info = {"world_size": layout.world_size if layout else 1, "replicas": layout.replicas if layout else 1,
                         "loss": float(trainer.callback_metrics["train_loss"])}  # fmt: skip
+                if layout is not None:  # a pipeline of two processes on this machine: its link is their own socket
+                    info["stream"] = ProcessGroups.of(layout, "cpu").stream is not None
                 (out / f"{name}.json").write_text(json.dumps(info))
         if case["save"]:
             trainer.save_checkpoint(out / f"{name}.ckpt")  # written once, by global rank 0

@@ -42,7 +42,8 @@ class P2PCommunicator(Communicator):
     """Stage workers in the processes of ``group``: pipeline rank k in the process of global rank ``ranks[k]``.
 
     Args:
-        group: the process group of this pipeline (exactly the processes of ``ranks``).
+        group: the process group of this pipeline (exactly the processes of ``ranks``); for two processes of one
+            machine it may be their own connection (`p2p.stream.pipeline_stream`, passed as ``reverse`` too).
         ranks: global ranks in pipeline order; ``ranks[coordinator]`` is this process.
         describe: names a global rank in errors (default ``"global rank N"``).
         on_build: called with each stage worker right after it is built, in any process of the

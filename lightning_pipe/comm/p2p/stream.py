@@ -20,6 +20,7 @@ from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 _HEADER = struct.Struct("=qq")  # tag, bytes
 _HELLO = 16  # bytes of the token each side proves itself with
@@ -67,12 +68,16 @@ class StreamGroup:
             pass
         self._sock.close()
 
-    def _until(self, work: _Received) -> None:
-        """Read the stream until ``work`` is filled (by this thread or another reader)."""
+    def _until(self, work: _Received, timeout: timedelta | None) -> None:
+        """Read the stream until ``work`` is filled (by this thread or another reader); each read waits at most
+        ``timeout`` (default: the group's)."""
+        seconds = timeout.total_seconds() if timeout is not None else self._timeout
         while not work.done:
             with self._reading:
                 if work.done:
                     return
+                if seconds != self._sock.gettimeout():
+                    self._sock.settimeout(seconds)
                 self._read_one()
 
     def _read_one(self) -> None:
@@ -98,7 +103,8 @@ class StreamGroup:
             try:
                 count = self._sock.recv_into(view[got:])
             except TimeoutError:
-                raise RuntimeError(f"timed out after {self._timeout:.0f} s waiting for the peer's message") from None
+                waited = self._sock.gettimeout() or 0.0
+                raise RuntimeError(f"timed out after {waited:.1f} s waiting for the peer's message") from None
             if count == 0:
                 raise ConnectionError("connection closed by peer")
             got += count
@@ -130,7 +136,7 @@ class _Received:
         self.done = True
 
     def wait(self, timeout: timedelta | None = None) -> bool:
-        self.group._until(self)
+        self.group._until(self, timeout)
         return True
 
     def is_completed(self) -> bool:
@@ -232,3 +238,15 @@ def _read_exact(sock: socket.socket, count: int) -> bytes:
             raise ConnectionError("connection closed by peer")
         data += chunk
     return data
+
+
+def pipeline_stream(ranks: list[int], timeout: float = 60.0) -> StreamGroup | None:
+    """The stream of this process's pipeline of two processes (global ``ranks`` of the default group, both call it
+    at once), or None where they cannot reach each other on 127.0.0.1. The handshake goes over the default group's
+    store (a launch's rendezvous store)."""
+    from torch.distributed.distributed_c10d import _get_default_store  # the store the launch made, no public getter
+
+    me = ranks.index(dist.get_rank())
+    store = dist.PrefixStore(f"lightning_pipe-stream-{'-'.join(map(str, ranks))}", _get_default_store())
+    sock = pair_on_loopback(store, "pipeline", me, timeout)
+    return StreamGroup(sock, me, timeout) if sock is not None else None
