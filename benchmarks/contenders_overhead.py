@@ -238,9 +238,9 @@ def launched_ranks(cfg: OverheadConfig) -> tuple[list[int], int]:
 
 def pipeline_groups(cfg: OverheadConfig, takes: Any) -> dict[str, Any]:
     """The groups of the pipeline, as launched mode makes them (`ProcessGroups`): the world, a second gloo group for
-    the messages to lower pipeline ranks, and for two processes their own connection (`p2p.stream`), which replaces
-    both; a checkout's transport that predates one of them (``takes`` has no ``reverse``, no ``p2p.stream``) gets
-    what it takes."""
+    the messages to lower pipeline ranks, and for two processes their own connection (`p2p.socket_group`), which
+    replaces both; a checkout's transport that predates one of them (``takes`` has no ``reverse``, no
+    ``p2p.socket_group``) gets what it takes."""
     import importlib.util
     import inspect
 
@@ -249,12 +249,12 @@ def pipeline_groups(cfg: OverheadConfig, takes: Any) -> dict[str, Any]:
     groups: dict[str, Any] = {"group": dist.group.WORLD}
     if "reverse" in inspect.signature(takes).parameters:
         groups["reverse"] = dist.new_group(list(range(cfg.ranks)), backend="gloo")
-    if cfg.ranks == 2 and importlib.util.find_spec("lightning_pipe.comm.p2p.stream") is not None:
-        from lightning_pipe.comm.p2p.stream import pipeline_stream
+    if cfg.ranks == 2 and importlib.util.find_spec("lightning_pipe.comm.p2p.socket_group") is not None:
+        from lightning_pipe.comm.p2p.socket_group import pipeline_socket
 
-        stream = pipeline_stream(list(range(cfg.ranks)))
-        if stream is not None:
-            groups.update(group=stream, reverse=stream)
+        socket = pipeline_socket(list(range(cfg.ranks)))
+        if socket is not None:
+            groups.update(group=socket, reverse=socket)
     return groups
 
 

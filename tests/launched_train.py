@@ -199,7 +199,7 @@ def main() -> None:
                 info = {"world_size": layout.world_size if layout else 1, "replicas": layout.replicas if layout else 1,
                         "loss": float(trainer.callback_metrics["train_loss"])}  # fmt: skip
                 if layout is not None:  # a pipeline of two processes on this machine: its link is their own socket
-                    info["stream"] = ProcessGroups.of(layout, "cpu").stream is not None
+                    info["socket"] = ProcessGroups.of(layout, "cpu").socket is not None
                 (out / f"{name}.json").write_text(json.dumps(info))
         if case["save"]:
             trainer.save_checkpoint(out / f"{name}.ckpt")  # written once, by global rank 0

@@ -139,7 +139,7 @@ def test_lightning_launcher_trains_like_the_unsplit_model_on_the_global_batch(
         check_trained(out, name, coordinators(name))
     info = json.loads((out / "s2-sgd-gpipe.json").read_text())
     assert info["replicas"] == 2 and info["world_size"] == 4
-    assert info["stream"], "a pipeline of two processes of one machine links them by a socket of their own"
+    assert info["socket"], "a pipeline of two processes of one machine links them by a socket of their own"
     assert "launched mode, 4 processes = 2 replica(s) x 2 pipeline rank(s)" in run.output
     assert sorted(p.name for p in out.glob("done-*")) == [f"done-rank{r}" for r in range(4)]
     # the 2 x 2 checkpoint (resumed under 1 x 4 by the torchrun launch): under local mode, and by a plain Trainer

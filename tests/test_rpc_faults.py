@@ -55,7 +55,7 @@ def test_sigkill_mid_step_is_detected_within_seconds() -> None:
         victim = communicator.pids[0]  # the worker process of stage 0 (stage 1 runs in this process)
         plane = communicator.data_plane
         assert plane is not None and plane.direct is not None, "two processes: stage 1 reads its link itself"
-        assert plane.streams, "two processes of one machine: their link is one TCP connection (p2p.stream)"
+        assert plane.sockets, "two processes of one machine: their link is one TCP connection (p2p.socket_group)"
         killer = threading.Timer(1.0, os.kill, (victim, signal.SIGKILL))
         start = time.monotonic()
         killer.start()

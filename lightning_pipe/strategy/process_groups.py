@@ -19,7 +19,7 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from lightning_pipe.comm.p2p.stream import pipeline_stream
+from lightning_pipe.comm.p2p.socket_group import pipeline_socket
 from lightning_pipe.comm.p2p.wire import close_open_wires
 from lightning_pipe.strategy.layout import Layout
 from lightning_pipe.strategy.tensor_parallel import MESH_DIMS
@@ -75,10 +75,10 @@ class ProcessGroups:
         #: never share a gloo pair, whose lock a send waited for while the group's thread read); None under NCCL
         self.reverse = reverse_pipelines(mesh) if device_type == "cpu" else None
         #: a CPU pipeline of two processes on one machine: its link is their own TCP connection, cheaper a message than
-        #: gloo's send and receive (`p2p.stream`, docs/overhead.md); None elsewhere, or where they cannot reach it
-        self.stream = None
+        #: gloo's send and receive (`p2p.socket_group`, docs/overhead.md); None elsewhere, or where they cannot reach it
+        self.socket = None
         if device_type == "cpu" and layout.ranks_per_pipeline == 2:
-            self.stream = pipeline_stream(dist.get_process_group_ranks(self.pipeline))
+            self.socket = pipeline_socket(dist.get_process_group_ranks(self.pipeline))
         self._writes: dist.ProcessGroup | None = None
 
     def checkpoint_writes(self) -> dist.ProcessGroup:
@@ -106,8 +106,8 @@ class ProcessGroups:
     def destroy(self) -> None:
         """Destroy this layout's groups (a dimension that spans the world is the default group: kept; a process
         outside the coordinators' group holds no such group)."""
-        if self.stream is not None:
-            self.stream.close()
+        if self.socket is not None:
+            self.socket.close()
         default = dist.distributed_c10d._get_default_group()
         groups = (self.pipeline, self.reverse, self.replicas, self.tensor, self.coordinators, self._writes)
         for group in {id(g): g for g in groups}.values():

@@ -43,7 +43,7 @@ class P2PCommunicator(Communicator):
 
     Args:
         group: the process group of this pipeline (exactly the processes of ``ranks``); for two processes of one
-            machine it may be their own connection (`p2p.stream.pipeline_stream`, passed as ``reverse`` too).
+            machine it may be their own connection (`p2p.socket_group.pipeline_socket`, passed as ``reverse`` too).
         ranks: global ranks in pipeline order; ``ranks[coordinator]`` is this process.
         describe: names a global rank in errors (default ``"global rank N"``).
         on_build: called with each stage worker right after it is built, in any process of the

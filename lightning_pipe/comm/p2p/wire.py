@@ -31,7 +31,7 @@ from lightning_pipe.comm.p2p import frames
 from lightning_pipe.comm.p2p.direct import LOOK, Baton, DirectLink, WakingInbox
 from lightning_pipe.comm.p2p.receive import Receiver, first_line
 from lightning_pipe.comm.p2p.send import Link, Sender, WireStats
-from lightning_pipe.comm.p2p.stream import StreamGroup
+from lightning_pipe.comm.p2p.socket_group import SocketGroup
 from lightning_pipe.comm.process_device import group_ranks_of, process_device
 
 WIRE = -2  # the endpoint id of a process's own control inbox (builds, releases, notices)
@@ -68,9 +68,9 @@ class Wire:
         self.coordinator = coordinator  # the pipeline rank whose process runs the coordinator
         #: each process's rank in ``group``, what its sends and receives name: given for a group made apart from
         #: the default one (the rpc transport's, which torch.distributed does not know), else ``ranks`` translated
-        stream = isinstance(group, StreamGroup)  # two processes' own connection: framed as gloo, ranks 0 and 1
+        own = isinstance(group, SocketGroup)  # two processes' own connection: framed as gloo, ranks 0 and 1
         if group_ranks is None:
-            group_ranks = range(len(self.ranks)) if stream else group_ranks_of(group, self.ranks)
+            group_ranks = range(len(self.ranks)) if own else group_ranks_of(group, self.ranks)
         self.group_ranks = list(group_ranks)
         #: ``reverse``: a second group over the same processes that carries the messages to lower pipeline ranks
         #: (``group`` those to higher ones), so a link's two directions never share a gloo pair (one connection,
@@ -86,7 +86,7 @@ class Wire:
             out, back = (downward, upward) if peer > me else (upward, downward)
             self.routes[peer] = (out[0], out[1][peer])
             self.sources[peer] = (back[0], back[1][peer])
-        self.backend = backend or ("gloo" if stream else str(dist.get_backend(group)))
+        self.backend = backend or ("gloo" if own else str(dist.get_backend(group)))
         #: where its tensors travel: the CPU under gloo; under NCCL ``device``, or the process's current CUDA device
         self.device = process_device(self.backend, device)
         #: gloo matches a receive by (source, tag) and takes a receive larger than its send: messages go as

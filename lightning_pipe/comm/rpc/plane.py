@@ -21,7 +21,7 @@ import torch.distributed as dist
 from lightning_pipe.comm.base import Message, QueueInbox, deadline, remaining
 from lightning_pipe.comm.p2p.direct import DirectLink
 from lightning_pipe.comm.p2p.send import WireStats
-from lightning_pipe.comm.p2p.stream import StreamGroup, pair_on_loopback
+from lightning_pipe.comm.p2p.socket_group import SocketGroup, pair_on_loopback
 from lightning_pipe.comm.p2p.wire import Wire
 
 #: how soon a plane's receiving thread notices that its stage left the link (`p2p.direct.Baton`): sooner than
@@ -111,13 +111,15 @@ class DataPlane:
         layout: PlaneLayout,
         routes: dict[int, tuple[Wire, int]],
         wires: list[Wire],
-        streams: Sequence[StreamGroup] = (),
+        sockets: Sequence[SocketGroup] = (),
     ) -> None:
         self.me = me
         self.layout = layout
         self._routes = routes  # world rank -> (the wire that reaches it, its index on that wire)
         self._wires = wires
-        self.streams = list(streams)  # the connections a wire runs on instead of gloo's (`p2p.stream`), closed last
+        self.sockets = list(
+            sockets
+        )  # the connections a wire runs on instead of gloo's (`p2p.socket_group`), closed last
 
     def send(self, process: int, destination: int, messages: list[Message], control: bool = False) -> None:
         """Deliver ``messages`` (in order) to ``destination`` in world rank ``process``; ``control``: over the gloo
@@ -179,8 +181,8 @@ class DataPlane:
         left: list[str] = []
         for wire in self._wires:
             left += wire.close(remaining(until))
-        for stream in self.streams:
-            stream.close()
+        for connection in self.sockets:
+            connection.close()
         return left
 
 
@@ -202,11 +204,11 @@ def open_plane(
     everyone = list(range(layout.size))
     # a world of two processes on the CPU: each hears from one peer, and its stage reads that link itself (`p2p.direct`)
     direct = layout.size == 2 and not layout.nccl
-    # two processes of one machine: one TCP connection on 127.0.0.1 instead of gloo's send and receive (`p2p.stream`)
+    # two processes of one machine: one TCP connection on 127.0.0.1 instead of gloo's send and receive (`p2p.socket_group`)
     sock = pair_on_loopback(store, prefix, me, timeout) if direct else None
-    streams = [StreamGroup(sock, me, timeout)] if sock is not None else []
-    if streams:
-        gloo = reverse = streams[0]  # one connection carries both directions
+    sockets = [SocketGroup(sock, me, timeout)] if sock is not None else []
+    if sockets:
+        gloo = reverse = sockets[0]  # one connection carries both directions
     else:
         gloo = _gloo_group(dist.PrefixStore(f"{prefix}-gloo", store), me, layout.size, interface, timeout)
         # a group per direction: a link's sends and receives never share a gloo pair (`p2p.wire`)
@@ -230,7 +232,7 @@ def open_plane(
             )  # fmt: skip
             wires.append(directed)
             routes.update({members[k]: (directed, k) for k in targets})
-    return DataPlane(me, layout, routes, wires, streams)
+    return DataPlane(me, layout, routes, wires, sockets)
 
 
 def _gloo_group(store: dist.Store, rank: int, size: int, interface: str | None, timeout: float) -> Any:

@@ -212,8 +212,8 @@ class LaunchedMode(Mode):
         groups = self._groups
         assert groups is not None, "LaunchedMode.connect makes the process groups first"
         return {
-            "group": groups.stream or groups.pipeline,
-            "reverse": groups.stream or groups.reverse,
+            "group": groups.socket or groups.pipeline,
+            "reverse": groups.socket or groups.reverse,
             "ranks": self.layout.pipeline_ranks(),
             "describe": self.layout.describe,
             "on_build": self.on_stage_built,

@@ -1,4 +1,4 @@
-"""`p2p.stream`: a gloo group's send and receive over one TCP connection, matched by tag as gloo matches them.
+"""`p2p.socket_group`: a gloo group's send and receive over one TCP connection, matched by tag as gloo matches them.
 
 Two threads of this process stand for the two processes (a `HashStore` for their rendezvous): no process starts.
 """
@@ -12,15 +12,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_pipe.comm.p2p.stream import StreamGroup, pair_on_loopback
+from lightning_pipe.comm.p2p.socket_group import SocketGroup, pair_on_loopback
 
 
-def pair(timeout: float = 10.0) -> tuple[StreamGroup, StreamGroup]:
+def pair(timeout: float = 10.0) -> tuple[SocketGroup, SocketGroup]:
     store = dist.HashStore()
     with ThreadPoolExecutor(2) as pool:
         sockets = list(pool.map(lambda me: pair_on_loopback(store, "test", me, timeout), [0, 1]))
     assert all(s is not None for s in sockets), "two threads of one process reach each other on 127.0.0.1"
-    return StreamGroup(sockets[0], 0, timeout), StreamGroup(sockets[1], 1, timeout)  # type: ignore[arg-type]
+    return SocketGroup(sockets[0], 0, timeout), SocketGroup(sockets[1], 1, timeout)  # type: ignore[arg-type]
 
 
 def test_receives_take_the_oldest_message_of_their_tag_posted_before_or_after_it_came() -> None:
@@ -76,7 +76,7 @@ def test_a_silent_peer_times_out() -> None:
 def test_peers_that_cannot_reach_each_other_on_loopback_both_get_none() -> None:
     """Process 1 finds no listener of its peer's there (another machine, another network namespace): both fall back."""
     store = dist.HashStore()
-    store.set("test-stream-port", "1")  # nothing listens on port 1: as if process 0 were elsewhere
-    store.set("test-stream-token", "00" * 16)
+    store.set("test-socket-port", "1")  # nothing listens on port 1: as if process 0 were elsewhere
+    store.set("test-socket-token", "00" * 16)
     assert pair_on_loopback(store, "test", 1, 5.0) is None
-    assert store.get("test-stream-outcome") == b"no"
+    assert store.get("test-socket-outcome") == b"no"

@@ -1,9 +1,9 @@
-"""`StreamGroup`: a gloo group's point to point calls, over one TCP connection per pair of processes on one machine.
+"""`SocketGroup`: a gloo group's point to point calls, over one TCP connection per pair of processes on one machine.
 
 A `Wire` sends and receives through two calls of its group, ``send`` and ``recv`` of tensors by peer and tag. gloo's
 pay for a rendezvous (a posted receive is announced to the sender, which sends only then) and for gloo's loop thread,
 which takes each message off the socket and wakes the thread that waits; a stream read by the thread that waits does
-neither (`benchmarks/link_latency.py`, docs/overhead.md). `StreamGroup` keeps gloo's matching: each message goes
+neither (`benchmarks/link_latency.py`, docs/overhead.md). `SocketGroup` keeps gloo's matching: each message goes
 with its tag and length, a receive takes the oldest message of its tag (posted ahead or not), and may be larger
 than what it receives. Only CPU tensors; used where two processes of one machine share a link (`pair_on_loopback`).
 """
@@ -26,7 +26,7 @@ _HEADER = struct.Struct("=qq")  # tag, bytes
 _HELLO = 16  # bytes of the token each side proves itself with
 
 
-class StreamGroup:
+class SocketGroup:
     """``send`` and ``recv`` of a process group (ranks 0 and 1: this process is ``rank``) over ``sock``."""
 
     def __init__(self, sock: socket.socket, rank: int, timeout: float) -> None:
@@ -38,7 +38,7 @@ class StreamGroup:
         self._sending = threading.Lock()
         self._reading = threading.Lock()  # one reader of the stream at a time
         self._matching = threading.Lock()  # the posted receives and the messages that came before theirs
-        self._posted: dict[int, deque[_Received]] = defaultdict(deque)
+        self._posted: dict[int, deque[_Receive]] = defaultdict(deque)
         self._early: dict[int, deque[bytearray]] = defaultdict(deque)
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> _Sent:
@@ -50,9 +50,9 @@ class StreamGroup:
                 self._sock.sendall(data)
         return _SENT
 
-    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> _Received:
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> _Receive:
         (tensor,) = tensors
-        work = _Received(self, _bytes_of(tensor))
+        work = _Receive(self, _bytes_of(tensor))
         with self._matching:
             early = self._early[tag]
             if early:
@@ -68,7 +68,7 @@ class StreamGroup:
             pass
         self._sock.close()
 
-    def _until(self, work: _Received, timeout: timedelta | None) -> None:
+    def _until(self, work: _Receive, timeout: timedelta | None) -> None:
         """Read the stream until ``work`` is filled (by this thread or another reader); each read waits at most
         ``timeout`` (default: the group's)."""
         seconds = timeout.total_seconds() if timeout is not None else self._timeout
@@ -111,7 +111,7 @@ class StreamGroup:
 
 
 class _Sent:
-    """A send's work: `StreamGroup.send` returns once the bytes are handed to the socket."""
+    """A send's work: `SocketGroup.send` returns once the bytes are handed to the socket."""
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         return True
@@ -123,10 +123,10 @@ class _Sent:
 _SENT = _Sent()
 
 
-class _Received:
+class _Receive:
     """A receive's work: filled by whichever thread reads its message off the stream."""
 
-    def __init__(self, group: StreamGroup, view: memoryview) -> None:
+    def __init__(self, group: SocketGroup, view: memoryview) -> None:
         self.group, self.view, self.done = group, view, False
 
     def fill(self, data: bytearray) -> None:
@@ -146,7 +146,7 @@ class _Received:
 def _bytes_of(tensor: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor (the same memory)."""
     if tensor.device.type != "cpu" or not tensor.is_contiguous():
-        raise ValueError("a stream link carries contiguous CPU tensors")
+        raise ValueError("a socket link carries contiguous CPU tensors")
     if tensor.numel() == 0:
         return memoryview(b"")
     array: Any = tensor.reshape(-1).view(torch.uint8).numpy()
@@ -160,7 +160,7 @@ def pair_on_loopback(store: Any, prefix: str, me: int, timeout: float) -> socket
     Process 0 listens and publishes its port and a token; process 1 connects and answers with the token and one of
     its own, which process 0 sends back: each knows the other is its peer. Process 1 publishes the outcome.
     """
-    key = f"{prefix}-stream"
+    key = f"{prefix}-socket"
     wait = min(timeout, 10.0)
     if me == 0:
         server = socket.create_server(("127.0.0.1", 0))
@@ -240,13 +240,13 @@ def _read_exact(sock: socket.socket, count: int) -> bytes:
     return data
 
 
-def pipeline_stream(ranks: list[int], timeout: float = 60.0) -> StreamGroup | None:
-    """The stream of this process's pipeline of two processes (global ``ranks`` of the default group, both call it
+def pipeline_socket(ranks: list[int], timeout: float = 60.0) -> SocketGroup | None:
+    """The connection of this process's pipeline of two processes (global ``ranks`` of the default group, both call it
     at once), or None where they cannot reach each other on 127.0.0.1. The handshake goes over the default group's
     store (a launch's rendezvous store)."""
     from torch.distributed.distributed_c10d import _get_default_store  # the store the launch made, no public getter
 
     me = ranks.index(dist.get_rank())
-    store = dist.PrefixStore(f"lightning_pipe-stream-{'-'.join(map(str, ranks))}", _get_default_store())
+    store = dist.PrefixStore(f"lightning_pipe-socket-{'-'.join(map(str, ranks))}", _get_default_store())
     sock = pair_on_loopback(store, "pipeline", me, timeout)
-    return StreamGroup(sock, me, timeout) if sock is not None else None
+    return SocketGroup(sock, me, timeout) if sock is not None else None
