@@ -117,9 +117,8 @@ class DataPlane:
         self.layout = layout
         self._routes = routes  # world rank -> (the wire that reaches it, its index on that wire)
         self._wires = wires
-        self.sockets = list(
-            sockets
-        )  # the connections a wire runs on instead of gloo's (`p2p.socket_group`), closed last
+        #: the connections a wire runs on instead of gloo's (`p2p.socket_group`), closed after the wires
+        self.sockets = list(sockets)
 
     def send(self, process: int, destination: int, messages: list[Message], control: bool = False) -> None:
         """Deliver ``messages`` (in order) to ``destination`` in world rank ``process``; ``control``: over the gloo
@@ -204,7 +203,7 @@ def open_plane(
     everyone = list(range(layout.size))
     # a world of two processes on the CPU: each hears from one peer, and its stage reads that link itself (`p2p.direct`)
     direct = layout.size == 2 and not layout.nccl
-    # two processes of one machine: one TCP connection on 127.0.0.1 instead of gloo's send and receive (`p2p.socket_group`)
+    # two processes of one machine: one TCP connection on 127.0.0.1, not gloo's send and receive (`p2p.socket_group`)
     sock = pair_on_loopback(store, prefix, me, timeout) if direct else None
     sockets = [SocketGroup(sock, me, timeout)] if sock is not None else []
     if sockets:
