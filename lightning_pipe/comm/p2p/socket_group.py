@@ -10,6 +10,7 @@ than what it receives. Only CPU tensors; used where two processes of one machine
 
 from __future__ import annotations
 
+import itertools
 import secrets
 import socket
 import struct
@@ -240,6 +241,9 @@ def _read_exact(sock: socket.socket, count: int) -> bytes:
     return data
 
 
+_PAIRINGS = itertools.count()
+
+
 def pipeline_socket(ranks: list[int], timeout: float = 60.0) -> SocketGroup | None:
     """The connection of this process's pipeline of two processes (global ``ranks`` of the default group, both call it
     at once), or None where they cannot reach each other on 127.0.0.1. The handshake goes over the default group's
@@ -247,6 +251,9 @@ def pipeline_socket(ranks: list[int], timeout: float = 60.0) -> SocketGroup | No
     from torch.distributed.distributed_c10d import _get_default_store  # the store the launch made, no public getter
 
     me = ranks.index(dist.get_rank())
-    store = dist.PrefixStore(f"lightning_pipe-socket-{'-'.join(map(str, ranks))}", _get_default_store())
+    # every process makes its groups in the same order: the n-th pairing has the same keys in both
+    store = dist.PrefixStore(
+        f"lightning_pipe-socket-{next(_PAIRINGS)}-{'-'.join(map(str, ranks))}", _get_default_store()
+    )
     sock = pair_on_loopback(store, "pipeline", me, timeout)
     return SocketGroup(sock, me, timeout) if sock is not None else None

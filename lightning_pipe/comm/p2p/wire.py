@@ -152,20 +152,26 @@ class Wire:
         return inbox
 
     def keepalive_to(self, peer: int) -> None:
-        """Send ``peer`` a keep-alive now (the answer to its poke)."""
-        self._control_frame(peer, frames.KEEPALIVE)
+        """Send ``peer`` a keep-alive now (the answer to its poke), unless a send to it is under way: that send wakes
+        it as well, and the reader that calls this must not wait behind a send that waits for this reader (a
+        `SocketGroup`'s send blocks until the peer reads, and the peer's reader may be waiting likewise)."""
+        self._control_frame(peer, frames.KEEPALIVE, wait=False)
 
-    def _control_frame(self, peer: int, marker: int) -> None:
-        """A frame without a message (a keep-alive, a poke) to ``peer``, unless its link is gone."""
+    def _control_frame(self, peer: int, marker: int, wait: bool = True) -> None:
+        """A frame without a message (a keep-alive, a poke) to ``peer``, unless its link is gone (or, not ``wait``:
+        busy with another send)."""
         link = self._links.get(peer)
         if link is None or peer in self._dead or peer in self._closed:
             return
+        if not link.lock.acquire(blocking=wait):
+            return
         try:
-            with link.lock:
-                if not link.closed:
-                    self.sender.control(peer, link, marker)
+            if not link.closed:
+                self.sender.control(peer, link, marker)
         except Exception as exc:
             self.mark_lost(peer, f"sending failed: {first_line(exc)}")
+        finally:
+            link.lock.release()
 
     def attach(self, endpoint: int, inbox: QueueInbox) -> None:
         """Deliver the messages for ``endpoint`` into ``inbox`` (an inbox its owner made)."""
@@ -288,7 +294,7 @@ class Wire:
             now = time.monotonic()
             for peer, link in self._links.items():
                 if now - link.last_send >= self.keepalive:
-                    self._control_frame(peer, frames.KEEPALIVE)
+                    self._control_frame(peer, frames.KEEPALIVE, wait=False)  # a send under way says as much
 
     # CUDA ordering (the same code with another device; not exercised on CPU)
     def _ready(self) -> Any:
