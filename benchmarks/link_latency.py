@@ -3,7 +3,7 @@
     python benchmarks/link_latency.py --messages 2000 --rounds 5
 
 Two processes of a gloo world on 127.0.0.1 send one ``2 x 32`` float32 tensor back and forth (a ping-pong: each
-message waits for the one before, as the critical path of a 1f1b step does). Three ways, in the same processes,
+message waits for the one before, as the critical path of a 1f1b step does). Six ways, in the same processes,
 alternating in each round:
 
 - ``gloo``: torch.distributed's ``send``/``recv`` in the main thread (what torch.distributed.pipelining's schedules
@@ -15,6 +15,8 @@ alternating in each round:
   the endpoint's inbox);
 - ``lightning_pipe direct``: the same wire as a pipeline of two processes opens it (``direct=True``, launched mode
   and the rpc plane): the thread that waits for a message reads the link itself (`lightning_pipe.comm.p2p.direct`);
+- ``lightning_pipe socket``: the direct wire on the two processes' own TCP connection instead of gloo's send and
+  receive (`lightning_pipe.comm.p2p.socket_group`), as a pipeline of two processes of one machine opens it;
 - ``tcp socket``: no library, the floor of a stream link: the tensor's bytes over one TCP connection
   (``TCP_NODELAY``) by ``sendall``, read by the waiting thread with ``recv_into`` and made a tensor again.
 
@@ -47,7 +49,7 @@ import torch.multiprocessing as mp  # noqa: E402
 
 from benchmarks.bench_procs import free_port, write_results  # noqa: E402
 
-WAYS = ["gloo", "gloo + thread", "lightning_pipe", "lightning_pipe direct", "tcp socket"]
+WAYS = ["gloo", "gloo + thread", "lightning_pipe", "lightning_pipe direct", "lightning_pipe socket", "tcp socket"]
 
 
 def cpu() -> float:
@@ -146,6 +148,7 @@ def wired(rank: int, count: int, x: torch.Tensor, wire: Any) -> None:
 
 
 def run(rank: int, port: int, args: argparse.Namespace, out: Any) -> None:
+    from lightning_pipe.comm.p2p.socket_group import SocketGroup
     from lightning_pipe.comm.p2p.wire import Wire
 
     torch.set_num_threads(1)
@@ -160,6 +163,9 @@ def run(rank: int, port: int, args: argparse.Namespace, out: Any) -> None:
     ways["lightning_pipe direct"] = lambda n: wired(rank, n, x, direct)
     sock = connect(rank)
     ways["tcp socket"] = lambda n: tcp(n, x, sock, rank == 0)
+    own = SocketGroup(connect(rank), rank, 60.0)
+    socket_wire = Wire(own, [0, 1], rank, str, 60.0, reverse=own, direct=True)
+    ways["lightning_pipe socket"] = lambda n: wired(rank, n, x, socket_wire)
     for way in ways.values():  # warm up
         way(200)
     times: dict[str, list[float]] = {name: [] for name in ways}
@@ -174,6 +180,8 @@ def run(rank: int, port: int, args: argparse.Namespace, out: Any) -> None:
             cpus[name].append((cpu() - used) / args.messages)
     wire.close(10.0)
     direct.close(10.0)
+    socket_wire.close(10.0)
+    own.close()
     sock.close()
     out.put((rank, times, cpus))
     dist.barrier()
