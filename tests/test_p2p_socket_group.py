@@ -5,6 +5,7 @@ Two threads of this process stand for the two processes (a `HashStore` for their
 
 from __future__ import annotations
 
+import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -73,10 +74,13 @@ def test_a_silent_peer_times_out() -> None:
         b.close()
 
 
-def test_peers_that_cannot_reach_each_other_on_loopback_both_get_none() -> None:
-    """Process 1 finds no listener of its peer's there (another machine, another network namespace): both fall back."""
+def test_peers_that_cannot_reach_each_other_on_loopback_both_get_none(caplog: pytest.LogCaptureFixture) -> None:
+    """Process 1 finds no listener of its peer's there (another machine, another network namespace): both fall back,
+    and the log says so."""
     store = dist.HashStore()
     store.set("test-socket-port", "1")  # nothing listens on port 1: as if process 0 were elsewhere
     store.set("test-socket-token", "00" * 16)
-    assert pair_on_loopback(store, "test", 1, 5.0) is None
+    with caplog.at_level(logging.INFO, logger="lightning_pipe"):
+        assert pair_on_loopback(store, "test", 1, 5.0) is None
     assert store.get("test-socket-outcome") == b"no"
+    assert "runs on gloo" in caplog.text

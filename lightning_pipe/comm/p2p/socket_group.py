@@ -11,6 +11,7 @@ than what it receives. Only CPU tensors; used where two processes of one machine
 from __future__ import annotations
 
 import itertools
+import logging
 import secrets
 import socket
 import struct
@@ -23,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+log = logging.getLogger("lightning_pipe")
 _HEADER = struct.Struct("=qq")  # tag, bytes
 _HELLO = 16  # bytes of the token each side proves itself with
 
@@ -41,6 +43,7 @@ class SocketGroup:
         self._matching = threading.Lock()  # the posted receives and the messages that came before theirs
         self._posted: dict[int, deque[_Receive]] = defaultdict(deque)
         self._early: dict[int, deque[bytearray]] = defaultdict(deque)
+        self._header = memoryview(bytearray(_HEADER.size))
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> _Sent:
         (tensor,) = tensors
@@ -82,9 +85,8 @@ class SocketGroup:
                 self._read_one()
 
     def _read_one(self) -> None:
-        header = bytearray(_HEADER.size)
-        self._read_into(memoryview(header))
-        tag, size = _HEADER.unpack(header)
+        self._read_into(self._header)  # one reader at a time: one header buffer
+        tag, size = _HEADER.unpack(self._header)
         with self._matching:
             posted = self._posted[tag]
             target = posted.popleft() if posted else None
@@ -99,16 +101,11 @@ class SocketGroup:
         target.done = True
 
     def _read_into(self, view: memoryview) -> None:
-        got = 0
-        while got < len(view):
-            try:
-                count = self._sock.recv_into(view[got:])
-            except TimeoutError:
-                waited = self._sock.gettimeout() or 0.0
-                raise RuntimeError(f"timed out after {waited:.1f} s waiting for the peer's message") from None
-            if count == 0:
-                raise ConnectionError("connection closed by peer")
-            got += count
+        try:
+            _receive_into(self._sock, view)
+        except TimeoutError:
+            waited = self._sock.gettimeout() or 0.0
+            raise RuntimeError(f"timed out after {waited:.1f} s waiting for the peer's message") from None
 
 
 class _Sent:
@@ -208,6 +205,7 @@ def pair_on_loopback(store: Any, prefix: str, me: int, timeout: float) -> socket
         return sock
     if sock is not None:
         sock.close()
+    log.info("lightning_pipe: the two processes of a link cannot reach each other on 127.0.0.1; it runs on gloo")
     return None
 
 
@@ -232,13 +230,19 @@ def _outcome(store: Any, key: str) -> str | None:
 
 
 def _read_exact(sock: socket.socket, count: int) -> bytes:
-    data = b""
-    while len(data) < count:
-        chunk = sock.recv(count - len(data))
-        if not chunk:
+    data = bytearray(count)
+    _receive_into(sock, memoryview(data))
+    return bytes(data)
+
+
+def _receive_into(sock: socket.socket, view: memoryview) -> None:
+    """Fill ``view`` from ``sock``; the peer's close raises."""
+    got = 0
+    while got < len(view):
+        count = sock.recv_into(view[got:])
+        if count == 0:
             raise ConnectionError("connection closed by peer")
-        data += chunk
-    return data
+        got += count
 
 
 _PAIRINGS = itertools.count()
