@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -69,6 +70,22 @@ def test_a_silent_peer_times_out() -> None:
     try:
         with pytest.raises(RuntimeError, match="timed out after"):
             b.recv([torch.empty(4, dtype=torch.uint8)], 0, 0).wait()
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_reader_waiting_on_a_silent_peer_wakes_when_its_link_is_aborted() -> None:
+    """A peer lost by other means (a heartbeat: its process stopped, its connection still open): `abort` ends the
+    wait at once, where the group's timeout is long."""
+    a, b = pair(timeout=60.0)
+    try:
+        waiting = b.recv([torch.empty(4, dtype=torch.uint8)], 0, 0)
+        threading.Timer(0.2, b.abort).start()
+        start = time.monotonic()
+        with pytest.raises(ConnectionError, match="closed"):
+            waiting.wait()
+        assert time.monotonic() - start < 5
     finally:
         a.close()
         b.close()

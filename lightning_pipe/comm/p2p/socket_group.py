@@ -65,11 +65,16 @@ class SocketGroup:
                 self._posted[tag].append(work)
         return work
 
-    def close(self) -> None:
+    def abort(self) -> None:
+        """End the connection both ways (its peer is lost): a thread blocked reading it wakes with an error at once,
+        which a gloo wait cannot (it lasts until its timeout). The socket stays open until `close`."""
         try:
             self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
+        except OSError:  # already shut down, or the peer's close came first
             pass
+
+    def close(self) -> None:
+        self.abort()
         self._sock.close()
 
     def _until(self, work: _Receive, timeout: timedelta | None) -> None:

@@ -260,6 +260,9 @@ class Wire:
             if self.lost is None:
                 self.lost = (peer, reason)
             inboxes = list(self._inboxes.values())
+        for group, _ in (self.routes[peer], self.sources[peer]):
+            if isinstance(group, SocketGroup):  # a reader of the link (a stage waiting on it) wakes now
+                group.abort()
         for inbox in inboxes:  # wake whoever waits
             inbox.put(Message(LOST))
 

@@ -95,14 +95,20 @@ class HostedWorld:
         slot = self.slots[process - 1] if 0 < process <= len(self.slots) else None
         return [(slot, f"its data link broke: {reason}")] if slot is not None else []
 
-    def close(self, timeout: float, heartbeat_timeout: float) -> None:
-        """End the world and every worker process; returns within about ``timeout`` seconds."""
-        until = deadline(timeout)
+    def drop_lost(self, heartbeat_timeout: float) -> set[int]:
+        """Let nothing wait for the workers that are lost (hung, stopped, gone): kill the local ones and mark their
+        data links lost (a thread reading one wakes); their pids."""
         lost = {slot.pid for slot, _ in self.server.lost(heartbeat_timeout)}
-        kill_lost(self.processes, lost)  # a hung worker would hold every wait for it below
+        kill_lost(self.processes, lost)
         if self.plane is not None:
             gone = [world_rank(r) for r, slot in enumerate(self.slots) if slot.pid in lost]
             self.plane.forget(gone, "its worker is lost")
+        return lost
+
+    def close(self, timeout: float, heartbeat_timeout: float) -> None:
+        """End the world and every worker process; returns within about ``timeout`` seconds."""
+        until = deadline(timeout)
+        lost = self.drop_lost(heartbeat_timeout)
         if self.joined:
             restore = quiet_closing()
             try:
