@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -46,8 +47,12 @@ def split(batch: Any, microbatches: int) -> list[Any]:
             f"microbatches={microbatches} is larger than the batch ({rows} rows); "
             f"use microbatches <= {rows} or a larger batch_size"
         )
-    bounds = [len(t) for t in torch.tensor_split(torch.empty(rows, 0), microbatches)]
-    return [_take(batch, rows, sum(bounds[:i]), bounds[i]) for i in range(microbatches)]
+    if isinstance(batch, torch.Tensor):
+        return list(torch.tensor_split(batch, microbatches))  # the cut below, in one call
+    base, extra = divmod(rows, microbatches)
+    lengths = [base + 1] * extra + [base] * (microbatches - extra)
+    starts = [0, *itertools.accumulate(lengths)]
+    return [_take(batch, rows, start, length) for start, length in zip(starts[:-1], lengths, strict=True)]
 
 
 def _take(batch: Any, rows: int, start: int, length: int) -> Any:

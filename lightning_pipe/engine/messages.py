@@ -7,6 +7,7 @@ from typing import Any
 
 from lightning_pipe.engine.loss import Loss
 from lightning_pipe.schedule import Action
+from lightning_pipe.schedule.action import pack_actions, unpack_actions
 
 TRAIN = "train"
 EVAL = "eval"
@@ -66,3 +67,10 @@ class StepPlan:
     optimizer: Any = None  # ASYNC: params -> torch.optim.Optimizer, one per stage
     shared: Any = None  # ASYNC: the run's engine.shared_weights.SharedWeights, one object for every rank
     loss: LossPlan | None = None  # the rank of the last stage computes the losses (see LossPlan)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled with its actions as one bytes object (`schedule.action.pack_actions`)."""
+        return {**self.__dict__, "actions": pack_actions(self.actions)}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update({**state, "actions": unpack_actions(state["actions"])})

@@ -20,6 +20,7 @@ from lightning_pipe.engine.stage_memory import StageMemory
 from lightning_pipe.engine.stage_protocol import StageProtocol
 from lightning_pipe.engine.stage_shards import StageShards
 from lightning_pipe.engine.state_calls import StageStateCalls
+from lightning_pipe.engine.step_result import Records
 from lightning_pipe.engine.tensor_replicas import TensorStageReplicas, has_dtensors
 from lightning_pipe.engine.versions import WorkerVersions
 from lightning_pipe.rng import StageRandom, run_seed
@@ -147,7 +148,7 @@ class StageWorker:
             self.state.grads.begin()
         try:
             records, parts = self.actions.run(step, plan, self.replicas)
-            outcome = Message(MessageKind.DONE, step, payload=(records, parts))
+            outcome = Message(MessageKind.DONE, step, payload=(Records(records), Records(parts)))
         except StepAborted:
             self._forget(step)
         except StepFailed as failed:

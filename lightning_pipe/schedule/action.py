@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import re
+from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -60,3 +63,28 @@ def I(stage: int, microbatch: int) -> Action:  # noqa: N802, E743 - reads like t
 
 def W(stage: int, microbatch: int) -> Action:  # noqa: N802
     return Action(stage, Kind.BACKWARD_WEIGHT, microbatch)
+
+
+_KINDS = list(Kind)
+_CODES = {kind: code for code, kind in enumerate(_KINDS)}
+
+
+def pack_actions(actions: Sequence[Action]) -> bytes:
+    """``actions`` as bytes, three integers each (`unpack_actions` reverses it): a step's plan crosses to another
+    process every step, and pickling an object per action was the slowest part of starting a step."""
+    flat = array("i")
+    for action in actions:
+        flat.extend((action.stage, _CODES[action.kind], action.microbatch))
+    return flat.tobytes()
+
+
+def unpack_actions(data: bytes) -> list[Action]:
+    """The actions `pack_actions` packed (a new list; the actions of a schedule seen before are made once)."""
+    return list(_unpacked(data))
+
+
+@functools.lru_cache(maxsize=64)
+def _unpacked(data: bytes) -> tuple[Action, ...]:
+    flat = array("i")
+    flat.frombytes(data)
+    return tuple(Action(flat[k], _KINDS[flat[k + 1]], flat[k + 2]) for k in range(0, len(flat), 3))
