@@ -104,3 +104,11 @@ class WeightedLoss(Loss):
     @override
     def __repr__(self) -> str:
         return f"WeightedLoss({self.loss!r})"
+
+
+def backpropagates_plainly(criterion: Loss | Criterion) -> bool:
+    """Whether ``criterion``'s gradient is ``loss.backward()`` (`Loss.compute_gradient`, through a `WeightedLoss`):
+    then one backward may go through the loss and the last stage at once (`engine.stage_actions`)."""
+    while isinstance(criterion, WeightedLoss):
+        criterion = criterion.loss
+    return not isinstance(criterion, Loss) or type(criterion).compute_gradient is Loss.compute_gradient

@@ -20,11 +20,12 @@ from lightning_pipe.backends.registry import EAGER
 from lightning_pipe.base import tree
 from lightning_pipe.base.errors import ConfigurationError, StageError
 from lightning_pipe.comm.base import COORDINATOR, Endpoint, Message, MessageKind
-from lightning_pipe.engine.executors import Activation, BackwardModule, output_grads, recompute
-from lightning_pipe.engine.messages import EVAL, TRAIN, LossPlan, StageSpec, StepPlan
+from lightning_pipe.engine.executors import Activation, BackwardModule, recompute
+from lightning_pipe.engine.messages import EVAL, TRAIN, StageSpec, StepPlan
 from lightning_pipe.engine.replicas import DataParallel
 from lightning_pipe.engine.split_backward import WeightGradient, backward_input, backward_weight
 from lightning_pipe.engine.stage_inbox import StageInbox, StepAborted
+from lightning_pipe.engine.stage_losses import LossFailed, StageLosses
 from lightning_pipe.engine.stage_memory import StageMemory
 from lightning_pipe.engine.step_result import Record
 from lightning_pipe.engine.versions import WorkerVersions
@@ -75,9 +76,7 @@ class StageActions:
         self._initialized: set[int] = set()  # stages whose runtime initialized their module
         self._parts: list[Record] = []  # this step's action parts (see lightning_pipe.pipeline.timeline)
         self._label = ""  # the running action's text (``1F0``)
-        self._loss: LossPlan | None = None  # set when this rank computes the step's losses
-        self._outputs: dict[int, Any] = {}  # last stage: outputs awaiting their loss, by microbatch
-        self._losses: list[Message] = []  # last stage: this step's losses, sent with its end (one wake-up)
+        self.losses = StageLosses(inbox, shards)  # the step's losses, where this rank takes them
 
     def run(self, step: int, plan: StepPlan, replicas: DataParallel | None) -> tuple[list[Record], list[Record]]:
         """The step's actions, then (training) the replicas' gradient average; its records and their parts.
@@ -87,7 +86,7 @@ class StageActions:
         records: list[Record] = []
         action: Action | None = None
         training, set_aside = plan.mode != EVAL, plan.mode == TRAIN
-        self._parts, self._loss, self._outputs, self._losses = [], plan.loss, {}, []
+        self._parts = []
         idle_since = time.perf_counter()
         if training:
             self.memory.stash.reset()
@@ -111,6 +110,8 @@ class StageActions:
                     "whole in its replicas: data_parallel='ddp', and a configure_model without fully_shard calls"
                 )
             early = self._early_input_grad(plan) if set_aside and not whole else None
+            last = self.spec.num_stages - 1
+            self.losses.begin(plan, last, bool(self.memory.recompute[last]) if last in self.shards else False, early)
             for action in order:  # each action's inputs are here: its record times the work, not the wait
                 start = time.perf_counter()
                 self._label = label = str(action)  # its text once: each of its parts' names starts with it
@@ -134,10 +135,12 @@ class StageActions:
                 self._parts.append((f"{action} reduce", start, time.perf_counter()))  # after the last action
             for index, shard in self.shards.items():
                 self.runtimes[index].get_pending_result(shard.module, True)
-            for loss in self._losses:
+            for loss in self.losses.messages:
                 self.endpoint.send(COORDINATOR, loss)
         except (StepAborted, StepFailed):
             raise
+        except LossFailed as failed:  # the user's criterion: its own exception, not a StageError
+            raise StepFailed(failed.error) from failed.error
         except Exception as exc:
             rank = self.spec.rank
             error = StageError(
@@ -155,7 +158,7 @@ class StageActions:
         """Drop what a step that ended early left: held activations, pending weight gradients, outputs."""
         self._saved.clear()
         self._weight_work.clear()
-        self._outputs.clear()
+        self.losses.forget()
         self.memory.stash.reset()
 
     def _ready(self, step: int, action: Action, first: bool, cap: int) -> bool:
@@ -166,6 +169,8 @@ class StageActions:
             return arrived and (first or len(self._saved) < cap)
         if action.kind is Kind.BACKWARD_WEIGHT:
             return key in self._weight_work
+        if self.losses.in_backward(*key):  # its gradient is its loss's: no message
+            return key in self._saved
         return self.inbox.arrived(step, MessageKind.GRAD, *key) and key in self._saved
 
     def _forward(self, step: int, action: Action, training: bool) -> None:
@@ -203,19 +208,16 @@ class StageActions:
                 stash.hold((s, m), self.memory.size(s, self._saved[(s, m)], False))
                 out_mask = tree.grad_mask(outputs)
         t = self._span("compute", t)
-        payload = (tree.detach(outputs), out_mask)
         if s + 1 < self.spec.num_stages:
-            message = Message(MessageKind.ACTIVATION, step, s + 1, m, payload)
+            message = Message(MessageKind.ACTIVATION, step, s + 1, m, (tree.detach(outputs), out_mask))
             self.endpoint.send(self.spec.rank_of_stage[s + 1], message)
-        elif self._loss is not None:
-            self._outputs[m] = payload
-            if not self._loss.after_all_forwards or len(self._outputs) == len(self._loss.labels):
-                t = self._span("send", t)
-                self._compute_losses(step, s)
+        elif self.losses.plan is not None:
+            if self.losses.after_forward(step, s, m, outputs, out_mask):
                 self._span("loss", t)
-                return
+            return
         else:
-            self.endpoint.send(COORDINATOR, Message(MessageKind.OUTPUT, step, s, m, payload))
+            message = Message(MessageKind.OUTPUT, step, s, m, (tree.detach(outputs), out_mask))
+            self.endpoint.send(COORDINATOR, message)
         self._span("send", t)
 
     def _early_input_grad(self, plan: StepPlan) -> Action | None:
@@ -237,8 +239,25 @@ class StageActions:
         splits = all(b.name in _SPLIT_BACKENDS for b in self.executables[(last.stage, TRAIN)].chain.backends)
         return last if default and splits else None
 
+    def _backward_with_loss(self, step: int, s: int, m: int) -> None:
+        """``B`` of the last stage that takes its microbatch's loss (`StageLosses`): one backward through both."""
+        saved = self._saved.pop((s, m))
+        t = time.perf_counter()
+        loss = self.losses.of_backward(step, s, m, saved.outputs)
+        t = self._span("loss", t)
+        with self._autocast(self.runtimes[s].torch_device):
+            self.memory.measure_auto(s, self._model(s, m), saved)
+            self.losses.backpropagate(loss)
+        self.memory.stash.release((s, m))
+        t = self._span("compute", t)
+        self._send_input_grads(step, s, m, saved, tree.grads_of(saved.inputs))
+        self._span("send", t)
+
     def _backward(self, step: int, action: Action) -> None:
         s, m = action.stage, action.microbatch
+        if self.losses.in_backward(s, m):
+            self._backward_with_loss(step, s, m)
+            return
         shard, runtime = self.shards[s], self.runtimes[s]
         t = time.perf_counter()
         grads = self.inbox.wait(step, MessageKind.GRAD, s, m).payload
@@ -307,36 +326,6 @@ class StageActions:
     def _model(self, s: int, m: int) -> torch.nn.Module:
         """What runs stage ``s`` for microbatch ``m``: its module, or (async) the module on m's weight version."""
         return self.versions.model(s, m) if self.versions.active else self.executables[(s, TRAIN)]
-
-    def _compute_losses(self, step: int, s: int) -> None:
-        """The losses of the outputs kept so far, in microbatch order, as the coordinator would compute them.
-
-        Each loss's gradient with respect to the output becomes this stage's pending gradient and the
-        loss goes to the coordinator. A microbatch's loss follows its forward; with a schedule that
-        computes every loss after all forwards (gpipe) they follow the last forward.
-        """
-        plan = self._loss
-        assert plan is not None
-        loss_module = self.shards[s].forward_loss
-        for m in sorted(self._outputs):
-            outputs, mask = self._outputs.pop(m)
-            outputs = tree.to_device(outputs, plan.device)
-            leaves = tree.as_leaves(outputs, mask)
-            try:
-                plan.scaler, grads, loss = output_grads(
-                    loss_module,
-                    plan.head,
-                    plan.optimizer,
-                    leaves,
-                    plan.labels[m],
-                    plan.criterion,
-                    plan.device,
-                    plan.scaler,
-                )
-            except Exception as exc:  # the user's step code failed: raise its own exception, not a StageError
-                raise StepFailed(exc) from exc
-            self.inbox.store(Message(MessageKind.GRAD, step, s, m, grads))
-            self._losses.append(Message(MessageKind.LOSS, step, s, m, loss))
 
     def _span(self, part: str, start: float) -> float:
         """Record ``part`` (recv, loss, compute or send) of the running action from ``start`` until now; returns now."""

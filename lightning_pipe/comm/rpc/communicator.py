@@ -178,9 +178,7 @@ class RpcCommunicator(Communicator):
             until = deadline(timeout)
             futures = []
             # the stage of this process may be reading a lost worker's link: that link ends first
-            lost_slots = self._world.server.lost(self.heartbeat_timeout) if self._world else []
-            if lost_slots and self._world is not None:
-                self._world.drop_lost(self.heartbeat_timeout)
+            lost_slots = self._world.drop_lost(self.heartbeat_timeout) if self._world else []
             lost = {self._ranks.rank_of_slot(slot.rank) for slot, _ in lost_slots}
             for rank in self._ranks.remote:
                 if rank in lost or rank not in self._stages_of:

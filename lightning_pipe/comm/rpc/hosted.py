@@ -95,20 +95,21 @@ class HostedWorld:
         slot = self.slots[process - 1] if 0 < process <= len(self.slots) else None
         return [(slot, f"its data link broke: {reason}")] if slot is not None else []
 
-    def drop_lost(self, heartbeat_timeout: float) -> set[int]:
+    def drop_lost(self, heartbeat_timeout: float) -> list[tuple[Slot, str]]:
         """Let nothing wait for the workers that are lost (hung, stopped, gone): kill the local ones and mark their
-        data links lost (a thread reading one wakes); their pids."""
-        lost = {slot.pid for slot, _ in self.server.lost(heartbeat_timeout)}
+        data links lost (a thread reading one wakes); their slots and why."""
+        slots = self.server.lost(heartbeat_timeout)
+        lost = {slot.pid for slot, _ in slots}
         kill_lost(self.processes, lost)
         if self.plane is not None:
             gone = [world_rank(r) for r, slot in enumerate(self.slots) if slot.pid in lost]
             self.plane.forget(gone, "its worker is lost")
-        return lost
+        return slots
 
     def close(self, timeout: float, heartbeat_timeout: float) -> None:
         """End the world and every worker process; returns within about ``timeout`` seconds."""
         until = deadline(timeout)
-        lost = self.drop_lost(heartbeat_timeout)
+        lost = {slot.pid for slot, _ in self.drop_lost(heartbeat_timeout)}
         if self.joined:
             restore = quiet_closing()
             try:
