@@ -111,7 +111,8 @@ class StageActions:
                 )
             early = self._early_input_grad(plan) if set_aside and not whole else None
             last = self.spec.num_stages - 1
-            self.losses.begin(plan, last, bool(self.memory.recompute[last]) if last in self.shards else False, early)
+            recomputes = bool(self.memory.recompute[last]) if last in self.shards else False
+            self.losses.begin(plan, last, recomputes or whole, early)  # (FSDP: `StageLosses.begin`)
             for action in order:  # each action's inputs are here: its record times the work, not the wait
                 start = time.perf_counter()
                 self._label = label = str(action)  # its text once: each of its parts' names starts with it
