@@ -85,15 +85,26 @@ class ForwardLossModule:
         device: torch.device,
         scaler: Scaler = None,
     ) -> tuple[Scaler, list[torch.Tensor | None] | None, torch.Tensor]:
-        criterion = as_loss(criterion)
-        output = call_module(model, batch)
-        loss = criterion.compute_loss(output, labels)
-        grads = None
-        if isinstance(loss, torch.Tensor) and loss.requires_grad:
-            criterion.compute_gradient(scaler.scale(loss) if scaler is not None else loss)
-            grads = tree.grads_of(batch)
-        loss = loss.detach() if isinstance(loss, torch.Tensor) else loss
-        return scaler, grads, loss
+        loss = self.loss(model, batch, labels, criterion)
+        grads = tree.grads_of(batch) if self.backpropagate(loss, criterion, scaler) else None
+        return scaler, grads, detached(loss)
+
+    def loss(self, model: nn.Module, batch: Any, labels: Any, criterion: Loss | Criterion) -> Any:
+        """``run``'s first half: the loss of ``model``'s output on ``batch`` (still in autograd's graph)."""
+        return as_loss(criterion).compute_loss(call_module(model, batch), labels)
+
+    def backpropagate(self, loss: Any, criterion: Loss | Criterion, scaler: Scaler = None) -> bool:
+        """``run``'s second half: ``compute_gradient`` of ``loss``, scaled by ``scaler``; whether it ran (a loss that
+        is a tensor in autograd's graph)."""
+        if not (isinstance(loss, torch.Tensor) and loss.requires_grad):
+            return False
+        as_loss(criterion).compute_gradient(scaler.scale(loss) if scaler is not None else loss)
+        return True
+
+
+def detached(loss: Any) -> Any:
+    """A loss to report: a tensor detached, anything else as it is."""
+    return loss.detach() if isinstance(loss, torch.Tensor) else loss
 
 
 def output_grads(

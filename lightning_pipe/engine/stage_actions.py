@@ -248,7 +248,7 @@ class StageActions:
         t = self._span("loss", t)
         with self._autocast(self.runtimes[s].torch_device):
             self.memory.measure_auto(s, self._model(s, m), saved)
-            self.losses.backpropagate(loss)
+            self.losses.backpropagate(s, loss)
         self.memory.stash.release((s, m))
         t = self._span("compute", t)
         self._send_input_grads(step, s, m, saved, tree.grads_of(saved.inputs))

@@ -17,8 +17,8 @@ import torch
 
 from lightning_pipe.base import tree
 from lightning_pipe.comm.base import Message, MessageKind
-from lightning_pipe.engine.executors import BackwardModule, ForwardLossModule, call_module, output_grads
-from lightning_pipe.engine.loss import as_loss, backpropagates_plainly
+from lightning_pipe.engine.executors import BackwardModule, ForwardLossModule, detached, output_grads
+from lightning_pipe.engine.loss import backpropagates_plainly
 from lightning_pipe.engine.messages import TRAIN, LossPlan, StepPlan
 from lightning_pipe.engine.stage_inbox import StageInbox
 from lightning_pipe.schedule import Action, Kind
@@ -92,20 +92,19 @@ class StageLosses:
         backpropagate (`backpropagate`)."""
         plan = self.plan
         assert plan is not None
+        loss_module: ForwardLossModule = self.shards[s].forward_loss  # the default one (`begin`)
         try:
-            output = call_module(plan.head, tree.to_device(outputs, plan.device))
-            loss = as_loss(plan.criterion).compute_loss(output, plan.labels[m])
+            loss = loss_module.loss(plan.head, tree.to_device(outputs, plan.device), plan.labels[m], plan.criterion)
         except Exception as exc:  # the user's step code failed: raise its own exception, not a StageError
             raise LossFailed(exc) from exc
-        self.messages.append(Message(MessageKind.LOSS, step, s, m, _detached(loss)))
+        self.messages.append(Message(MessageKind.LOSS, step, s, m, detached(loss)))
         return loss
 
-    def backpropagate(self, loss: Any) -> None:
+    def backpropagate(self, s: int, loss: Any) -> None:
         """The backward of a loss from `of_backward` (scaled by the step's GradScaler): through the stage too."""
         plan = self.plan
         assert plan is not None
-        if isinstance(loss, torch.Tensor) and loss.requires_grad:
-            as_loss(plan.criterion).compute_gradient(plan.scaler.scale(loss) if plan.scaler is not None else loss)
+        self.shards[s].forward_loss.backpropagate(loss, plan.criterion, plan.scaler)
 
     def _take(self, step: int, s: int, m: int, outputs: Any, mask: list[bool]) -> None:
         """The loss of a detached output, as the coordinator would take it: the gradient with respect to the output
@@ -122,7 +121,3 @@ class StageLosses:
             raise LossFailed(exc) from exc
         self.inbox.store(Message(MessageKind.GRAD, step, s, m, grads))
         self.messages.append(Message(MessageKind.LOSS, step, s, m, loss))
-
-
-def _detached(loss: Any) -> Any:
-    return loss.detach() if isinstance(loss, torch.Tensor) else loss
